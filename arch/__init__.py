@@ -1,0 +1,1 @@
+"""Per-architecture kernels, installed as flash_cute.arch."""

@@ -1,0 +1,1 @@
+"""Ampere pipeline."""

@@ -1,0 +1,45 @@
+"""`python -m flash_cute [inspect|bench|check]`.
+
+With no sub-command: on a CUDA machine, `check` (a quick correctness check against the
+float64 reference and a short benchmark against torch SDPA); without a GPU, `inspect` for
+sm_80, sm_90a and sm_100a.
+"""
+
+import argparse
+import sys
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="python -m flash_cute", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    from flash_cute import bench, inspection, selfcheck
+
+    inspection.add_arguments(sub.add_parser("inspect", help="cross-compile kernels, report SASS"))
+    bench.add_arguments(sub.add_parser("bench", help="TFLOP/s against SDPA and FA4 (GPU)"))
+    selfcheck.add_arguments(sub.add_parser("check", help="correctness check + short benchmark (GPU)"))
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command is None:
+        import torch
+
+        default = ["check"] if torch.cuda.is_available() else ["inspect"]
+        args = _parser().parse_args(default)
+    if args.command == "inspect":
+        from flash_cute import inspection
+
+        return inspection.run(args)
+    if args.command == "bench":
+        from flash_cute import bench
+
+        return bench.run(args)
+    from flash_cute import selfcheck
+
+    return selfcheck.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

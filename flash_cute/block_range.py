@@ -1,0 +1,76 @@
+"""Block ranges: which K/V blocks a query block visits, and which of those need a mask.
+
+One formula serves the CPU model, the host side and every arch's kernel: it uses only ``+ - * //``
+on non-negative operands (so floor and truncating division agree) and takes `imin`/`imax`, which
+are Python's min/max on the host and `cutlass.min`/`cutlass.max` inside a kernel.
+
+Masks follow `flash_cute.mask` (bottom-right aligned, ``off = seqlen_k - seqlen_q``). For query
+block `m_block` with in-bounds rows ``[m_lo, m_hi)``:
+
+* visited: ``[n_block_min, n_block_max)``, the tightest range holding every visible key;
+* unmasked: ``[n_block_min_no_mask, n_block_max_no_mask)``, blocks whose every key lies inside
+  seqlen_k and the window of every in-bounds row. Blocks visited outside it need the mask. Rows
+  past seqlen_q are never stored, so they are not considered.
+"""
+
+from typing import NamedTuple, Optional
+
+
+class BlockRange(NamedTuple):
+    n_block_min: object
+    n_block_max: object
+    n_block_min_no_mask: object
+    n_block_max_no_mask: object
+
+
+def block_range(
+    m_block,
+    tile_m: int,
+    tile_n: int,
+    seqlen_q,
+    seqlen_k,
+    causal: bool = False,
+    window_left: Optional[object] = None,
+    window_right: Optional[object] = None,
+    *,
+    imin=min,
+    imax=max,
+) -> BlockRange:
+    """K/V block range of query block `m_block` (see the module docstring).
+
+    `causal` is window_right = 0; a window side that is None is unbounded (windows are >= 0).
+    The visited range is empty (``n_block_max <= n_block_min``) when no row sees a key; the
+    unmasked range lies inside it and may be empty (``min_no_mask == max_no_mask``).
+    Precondition: ``m_block * tile_m < seqlen_q``.
+    """
+    if causal:
+        window_right = 0
+    offset = seqlen_k - seqlen_q
+    row_first = m_block * tile_m
+    row_last = imin(row_first + tile_m, seqlen_q) - 1
+    n_blocks = (seqlen_k + tile_n - 1) // tile_n
+    # Row i sees keys [lo(i), hi(i)]; both ends grow with i. Unbounded sides are clamped to
+    # the key range straight away.
+    lo_first = 0 if window_left is None else row_first + offset - window_left
+    lo_last = 0 if window_left is None else row_last + offset - window_left
+    hi_first = seqlen_k - 1 if window_right is None else row_first + offset + window_right
+    hi_last = seqlen_k - 1 if window_right is None else row_last + offset + window_right
+
+    key_first = imax(lo_first, 0)
+    key_end = imin(hi_last + 1, seqlen_k)
+    n_min = imin(key_first // tile_n, n_blocks)
+    # lo(i) <= i + offset <= seqlen_k - 1 for non-negative windows, so the range is empty
+    # only when hi(row_last) < 0.
+    n_max = (imax(key_end, 0) + tile_n - 1) // tile_n
+
+    # Unmasked: keys within [lo_last, hi_first] (seen by every row) and all < seqlen_k.
+    nm_min = (imax(lo_last, 0) + tile_n - 1) // tile_n
+    nm_max = imin(imax(hi_first + 1, 0) // tile_n, seqlen_k // tile_n)
+    n_min_no_mask = imin(imax(nm_min, n_min), n_max)
+    n_max_no_mask = imax(imin(nm_max, n_max), n_min_no_mask)
+    return BlockRange(n_min, n_max, n_min_no_mask, n_max_no_mask)
+
+
+def needs_mask(n_block, rng: BlockRange):
+    """Whether a visited block is outside the unmasked range (works for ints and DSL Int32)."""
+    return (n_block >= rng.n_block_max_no_mask) | (n_block < rng.n_block_min_no_mask)

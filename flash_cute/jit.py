@@ -1,0 +1,154 @@
+"""JIT layer: the compile cache, fake tensors for compiling without a GPU, and artifacts.
+
+The cache key holds only what changes the generated code: kernel, arch, dtype, head dims, flags,
+tile config and a variant hash (score/mask mods). Batch and sequence lengths are never in it:
+kernels take them as dynamic shapes, so a new length reuses the compiled kernel.
+``cute.compile`` is not thread-safe, so compiles are serialized by a lock.
+"""
+
+import hashlib
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import cutlass
+import cutlass.cute as cute
+
+from flash_cute.sass import kernel_resources, opcode_counts
+
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+
+
+@dataclass(frozen=True)
+class CompileKey:
+    kernel: str
+    arch: str
+    dtype: str
+    hdim: Optional[int]
+    hdim_v: Optional[int]
+    tile: tuple
+    flags: tuple = ()
+    variant: str = ""
+
+
+def variant_hash(*objs) -> str:
+    """Stable hash of user-supplied variant code (e.g. a score_mod's source), for CompileKey."""
+    h = hashlib.sha256()
+    for obj in objs:
+        h.update(repr(obj).encode())
+    return h.hexdigest()[:16]
+
+
+class CompileCache:
+    """Compiled kernels by CompileKey; `get` compiles on a miss, one compile at a time."""
+
+    def __init__(self):
+        self._entries = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: CompileKey, build: Callable[[], object]):
+        hit = self._entries.get(key)
+        if hit is not None:
+            return hit
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = build()
+            return self._entries[key]
+
+    def __len__(self):
+        return len(self._entries)
+
+    def keys(self):
+        return list(self._entries)
+
+
+compile_cache = CompileCache()
+
+
+def current_arch() -> str:
+    """The arch CuTe DSL targets in this process (CUTE_DSL_ARCH, else the GPU's)."""
+    env = os.environ.get("CUTE_DSL_ARCH")
+    if env:
+        return env
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU and CUTE_DSL_ARCH is unset: name an arch to cross-compile")
+    major, minor = torch.cuda.get_device_capability()
+    return {8: "sm_80", 9: "sm_90a", 10: "sm_100a"}.get(major, f"sm_{major}{minor}")
+
+
+def dynamic_dim(divisibility: int = 1):
+    """A run-time extent for fake tensors (batch, sequence length, ...)."""
+    return cute.sym_int(divisibility=divisibility)
+
+
+def fake_tensor(dtype, shape, align: int = 16):
+    """Row-major fake tensor (last mode contiguous) for compiling without a GPU."""
+    rank = len(shape)
+    return cute.runtime.make_fake_compact_tensor(
+        dtype, shape, stride_order=tuple(range(rank - 1, -1, -1)), assumed_align=align
+    )
+
+
+def fake_stream():
+    return cute.runtime.make_fake_stream()
+
+
+@dataclass
+class CompileSpec:
+    """What a registry builder returns: the jit callable, its fake arguments, and extras."""
+
+    fn: Callable
+    args: tuple
+    dynamic_smem_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+    options: str = ""
+
+
+@dataclass
+class Artifacts:
+    ptx: str
+    cubin: bytes
+    sass: str
+
+    def summary(self, dynamic_smem_bytes: int = 0) -> dict:
+        """registers / smem_bytes / spill_bytes of the main kernel, and SASS opcode counts."""
+        kernels = kernel_resources(self.cubin)
+        main = max(kernels, key=lambda k: k.registers)
+        return {
+            "registers": main.registers,
+            "smem_bytes": main.static_smem_bytes + dynamic_smem_bytes,
+            "spill_bytes": main.frame_bytes,
+            "sass": opcode_counts(self.sass),
+        }
+
+
+def compile_with_artifacts(spec: CompileSpec) -> Artifacts:
+    """Compile `spec` for this process's arch and keep PTX, cubin and SASS.
+
+    SASS needs nvdisasm (pip nvidia-cuda-nvdisasm>=13.4) and is written only when the target
+    arch equals CUTE_DSL_ARCH, which is why cross-compiles run one worker process per arch.
+    """
+    options = " ".join(filter(None, ["--keep-ptx --keep-cubin --keep-sass", spec.options]))
+    compiled = cute.compile(spec.fn, *spec.args, options=options)
+    art = compiled.artifacts
+    if not art.CUBIN or not art.SASS:
+        raise RuntimeError("compile produced no cubin/SASS: is nvidia-cuda-nvdisasm installed?")
+    return Artifacts(ptx=art.PTX or "", cubin=art.CUBIN, sass=art.SASS)
+
+
+def to_cute_tensor(t, align: int = 16):
+    """A torch CUDA tensor as a CuTe tensor with dynamic shape and strides (unit stride last)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def current_stream():
+    """The current torch CUDA stream as a driver stream handle."""
+    import cuda.bindings.driver as cuda
+    import torch
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)

@@ -1,0 +1,288 @@
+"""Plain-PyTorch models of the building blocks the CuTe DSL kernels are made of.
+
+Each model does, block by block and in float32/float64, what a kernel does in
+registers and shared memory, so the algorithm can be checked on the CPU against
+:func:`flash_cute.reference.attention_ref` before any GPU code exists:
+
+* :class:`OnlineSoftmax` -- the running (max, sum, accumulator) state of one
+  query tile, in the kernel's exp2 form with the softmax scale folded in.
+* :func:`block_range` -- which K/V blocks a query block visits and which of them
+  need masking; integer-only so the DSL kernel can reuse the very same formula.
+* :func:`tiled_attention_forward` -- the FlashAttention-2 forward loop.
+* :func:`lse_merge` -- combining partial results over disjoint key ranges
+  (split-KV / the backward's LSE bookkeeping).
+* :func:`exp2_poly` -- a software exp2 (FA4 style) to offload the MUFU unit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .block_range import block_range
+from .reference import Window, attention_mask, normalize_window
+
+__all__ = [
+    "EXP2_POLY_COEFFS",
+    "EXP2_POLY_MAX_REL_ERR",
+    "OnlineSoftmax",
+    "OnlineSoftmaxModel",
+    "block_range",
+    "exp2_poly",
+    "lse_merge",
+    "tiled_attention_forward",
+]
+
+LOG2_E = math.log2(math.e)
+
+# ---------------------------------------------------------------------------
+# Online softmax
+# ---------------------------------------------------------------------------
+
+
+class OnlineSoftmax:
+    """Online-softmax state ``(m, l, acc)`` for a tile of query rows.
+
+    Scores are kept *raw* (unscaled, as the QK^T MMA produces them); the true
+    score is ``raw * scale``. The kernel folds the scale into the exponent,
+    ``p = exp2(raw * scale_log2 - m * scale_log2)`` with ``scale_log2 = scale *
+    log2(e)``, so one FFMA feeds each exp2.
+
+    * ``m`` [rows]: running max of raw scores (-inf until a visible key is seen),
+    * ``l`` [rows]: running sum of ``p`` relative to ``m``,
+    * ``acc`` [rows, hdim_v]: unnormalised output ``sum p * v`` relative to ``m``.
+
+    Masked entries are passed in as -inf. While ``m`` is -inf the exp2 offset is
+    0 instead of ``m * scale_log2``, so ``-inf - (-inf)`` (NaN) never occurs.
+    """
+
+    def __init__(self, rows: int, hdim_v: int, scale: float, dtype=torch.float64, device=None):
+        self.scale = scale
+        self.scale_log2 = scale * LOG2_E
+        self.m = torch.full((rows,), -math.inf, dtype=dtype, device=device)
+        self.l = torch.zeros(rows, dtype=dtype, device=device)
+        self.acc = torch.zeros(rows, hdim_v, dtype=dtype, device=device)
+
+    def _exp2_offset(self, m: torch.Tensor) -> torch.Tensor:
+        """``m * scale_log2``, or 0 for rows that have seen no visible key yet."""
+        return torch.where(torch.isneginf(m), torch.zeros_like(m), m * self.scale_log2)
+
+    def update(self, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Absorb one K/V block: raw ``scores`` [rows, n] (-inf = masked), ``v`` [n, hdim_v].
+
+        Returns the block's ``p`` [rows, n] (what the kernel feeds the PV MMA).
+        """
+        m_new = torch.maximum(self.m, scores.amax(dim=1))
+        offset = self._exp2_offset(m_new)
+        rescale = torch.exp2(self.m * self.scale_log2 - offset)
+        p = torch.exp2(scores * self.scale_log2 - offset[:, None])
+        self.l = self.l * rescale + p.sum(dim=1)
+        self.acc = self.acc * rescale[:, None] + p @ v
+        self.m = m_new
+        return p
+
+    def finalize(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(O, LSE)``: ``O = acc / l``, ``LSE = m * scale + ln(l)`` (natural log).
+
+        Rows that saw no visible key (``l == 0``) get ``O = 0`` and ``LSE = -inf``.
+        """
+        empty = self.l == 0
+        safe_l = torch.where(empty, torch.ones_like(self.l), self.l)
+        out = torch.where(empty[:, None], torch.zeros_like(self.acc), self.acc / safe_l[:, None])
+        lse = torch.where(empty, torch.full_like(self.l, -math.inf), self.m * self.scale + torch.log(safe_l))
+        return out, lse
+
+
+OnlineSoftmaxModel = OnlineSoftmax  # the name the DSL blocks' docstrings refer to
+
+
+# ---------------------------------------------------------------------------
+# Tiled forward (FlashAttention-2 loop)
+# ---------------------------------------------------------------------------
+
+Order = Union[str, Callable[[Sequence[int]], Sequence[int]], None]
+
+# Out-of-bounds K/V rows of a partial last block hold whatever the smem tile
+# had; a huge finite junk value makes a missing bounds mask visible in tests.
+_OOB_JUNK = 1.0e4
+
+
+def _block_order(blocks: Sequence[int], order: Order) -> list:
+    """Apply ``order`` ("ascending", "descending" or a permutation callable)."""
+    blocks = list(blocks)
+    if order is None or order == "ascending":
+        visit = blocks
+    elif order == "descending":
+        visit = blocks[::-1]
+    elif callable(order):
+        visit = [int(n) for n in order(blocks)]
+    else:
+        raise ValueError(f"order must be 'ascending', 'descending' or a callable, got {order!r}")
+    if sorted(visit) != blocks:
+        raise ValueError(f"order produced {visit}, not a permutation of {blocks}")
+    return visit
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Pad dim 0 to ``rows`` with junk, as an out-of-bounds smem tile would hold."""
+    pad = x.new_full((rows - x.shape[0],) + tuple(x.shape[1:]), _OOB_JUNK)
+    return torch.cat([x, pad], dim=0)
+
+
+def _tiled_head(q, k, v, mask, *, block_m, block_n, order, scale, softcap, window):
+    """FlashAttention-2 forward for one (batch, head): q [sq, d], k [sk, d], v [sk, dv]."""
+    seqlen_q, seqlen_k = q.shape[0], k.shape[0]
+    n_blocks = (seqlen_k + block_n - 1) // block_n
+    k, v = _pad_rows(k, n_blocks * block_n), _pad_rows(v, n_blocks * block_n)
+    mask = torch.cat([mask, mask.new_zeros(seqlen_q, n_blocks * block_n - seqlen_k)], dim=1)
+    # With softcap the kernel keeps tanh(raw * scale / softcap); the remaining
+    # factor, softcap, becomes the scale folded into exp2.
+    exp_scale = softcap if softcap > 0 else scale
+    out = q.new_zeros(seqlen_q, v.shape[1])
+    lse = q.new_empty(seqlen_q)
+    for m_block in range((seqlen_q + block_m - 1) // block_m):
+        rows = slice(m_block * block_m, min((m_block + 1) * block_m, seqlen_q))
+        n_min, n_max, nm_min, nm_max = block_range(
+            m_block, block_m, block_n, seqlen_q, seqlen_k, False, window[0], window[1]
+        )
+        state = OnlineSoftmax(rows.stop - rows.start, v.shape[1], exp_scale, q.dtype, q.device)
+        for n_block in _block_order(range(n_min, max(n_min, n_max)), order):
+            cols = slice(n_block * block_n, (n_block + 1) * block_n)
+            scores = q[rows] @ k[cols].T
+            if softcap > 0:
+                scores = torch.tanh(scores * (scale / softcap))
+            if not nm_min <= n_block < nm_max:
+                scores = scores.masked_fill(~mask[rows, cols], -math.inf)
+            state.update(scores, v[cols])
+        out[rows], lse[rows] = state.finalize()
+    return out, lse
+
+
+def tiled_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_m: int,
+    block_n: int,
+    order: Order = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Window = (None, None),
+    softcap: float = 0.0,
+    dtype: torch.dtype = torch.float64,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Model of the tiled FlashAttention-2 forward; returns ``(out, lse)``.
+
+    Layouts as :func:`~flash_cute.reference.attention_ref` (batched, GQA
+    allowed): ``q`` [b, sq, h, d], ``k``/``v`` [b, sk, h_kv, d/dv]; ``out``
+    [b, sq, h, dv], ``lse`` [b, h, sq], computed in ``dtype``.
+
+    For each query block only the K/V blocks of :func:`block_range` are
+    visited, in ``order`` ("ascending" (default), "descending", or a callable
+    returning a permutation of the block list), and the mask is applied only
+    to blocks outside the no-mask range. K/V rows past ``seqlen_k`` hold junk,
+    so a missing bounds mask shows up as a wrong result.
+    """
+    if q.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"nheads {q.shape[2]} must be a multiple of nheads_kv {k.shape[2]}")
+    if block_m < 1 or block_n < 1:
+        raise ValueError("block sizes must be positive")
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else softmax_scale
+    window = normalize_window(causal, window_size)
+    mask = attention_mask(q.shape[1], k.shape[1], False, window, device=q.device)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    batch, seqlen_q, nheads, _ = q.shape
+    group = nheads // k.shape[2]
+    out = q.new_zeros(batch, seqlen_q, nheads, v.shape[3])
+    lse = q.new_empty(batch, nheads, seqlen_q)
+    for b in range(batch):
+        for h in range(nheads):
+            out[b, :, h], lse[b, h] = _tiled_head(
+                q[b, :, h], k[b, :, h // group], v[b, :, h // group], mask,
+                block_m=block_m, block_n=block_n, order=order, scale=scale, softcap=softcap, window=window,
+            )
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# LSE merge
+# ---------------------------------------------------------------------------
+
+
+def lse_merge(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial attention results over disjoint key ranges.
+
+    ``o_parts`` [splits, ..., d] (each normalised over its own keys),
+    ``lse_parts`` [splits, ...]. Returns ``(O, LSE)`` with
+    ``LSE = log(sum_i exp(LSE_i))`` and ``O = sum_i exp(LSE_i - LSE) * O_i``.
+    Parts with ``LSE_i = -inf`` (no visible key) contribute nothing, whatever
+    their O; if all parts are -inf the result is ``O = 0``, ``LSE = -inf``.
+    """
+    if o_parts.shape[:-1] != lse_parts.shape:
+        raise ValueError(f"o_parts {tuple(o_parts.shape)} does not match lse_parts {tuple(lse_parts.shape)}")
+    lse_max = lse_parts.amax(dim=0)
+    # All -inf: shift by 0 so exp(-inf - 0) = 0 rather than exp(NaN).
+    lse_max = torch.where(torch.isneginf(lse_max), torch.zeros_like(lse_max), lse_max)
+    weights = torch.exp(lse_parts - lse_max)
+    total = weights.sum(dim=0)
+    empty = total == 0
+    safe_total = torch.where(empty, torch.ones_like(total), total)
+    lse = torch.where(empty, torch.full_like(total, -math.inf), lse_max + torch.log(safe_total))
+    coeff = (weights / safe_total).unsqueeze(-1)
+    out = torch.where(coeff > 0, coeff * o_parts, torch.zeros_like(o_parts)).sum(dim=0)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# Software exp2
+# ---------------------------------------------------------------------------
+
+# p(f) ~ 2^f on [0, 1): coefficients of f, f^2, ... (the constant is exactly 1).
+# Fitted once by linear programming (minimax relative error on 20001 points of
+# [0, 1]) with p(0) = 1 and p(1) = 2 pinned, so 2^j * p(f) is continuous at
+# every integer; p(1) evaluates to exactly 2.0 in float32 Horner form.
+EXP2_POLY_COEFFS = {
+    3: (0.695424318, 0.226307675, 0.0782679692),
+    4: (0.693032205, 0.241379663, 0.0520322807, 0.013555848),
+    5: (0.693152308, 0.240156025, 0.0558243245, 0.00898833852, 0.00187899789),
+}
+
+# Max relative error of exp2_poly vs. exact 2^x, measured in float32 on a
+# 4M-point grid plus every integer of [-126, 127] (where the result is a
+# normal float). On [-127, -126) the result is a denormal bit pattern and only
+# the absolute error (< 2^-126) means anything -- irrelevant for softmax P.
+EXP2_POLY_MAX_REL_ERR = {3: 1.04e-4, 4: 3.5e-6, 5: 2.0e-7}
+
+_EXP2_MIN_INPUT = -127.0
+
+
+def exp2_poly(x: torch.Tensor, degree: int = 3) -> torch.Tensor:
+    """Software 2^x in float32: ``2^floor(x) * p(x - floor(x))``.
+
+    Models the FA4 exp2 emulation step by step:
+
+    1. clamp ``x >= -127`` so the exponent arithmetic cannot wrap (-inf -> 0);
+    2. ``j = floor(x)`` -- in hardware, ``x + 1.5 * 2^23`` with round-down
+       leaves ``j`` in the low mantissa bits; ``f = x - j`` is in [0, 1);
+    3. ``p(f)`` by Horner with :data:`EXP2_POLY_COEFFS` (FMA chain, p(0) = 1);
+    4. scale by ``2^j`` by adding ``j << 23`` to the float bits of ``p(f)``,
+       valid because ``p(f)`` is in [1, 2) so its exponent field is 127.
+
+    Inputs above 127 overflow the exponent field; softmax only feeds x <= 0.
+    """
+    if degree not in EXP2_POLY_COEFFS:
+        raise ValueError(f"degree must be one of {sorted(EXP2_POLY_COEFFS)}, got {degree}")
+    x = x.to(torch.float32).clamp(min=_EXP2_MIN_INPUT)
+    j = torch.floor(x)
+    f = x - j  # exact in float32
+    poly = torch.zeros_like(f)
+    for c in reversed(EXP2_POLY_COEFFS[degree]):
+        poly = poly * f + c
+    poly = poly * f + 1.0
+    bits = poly.view(torch.int32) + (j.to(torch.int32) << 23)
+    return bits.view(torch.float32)

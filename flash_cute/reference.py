@@ -1,0 +1,286 @@
+"""Plain-PyTorch reference attention, the ground truth for every kernel test.
+
+Conventions (identical to flash-attn / ``flash_attn.cute``):
+
+* Layouts: ``q`` [batch, seqlen_q, nheads, hdim], ``k`` [batch, seqlen_k,
+  nheads_kv, hdim], ``v`` [batch, seqlen_k, nheads_kv, hdim_v]. Varlen drops
+  the batch dimension (``q`` [total_q, nheads, hdim]) and describes the
+  sequences with int32 prefix sums ``cu_seqlens_q`` / ``cu_seqlens_k``.
+* GQA/MQA: query head ``h`` reads kv head ``h // (nheads // nheads_kv)``.
+* ``scores = (q . k) * softmax_scale``; with ``softcap > 0`` they become
+  ``softcap * tanh(scores / softcap)``. LSE is the natural-log logsumexp of
+  these final scores over the visible keys.
+* Masks are bottom-right aligned: with ``off = seqlen_k - seqlen_q``, key ``j``
+  is visible to query ``i`` iff ``i + off - left <= j <= i + off + right``
+  (``window_size = (left, right)``, ``None`` = unbounded) and ``j < seqlen_k``.
+  ``causal=True`` means ``right = 0``.
+* A query row that sees no key has ``O = 0`` and ``LSE = -inf``; gradients
+  through it are 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+__all__ = [
+    "attention_mask",
+    "attention_ref",
+    "normalize_window",
+    "score_attention_ref",
+    "tolerance_check",
+    "ToleranceResult",
+]
+
+Window = Tuple[Optional[int], Optional[int]]
+
+_MODES = ("float64", "float32", "native")
+
+
+def normalize_window(causal: bool, window_size: Window = (None, None)) -> Window:
+    """Return ``(left, right)`` with ``None`` for an unbounded side.
+
+    Negative ints mean unbounded (flash-attn's ``-1`` convention). ``causal``
+    forces ``right = 0`` (as flash-attn does) and keeps any left window.
+    """
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair, got {window_size!r}")
+    left, right = (None if w is None or w < 0 else int(w) for w in window_size)
+    if causal:
+        right = 0
+    return left, right
+
+
+def attention_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool = False,
+    window_size: Window = (None, None),
+    device: Optional[torch.device | str] = None,
+) -> torch.Tensor:
+    """Bool ``[seqlen_q, seqlen_k]`` tensor, True where key ``j`` is visible to query ``i``.
+
+    Bottom-right aligned: query ``i`` sits at key position ``i + seqlen_k - seqlen_q``.
+    """
+    left, right = normalize_window(causal, window_size)
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    diag = i + (seqlen_k - seqlen_q)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left is not None:
+        visible &= j >= diag - left
+    if right is not None:
+        visible &= j <= diag + right
+    return visible
+
+
+def _softmax_rows(scores: torch.Tensor, mask: torch.Tensor):
+    """Masked softmax along the last dim: returns (P, LSE) with the -inf conventions.
+
+    Masked scores are replaced by -inf *before* the exp (never ``where`` after
+    it), so no inf/NaN can leak into the backward pass. The row max is a pure
+    numerical shift, so it is detached: LSE and P do not depend on it.
+    """
+    if scores.shape[-1] == 0:  # no keys at all (amax over an empty dim is an error)
+        return scores, scores.new_full(scores.shape[:-1], -math.inf)
+    scores = scores.masked_fill(~mask, -math.inf)
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    # A fully masked row has max -inf; shifting by 0 keeps exp(-inf) = 0, not NaN.
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    p = torch.exp(scores - row_max)
+    row_sum = p.sum(dim=-1, keepdim=True)
+    empty = row_sum == 0
+    safe_sum = torch.where(empty, torch.ones_like(row_sum), row_sum)
+    lse = torch.where(empty, torch.full_like(row_sum, -math.inf), row_max + torch.log(safe_sum))
+    return p / safe_sum, lse.squeeze(-1)
+
+
+def _probs(scores, softmax_scale, causal, window_size, softcap):
+    """Scale, softcap, mask and softmax raw scores [..., seqlen_q, seqlen_k] -> (P, LSE)."""
+    scores = scores * softmax_scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    mask = attention_mask(scores.shape[-2], scores.shape[-1], causal, window_size, device=scores.device)
+    return _softmax_rows(scores, mask)
+
+
+def _mode_dtypes(mode: str, input_dtype: torch.dtype):
+    """(matmul/out dtype, softmax/LSE dtype) of a reference mode."""
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    if mode == "float64":
+        return torch.float64, torch.float64
+    # native: both matmuls run in the input dtype, as a PyTorch implementation would.
+    return (torch.float32 if mode == "float32" else input_dtype), torch.float32
+
+
+def _attention_dense(q, k, v, softmax_scale, causal, window_size, softcap, mode):
+    """Batched attention for one set of equal-length sequences (layout [b, s, h, d])."""
+    mm_dtype, score_dtype = _mode_dtypes(mode, q.dtype)
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(mm_dtype), k.to(mm_dtype))
+    p, lse = _probs(scores.to(score_dtype), softmax_scale, causal, window_size, softcap)
+    out = torch.einsum("bhqk,bkhd->bqhd", p.to(mm_dtype), v.to(mm_dtype))
+    return out, lse
+
+
+def score_attention_ref(
+    scores: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = False,
+    window_size: Window = (None, None),
+    softcap: float = 0.0,
+    mode: str = "float64",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a given raw score matrix: ``softmax(mask(softcap(S * scale))) V``.
+
+    ``scores`` [batch, seqlen_q, seqlen_k] stands in for Q K^T (the reference of
+    the score-attention block test); ``v`` [batch, seqlen_k, hdim_v]. Returns
+    ``out`` [batch, seqlen_q, hdim_v] and ``lse`` [batch, seqlen_q]. Modes as in
+    :func:`attention_ref`; in ``"native"`` mode the scores are taken as given
+    (float32) and P and the PV matmul use ``v``'s dtype.
+    """
+    if scores.dim() != 3 or v.dim() != 3 or scores.shape[0] != v.shape[0] or scores.shape[2] != v.shape[1]:
+        raise ValueError(f"bad shapes: scores {tuple(scores.shape)}, v {tuple(v.shape)}")
+    mm_dtype, score_dtype = _mode_dtypes(mode, v.dtype)
+    p, lse = _probs(scores.to(score_dtype), softmax_scale, causal, window_size, softcap)
+    return p.to(mm_dtype) @ v.to(mm_dtype), lse
+
+
+def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    """Raise ValueError on inconsistent shapes; return True for varlen inputs."""
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    ndim = 3 if varlen else 4
+    if not (q.dim() == k.dim() == v.dim() == ndim):
+        raise ValueError(f"q, k, v must all be {ndim}-D, got {q.dim()}, {k.dim()}, {v.dim()}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q hdim {q.shape[-1]} != k hdim {k.shape[-1]}")
+    if not varlen and q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch mismatch: q {q.shape[0]}, k {k.shape[0]}")
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(f"nheads {nheads} must be a multiple of nheads_kv {nheads_kv}")
+    if varlen:
+        for name, cu, total in (("q", cu_seqlens_q, q.shape[0]), ("k", cu_seqlens_k, k.shape[0])):
+            if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != total:
+                raise ValueError(f"cu_seqlens_{name} must be 1-D prefix sums from 0 to {total}")
+            if bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"cu_seqlens_{name} must be non-decreasing")
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError("cu_seqlens_q and cu_seqlens_k describe different batch sizes")
+    return varlen
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Window = (None, None),
+    softcap: float = 0.0,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    mode: str = "float64",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention; returns ``(out, lse)``. Differentiable through autograd.
+
+    Modes:
+
+    * ``"float64"``: everything upcast to float64 (the exact answer); out and
+      lse are float64.
+    * ``"float32"``: the same computation in float32.
+    * ``"native"``: bf16/fp16 "as PyTorch would do it", the baseline of the
+      FlashAttention tolerance rule: QK^T in the input dtype, scale / softcap /
+      mask / softmax in float32, P cast to the input dtype, PV in the input
+      dtype. out has the input dtype, lse is float32.
+
+    Shapes: ``out`` [batch, seqlen_q, nheads, hdim_v], ``lse`` [batch, nheads,
+    seqlen_q]; varlen: ``out`` [total_q, nheads, hdim_v], ``lse`` [nheads, total_q].
+    """
+    _mode_dtypes(mode, q.dtype)  # validates mode
+    varlen = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    args = (softmax_scale, causal, window_size, softcap, mode)
+    if not varlen:
+        return _attention_dense(q, k, v, *args)
+    outs, lses = [], []
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        sq = slice(bounds_q[b], bounds_q[b + 1])
+        sk = slice(bounds_k[b], bounds_k[b + 1])
+        out, lse = _attention_dense(q[None, sq], k[None, sk], v[None, sk], *args)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+class ToleranceResult(NamedTuple):
+    """Outcome of :func:`tolerance_check`: ``ok`` plus both errors for reporting."""
+
+    ok: bool
+    err: float
+    err_native: float
+    atol: float
+
+
+def _rounding_atol(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """flash-attn's ``fwd_atol``: twice the rounding granularity of ``dtype`` near 0.3."""
+    r = ref.to(dtype)
+    return 2.0 * float(((r + 0.3 - 0.3) - r).abs().max()) if r.numel() else 0.0
+
+
+def tolerance_check(
+    out: torch.Tensor,
+    out_ref64: torch.Tensor,
+    out_native: torch.Tensor,
+    *,
+    factor: float = 2.0,
+    atol: Optional[float] = None,
+) -> ToleranceResult:
+    """The FlashAttention accuracy rule: ``err <= factor * err_native + atol``.
+
+    ``err = max|out - out_ref64|`` and ``err_native = max|out_native - out_ref64|``
+    (both in float64). Works for outputs, LSE and gradients:
+
+    * any NaN in ``out`` fails;
+    * where ``out_ref64`` is -inf (LSE of fully masked rows), ``out`` must be
+      exactly -inf too; those positions are then left out of both errors;
+    * ``atol=None`` uses flash-attn's rounding allowance, twice the rounding
+      granularity of ``out``'s dtype at the reference's values.
+    """
+    if not (out.shape == out_ref64.shape == out_native.shape):
+        raise ValueError(
+            f"shape mismatch: {tuple(out.shape)}, {tuple(out_ref64.shape)}, {tuple(out_native.shape)}"
+        )
+    ours, ref, native = (t.detach().to(torch.float64) for t in (out, out_ref64, out_native))
+    if atol is None:
+        atol = _rounding_atol(out_ref64.detach().masked_fill(torch.isinf(ref), 0), out.dtype)
+    ref_neg_inf = torch.isneginf(ref)
+    keep = ~ref_neg_inf
+    err = _max_abs(ours[keep] - ref[keep])
+    err_native = _max_abs(native[keep] - ref[keep])
+    ok = (
+        not bool(torch.isnan(ours).any())
+        and bool(torch.isneginf(ours[ref_neg_inf]).all())
+        and err <= factor * err_native + atol
+    )
+    return ToleranceResult(ok, err, err_native, atol)
+
+
+def _max_abs(diff: torch.Tensor) -> float:
+    """max |diff|, 0 for an empty tensor, NaN propagated."""
+    if diff.numel() == 0:
+        return 0.0
+    return float(diff.abs().max())

@@ -1,0 +1,69 @@
+"""The table of kernel configurations that `inspect` cross-compiles and reports.
+
+Data only (no CuTe DSL import), so listing and filtering it is free. Each entry names a builder
+``"module:function"`` that, inside a compile worker, returns what to hand to ``cute.compile``
+(see `flash_cute.jit.compile_config`). A kernel is named ``<module>.<role>``: ``ampere.fwd``,
+``hopper.bwd``, ... for the attention pipelines, ``blocks.*`` for the shared blocks' own kernels.
+"""
+
+from dataclasses import dataclass, field
+
+ARCHES = ("sm_80", "sm_90a", "sm_100a")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    kernel: str
+    archs: tuple
+    dtype: str
+    hdim: object
+    hdim_v: object
+    tile: tuple
+    builder: str
+    flags: tuple = field(default=())
+
+    @property
+    def flag_dict(self) -> dict:
+        return dict(self.flags)
+
+    @property
+    def label(self) -> str:
+        """Short unique description, e.g. ``bf16 d-/16 64x64 causal``."""
+        on = [k if v is True else f"{k}={v}" for k, v in self.flags if v is not False]
+        dims = f"d{self.hdim if self.hdim is not None else '-'}/{self.hdim_v}"
+        return " ".join([self.dtype, dims, "x".join(map(str, self.tile))] + on)
+
+    def config_dict(self) -> dict:
+        cfg = {"dtype": self.dtype, "hdim": self.hdim, "hdim_v": self.hdim_v, "tile": list(self.tile)}
+        cfg.update(self.flag_dict)
+        return cfg
+
+
+def _flags(**kw) -> tuple:
+    return tuple(sorted(kw.items()))
+
+
+_SOFTMAX_ROWS = "flash_cute.score_attention:build_for_inspect"
+_LSE_MERGE = "flash_cute.lse_merge:build_for_inspect"
+
+CONFIGS = (
+    KernelConfig("blocks.softmax_rows", ARCHES, "bf16", None, 16, (64, 64), _SOFTMAX_ROWS,
+                 _flags(causal=False, local=False, softcap=False)),
+    KernelConfig("blocks.softmax_rows", ARCHES, "bf16", None, 16, (64, 64), _SOFTMAX_ROWS,
+                 _flags(causal=True, local=False, softcap=True)),
+    KernelConfig("blocks.softmax_rows", ARCHES, "fp16", None, 16, (64, 64), _SOFTMAX_ROWS,
+                 _flags(causal=False, local=True, softcap=False)),
+    KernelConfig("blocks.lse_merge", ARCHES, "bf16", 128, 128, (4, 128), _LSE_MERGE),
+)
+
+
+def registered_configs(kernel=None, arch=None) -> list:
+    """Configs whose kernel name matches `kernel` (exact, or a prefix ending in '.') and arch."""
+    out = []
+    for cfg in CONFIGS:
+        if kernel and not (cfg.kernel == kernel or cfg.kernel.startswith(kernel.rstrip(".") + ".")):
+            continue
+        if arch and arch not in cfg.archs:
+            continue
+        out.append(cfg)
+    return out

@@ -1,0 +1,120 @@
+"""Reading compiled kernels without a GPU: SASS opcode counts and resource usage from a cubin.
+
+Resource usage comes from the cubin's ELF: registers from the kernel's ``.text`` section header
+(``sh_info >> 24``, as cuobjdump reads it), static shared memory from its ``.nv.shared`` section,
+and the per-thread local-memory frame (spills and local arrays) from the ``EIATTR_FRAME_SIZE``
+attribute in ``.nv.info.<kernel>``.
+"""
+
+import re
+import struct
+from collections import Counter
+from dataclasses import dataclass
+
+# Opcodes whose modifiers matter enough to be counted on their own as well.
+FULL_FORM_OPCODES = ("MUFU.EX2", "UTCHMMA.2CTA")
+
+_SASS_INSTR = re.compile(
+    r"/\*[0-9a-f]{4,}\*/\s+(?:\{\s*)?(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)"
+)
+
+_EIATTR_FRAME_SIZE = 0x11
+_EIATTR_REGCOUNT = 0x2F
+_EIFMT_SVAL = 0x04
+
+
+def opcode_counts(sass: str) -> dict:
+    """Counts keyed by the bare opcode (``HMMA``), plus the full forms in FULL_FORM_OPCODES."""
+    bare = Counter()
+    full = Counter()
+    for match in _SASS_INSTR.finditer(sass):
+        op = match.group(1)
+        bare[op.split(".")[0]] += 1
+        for form in FULL_FORM_OPCODES:
+            if op == form or op.startswith(form + "."):
+                full[form] += 1
+    counts = dict(sorted(bare.items()))
+    counts.update(full)
+    return counts
+
+
+@dataclass
+class KernelResources:
+    name: str
+    registers: int
+    static_smem_bytes: int
+    frame_bytes: int
+
+
+def _sections(elf: bytes):
+    if elf[:4] != b"\x7fELF" or elf[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    headers = []
+    for i in range(shnum):
+        name, typ, flags, addr, off, size, link, info = struct.unpack_from(
+            "<IIQQQQII", elf, shoff + i * shentsize
+        )
+        headers.append((name, off, size, info))
+    str_off = headers[shstrndx][1]
+
+    def section_name(idx):
+        end = elf.index(b"\0", str_off + idx)
+        return elf[str_off + idx : end].decode()
+
+    return [(section_name(n), off, size, info) for n, off, size, info in headers]
+
+
+def _sval_attrs(elf: bytes, off: int, size: int) -> dict:
+    """{(attr, symbol index): value} for the (symbol, u32) records of an .nv.info section.
+
+    Records are (u8 format, u8 attribute, u16 length, data); only EIFMT_SVAL ones carry data.
+    """
+    attrs = {}
+    pos, end = off, off + size
+    while pos + 4 <= end:
+        fmt, attr, length = struct.unpack_from("<BBH", elf, pos)
+        if fmt != _EIFMT_SVAL:
+            pos += 4
+            continue
+        if length == 8:
+            sym, value = struct.unpack_from("<II", elf, pos + 4)
+            attrs[(attr, sym)] = value
+        pos += 4 + length
+    return attrs
+
+
+def _symbols(elf: bytes, sections) -> dict:
+    """{symbol name: symbol index} from .symtab/.strtab."""
+    by_name = {name: (off, size) for name, off, size, _ in sections}
+    sym_off, sym_size = by_name[".symtab"]
+    str_off, _ = by_name[".strtab"]
+    names = {}
+    for idx in range(sym_size // 24):
+        name_off = struct.unpack_from("<I", elf, sym_off + idx * 24)[0]
+        end = elf.index(b"\0", str_off + name_off)
+        names[elf[str_off + name_off : end].decode()] = idx
+    return names
+
+
+def kernel_resources(cubin: bytes) -> list:
+    """One KernelResources per kernel in the cubin."""
+    sections = _sections(cubin)
+    by_name = {name: (off, size, info) for name, off, size, info in sections}
+    symbols = _symbols(cubin, sections)
+    attrs = {}
+    for name, off, size, _ in sections:
+        if name == ".nv.info" or name.startswith(".nv.info."):
+            attrs.update(_sval_attrs(cubin, off, size))
+    kernels = []
+    for name, off, size, info in sections:
+        if not name.startswith(".text."):
+            continue
+        kname = name[len(".text.") :]
+        sym = symbols.get(kname, -1)
+        registers = attrs.get((_EIATTR_REGCOUNT, sym), info >> 24)
+        frame = attrs.get((_EIATTR_FRAME_SIZE, sym), 0)
+        smem = by_name.get(".nv.shared." + kname, (0, 0, 0))[1]
+        kernels.append(KernelResources(kname, registers, smem, frame))
+    return kernels

@@ -1,0 +1,124 @@
+"""Online softmax: the running row max m, row sum l and the rescale of the output accumulator.
+
+Seed 10.3.2. Every arch keeps a thread's share of an S tile in registers, viewed as (rows, cols)
+(`acc_mn`), with `threads_per_row` threads holding the columns of each row between them (4 for
+the mma.sync and WGMMA accumulators, 1 for tcgen05 where a thread owns a row). The block never
+sees an arch's MMA layout: `layouts.acc_to_mn` makes that view first.
+
+Scores stay unscaled in the accumulator; the softmax scale is folded into exp2 by
+``scale_log2 = softmax_scale * log2(e)``, so each element costs one FFMA and one MUFU.EX2:
+``p = exp2(s * scale_log2 - m * scale_log2)``. The model of this block is
+`flash_cute.models.OnlineSoftmaxModel`.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from flash_cute.dsl_state import DslState
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+class OnlineSoftmax(DslState):
+    """Per-thread online-softmax state for `num_rows` rows.
+
+    ``row_max`` holds m in score units (unscaled), ``row_sum`` holds l relative to that m. Rows
+    that have seen no visible key keep m = -inf; exp2 then uses 0 as its offset so that masked
+    (-inf) scores give exactly 0 and nothing turns into NaN.
+    """
+
+    def __init__(self, scale_log2: Float32, num_rows: int, threads_per_row: int):
+        self.scale_log2 = scale_log2
+        self.num_rows = num_rows
+        self.threads_per_row = threads_per_row
+        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+
+    def reset(self):
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
+    def _allreduce_max(self, x: Float32) -> Float32:
+        if cutlass.const_expr(self.threads_per_row > 1):
+            x = cute.arch.warp_reduction_max(x, threads_in_group=self.threads_per_row)
+        return x
+
+    @cute.jit
+    def online_softmax(
+        self,
+        acc_mn: cute.Tensor,
+        is_first: cutlass.Constexpr[bool] = False,
+        check_inf: cutlass.Constexpr[bool] = True,
+    ) -> cute.Tensor:
+        """Turn the scores in `acc_mn` into unnormalized probabilities in place.
+
+        Returns the per-row factor exp2((m_old - m_new) * scale_log2) by which the caller must
+        rescale its output accumulator (`rescale_o`). `is_first` skips the rescale for the first
+        tile; `check_inf=False` is allowed only where no row can be fully masked.
+        The row sum is kept per thread (partial over its columns) and reduced in `finalize`,
+        which saves a shuffle round per tile.
+        """
+        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            s_row = acc_mn[r, None].load()
+            m_prev = self.row_max[r]
+            m_cur = s_row.reduce(cute.ReductionOp.MAX, m_prev, 0)
+            m_cur = self._allreduce_max(m_cur)
+            self.row_max[r] = m_cur
+            m_safe = m_cur
+            if cutlass.const_expr(check_inf):
+                m_safe = Float32(0.0) if m_cur == -Float32.inf else m_cur
+            m_scaled = m_safe * self.scale_log2
+            p_row = cute.math.exp2(s_row * self.scale_log2 - m_scaled, fastmath=True)
+            if cutlass.const_expr(is_first):
+                row_scale[r] = Float32(1.0)
+                self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            else:
+                # m_prev = -inf (nothing seen yet) gives a factor of 0: the old sum was 0 anyway.
+                row_scale[r] = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
+                self.row_sum[r] = p_row.reduce(
+                    cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
+                )
+            acc_mn[r, None].store(p_row)
+        return row_scale
+
+    @cute.jit
+    def finalize(self, final_scale: Float32 = Float32(1.0)):
+        """Reduce l across the row's threads; return (scale for O, LSE) per row.
+
+        O = Õ * scale where scale = final_scale / l, or 0 for a row that saw no visible key.
+        LSE = m * softmax_scale + ln(l) in natural-log units, -inf for such a row.
+        """
+        o_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        lse = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            l_row = self.row_sum[r]
+            if cutlass.const_expr(self.threads_per_row > 1):
+                l_row = cute.arch.warp_reduction_sum(l_row, threads_in_group=self.threads_per_row)
+            self.row_sum[r] = l_row
+            empty = l_row == Float32(0.0)
+            o_scale[r] = Float32(0.0) if empty else final_scale * cute.arch.rcp_approx(l_row)
+            lse_log2 = self.row_max[r] * self.scale_log2 + cute.math.log2(l_row, fastmath=True)
+            lse[r] = -Float32.inf if empty else lse_log2 * Float32(LN_2)
+        return o_scale, lse
+
+
+@cute.jit
+def rescale_o(acc_o_mn: cute.Tensor, row_scale: cute.Tensor):
+    """Multiply each row of the output accumulator by its factor (online rescale or 1/l)."""
+    for r in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[0])):
+        acc_o_mn[r, None].store(acc_o_mn[r, None].load() * row_scale[r])
+
+
+@cute.jit
+def apply_softcap(acc_mn: cute.Tensor, scale_div_cap: Float32):
+    """s <- tanh(s * softmax_scale / softcap); the softmax then runs with scale = softcap.
+
+    Folding the scale this way keeps the exp2 path identical with and without softcap.
+    """
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        acc_mn[r, None].store(cute.math.tanh(acc_mn[r, None].load() * scale_div_cap, fastmath=True))

@@ -1,0 +1,342 @@
+"""CPU tests of `flash_cute.bench`: the pure parts directly, the device parts on tiny
+CPU tensors with a fake timer (torch's CPU SDPA has a flash backend but no cuDNN one)."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+import flash_cute
+from flash_cute import bench
+
+
+def parse(argv):
+    return bench.add_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+def cfg(direction="fwd", hdim=64, causal=False, batch=2, seqlen=1024, nheads=None):
+    return bench.BenchConfig(direction, hdim, causal, batch, seqlen,
+                             nheads or bench.MODEL_DIM // hdim)
+
+
+def record(provider, status="ok", ms=1.0, diff=0.0, reason=None, **kw):
+    return bench.make_record(cfg(**kw), provider, status, ms=ms if status == "ok" else None,
+                             max_abs_diff=diff, reason=reason)
+
+
+# ------------------------------------------------------------------------ flops
+
+def test_flops_hand_computed():
+    # 4 * 2 * 16 * 1024 * 1024 * 64 = 2**33
+    assert bench.attention_flops(2, 16, 1024, 1024, 64) == 8_589_934_592
+    assert bench.attention_flops(2, 16, 1024, 1024, 64, causal=True) == 4_294_967_296
+    assert bench.attention_flops(2, 16, 1024, 1024, 64, direction="bwd") == 21_474_836_480
+    assert bench.attention_flops(2, 16, 1024, 1024, 64, causal=True,
+                                 direction="bwd") == 10_737_418_240
+
+
+def test_flops_hdim_v_and_uneven_causal():
+    # 2 * 1 * 1 * 2 * 3 * (4 + 8)
+    assert bench.attention_flops(1, 1, 2, 3, 4, hdim_v=8) == 144
+    assert bench.attention_flops(1, 1, 2, 3, 4, hdim_v=4) == bench.attention_flops(1, 1, 2, 3, 4)
+    # sq != sk causal: standard halving anyway, 4 * 128 * 256 * 64 / 2
+    assert bench.attention_flops(1, 1, 128, 256, 64, causal=True) == 4_194_304
+
+
+def test_flops_rejects_unknown_direction():
+    with pytest.raises(ValueError):
+        bench.attention_flops(1, 1, 1, 1, 64, direction="both")
+
+
+def test_tflops_units():
+    # 1e12 FLOPs in 1000 ms is 1 TFLOP/s
+    assert bench.tflops_per_s(1e12, 1000.0) == pytest.approx(1.0)
+    r = record("sdpa_flash", ms=2.0)  # b=2, h=32, s=1024, d=64: 4*2*32*1024*1024*64 = 2**34
+    assert r["flops"] == 17_179_869_184
+    assert r["tflops"] == pytest.approx(17_179_869_184 / 2e-3 / 1e12)
+
+
+# ------------------------------------------------------------------------- grid
+
+def test_full_grid():
+    grid = bench.make_grid()
+    assert len(grid) == 3 * 6 * 2 * 2 == 72
+    assert len(set(grid)) == 72
+    assert all(c.nheads * c.hdim == 2048 for c in grid)
+    assert {c.hdim for c in grid} == {64, 128, 256}
+    assert {(c.batch, c.seqlen) for c in grid} == set(bench.SIZES)
+    assert {c.direction for c in grid} == {"fwd", "bwd"}
+    assert {c.causal for c in grid} == {False, True}
+
+
+def test_quick_grid_is_subset():
+    quick = bench.make_grid(quick=True)
+    assert set(quick) < set(bench.make_grid())
+    assert len(quick) == 2 * 2 * 2 * 2
+    assert {c.causal for c in quick} == {False, True}
+    assert {c.direction for c in quick} == {"fwd", "bwd"}
+
+
+def test_filters():
+    grid = bench.make_grid()
+    only = bench.filter_grid(grid, hdims=[128], seqlens=[2048, 8192], causal="1",
+                             direction="bwd")
+    assert len(only) == 2
+    assert all(c.hdim == 128 and c.causal and c.direction == "bwd" for c in only)
+    assert {c.seqlen for c in only} == {2048, 8192}
+    assert len(bench.filter_grid(grid, causal="0")) == 36
+    assert len(bench.filter_grid(grid, direction="fwd")) == 36
+    assert bench.filter_grid(grid) == grid
+    assert bench.filter_grid(grid, hdims=[96]) == []
+
+
+# ---------------------------------------------------------------- records, table
+
+def test_wrong_flag_and_nan():
+    assert not bench.is_wrong(None)
+    assert not bench.is_wrong(0.01)
+    assert bench.is_wrong(0.06)
+    assert bench.is_wrong(float("nan"))
+
+
+def test_classify_error():
+    assert bench.classify_error(NotImplementedError("hdim 256 bwd"))[0] == "unavailable"
+    assert bench.classify_error(bench.Unavailable("x")) == ("unavailable", "x")
+    assert bench.classify_error(torch.OutOfMemoryError("CUDA out of memory. Tried"))[1] \
+        == "out of memory"
+    assert bench.classify_error(RuntimeError("No available kernel. Aborting execution."))[0] \
+        == "unavailable"
+    status, reason = bench.classify_error(ValueError("bad stride"))
+    assert status == "error" and reason == "ValueError: bad stride"
+
+
+def fake_results():
+    rows = []
+    for seqlen, batch in ((1024, 16), (2048, 8)):
+        for causal in (False, True):
+            kw = dict(seqlen=seqlen, batch=batch, causal=causal)
+            rows.append(record("flash_cute", ms=1.0, **kw))
+            rows.append(record("fa4", status="unavailable",
+                               reason="flash_attn.cute not importable", **kw))
+            rows.append(record("sdpa_cudnn", ms=1.25, diff=0.2, **kw))  # fast but WRONG
+            rows.append(record("sdpa_flash", ms=2.0, **kw))
+    rows.append(record("sdpa_flash", ms=4.0, direction="bwd", hdim=128, seqlen=1024, batch=16))
+    rows.append(record("flash_cute", status="error", reason="RuntimeError: boom",
+                       direction="bwd", hdim=128, seqlen=1024, batch=16))
+    return rows
+
+
+def test_table_columns_and_marks():
+    env = {"gpu": "NVIDIA H200", "capability": "90", "torch": "2.13", "triton": "3.5",
+           "cutlass-dsl": "4.8.1", "flash-attn": None, "date": "2026-01-01", "dtype": "bf16"}
+    text = bench.format_table(fake_results(), list(bench.PROVIDERS), env)
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| dir"))
+    for name in bench.PROVIDERS:
+        assert name in header
+    assert bench.RATIO_COLUMN in header
+    assert "NVIDIA H200" in text and "cutlass-dsl 4.8.1" in text and "2026-01-01" in text
+    rows = [line for line in lines if line.startswith("|")][2:]
+    assert len(rows) == 5  # 4 fwd cells + 1 bwd cell
+    assert rows[0].split("|")[1].strip() == "fwd"  # fwd before bwd
+    first = [c.strip() for c in rows[0].split("|")[1:-1]]
+    flops = bench.attention_flops(16, 32, 1024, 1024, 64)
+    assert first[5] == f"{flops / 1e-3 / 1e12:.1f}"
+    assert first[6] == "n/a"
+    assert first[7].endswith("WRONG")
+    # the WRONG cudnn cell is not a valid peer: ratio is against sdpa_flash (2 ms / 1 ms)
+    assert first[9] == "2.00x"
+    bwd = [c.strip() for c in rows[-1].split("|")[1:-1]]
+    assert bwd[0] == "bwd" and bwd[5] == "ERR" and bwd[6] == "-" and bwd[9] == "-"
+    assert "n/a fa4 (4 cells): flash_attn.cute not importable" in text
+    assert "ERR flash_cute (1 cell): RuntimeError: boom" in text
+
+
+def test_table_without_flash_cute_has_no_ratio():
+    results = [r for r in fake_results() if r["provider"] != "flash_cute"]
+    text = bench.format_table(results, ["sdpa_cudnn", "sdpa_flash"])
+    assert bench.RATIO_COLUMN not in text
+    assert "flash_cute" not in text
+
+
+def test_report_is_strict_json(tmp_path):
+    results = fake_results() + [record("fa4", diff=float("nan"))]
+    report = bench.build_report(results, {"gpu": "x"}, {"dtype": "bf16"})
+    path = tmp_path / "bench.json"
+    bench.write_json(report, str(path))
+    loaded = json.loads(path.read_text())
+    assert len(loaded["results"]) == len(results)
+    assert loaded["results"][-1]["max_abs_diff"] is None
+    assert loaded["results"][-1]["wrong"] is True
+    for key in ("ms", "tflops", "max_abs_diff", "hdim", "nheads", "provider", "status"):
+        assert key in loaded["results"][0]
+
+
+def test_plot_writes_png(tmp_path):
+    path = bench.plot_results(fake_results(), str(tmp_path / "bench.png"), title="test")
+    data = (tmp_path / "bench.png").read_bytes()
+    assert path.endswith("bench.png")
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+# --------------------------------------------------------------------------- CLI
+
+def test_argument_defaults():
+    args = parse([])
+    assert args.quick is False and args.no_plot is False
+    assert args.providers == list(bench.PROVIDERS)
+    assert (args.causal, args.direction, args.arch, args.dtype) == ("both", "both", "auto", "bf16")
+    assert args.out is None and args.warmup == 25 and args.rep == 100
+    assert len(bench.selected_configs(args)) == 72
+
+
+def test_argument_parsing():
+    args = parse(["--quick", "--hdim", "64,128", "--seqlen", "2048", "--causal", "1",
+                  "--direction", "fwd", "--providers", "flash_cute,sdpa_flash",
+                  "--arch", "hopper", "--dtype", "fp16", "--out", "results/x",
+                  "--warmup", "5", "--rep", "20", "--no-plot"])
+    assert args.hdim == [64, 128] and args.seqlen == [2048]
+    assert args.providers == ["flash_cute", "sdpa_flash"]
+    assert (args.arch, args.dtype, args.out, args.warmup, args.rep) == ("hopper", "fp16",
+                                                                        "results/x", 5, 20)
+    assert args.no_plot
+    configs = bench.selected_configs(args)
+    assert len(configs) == 2
+    assert all(c.direction == "fwd" and c.causal and c.seqlen == 2048 for c in configs)
+
+
+@pytest.mark.parametrize("argv", [["--providers", "xformers"], ["--hdim", "a"],
+                                  ["--arch", "volta"], ["--dtype", "fp32"], ["--causal", "2"]])
+def test_argument_errors(argv):
+    with pytest.raises(SystemExit):
+        parse(argv)
+
+
+def test_run_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.run(parse(["--quick"])) == 2
+    err = capsys.readouterr().err
+    assert "bench needs a CUDA GPU" in err and "python -m flash_cute inspect" in err
+    assert "Traceback" not in err
+
+
+def test_run_with_empty_selection(capsys):
+    assert bench.run(parse(["--hdim", "96"])) == 2
+    assert "no cells match" in capsys.readouterr().err
+
+
+# -------------------------------------------------- device parts on tiny CPU tensors
+
+TINY = dict(batch=1, seqlen=64, nheads=2, hdim=32)
+
+
+def fake_timer(fn):
+    fn()
+    return 0.5
+
+
+def run_tiny(providers, direction="fwd", causal=True):
+    torch.manual_seed(0)
+    c = cfg(direction=direction, causal=causal, **TINY)
+    reference = bench.load_provider("sdpa_flash")
+    return {r["provider"]: r for r in bench.run_cell(c, providers, torch.bfloat16, fake_timer,
+                                                      device="cpu", reference_provider=reference)}
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_cell_on_cpu(direction):
+    providers = [bench.load_provider(n) for n in ("sdpa_flash", "sdpa_cudnn")]
+    out = run_tiny(providers, direction)
+    flash = out["sdpa_flash"]
+    assert flash["status"] == "ok" and flash["ms"] == 0.5 and flash["max_abs_diff"] == 0.0
+    assert flash["reference"] == "sdpa_flash" and flash["direction"] == direction
+    cudnn = out["sdpa_cudnn"]
+    assert cudnn["status"] == "unavailable" and cudnn["tflops"] is None
+
+
+def test_reference_falls_back_to_math():
+    q, k, v, _ = bench.make_inputs(cfg(**TINY), torch.bfloat16, "cpu")
+    ref, name = bench.reference_output(q, k, v, True, bench.load_provider("sdpa_cudnn"))
+    assert name == "math_fp32" and ref.dtype == torch.float32 and ref.shape == q.shape
+    chunked = bench.math_reference(q, k, v, True, max_bytes=1)  # one head at a time
+    assert torch.equal(ref, chunked)
+    flash, _ = bench.reference_output(q, k, v, True, bench.load_provider("sdpa_flash"))
+    assert bench.max_abs_diff(flash, ref) < 1e-2
+
+
+def test_inputs_are_random_and_grad_only_for_bwd():
+    q, k, v, dout = bench.make_inputs(cfg(**TINY), torch.bfloat16, "cpu")
+    assert q.shape == (1, 64, 2, 32) and dout is None and not q.requires_grad
+    assert q.abs().sum() > 0 and not torch.equal(q, k)
+    q, k, v, dout = bench.make_inputs(cfg(direction="bwd", **TINY), torch.bfloat16, "cpu")
+    assert q.requires_grad and dout.shape == q.shape and not dout.requires_grad
+
+
+def test_flash_cute_missing_is_unavailable(monkeypatch):
+    monkeypatch.delattr(flash_cute, "flash_attn_func", raising=False)
+    out = run_tiny([bench.load_provider("flash_cute")])
+    assert out["flash_cute"]["status"] == "unavailable"
+    assert "flash_attn_func" in out["flash_cute"]["reason"]
+
+
+def test_flash_cute_not_implemented_is_unavailable(monkeypatch):
+    def func(q, k, v, causal=False, arch=None):
+        raise NotImplementedError(f"hdim {q.shape[-1]} on {arch}")
+
+    monkeypatch.setattr(flash_cute, "flash_attn_func", func, raising=False)
+    out = run_tiny([bench.load_provider("flash_cute", arch="hopper")])
+    assert out["flash_cute"]["status"] == "unavailable"
+    assert out["flash_cute"]["reason"] == "hdim 32 on hopper"
+
+
+def test_flash_cute_tuple_result_wrong_and_no_backward(monkeypatch):
+    calls = {}
+
+    def func(q, k, v, causal=False, **kwargs):
+        calls.update(kwargs)
+        return (v.detach() * 0 + 1, None)  # (out, lse) with a wrong out, no autograd graph
+
+    monkeypatch.setattr(flash_cute, "flash_attn_func", func, raising=False)
+    fwd = run_tiny([bench.load_provider("flash_cute")])["flash_cute"]
+    assert calls == {}  # arch="auto" passes no arch keyword
+    assert fwd["status"] == "ok" and fwd["wrong"] and fwd["max_abs_diff"] > 0.5
+    bwd = run_tiny([bench.load_provider("flash_cute")], direction="bwd")["flash_cute"]
+    assert bwd["status"] == "unavailable" and "grad_fn" in bwd["reason"]
+    assert bwd["wrong"]  # the sanity check still ran before the backward was refused
+
+
+def test_unexpected_exception_is_error(monkeypatch):
+    def func(q, k, v, causal=False):
+        raise ValueError("bad layout")
+
+    monkeypatch.setattr(flash_cute, "flash_attn_func", func, raising=False)
+    out = run_tiny([bench.load_provider("flash_cute")])["flash_cute"]
+    assert out["status"] == "error" and out["reason"] == "ValueError: bad layout"
+
+
+def test_unknown_provider():
+    with pytest.raises(ValueError):
+        bench.load_provider("xformers")
+
+
+def test_measuring_loop_on_cpu(tmp_path, capsys, monkeypatch):
+    def func(q, k, v, causal=False):
+        return (v * 0 + 1, None)  # differentiable but wrong: WRONG flag and exit code 1
+
+    monkeypatch.setattr(flash_cute, "flash_attn_func", func, raising=False)
+    args = parse(["--out", str(tmp_path / "run"),
+                  "--providers", "flash_cute,sdpa_flash,sdpa_cudnn"])
+    configs = [cfg(direction=d, causal=True, **TINY) for d in ("fwd", "bwd")]
+    assert bench._run_on_gpu(args, configs, fake_timer, device="cpu") == 1
+    out = capsys.readouterr()
+    assert "| dir" in out.out and "WRONG" in out.out and "n/a" in out.out
+    assert "[2/2] bwd hdim=32" in out.err
+    report = json.loads((tmp_path / "run" / "bench.json").read_text())
+    assert len(report["results"]) == 2 * 3
+    assert report["settings"]["providers"] == ["flash_cute", "sdpa_flash", "sdpa_cudnn"]
+    assert report["environment"]["torch"] == torch.__version__
+    ok = [r for r in report["results"] if r["provider"] == "sdpa_flash"]
+    assert all(r["status"] == "ok" and r["ms"] == 0.5 and not r["wrong"] for r in ok)
+    assert (tmp_path / "run" / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "run" / "bench.md").read_text().count("| fwd") == 1

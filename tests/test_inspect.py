@@ -1,0 +1,126 @@
+"""Cross-compiling every registered kernel for its archs on the CPU, and reading the results."""
+
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from flash_cute.registry import ARCHES, CONFIGS, registered_configs
+from flash_cute.sass import _sval_attrs, opcode_counts
+
+
+@pytest.fixture(scope="module")
+def inspected():
+    """`inspect --json` over all registered kernels and archs, run as users run it."""
+    proc = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--json"],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_every_config_compiles_for_each_of_its_archs(inspected):
+    want = sorted((c.kernel, json.dumps(c.config_dict(), sort_keys=True), a)
+                  for c in CONFIGS for a in c.archs)
+    got = sorted((e["kernel"], json.dumps(e["config"], sort_keys=True), e["arch"]) for e in inspected)
+    assert got == want
+    assert all("error" not in e for e in inspected)
+
+
+def test_each_arch_has_a_kernel_with_sass(inspected):
+    for arch in ARCHES:
+        entries = [e for e in inspected if e["arch"] == arch]
+        assert entries, f"no kernel for {arch}"
+        assert all(sum(e["sass"].values()) > 0 for e in entries)
+
+
+def test_json_schema(inspected):
+    for e in inspected:
+        assert set(e) >= {"kernel", "arch", "config", "registers", "smem_bytes", "spill_bytes", "sass"}
+        assert set(e["config"]) >= {"dtype", "hdim", "hdim_v", "tile"}
+        assert "." in e["kernel"]
+        assert 0 < e["registers"] <= 255
+
+
+def test_blocks_use_exp2_and_do_not_spill(inspected):
+    for e in inspected:
+        assert e["spill_bytes"] == 0, e
+        assert e["sass"].get("LDL", 0) == 0 and e["sass"].get("STL", 0) == 0
+        assert e["sass"].get("MUFU.EX2", 0) > 0, f"{e['kernel']} on {e['arch']} has no MUFU.EX2"
+
+
+def test_softmax_rows_reduces_over_quads(inspected):
+    """The online softmax reduces max and sum across the 4 threads of a row with shuffles."""
+    for e in inspected:
+        if e["kernel"] == "blocks.softmax_rows":
+            assert e["sass"].get("SHFL", 0) >= 4
+
+
+def test_inspect_filters_and_table():
+    proc = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--arch", "sm_90a",
+                           "--kernel", "blocks.lse_merge"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].split()[:3] == ["kernel", "arch", "config"]
+    assert len(lines) == 1 + len(registered_configs("blocks.lse_merge", "sm_90a"))
+    assert all("sm_90a" in line for line in lines[1:])
+
+
+def test_inspect_rejects_unknown_arch():
+    proc = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--arch", "sm_75"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown arch" in proc.stderr
+
+
+def test_compile_for_arch_returns_ptx_cubin_sass(tmp_path):
+    from flash_cute.xcompile import compile_for_arch
+
+    cfg = registered_configs("blocks.lse_merge")[0]
+    art = compile_for_arch(cfg, "sm_80", out_dir=tmp_path)
+    assert ".target sm_80" in art.ptx
+    assert art.cubin[:4] == b"\x7fELF"
+    assert "EF_CUDA_SM80" in art.sass
+
+
+def test_opcode_counts_bare_and_full_forms():
+    sass = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 MUFU.EX2 R9, R2 ;
+        /*0020*/                   MUFU.RCP R3, R4 ;
+        /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;
+        /*0040*/               @P1 UTCHMMA.2CTA gdesc[UR4], gdesc[UR6], tmem[UR8], idesc[UR9], UPT ;
+        /*0050*/                   UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], idesc[UR9], UPT ;
+        /*0060*/                   STL.64 [R1], R2 ;
+    """
+    counts = opcode_counts(sass)
+    assert counts["MUFU"] == 2 and counts["MUFU.EX2"] == 1
+    assert counts["HGMMA"] == 1 and counts["LDC"] == 1 and counts["STL"] == 1
+    assert counts["UTCHMMA"] == 2 and counts["UTCHMMA.2CTA"] == 1
+
+
+def test_nv_info_frame_size_record_is_read():
+    """EIATTR_FRAME_SIZE (0x11) and REGCOUNT (0x2f) records, as ptxas writes them."""
+    records = struct.pack("<BBHII", 0x04, 0x11, 8, 6, 48) + struct.pack("<BBH", 0x03, 0x1B, 0xFF)
+    records += struct.pack("<BBHII", 0x04, 0x2F, 8, 6, 168)
+    attrs = _sval_attrs(records, 0, len(records))
+    assert attrs[(0x11, 6)] == 48 and attrs[(0x2F, 6)] == 168
+
+
+def test_compile_key_has_no_batch_or_seqlen():
+    from flash_cute.jit import CompileKey
+
+    fields = set(CompileKey.__dataclass_fields__)
+    assert not fields & {"batch", "seqlen", "seqlen_q", "seqlen_k", "total_q", "max_seqlen_q"}
+    assert fields >= {"kernel", "arch", "dtype", "hdim", "hdim_v", "tile", "flags", "variant"}
+
+
+def test_compile_cache_builds_once_per_key():
+    from flash_cute.jit import CompileCache, CompileKey
+
+    cache, built = CompileCache(), []
+    key = CompileKey("blocks.lse_merge", "sm_90a", "bf16", 128, 128, (4, 128))
+    for _ in range(3):
+        cache.get(key, lambda: built.append(1) or "compiled")
+    cache.get(CompileKey("blocks.lse_merge", "sm_80", "bf16", 128, 128, (4, 128)), lambda: "other")
+    assert built == [1] and len(cache) == 2
