@@ -8,6 +8,8 @@ Data only (no CuTe DSL import), so listing and filtering it is free. Each entry 
 
 from dataclasses import dataclass, field
 
+from flash_cute.arch.ampere.config import TILES as AMPERE_TILES
+
 ARCHES = ("sm_80", "sm_90a", "sm_100a")
 
 
@@ -44,6 +46,21 @@ def _flags(**kw) -> tuple:
 
 
 _SOFTMAX_ROWS = "flash_cute.score_attention:build_for_inspect"
+_AMPERE_FWD = "flash_cute.arch.ampere.fwd:build_for_inspect"
+
+
+def _ampere_fwd_configs():
+    out = []
+    for (d, dv), flags in [((64, 64), {}), ((64, 64), {"causal": True}),
+                           ((96, 96), {}), ((128, 128), {}), ((128, 128), {"causal": True}),
+                           ((128, 128), {"local": True, "softcap": True}),
+                           ((128, 128), {"causal": True, "varlen": True}),
+                           ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
+                           ((256, 256), {"causal": True})]:
+        full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
+        out.append(KernelConfig("ampere.fwd", ("sm_80",), "bf16", d, dv, AMPERE_TILES[d],
+                                _AMPERE_FWD, _flags(**full)))
+    return tuple(out)
 _LSE_MERGE = "flash_cute.lse_merge:build_for_inspect"
 
 CONFIGS = (
@@ -54,7 +71,7 @@ CONFIGS = (
     KernelConfig("blocks.softmax_rows", ARCHES, "fp16", None, 16, (64, 64), _SOFTMAX_ROWS,
                  _flags(causal=False, local=True, softcap=False)),
     KernelConfig("blocks.lse_merge", ARCHES, "bf16", 128, 128, (4, 128), _LSE_MERGE),
-)
+) + _ampere_fwd_configs()
 
 
 def registered_configs(kernel=None, arch=None) -> list:

@@ -124,3 +124,19 @@ def test_compile_cache_builds_once_per_key():
         cache.get(key, lambda: built.append(1) or "compiled")
     cache.get(CompileKey("blocks.lse_merge", "sm_80", "bf16", 128, 128, (4, 128)), lambda: "other")
     assert built == [1] and len(cache) == 2
+
+
+def test_ampere_fwd_is_an_sm80_mma_sync_pipeline(inspected):
+    entries = [e for e in inspected if e["kernel"] == "ampere.fwd"]
+    assert {e["arch"] for e in entries} == {"sm_80"}
+    hdims = {(e["config"]["hdim"], e["config"]["hdim_v"]) for e in entries}
+    assert hdims >= {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
+    for e in entries:
+        ops = e["sass"]
+        assert ops.get("HMMA", 0) > 0, "QKᵀ and PV must run on mma.sync"
+        assert ops.get("LDGSTS", 0) > 0, "K/V must be staged with cp.async"
+        assert ops.get("LDSM", 0) > 0, "operands must come from shared memory through ldmatrix"
+        assert ops.get("HGMMA", 0) == 0 and ops.get("UTMALDG", 0) == 0
+        assert e["smem_bytes"] > 0
+        if e["config"]["hdim"] <= 128:
+            assert e["spill_bytes"] == 0

@@ -1,0 +1,327 @@
+"""FlashAttention-2 forward on sm80: cp.async + ldmatrix + mma.sync (seed 10.3.3).
+
+Every warp owns tile_m / num_warps query rows and runs the whole loop for them (the FA2 work
+split: K and V are shared through shared memory, nothing else is exchanged between warps).
+"""
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp
+
+from flash_cute.block_range import block_range, needs_mask
+from flash_cute.dsl_state import DslState
+from flash_cute.layouts import acc_to_mn, acc_to_operand_a
+from flash_cute.mask import AttentionMask
+from flash_cute.seqlen import SeqInfo
+from flash_cute.softmax import LOG2_E, OnlineSoftmax, apply_softcap, rescale_o
+
+from .config import COMPILE_OPTIONS, TILES
+
+
+class AmpereFwd:
+    """Forward kernel: O = softmax(Q Kᵀ · scale) V and LSE, one CTA per (query tile, head, batch).
+
+    | warps        | role                                                              |
+    |--------------|-------------------------------------------------------------------|
+    | 0..W-1 (all) | cp.async loads, S = Q Kᵀ, mask, online softmax, O += P V, epilogue |
+
+    | stage (per K/V block n, visited right to left) | overlaps with            |
+    |------------------------------------------------|--------------------------|
+    | cp.async V[n]                                  | S = Q K[n]ᵀ              |
+    | cp.async K[n-1]                                | softmax(S), O += P V[n]  |
+
+    Q stays in shared memory (ldmatrix per k-block); P goes from the S accumulator straight into
+    the A operand of P V. The epilogue stages O through the Q buffer for 128-bit stores.
+    """
+
+    def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None, causal: bool = False,
+                 has_window_left: bool = False, has_window_right: bool = False,
+                 has_softcap: bool = False, varlen: bool = False, tile: Optional[tuple] = None):
+        hdim_v = hdim if hdim_v is None else hdim_v
+        if hdim not in TILES and tile is None:
+            raise ValueError(f"no sm80 tile config for hdim {hdim}; have {sorted(TILES)}")
+        if hdim_v > hdim or hdim_v % 32:
+            raise ValueError(f"hdim_v must be a multiple of 32 and <= hdim, got {hdim_v}/{hdim}")
+        self.dtype = dtype
+        self.hdim, self.hdim_v = hdim, hdim_v
+        self.tile_m, self.tile_n, self.num_warps = tile or TILES[hdim]
+        self.num_threads = 32 * self.num_warps
+        self.causal = causal
+        self.has_window_left = has_window_left
+        self.has_window_right = has_window_right and not causal
+        self.has_softcap = has_softcap
+        self.varlen = varlen
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: Q, K and V tiles (each 1 KiB aligned; O reuses Q's)."""
+        elems = [self.tile_m * self.hdim, self.tile_n * self.hdim, self.tile_n * self.hdim_v]
+        return sum(-(-e * self.dtype.width // 8 // 1024) * 1024 for e in elems)
+
+    # ---------------------------------------------------------------- host side
+
+    def _smem_layout(self, rows: int, cols: int):
+        """Swizzled (rows, cols) tile: ldmatrix and 128-bit cp.async both conflict-free."""
+        kblk = 64 if cols % 64 == 0 else 32
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(3 if kblk == 64 else 2, 3, 3), 0,
+            cute.make_layout((8, kblk), stride=(kblk, 1)),
+        )
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+
+    def _gmem_copy(self, cols: int, op):
+        """Tiled 128-bit copy of a (rows, cols) tile: cols/8 threads per row."""
+        elems = 128 // self.dtype.width
+        per_row = (64 if cols % 64 == 0 else 32) // elems
+        atom = cute.make_copy_atom(op, self.dtype, num_bits_per_copy=128)
+        thr = cute.make_layout((self.num_threads // per_row, per_row), stride=(per_row, 1))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
+                 window_right: Int32, max_seqlen_q: Int32, mCuSeqlensQ: Optional[cute.Tensor],
+                 mCuSeqlensK: Optional[cute.Tensor], stream: cuda.CUstream):
+        """Padded: Q [b, sq, h, d], K/V [b, sk, hk, d], LSE [b, h, sq]. Varlen: Q [tq, h, d],
+        K/V [tk, hk, d], LSE [h, tq], cu_seqlens [b + 1]."""
+        sQ_layout = self._smem_layout(self.tile_m, self.hdim)
+        sK_layout = self._smem_layout(self.tile_n, self.hdim)
+        sV_layout = self._smem_layout(self.tile_n, self.hdim_v)
+        sO_layout = self._smem_layout(self.tile_m, self.hdim_v)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        load = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (self.num_warps, 1, 1),
+            permutation_mnk=(self.num_warps * 16, 16, 16),
+        )
+        batch = mCuSeqlensQ.shape[0] - 1 if cutlass.const_expr(self.varlen) else mQ.shape[0]
+        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mQ.shape[-2], batch)
+        scale_log2 = softmax_scale * Float32(LOG2_E)
+        scale_div_cap = Float32(1.0)
+        if cutlass.const_expr(self.has_softcap):
+            scale_div_cap = softmax_scale / softcap
+            scale_log2 = softcap * Float32(LOG2_E)
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, scale_log2, scale_div_cap, window_left, window_right,
+            mCuSeqlensQ, mCuSeqlensK, sQ_layout, sK_layout, sV_layout, sO_layout,
+            self._gmem_copy(self.hdim, load), self._gmem_copy(self.hdim_v, load),
+            self._gmem_copy(self.hdim_v, cute.nvgpu.CopyUniversalOp()), tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, scale_log2: Float32, scale_div_cap: Float32,
+               window_left: Int32, window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
+               mCuSeqlensK: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sO_layout: cute.ComposedLayout, copy_qk: cute.TiledCopy, copy_v: cute.TiledCopy,
+               copy_o: cute.TiledCopy, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.causal or self.has_window_right):
+            # Heaviest query tiles first, so the tail of the grid is short.
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        head_kv = head // (mQ.shape[-2] // mK.shape[-2])
+        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK)
+        if m_block * self.tile_m < seq.seqlen_q:
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            sQ = storage.sQ.get_tensor(sQ_layout)
+            sK = storage.sK.get_tensor(sK_layout)
+            sV = storage.sV.get_tensor(sV_layout)
+            gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
+            gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (None, 0))
+            gV = cute.local_tile(seq.k_view(mV, head_kv), (self.tile_n, self.hdim_v), (None, 0))
+            win_left = window_left if cutlass.const_expr(self.has_window_left) else None
+            win_right = window_right if cutlass.const_expr(self.has_window_right) else None
+            rng = block_range(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                              self.causal, win_left, win_right, imin=cutlass.min, imax=cutlass.max)
+            mask = AttentionMask(self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                 self.causal, win_left, win_right)
+
+            thr_mma = tiled_mma.get_slice(tidx)
+            acc_o = cute.make_rmem_tensor(
+                thr_mma.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
+            acc_o.fill(0.0)
+            softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4)
+            softmax.reset()
+
+            thr_qk = copy_qk.get_slice(tidx)
+            thr_v = copy_v.get_slice(tidx)
+            q_rows = seq.seqlen_q - m_block * self.tile_m
+            self.load_rows(copy_qk, thr_qk.partition_S(gQ), thr_qk.partition_D(sQ),
+                           thr_qk.partition_S(cute.make_identity_tensor((self.tile_m, self.hdim))),
+                           q_rows)
+            tKgK, tKsK = thr_qk.partition_S(gK), thr_qk.partition_D(sK)
+            tKcK = thr_qk.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim)))
+            tVgV, tVsV = thr_v.partition_S(gV), thr_v.partition_D(sV)
+            tVcV = thr_v.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim_v)))
+            if rng.n_block_max > rng.n_block_min:
+                self.load_rows(copy_qk, tKgK[None, None, None, rng.n_block_max - 1], tKsK, tKcK,
+                               seq.seqlen_k - (rng.n_block_max - 1) * self.tile_n)
+            cute.arch.cp_async_commit_group()
+
+            mma = MmaOperands(self, tiled_mma, thr_mma, tidx, sQ, sK, sV)
+            coord_mn = acc_to_mn(thr_mma.partition_C(
+                cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            for n_block in cutlass.range(rng.n_block_max - 1, rng.n_block_min - 1, -1, unroll=1):
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()
+                self.load_rows(copy_v, tVgV[None, None, None, n_block], tVsV, tVcV,
+                               seq.seqlen_k - n_block * self.tile_n)
+                cute.arch.cp_async_commit_group()
+                acc_s = mma.qk()
+                acc_s_mn = acc_to_mn(acc_s)
+                if cutlass.const_expr(self.has_softcap):
+                    apply_softcap(acc_s_mn, scale_div_cap)
+                if needs_mask(n_block, rng):
+                    mask.apply(acc_s_mn, coord_mn, m_block, n_block)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()
+                if n_block > rng.n_block_min:
+                    self.load_rows(copy_qk, tKgK[None, None, None, n_block - 1], tKsK, tKcK,
+                                   seq.seqlen_k - (n_block - 1) * self.tile_n)
+                cute.arch.cp_async_commit_group()
+                row_scale = softmax.online_softmax(acc_s_mn)
+                rescale_o(acc_to_mn(acc_o), row_scale)
+                mma.pv(acc_s, acc_o)
+
+            o_scale, lse = softmax.finalize()
+            rescale_o(acc_to_mn(acc_o), o_scale)
+            self.epilogue(acc_o, lse, sQ, sO_layout, copy_o, tiled_mma, thr_mma, tidx, seq,
+                          mO, mLSE, head, m_block)
+
+    @cute.jit
+    def load_rows(self, tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor,
+                  coord: cute.Tensor, valid_rows: Int32):
+        """cp.async a tile, rows >= valid_rows zero-filled so padding never carries NaN into P V."""
+        for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+            if coord[0, m, 0][0] < valid_rows:
+                cute.copy(tiled_copy, src[None, m, None], dst[None, m, None])
+            else:
+                dst[None, m, None].fill(0)
+
+    @cute.jit
+    def epilogue(self, acc_o, lse, sQ, sO_layout, copy_o, tiled_mma, thr_mma, tidx, seq,
+                 mO, mLSE, head, m_block):
+        """O through shared memory (reusing Q's buffer) to 128-bit stores; LSE from the quad leader."""
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        sO = cute.make_tensor(sQ.iterator, sO_layout)
+        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        s2r_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        thr_r2s = cute.make_tiled_copy_C(s2r_atom, tiled_mma).get_slice(tidx)
+        cute.copy(s2r_atom, thr_r2s.retile(r_o), thr_r2s.partition_D(sO))
+
+        coord_o = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+        g_lse = seq.lse_view(mLSE, head)
+        for r in cutlass.range_constexpr(cute.size(coord_o, mode=[0])):
+            row = m_block * self.tile_m + coord_o[r, 0][0]
+            if coord_o[0, 0][1] == 0 and row < seq.seqlen_q:
+                g_lse[row] = lse[r]
+
+        cute.arch.sync_threads()
+        gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim_v), (m_block, 0))
+        thr_o = copy_o.get_slice(tidx)
+        tOsO = thr_o.partition_S(sO)
+        tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
+        cute.copy(copy_o, tOsO, tOrO)
+        tOgO = thr_o.partition_D(gO)
+        tOcO = thr_o.partition_D(cute.make_identity_tensor((self.tile_m, self.hdim_v)))
+        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tOcO[0, m, 0][0] < seq.seqlen_q - m_block * self.tile_m:
+                cute.copy(copy_o, tOrO[None, m, None], tOgO[None, m, None])
+
+
+class MmaOperands(DslState):
+    """The two GEMMs of one K/V block with their ldmatrix register pipelines.
+
+    Built once per CTA (partitions and register fragments); `qk` and `pv` are called per block.
+    """
+
+    def __init__(self, cfg: AmpereFwd, tiled_mma, thr_mma, tidx, sQ, sK, sV):
+        self.cfg = cfg
+        self.tiled_mma = tiled_mma
+        self.thr_mma = thr_mma
+        sVt = cute.composition(sV, cute.make_layout((cfg.hdim_v, cfg.tile_n), stride=(cfg.tile_n, 1)))
+        self.tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        self.tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+        self.tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        self.copy_q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, cfg.dtype), tiled_mma)
+        self.copy_k = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, cfg.dtype), tiled_mma)
+        self.copy_v = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, cfg.dtype), tiled_mma)
+        thr_q = self.copy_q.get_slice(tidx)
+        thr_k = self.copy_k.get_slice(tidx)
+        thr_v = self.copy_v.get_slice(tidx)
+        self.tSsQ, self.tSrQ_v = thr_q.partition_S(sQ), thr_q.retile(self.tSrQ)
+        self.tSsK, self.tSrK_v = thr_k.partition_S(sK), thr_k.retile(self.tSrK)
+        self.tOsVt, self.tOrVt_v = thr_v.partition_S(sVt), thr_v.retile(self.tOrVt)
+
+    @cute.jit
+    def qk(self) -> cute.Tensor:
+        """S = Q K[n]ᵀ, one k-block of Q and K in registers at a time."""
+        acc_s = cute.make_rmem_tensor(
+            self.thr_mma.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n)), Float32)
+        acc_s.fill(0.0)
+        for k in cutlass.range_constexpr(cute.size(self.tSsQ, mode=[2])):
+            cute.copy(self.copy_q, self.tSsQ[None, None, k], self.tSrQ_v[None, None, k])
+            cute.copy(self.copy_k, self.tSsK[None, None, k], self.tSrK_v[None, None, k])
+            cute.gemm(self.tiled_mma, acc_s, self.tSrQ[None, None, k], self.tSrK[None, None, k], acc_s)
+        return acc_s
+
+    @cute.jit
+    def pv(self, acc_p: cute.Tensor, acc_o: cute.Tensor):
+        """O += P V[n], P converted in registers from the S accumulator."""
+        r_p = cute.make_rmem_tensor_like(acc_p, self.cfg.dtype)
+        r_p.store(acc_p.load().to(self.cfg.dtype))
+        tOrP = acc_to_operand_a(r_p)
+        num_k = cute.size(tOrP, mode=[2])
+        cute.copy(self.copy_v, self.tOsVt[None, None, 0], self.tOrVt_v[None, None, 0])
+        for k in cutlass.range_constexpr(num_k):
+            if cutlass.const_expr(k + 1 < num_k):
+                cute.copy(self.copy_v, self.tOsVt[None, None, k + 1], self.tOrVt_v[None, None, k + 1])
+            cute.gemm(self.tiled_mma, acc_o, tOrP[None, None, k], self.tOrVt[None, None, k], acc_o)
+
+
+def build_for_inspect(cfg):
+    """Registry builder: fake padded or varlen Q/K/V/O/LSE with dynamic batch and lengths."""
+    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
+
+    flags = cfg.flag_dict
+    dtype = DTYPES[cfg.dtype]
+    kernel = AmpereFwd(dtype, cfg.hdim, cfg.hdim_v, causal=flags.get("causal", False),
+                       has_window_left=flags.get("local", False),
+                       has_window_right=flags.get("local", False),
+                       has_softcap=flags.get("softcap", False), varlen=flags.get("varlen", False),
+                       tile=tuple(cfg.tile))
+    heads, heads_kv = dynamic_dim(), dynamic_dim()
+    if kernel.varlen:
+        total_q, total_k, batch1 = dynamic_dim(), dynamic_dim(), dynamic_dim()
+        q_shape, k_shape = (total_q, heads, cfg.hdim), (total_k, heads_kv, cfg.hdim)
+        v_shape, o_shape = (total_k, heads_kv, cfg.hdim_v), (total_q, heads, cfg.hdim_v)
+        lse_shape = (heads, total_q)
+        cu = (fake_tensor(Int32, (batch1,), align=4), fake_tensor(Int32, (batch1,), align=4))
+    else:
+        b, sq, sk = dynamic_dim(), dynamic_dim(), dynamic_dim()
+        q_shape, k_shape = (b, sq, heads, cfg.hdim), (b, sk, heads_kv, cfg.hdim)
+        v_shape, o_shape = (b, sk, heads_kv, cfg.hdim_v), (b, sq, heads, cfg.hdim_v)
+        lse_shape = (b, heads, sq)
+        cu = (None, None)
+    args = (fake_tensor(dtype, q_shape), fake_tensor(dtype, k_shape), fake_tensor(dtype, v_shape),
+            fake_tensor(dtype, o_shape), fake_tensor(Float32, lse_shape, align=4),
+            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu + (fake_stream(),)
+    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS)

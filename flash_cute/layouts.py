@@ -1,0 +1,42 @@
+"""Views of MMA register fragments that let the shared blocks ignore each arch's MMA layout.
+
+`acc_to_mn` turns a thread's accumulator into (rows, cols); the blocks (softmax, mask) only
+ever see that view. `acc_to_operand_a` reinterprets the P accumulator of S = Q Kᵀ as the A
+operand of O += P V (the FA2 trick that keeps P in registers).
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+
+def _mn_layout(acc_layout: cute.Layout) -> cute.Layout:
+    shape, stride = acc_layout.shape, acc_layout.stride
+    if cutlass.const_expr(cute.rank(shape[0]) == 3):
+        # WGMMA: ((2, 2, N/8), MMA_M, MMA_N) -> ((2, MMA_M), (2, N/8, MMA_N))
+        return cute.make_layout(
+            ((shape[0][1], shape[1]), (shape[0][0], shape[0][2], shape[2])),
+            stride=((stride[0][1], stride[1]), (stride[0][0], stride[0][2], stride[2])),
+        )
+    # mma.sync m16n8: ((2, 2), MMA_M, MMA_N) -> ((2, MMA_M), (2, MMA_N))
+    return cute.make_layout(
+        ((shape[0][1], shape[1]), (shape[0][0], shape[2])),
+        stride=((stride[0][1], stride[1]), (stride[0][0], stride[2])),
+    )
+
+
+def acc_to_mn(acc: cute.Tensor) -> cute.Tensor:
+    """A thread's accumulator (or its coordinate tensor) viewed as (rows, cols)."""
+    return cute.make_tensor(acc.iterator, _mn_layout(acc.layout))
+
+
+def acc_to_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """mma.sync m16n8k16: C fragment (4, MMA_M, MMA_N) -> A fragment ((4, 2), MMA_M, MMA_N/2).
+
+    Two adjacent n8 accumulator tiles hold exactly the registers of one k16 A tile.
+    """
+    div = cute.logical_divide(acc.layout, (None, None, 2))
+    layout = cute.make_layout(
+        ((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
+        stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]),
+    )
+    return cute.make_tensor(acc.iterator, layout)

@@ -1,0 +1,140 @@
+"""flash_attn_func / flash_attn_varlen_func against the float64 reference, by the FlashAttention
+rule (our error <= 2x the error of a bf16/fp16 PyTorch implementation, plus rounding atol).
+
+Each pipeline that is built runs the same matrix (``PIPELINES``): dtypes, head dims (including
+dqk != dv), causal / local / softcap / scale, GQA and MQA, odd lengths, seqlen_q != seqlen_k,
+fully masked rows, varlen with a zero-length sequence. Outputs are poisoned with NaN first.
+"""
+
+import math
+
+import pytest
+import torch
+
+from flash_cute import flash_attn_func, flash_attn_varlen_func
+from flash_cute.reference import attention_ref, tolerance_check
+
+pytestmark = pytest.mark.gpu
+
+PIPELINES = ["ampere"]
+
+
+def _inputs(batch, sq, sk, h, hk, d, dv, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda *s: torch.randn(*s, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
+    return make(batch, sq, h, d), make(batch, sk, hk, d), make(batch, sk, hk, dv)
+
+
+def _check_forward(out, lse, q, k, v, **kw):
+    out_ref, lse_ref = attention_ref(q, k, v, mode="float64", **kw)
+    out_nat, lse_nat = attention_ref(q, k, v, mode="native", **kw)
+    res = tolerance_check(out, out_ref, out_nat)
+    assert res.ok, f"O: err {res.err:.3e} vs native {res.err_native:.3e} (+atol {res.atol:.1e})"
+    # LSE sees only QKᵀ rounding; allow the same rule with an fp32-sized atol.
+    res = tolerance_check(lse, lse_ref, lse_nat, atol=1e-4)
+    assert res.ok, f"LSE: err {res.err:.3e} vs native {res.err_native:.3e}"
+
+
+# (hdim, hdim_v, causal, window, softcap, dtype): each line is one compiled kernel.
+KERNELS = [
+    (64, 64, False, (None, None), 0.0, torch.bfloat16),
+    (64, 64, True, (None, None), 0.0, torch.float16),
+    (96, 96, False, (None, None), 0.0, torch.bfloat16),
+    (96, 96, True, (None, None), 0.0, torch.bfloat16),
+    (128, 128, False, (None, None), 0.0, torch.bfloat16),
+    (128, 128, True, (None, None), 0.0, torch.bfloat16),
+    (128, 128, False, (None, None), 0.0, torch.float16),
+    (192, 192, False, (None, None), 0.0, torch.bfloat16),
+    (192, 192, True, (None, None), 0.0, torch.float16),
+    (256, 256, False, (None, None), 0.0, torch.bfloat16),
+    (256, 256, True, (None, None), 0.0, torch.bfloat16),
+    (192, 128, False, (None, None), 0.0, torch.bfloat16),
+    (192, 128, True, (None, None), 0.0, torch.bfloat16),
+    (64, 64, False, (97, 33), 0.0, torch.bfloat16),
+    (128, 128, True, (200, None), 0.0, torch.bfloat16),
+    (128, 128, False, (None, None), 15.0, torch.bfloat16),
+    (64, 64, True, (None, None), 30.0, torch.float16),
+]
+SHAPES = [
+    # batch, seqlen_q, seqlen_k, nheads, nheads_kv
+    (2, 113, 203, 4, 4),
+    (1, 300, 130, 8, 1),  # MQA; causal: the first 170 rows see no key
+    (3, 1, 1, 2, 2),
+]
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize("hdim,hdim_v,causal,window,softcap,dtype", KERNELS)
+@pytest.mark.parametrize("batch,sq,sk,h,hk", SHAPES)
+def test_forward_matches_float64(pipeline, hdim, hdim_v, causal, window, softcap, dtype,
+                                 batch, sq, sk, h, hk):
+    q, k, v = _inputs(batch, sq, sk, h, hk, hdim, hdim_v, dtype, seed=sq * 7 + hdim)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, arch=pipeline, **kw)
+    assert out.shape == (batch, sq, h, hdim_v) and lse.shape == (batch, h, sq)
+    _check_forward(out, lse, q, k, v, **kw)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_forward_long_gqa_8_to_1_with_scale(pipeline):
+    q, k, v = _inputs(2, 1537, 2049, 16, 2, 128, 128, torch.bfloat16, seed=1)
+    out, lse = flash_attn_func(q, k, v, softmax_scale=0.05, causal=True, return_lse=True,
+                               arch=pipeline)
+    _check_forward(out, lse, q, k, v, softmax_scale=0.05, causal=True)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_fully_masked_rows_give_zero_and_neg_inf(pipeline):
+    q, k, v = _inputs(1, 200, 70, 2, 2, 64, 64, torch.bfloat16, seed=2)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, arch=pipeline)
+    empty = slice(0, 130)  # row i sees keys <= i - 130
+    assert (out[:, empty] == 0).all()
+    assert torch.isneginf(lse[:, :, empty]).all()
+    assert torch.isfinite(lse[:, :, 130:]).all()
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize("causal,hdim", [(False, 128), (True, 64)])
+def test_varlen_with_empty_sequence(pipeline, causal, hdim):
+    seqlens_q, seqlens_k = [37, 0, 129, 1, 300], [50, 17, 0, 1, 257]
+    cu_q = torch.tensor([0] + list(torch.tensor(seqlens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(seqlens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(sum(seqlens_q), 6, hdim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(sum(seqlens_k), 2, hdim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(sum(seqlens_k), 2, hdim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k),
+                                      causal=causal, return_lse=True, arch=pipeline)
+    assert out.shape == q.shape and lse.shape == (6, sum(seqlens_q))
+    _check_forward(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_every_output_element_is_written(pipeline, monkeypatch):
+    """Poison the allocator's outputs with NaN: any element the kernel skips stays NaN."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    q, k, v = _inputs(2, 333, 251, 4, 2, 128, 128, torch.bfloat16, seed=4)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, arch=pipeline)
+    monkeypatch.undo()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    _check_forward(out, lse, q, k, v)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_new_lengths_reuse_the_compiled_kernel(pipeline):
+    from flash_cute.jit import compile_cache
+
+    q, k, v = _inputs(1, 100, 100, 2, 2, 64, 64, torch.bfloat16, seed=5)
+    flash_attn_func(q, k, v, arch=pipeline)
+    before = len(compile_cache)
+    for sq, sk, b in [(777, 555, 3), (64, 4096, 1)]:
+        q, k, v = _inputs(b, sq, sk, 2, 2, 64, 64, torch.bfloat16, seed=sq)
+        out, lse = flash_attn_func(q, k, v, return_lse=True, arch=pipeline)
+        _check_forward(out, lse, q, k, v)
+    assert len(compile_cache) == before
