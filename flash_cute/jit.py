@@ -85,11 +85,11 @@ def dynamic_dim(divisibility: int = 1):
 
 
 def fake_tensor(dtype, shape, align: int = 16):
-    """Row-major fake tensor (last mode contiguous) for compiling without a GPU."""
-    rank = len(shape)
-    return cute.runtime.make_fake_compact_tensor(
-        dtype, shape, stride_order=tuple(range(rank - 1, -1, -1)), assumed_align=align
-    )
+    """Fake tensor with a unit last stride and dynamic other strides, for compiling without a
+    GPU. It is typed exactly like `to_cute_tensor` of a real tensor, so what cross-compiles
+    here is what compiles at run time (nothing is known about the strides' divisibility)."""
+    strides = tuple(cute.sym_int64() for _ in shape[:-1]) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, shape, strides, assumed_align=align)
 
 
 def fake_stream():

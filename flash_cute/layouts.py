@@ -40,3 +40,14 @@ def acc_to_operand_a(acc: cute.Tensor) -> cute.Tensor:
         stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]),
     )
     return cute.make_tensor(acc.iterator, layout)
+
+
+def assume_aligned_strides(t: cute.Tensor, divby: int) -> cute.Tensor:
+    """`t` with each run-time stride declared a multiple of `divby` elements.
+
+    Run-time tensors arrive with fully dynamic strides; 128-bit copies need the compiler to know
+    every row start stays 16-byte aligned. Validation guarantees it (strides % 8 == 0 for 16-bit
+    types) before any launch.
+    """
+    strides = tuple(s if isinstance(s, int) else cute.assume(s, divby=divby) for s in t.stride)
+    return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=strides))

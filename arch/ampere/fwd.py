@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from flash_cute.block_range import block_range, needs_mask
 from flash_cute.dsl_state import DslState
-from flash_cute.layouts import acc_to_mn, acc_to_operand_a
+from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import LOG2_E, OnlineSoftmax, apply_softcap, rescale_o
@@ -88,6 +88,8 @@ class AmpereFwd:
                  mCuSeqlensK: Optional[cute.Tensor], stream: cuda.CUstream):
         """Padded: Q [b, sq, h, d], K/V [b, sk, hk, d], LSE [b, h, sq]. Varlen: Q [tq, h, d],
         K/V [tk, hk, d], LSE [h, tq], cu_seqlens [b + 1]."""
+        vec = 128 // self.dtype.width
+        mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mO))
         sQ_layout = self._smem_layout(self.tile_m, self.hdim)
         sK_layout = self._smem_layout(self.tile_n, self.hdim)
         sV_layout = self._smem_layout(self.tile_n, self.hdim_v)
