@@ -74,3 +74,36 @@ def block_range(
 def needs_mask(n_block, rng: BlockRange):
     """Whether a visited block is outside the unmasked range (works for ints and DSL Int32)."""
     return (n_block >= rng.n_block_max_no_mask) | (n_block < rng.n_block_min_no_mask)
+
+
+def m_block_range(
+    n_block,
+    tile_m: int,
+    tile_n: int,
+    seqlen_q,
+    seqlen_k,
+    causal: bool = False,
+    window_left: Optional[object] = None,
+    window_right: Optional[object] = None,
+    *,
+    imin=min,
+    imax=max,
+):
+    """Query blocks ``[m_block_min, m_block_max)`` that see some key of K/V block `n_block`.
+
+    The backward's outer loop runs over K/V blocks and visits these query blocks. Key j is
+    visible to rows ``j - off - right <= i <= j - off + left``; the range is tight and empty
+    (``max <= min``) when no row sees the block. Precondition: ``n_block * tile_n < seqlen_k``.
+    """
+    if causal:
+        window_right = 0
+    offset = seqlen_k - seqlen_q
+    key_first = n_block * tile_n
+    key_last = imin(key_first + tile_n, seqlen_k) - 1
+    m_blocks = (seqlen_q + tile_m - 1) // tile_m
+    row_first = 0 if window_right is None else imax(key_first - offset - window_right, 0)
+    row_end = seqlen_q if window_left is None else imax(
+        imin(key_last - offset + window_left + 1, seqlen_q), 0)
+    m_min = imin(row_first // tile_m, m_blocks)
+    m_max = (row_end + tile_m - 1) // tile_m
+    return m_min, m_max

@@ -51,3 +51,9 @@ def assume_aligned_strides(t: cute.Tensor, divby: int) -> cute.Tensor:
     """
     strides = tuple(s if isinstance(s, int) else cute.assume(s, divby=divby) for s in t.stride)
     return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=strides))
+
+
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """The (C, R) view of an (R, C) tensor (e.g. Kᵀ of a K tile in shared memory)."""
+    rows, cols = cute.size(t, mode=[0]), cute.size(t, mode=[1])
+    return cute.composition(t, cute.make_layout((cols, rows), stride=(rows, 1)))

@@ -8,6 +8,7 @@ Data only (no CuTe DSL import), so listing and filtering it is free. Each entry 
 
 from dataclasses import dataclass, field
 
+from flash_cute.arch.ampere.config import BWD_TILES as AMPERE_BWD_TILES
 from flash_cute.arch.ampere.config import TILES as AMPERE_TILES
 
 ARCHES = ("sm_80", "sm_90a", "sm_100a")
@@ -47,6 +48,7 @@ def _flags(**kw) -> tuple:
 
 _SOFTMAX_ROWS = "flash_cute.score_attention:build_for_inspect"
 _AMPERE_FWD = "flash_cute.arch.ampere.fwd:build_for_inspect"
+_AMPERE_BWD = "flash_cute.arch.ampere.bwd:build_for_inspect"
 
 
 def _ampere_fwd_configs():
@@ -61,6 +63,19 @@ def _ampere_fwd_configs():
         out.append(KernelConfig("ampere.fwd", ("sm_80",), "bf16", d, dv, AMPERE_TILES[d],
                                 _AMPERE_FWD, _flags(**full)))
     return tuple(out)
+
+
+def _ampere_bwd_configs():
+    out = []
+    for (d, dv), flags in [((64, 64), {}), ((64, 64), {"causal": True}), ((96, 96), {}),
+                           ((128, 128), {}), ((128, 128), {"causal": True}),
+                           ((128, 128), {"local": True, "softcap": True}),
+                           ((128, 128), {"causal": True, "varlen": True}),
+                           ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {})]:
+        full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
+        out.append(KernelConfig("ampere.bwd", ("sm_80",), "bf16", d, dv, AMPERE_BWD_TILES[d][:3],
+                                _AMPERE_BWD, _flags(**full)))
+    return tuple(out)
 _LSE_MERGE = "flash_cute.lse_merge:build_for_inspect"
 
 CONFIGS = (
@@ -71,7 +86,17 @@ CONFIGS = (
     KernelConfig("blocks.softmax_rows", ARCHES, "fp16", None, 16, (64, 64), _SOFTMAX_ROWS,
                  _flags(causal=False, local=True, softcap=False)),
     KernelConfig("blocks.lse_merge", ARCHES, "bf16", 128, 128, (4, 128), _LSE_MERGE),
-) + _ampere_fwd_configs()
+) + _ampere_fwd_configs() + _ampere_bwd_configs()
+
+_BWD_PREP = "flash_cute.bwd_prep:build_for_inspect"
+CONFIGS += (
+    KernelConfig("blocks.bwd.preprocess", ARCHES, "bf16", None, 128, (64, 128), _BWD_PREP,
+                 _flags(dlse=False, varlen=False)),
+    KernelConfig("blocks.bwd.preprocess", ARCHES, "fp16", None, 64, (128, 64), _BWD_PREP,
+                 _flags(dlse=True, varlen=True)),
+    KernelConfig("blocks.bwd.postprocess", ARCHES, "bf16", 128, None, (32, 128), _BWD_PREP,
+                 _flags(varlen=False)),
+)
 
 
 def registered_configs(kernel=None, arch=None) -> list:

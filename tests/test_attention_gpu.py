@@ -138,3 +138,82 @@ def test_new_lengths_reuse_the_compiled_kernel(pipeline):
         out, lse = flash_attn_func(q, k, v, return_lse=True, arch=pipeline)
         _check_forward(out, lse, q, k, v)
     assert len(compile_cache) == before
+
+
+def _grads(fn, q, k, v, dout):
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(qg, kg, vg)
+    return torch.autograd.grad(out, (qg, kg, vg), dout)
+
+
+def _check_backward(pipeline, q, k, v, dout, **kw):
+    ours = _grads(lambda a, b, c: flash_attn_func(a, b, c, arch=pipeline, **kw)[0], q, k, v, dout)
+    ref = _grads(lambda a, b, c: attention_ref(a, b, c, mode="float64", **kw)[0],
+                 q.double(), k.double(), v.double(), dout.double())
+    nat = _grads(lambda a, b, c: attention_ref(a, b, c, mode="native", **kw)[0], q, k, v, dout)
+    for name, g, g_ref, g_nat in zip(("dQ", "dK", "dV"), ours, ref, nat):
+        assert g.shape == g_ref.shape and g.dtype == q.dtype
+        res = tolerance_check(g, g_ref, g_nat)
+        assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e} (+atol {res.atol:.1e})"
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize("hdim,hdim_v,causal,window,softcap,dtype", KERNELS)
+@pytest.mark.parametrize("batch,sq,sk,h,hk", SHAPES)
+def test_backward_matches_float64(pipeline, hdim, hdim_v, causal, window, softcap, dtype,
+                                  batch, sq, sk, h, hk):
+    q, k, v = _inputs(batch, sq, sk, h, hk, hdim, hdim_v, dtype, seed=sq * 5 + hdim)
+    dout = torch.randn(batch, sq, h, hdim_v, device="cuda", dtype=dtype)
+    _check_backward(pipeline, q, k, v, dout, causal=causal, window_size=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_backward_long_gqa_8_to_1(pipeline):
+    q, k, v = _inputs(2, 1031, 2047, 16, 2, 128, 128, torch.bfloat16, seed=11)
+    dout = torch.randn_like(q)
+    _check_backward(pipeline, q, k, v, dout, causal=True, softmax_scale=0.07)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_backward_through_lse(pipeline):
+    """A loss that uses the returned LSE too: its gradient enters as dS = P (dP - (Δ - dLSE))."""
+    q, k, v = _inputs(2, 157, 211, 4, 2, 64, 64, torch.bfloat16, seed=12)
+    dout = torch.randn(2, 157, 4, 64, device="cuda", dtype=torch.bfloat16)
+    dlse = torch.randn(2, 4, 157, device="cuda")
+
+    def loss_grads(fn, tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        out, lse = fn(*leaves)
+        loss = (out.double() * dout.double()).sum() + (lse.double() * dlse.double()).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    ours = loss_grads(lambda a, b, c: flash_attn_func(a, b, c, causal=True, return_lse=True,
+                                                      arch=pipeline), (q, k, v))
+    ref = loss_grads(lambda a, b, c: attention_ref(a, b, c, causal=True, mode="float64"),
+                     (q.double(), k.double(), v.double()))
+    nat = loss_grads(lambda a, b, c: attention_ref(a, b, c, causal=True, mode="native"), (q, k, v))
+    for name, g, g_ref, g_nat in zip(("dQ", "dK", "dV"), ours, ref, nat):
+        res = tolerance_check(g, g_ref, g_nat)
+        assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e}"
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_backward_varlen_with_empty_sequence(pipeline):
+    seqlens_q, seqlens_k = [37, 0, 129, 1, 300], [50, 17, 0, 1, 257]
+    cu_q = torch.tensor([0] + list(torch.tensor(seqlens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(seqlens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    q = torch.randn(sum(seqlens_q), 6, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(sum(seqlens_k), 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(sum(seqlens_k), 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    dout = torch.randn_like(q)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+    ours = _grads(lambda a, b, c: flash_attn_varlen_func(
+        a, b, c, cu_q, cu_k, max(seqlens_q), max(seqlens_k), causal=True, arch=pipeline)[0],
+        q, k, v, dout)
+    ref = _grads(lambda a, b, c: attention_ref(a, b, c, mode="float64", **kw)[0],
+                 q.double(), k.double(), v.double(), dout.double())
+    nat = _grads(lambda a, b, c: attention_ref(a, b, c, mode="native", **kw)[0], q, k, v, dout)
+    for name, g, g_ref, g_nat in zip(("dQ", "dK", "dV"), ours, ref, nat):
+        res = tolerance_check(g, g_ref, g_nat)
+        assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e}"

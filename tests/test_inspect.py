@@ -43,11 +43,19 @@ def test_json_schema(inspected):
         assert 0 < e["registers"] <= 255
 
 
+def _does_softmax(kernel: str) -> bool:
+    """Kernels that exponentiate scores or LSEs (the bwd pre/postprocess kernels do not)."""
+    return kernel in ("blocks.softmax_rows", "blocks.lse_merge") or kernel.endswith((".fwd", ".bwd"))
+
+
 def test_blocks_use_exp2_and_do_not_spill(inspected):
+    """No local memory anywhere up to hdim 128; beyond that a spill is reported, not hidden."""
     for e in inspected:
-        assert e["spill_bytes"] == 0, e
-        assert e["sass"].get("LDL", 0) == 0 and e["sass"].get("STL", 0) == 0
-        assert e["sass"].get("MUFU.EX2", 0) > 0, f"{e['kernel']} on {e['arch']} has no MUFU.EX2"
+        if (e["config"]["hdim"] or 0) <= 128:
+            assert e["spill_bytes"] == 0, e
+            assert e["sass"].get("LDL", 0) == 0 and e["sass"].get("STL", 0) == 0
+        if _does_softmax(e["kernel"]):
+            assert e["sass"].get("MUFU.EX2", 0) > 0, f"{e['kernel']} on {e['arch']} has no MUFU.EX2"
 
 
 def test_softmax_rows_reduces_over_quads(inspected):
@@ -140,3 +148,12 @@ def test_ampere_fwd_is_an_sm80_mma_sync_pipeline(inspected):
         assert e["smem_bytes"] > 0
         if e["config"]["hdim"] <= 128:
             assert e["spill_bytes"] == 0
+
+
+def test_ampere_bwd_uses_mma_sync_and_fp32_atomics(inspected):
+    entries = [e for e in inspected if e["kernel"] == "ampere.bwd"]
+    assert {e["arch"] for e in entries} == {"sm_80"} and len(entries) >= 6
+    for e in entries:
+        ops = e["sass"]
+        assert ops.get("HMMA", 0) > 0 and ops.get("LDSM", 0) > 0 and ops.get("LDGSTS", 0) > 0
+        assert ops.get("RED", 0) + ops.get("ATOMG", 0) > 0, "dQ is accumulated with atomics"

@@ -373,3 +373,30 @@ def test_exp2_poly_as_softmax_exp():
     p = exp2_poly(x)
     p_exact = torch.exp2(x.double())
     assert ((p.double() - p_exact).abs() / p_exact.clamp(min=1e-30)).max() < 2.0**-9
+
+
+def test_m_block_range_is_tight_against_the_mask():
+    """Brute force: the query blocks that see a key block are exactly [m_min, m_max)."""
+    import random
+
+    from flash_cute.block_range import m_block_range
+    from flash_cute.reference import attention_mask
+
+    rng = random.Random(7)
+    for _ in range(400):
+        sq, sk = rng.randint(1, 300), rng.randint(1, 300)
+        tm, tn = rng.choice([16, 64, 128]), rng.choice([32, 64, 128])
+        causal = rng.random() < 0.4
+        left = rng.choice([None, 0, 5, 77, 300])
+        right = None if causal else rng.choice([None, 0, 9, 150])
+        visible = attention_mask(sq, sk, causal, (left, right))
+        for n in range(-(-sk // tn)):
+            cols = visible[:, n * tn:(n + 1) * tn].any(dim=1)
+            seen = {i // tm for i in range(sq) if cols[i]}
+            m_min, m_max = m_block_range(n, tm, tn, sq, sk, causal, left, right)
+            cfg = (sq, sk, tm, tn, causal, left, right, n)
+            if seen:
+                assert (m_min, m_max) == (min(seen), max(seen) + 1), cfg
+                assert seen == set(range(m_min, m_max)), cfg
+            else:
+                assert m_max <= m_min, cfg

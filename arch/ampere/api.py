@@ -23,8 +23,9 @@ def _flags(problem: AttentionProblem) -> tuple:
             ("softcap", problem.softcap > 0), ("varlen", problem.varlen))
 
 
-def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None):
-    """(out, lse) for validated inputs; out has v's head dim, lse is fp32."""
+def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None, tile=None):
+    """(out, lse) for validated inputs; out has v's head dim, lse is fp32. `tile` overrides
+    (tile_m, tile_n, num_warps) for ablations."""
     from cutlass import Float32, Int32
     import cutlass.cute as cute
 
@@ -43,8 +44,8 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
         return out.zero_(), lse
     flags = _flags(problem)
     dtype = _DTYPE_NAMES[q.dtype]
-    key = CompileKey("ampere.fwd", current_arch(), dtype, problem.hdim, problem.hdim_v,
-                     TILES[problem.hdim], flags)
+    tile = tuple(tile or TILES[problem.hdim])
+    key = CompileKey("ampere.fwd", current_arch(), dtype, problem.hdim, problem.hdim_v, tile, flags)
     cu = (to_cute_tensor(cu_seqlens_q, 4), to_cute_tensor(cu_seqlens_k, 4)) if problem.varlen \
         else (None, None)
     args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(out),
@@ -57,8 +58,65 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
         f = dict(flags)
         kernel = AmpereFwd(DTYPES[dtype], problem.hdim, problem.hdim_v, causal=f["causal"],
                            has_window_left=f["left"], has_window_right=f["right"],
-                           has_softcap=f["softcap"], varlen=f["varlen"])
+                           has_softcap=f["softcap"], varlen=f["varlen"], tile=tile)
         return cute.compile(kernel, *args, options=COMPILE_OPTIONS)
 
     compile_cache.get(key, build)(*args)
     return out, lse
+
+
+def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
+             cu_seqlens_k=None, deterministic: bool = False):
+    """(dq, dk, dv): preprocess (Δ, LSE·log2 e), the main kernel, then dQ's scale-and-convert.
+
+    With GQA the kernel writes fp32 dK/dV per query head and the group is summed here.
+    """
+    from cutlass import Float32, Int32
+    import cutlass.cute as cute
+
+    from flash_cute.bwd_prep import bwd_postprocess, bwd_preprocess
+    from flash_cute.jit import DTYPES, CompileKey, compile_cache, current_arch, current_stream, to_cute_tensor
+
+    from .bwd import AmpereBwd
+    from .config import BWD_TILES
+
+    if deterministic:
+        raise NotImplementedError("the ampere pipeline's backward adds dQ with atomics; "
+                                  "deterministic=True is not available there")
+    dout = dout.contiguous()
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    delta, lse_log2 = bwd_preprocess(out, dout, lse, dlse, cu_seqlens_q, problem.max_seqlen_q)
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    group = problem.nheads // problem.nheads_kv
+    kv_lead = k.shape[:-2]
+    dkv_dtype = torch.float32 if group > 1 else q.dtype
+    dk = torch.empty(*kv_lead, problem.nheads, problem.hdim, dtype=dkv_dtype, device=q.device)
+    dv = torch.empty(*kv_lead, problem.nheads, problem.hdim_v, dtype=dkv_dtype, device=q.device)
+    flags = _flags(problem) + (("dkv_fp32", group > 1),)
+    dtype = _DTYPE_NAMES[q.dtype]
+    key = CompileKey("ampere.bwd", current_arch(), dtype, problem.hdim, problem.hdim_v,
+                     BWD_TILES[problem.hdim][:3], flags)
+    cu = (to_cute_tensor(cu_seqlens_q, 4), to_cute_tensor(cu_seqlens_k, 4)) if problem.varlen \
+        else (None, None)
+    args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(dout),
+            to_cute_tensor(lse_log2, 4), to_cute_tensor(delta, 4), to_cute_tensor(dq_accum, 4),
+            to_cute_tensor(dk, 16 if group == 1 else 4), to_cute_tensor(dv, 16 if group == 1 else 4),
+            Float32(problem.softmax_scale),
+            Float32(problem.softcap if problem.softcap > 0 else 1.0),
+            Int32(problem.window_left or 0), Int32(problem.window_right or 0),
+            Int32(problem.max_seqlen_k)) + cu + (current_stream(),)
+
+    def build():
+        f = dict(flags)
+        kernel = AmpereBwd(DTYPES[dtype], problem.hdim, problem.hdim_v, causal=f["causal"],
+                           has_window_left=f["left"], has_window_right=f["right"],
+                           has_softcap=f["softcap"], varlen=f["varlen"])
+        return cute.compile(kernel, *args, options=COMPILE_OPTIONS)
+
+    compile_cache.get(key, build)(*args)
+    dq = bwd_postprocess(dq_accum, problem.softmax_scale, q.dtype)
+    if group > 1:
+        dk = dk.view(*kv_lead, problem.nheads_kv, group, problem.hdim).sum(-2).to(q.dtype)
+        dv = dv.view(*kv_lead, problem.nheads_kv, group, problem.hdim_v).sum(-2).to(q.dtype)
+    return dq, dk, dv

@@ -10,7 +10,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
 from flash_cute.block_range import block_range, needs_mask
 from flash_cute.dsl_state import DslState
@@ -20,6 +20,7 @@ from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import LOG2_E, OnlineSoftmax, apply_softcap, rescale_o
 
 from .config import COMPILE_OPTIONS, TILES
+from .tiles import gmem_tiled_copy, load_rows, smem_layout
 
 
 class AmpereFwd:
@@ -64,23 +65,6 @@ class AmpereFwd:
 
     # ---------------------------------------------------------------- host side
 
-    def _smem_layout(self, rows: int, cols: int):
-        """Swizzled (rows, cols) tile: ldmatrix and 128-bit cp.async both conflict-free."""
-        kblk = 64 if cols % 64 == 0 else 32
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(3 if kblk == 64 else 2, 3, 3), 0,
-            cute.make_layout((8, kblk), stride=(kblk, 1)),
-        )
-        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-
-    def _gmem_copy(self, cols: int, op):
-        """Tiled 128-bit copy of a (rows, cols) tile: cols/8 threads per row."""
-        elems = 128 // self.dtype.width
-        per_row = (64 if cols % 64 == 0 else 32) // elems
-        atom = cute.make_copy_atom(op, self.dtype, num_bits_per_copy=128)
-        thr = cute.make_layout((self.num_threads // per_row, per_row), stride=(per_row, 1))
-        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
-
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
@@ -90,10 +74,10 @@ class AmpereFwd:
         K/V [tk, hk, d], LSE [h, tq], cu_seqlens [b + 1]."""
         vec = 128 // self.dtype.width
         mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mO))
-        sQ_layout = self._smem_layout(self.tile_m, self.hdim)
-        sK_layout = self._smem_layout(self.tile_n, self.hdim)
-        sV_layout = self._smem_layout(self.tile_n, self.hdim_v)
-        sO_layout = self._smem_layout(self.tile_m, self.hdim_v)
+        sQ_layout = smem_layout(self.tile_m, self.hdim)
+        sK_layout = smem_layout(self.tile_n, self.hdim)
+        sV_layout = smem_layout(self.tile_n, self.hdim_v)
+        sO_layout = smem_layout(self.tile_m, self.hdim_v)
 
         @cute.struct
         class SharedStorage:
@@ -101,7 +85,6 @@ class AmpereFwd:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        load = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
         tiled_mma = cute.make_tiled_mma(
             warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (self.num_warps, 1, 1),
             permutation_mnk=(self.num_warps * 16, 16, 16),
@@ -116,8 +99,10 @@ class AmpereFwd:
         self.kernel(
             mQ, mK, mV, mO, mLSE, scale_log2, scale_div_cap, window_left, window_right,
             mCuSeqlensQ, mCuSeqlensK, sQ_layout, sK_layout, sV_layout, sO_layout,
-            self._gmem_copy(self.hdim, load), self._gmem_copy(self.hdim_v, load),
-            self._gmem_copy(self.hdim_v, cute.nvgpu.CopyUniversalOp()), tiled_mma, SharedStorage,
+            gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
+            gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
+            gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v, cute.nvgpu.CopyUniversalOp()),
+            tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -162,7 +147,7 @@ class AmpereFwd:
             thr_qk = copy_qk.get_slice(tidx)
             thr_v = copy_v.get_slice(tidx)
             q_rows = seq.seqlen_q - m_block * self.tile_m
-            self.load_rows(copy_qk, thr_qk.partition_S(gQ), thr_qk.partition_D(sQ),
+            load_rows(copy_qk, thr_qk.partition_S(gQ), thr_qk.partition_D(sQ),
                            thr_qk.partition_S(cute.make_identity_tensor((self.tile_m, self.hdim))),
                            q_rows)
             tKgK, tKsK = thr_qk.partition_S(gK), thr_qk.partition_D(sK)
@@ -170,7 +155,7 @@ class AmpereFwd:
             tVgV, tVsV = thr_v.partition_S(gV), thr_v.partition_D(sV)
             tVcV = thr_v.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim_v)))
             if rng.n_block_max > rng.n_block_min:
-                self.load_rows(copy_qk, tKgK[None, None, None, rng.n_block_max - 1], tKsK, tKcK,
+                load_rows(copy_qk, tKgK[None, None, None, rng.n_block_max - 1], tKsK, tKcK,
                                seq.seqlen_k - (rng.n_block_max - 1) * self.tile_n)
             cute.arch.cp_async_commit_group()
 
@@ -180,7 +165,7 @@ class AmpereFwd:
             for n_block in cutlass.range(rng.n_block_max - 1, rng.n_block_min - 1, -1, unroll=1):
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()
-                self.load_rows(copy_v, tVgV[None, None, None, n_block], tVsV, tVcV,
+                load_rows(copy_v, tVgV[None, None, None, n_block], tVsV, tVcV,
                                seq.seqlen_k - n_block * self.tile_n)
                 cute.arch.cp_async_commit_group()
                 acc_s = mma.qk()
@@ -192,7 +177,7 @@ class AmpereFwd:
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()
                 if n_block > rng.n_block_min:
-                    self.load_rows(copy_qk, tKgK[None, None, None, n_block - 1], tKsK, tKcK,
+                    load_rows(copy_qk, tKgK[None, None, None, n_block - 1], tKsK, tKcK,
                                    seq.seqlen_k - (n_block - 1) * self.tile_n)
                 cute.arch.cp_async_commit_group()
                 row_scale = softmax.online_softmax(acc_s_mn)
@@ -203,16 +188,6 @@ class AmpereFwd:
             rescale_o(acc_to_mn(acc_o), o_scale)
             self.epilogue(acc_o, lse, sQ, sO_layout, copy_o, tiled_mma, thr_mma, tidx, seq,
                           mO, mLSE, head, m_block)
-
-    @cute.jit
-    def load_rows(self, tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor,
-                  coord: cute.Tensor, valid_rows: Int32):
-        """cp.async a tile, rows >= valid_rows zero-filled so padding never carries NaN into P V."""
-        for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
-            if coord[0, m, 0][0] < valid_rows:
-                cute.copy(tiled_copy, src[None, m, None], dst[None, m, None])
-            else:
-                dst[None, m, None].fill(0)
 
     @cute.jit
     def epilogue(self, acc_o, lse, sQ, sO_layout, copy_o, tiled_mma, thr_mma, tidx, seq,

@@ -1,0 +1,321 @@
+"""FlashAttention-2 backward on sm80 (seed 10.3.2 recompute, 10.3.3 work split).
+
+Parallel over K/V tiles: a CTA keeps dK and dV of its keys in registers while it walks the query
+tiles that see them, recomputing P = exp2(S · scale_log2 − LSE · log2 e) from the forward's LSE.
+dQ gets a partial sum from every K/V tile, added with fp32 atomics into a buffer laid out like Q;
+the postprocess kernel scales and converts it.
+"""
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from flash_cute.dsl_state import DslState
+from flash_cute.block_range import block_range, m_block_range, needs_mask
+from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
+from flash_cute.mask import AttentionMask
+from flash_cute.seqlen import SeqInfo
+from flash_cute.softmax import LOG2_E, apply_softcap
+
+from .config import BWD_TILES, COMPILE_OPTIONS
+from .mma import SmemGemm, tiled_mma
+from .tiles import gmem_tiled_copy, load_rows, smem_layout
+
+
+class AmpereBwd:
+    """Backward kernel: one CTA per (K/V tile, query head, batch).
+
+    | warps        | role                                                                  |
+    |--------------|-----------------------------------------------------------------------|
+    | 0..7 (all)   | cp.async loads; S = Q Kᵀ and dP = dO Vᵀ; P, dS to shared memory;       |
+    |              | dV += Pᵀ dO, dK += dSᵀ Q; dQ = dS K added to dQaccum with fp32 atomics |
+
+    | stage (per query tile m) | what                                                  |
+    |--------------------------|-------------------------------------------------------|
+    | 1 | wait for Q[m], dO[m]; S = Q Kᵀ, softcap, mask, dP = dO Vᵀ                      |
+    | 2 | P = exp2(S·scale_log2 − LSE₂), dS = P ∘ (dP − Δ) [∘ (1 − tanh²)], both to smem  |
+    | 3 | dV += Pᵀ dO, dK += dSᵀ Q, dQ = dS K → atomics; then cp.async Q[m+1], dO[m+1]    |
+
+    dK/dV are written per query head; the host sums them over a GQA group.
+    """
+
+    def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None, causal: bool = False,
+                 has_window_left: bool = False, has_window_right: bool = False,
+                 has_softcap: bool = False, varlen: bool = False, tile: Optional[tuple] = None):
+        hdim_v = hdim if hdim_v is None else hdim_v
+        self.dtype = dtype
+        self.hdim, self.hdim_v = hdim, hdim_v
+        cfg = tile or BWD_TILES[hdim]
+        self.tile_m, self.tile_n, self.num_warps = cfg[:3]
+        self.warps_sdp, self.warps_dkv, self.warps_dq = cfg[3:]
+        self.num_threads = 32 * self.num_warps
+        self.causal = causal
+        self.has_window_left = has_window_left
+        self.has_window_right = has_window_right and not causal
+        self.has_softcap = has_softcap
+        self.varlen = varlen
+
+    @property
+    def smem_bytes(self) -> int:
+        tiles = [(self.tile_m, self.hdim), (self.tile_m, self.hdim_v), (self.tile_n, self.hdim),
+                 (self.tile_n, self.hdim_v), (self.tile_m, self.tile_n), (self.tile_m, self.tile_n)]
+        return sum(-(-r * c * self.dtype.width // 8 // 1024) * 1024 for r, c in tiles)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor,
+                 mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, softcap: Float32,
+                 window_left: Int32, window_right: Int32, max_seqlen_k: Int32,
+                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
+        """Q/dO/dQaccum like Q, K/V like K, dK/dV [.., nheads, d] (per query head); LSElog2 and
+        Delta like the forward's LSE (see `flash_cute.bwd_prep`)."""
+        vec = 128 // self.dtype.width
+        mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mdO))
+        layouts = (smem_layout(self.tile_m, self.hdim), smem_layout(self.tile_m, self.hdim_v),
+                   smem_layout(self.tile_n, self.hdim), smem_layout(self.tile_n, self.hdim_v),
+                   smem_layout(self.tile_m, self.tile_n))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[0])], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[1])], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[2])], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[3])], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[4])], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[4])], 1024]
+
+        batch = mCuSeqlensQ.shape[0] - 1 if cutlass.const_expr(self.varlen) else mQ.shape[0]
+        grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
+        scale_log2 = softmax_scale * Float32(LOG2_E)
+        scale_div_cap = Float32(1.0)
+        if cutlass.const_expr(self.has_softcap):
+            scale_div_cap = softmax_scale / softcap
+            scale_log2 = softcap * Float32(LOG2_E)
+        self.kernel(
+            mQ, mK, mV, mdO, mLSElog2, mDelta, mdQaccum, mdK, mdV, softmax_scale, scale_log2,
+            scale_div_cap, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, *layouts,
+            gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
+            gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
+            tiled_mma(self.dtype, self.warps_sdp), tiled_mma(self.dtype, self.warps_dkv),
+            tiled_mma(self.dtype, self.warps_dq), SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+               mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, scale_log2: Float32,
+               scale_div_cap: Float32, window_left: Int32, window_right: Int32,
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout, copy_qk: cute.TiledCopy, copy_v: cute.TiledCopy,
+               mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head, batch = cute.arch.block_idx()
+        head_kv = head // (mQ.shape[-2] // mK.shape[-2])
+        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK)
+        if n_block * self.tile_n < seq.seqlen_k:
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            sQ = storage.sQ.get_tensor(sQ_layout)
+            sdO = storage.sdO.get_tensor(sdO_layout)
+            sK = storage.sK.get_tensor(sK_layout)
+            sV = storage.sV.get_tensor(sV_layout)
+            sP = storage.sP.get_tensor(sP_layout)
+            sdS = storage.sdS.get_tensor(sP_layout)
+            win_left = window_left if cutlass.const_expr(self.has_window_left) else None
+            win_right = window_right if cutlass.const_expr(self.has_window_right) else None
+            m_min, m_max = m_block_range(n_block, self.tile_m, self.tile_n, seq.seqlen_q,
+                                         seq.seqlen_k, self.causal, win_left, win_right,
+                                         imin=cutlass.min, imax=cutlass.max)
+
+            loader = TileLoader(self, tidx, seq, copy_qk, copy_v, mQ, mdO, sQ, sdO, head)
+            thr_qk, thr_v = copy_qk.get_slice(tidx), copy_v.get_slice(tidx)
+            kv_rows = seq.seqlen_k - n_block * self.tile_n
+            gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (n_block, 0))
+            gV = cute.local_tile(seq.k_view(mV, head_kv), (self.tile_n, self.hdim_v), (n_block, 0))
+            load_rows(copy_qk, thr_qk.partition_S(gK), thr_qk.partition_D(sK),
+                      thr_qk.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim))), kv_rows)
+            load_rows(copy_v, thr_v.partition_S(gV), thr_v.partition_D(sV),
+                      thr_v.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim_v))), kv_rows)
+            if m_max > m_min:
+                loader.load(m_min)
+            cute.arch.cp_async_commit_group()
+
+            gemm_s = SmemGemm(mma_sdp, tidx, self.dtype, sQ, sK)
+            gemm_dp = SmemGemm(mma_sdp, tidx, self.dtype, sdO, sV)
+            gemm_dv = SmemGemm(mma_dkv, tidx, self.dtype, transpose_view(sP), transpose_view(sdO),
+                               True, True)
+            gemm_dk = SmemGemm(mma_dkv, tidx, self.dtype, transpose_view(sdS), transpose_view(sQ),
+                               True, True)
+            gemm_dq = SmemGemm(mma_dq, tidx, self.dtype, sdS, transpose_view(sK), False, True)
+            acc_dk = gemm_dk.new_acc((self.tile_n, self.hdim))
+            acc_dv = gemm_dv.new_acc((self.tile_n, self.hdim_v))
+            step = BwdStep(self, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum, head,
+                           sP, sdS, scale_log2, scale_div_cap, win_left, win_right)
+            for m_block in cutlass.range(m_min, m_max, unroll=1):
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()
+                step.compute_p_ds(gemm_s, gemm_dp, m_block, n_block)
+                cute.arch.sync_threads()
+                gemm_dv.run(acc_dv)
+                gemm_dk.run(acc_dk)
+                step.dq_atomic(gemm_dq, m_block)
+                cute.arch.sync_threads()
+                if m_block + 1 < m_max:
+                    loader.load(m_block + 1)
+                cute.arch.cp_async_commit_group()
+
+            acc_dk.store(acc_dk.load() * softmax_scale)
+            store_rows(self, mma_dkv, tidx, acc_dk, seq.k_view(mdK, head), n_block, self.hdim, kv_rows)
+            store_rows(self, mma_dkv, tidx, acc_dv, seq.k_view(mdV, head), n_block, self.hdim_v, kv_rows)
+
+
+class TileLoader(DslState):
+    """cp.async of the Q and dO tiles of query block m (rows past seqlen_q zero-filled)."""
+
+    def __init__(self, cfg: AmpereBwd, tidx, seq, copy_qk, copy_v, mQ, mdO, sQ, sdO, head):
+        thr_qk, thr_v = copy_qk.get_slice(tidx), copy_v.get_slice(tidx)
+        self.cfg, self.seq = cfg, seq
+        self.copy_qk, self.copy_v = copy_qk, copy_v
+        gQ = cute.local_tile(seq.q_view(mQ, head), (cfg.tile_m, cfg.hdim), (None, 0))
+        gdO = cute.local_tile(seq.q_view(mdO, head), (cfg.tile_m, cfg.hdim_v), (None, 0))
+        self.tQgQ, self.tQsQ = thr_qk.partition_S(gQ), thr_qk.partition_D(sQ)
+        self.tdOgdO, self.tdOsdO = thr_v.partition_S(gdO), thr_v.partition_D(sdO)
+        self.tQcQ = thr_qk.partition_S(cute.make_identity_tensor((cfg.tile_m, cfg.hdim)))
+        self.tdOcdO = thr_v.partition_S(cute.make_identity_tensor((cfg.tile_m, cfg.hdim_v)))
+
+    @cute.jit
+    def load(self, m_block: Int32):
+        rows = self.seq.seqlen_q - m_block * self.cfg.tile_m
+        load_rows(self.copy_qk, self.tQgQ[None, None, None, m_block], self.tQsQ, self.tQcQ, rows)
+        load_rows(self.copy_v, self.tdOgdO[None, None, None, m_block], self.tdOsdO, self.tdOcdO, rows)
+
+
+class BwdStep(DslState):
+    """The per-query-tile math: P and dS into shared memory, and the dQ partial sum."""
+
+    def __init__(self, cfg: AmpereBwd, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum,
+                 head, sP, sdS, scale_log2, scale_div_cap, win_left, win_right):
+        self.cfg, self.seq, self.head = cfg, seq, head
+        self.scale_log2, self.scale_div_cap = scale_log2, scale_div_cap
+        self.win_left, self.win_right = win_left, win_right
+        thr_sdp = mma_sdp.get_slice(tidx)
+        self.coord_s = acc_to_mn(thr_sdp.partition_C(
+            cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))))
+        self.coord_dq = acc_to_mn(mma_dq.get_slice(tidx).partition_C(
+            cute.make_identity_tensor((cfg.tile_m, cfg.hdim))))
+        self.g_lse = seq.lse_view(mLSElog2, head)
+        self.g_delta = seq.lse_view(mDelta, head)
+        self.g_dq = seq.q_view(mdQaccum, head)
+        self.mask = AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.causal,
+                                  win_left, win_right)
+        r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cfg.dtype,
+                                       num_bits_per_copy=2 * cfg.dtype.width)
+        self.r2s_atom = r2s_atom
+        self.thr_r2s = cute.make_tiled_copy_C(r2s_atom, mma_sdp).get_slice(tidx)
+        self.tPsP = self.thr_r2s.partition_D(sP)
+        self.tdSsdS = self.thr_r2s.partition_D(sdS)
+
+    @cute.jit
+    def compute_p_ds(self, gemm_s: SmemGemm, gemm_dp: SmemGemm, m_block: Int32, n_block: Int32):
+        cfg = self.cfg
+        num_rows = cute.size(self.coord_s, mode=[0])
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+        delta = cute.make_rmem_tensor(num_rows, Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = m_block * cfg.tile_m + self.coord_s[r, 0][0]
+            safe = cutlass.min(row, self.seq.seqlen_q - 1)
+            # Padding rows get P = exp2(-inf) = 0, so they add nothing to dK or dV.
+            lse[r] = Float32.inf if row >= self.seq.seqlen_q else self.g_lse[safe]
+            delta[r] = self.g_delta[safe]
+        acc_s = gemm_s.new_acc((cfg.tile_m, cfg.tile_n))
+        gemm_s.run(acc_s)
+        s_mn = acc_to_mn(acc_s)
+        if cutlass.const_expr(cfg.has_softcap):
+            apply_softcap(s_mn, self.scale_div_cap)
+        rng = block_range(m_block, cfg.tile_m, cfg.tile_n, self.seq.seqlen_q, self.seq.seqlen_k,
+                          cfg.causal, self.win_left, self.win_right,
+                          imin=cutlass.min, imax=cutlass.max)
+        if needs_mask(n_block, rng):
+            self.mask.apply(s_mn, self.coord_s, m_block, n_block)
+        acc_dp = gemm_dp.new_acc((cfg.tile_m, cfg.tile_n))
+        gemm_dp.run(acc_dp)
+        dp_mn = acc_to_mn(acc_dp)
+        for r in cutlass.range_constexpr(num_rows):
+            t = s_mn[r, None].load()
+            p = cute.math.exp2(t * self.scale_log2 - lse[r], fastmath=True)
+            ds = p * (dp_mn[r, None].load() - delta[r])
+            if cutlass.const_expr(cfg.has_softcap):
+                ds = ds * (1.0 - t * t)
+            s_mn[r, None].store(p)
+            dp_mn[r, None].store(ds)
+        r_p = cute.make_rmem_tensor_like(acc_s, cfg.dtype)
+        r_p.store(acc_s.load().to(cfg.dtype))
+        r_ds = cute.make_rmem_tensor_like(acc_dp, cfg.dtype)
+        r_ds.store(acc_dp.load().to(cfg.dtype))
+        cute.copy(self.r2s_atom, self.thr_r2s.retile(r_p), self.tPsP)
+        cute.copy(self.r2s_atom, self.thr_r2s.retile(r_ds), self.tdSsdS)
+
+    @cute.jit
+    def dq_atomic(self, gemm_dq: SmemGemm, m_block: Int32):
+        """dQ partial = dS K[n]; fp32 atomics into the rows of this query tile."""
+        cfg = self.cfg
+        acc_dq = gemm_dq.new_acc((cfg.tile_m, cfg.hdim))
+        gemm_dq.run(acc_dq)
+        dq_mn = acc_to_mn(acc_dq)
+        g_dq = cute.local_tile(self.g_dq, (cfg.tile_m, cfg.hdim), (m_block, 0))
+        rows = self.seq.seqlen_q - m_block * cfg.tile_m
+        for r in cutlass.range_constexpr(cute.size(dq_mn, mode=[0])):
+            row = self.coord_dq[r, 0][0]
+            if row < rows:
+                for c in cutlass.range_constexpr(cute.size(dq_mn, mode=[1])):
+                    ptr = g_dq.iterator + cute.crd2idx((row, self.coord_dq[0, c][1]), g_dq.layout)
+                    cute.arch.atomic_add(ptr, dq_mn[r, c])
+
+
+@cute.jit
+def store_rows(cfg: AmpereBwd, mma: cute.TiledMma, tidx, acc: cute.Tensor, m_out: cute.Tensor,
+               n_block: Int32, cols: int, valid_rows: Int32):
+    """Store the in-bounds rows of a (tile_n, cols) accumulator, converted to m_out's type."""
+    g_out = cute.local_tile(m_out, (cfg.tile_n, cols), (n_block, 0))
+    coord = acc_to_mn(mma.get_slice(tidx).partition_C(cute.make_identity_tensor((cfg.tile_n, cols))))
+    acc_mn = acc_to_mn(acc)
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        row = coord[r, 0][0]
+        if row < valid_rows:
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                g_out[row, coord[0, c][1]] = acc_mn[r, c].to(m_out.element_type)
+
+
+def build_for_inspect(cfg):
+    """Registry builder: fake padded or varlen tensors with dynamic batch, heads and lengths."""
+    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
+
+    flags = cfg.flag_dict
+    dtype = DTYPES[cfg.dtype]
+    kernel = AmpereBwd(dtype, cfg.hdim, cfg.hdim_v, causal=flags.get("causal", False),
+                       has_window_left=flags.get("local", False),
+                       has_window_right=flags.get("local", False),
+                       has_softcap=flags.get("softcap", False), varlen=flags.get("varlen", False))
+    h, hk = dynamic_dim(), dynamic_dim()
+    if kernel.varlen:
+        tq, tk, b1 = dynamic_dim(), dynamic_dim(), dynamic_dim()
+        qs, ks, rows = (tq,), (tk,), (h, tq)
+        cu = (fake_tensor(Int32, (b1,), align=4), fake_tensor(Int32, (b1,), align=4))
+    else:
+        b, sq, sk = dynamic_dim(), dynamic_dim(), dynamic_dim()
+        qs, ks, rows = (b, sq), (b, sk), (b, h, sq)
+        cu = (None, None)
+    d, dv = cfg.hdim, cfg.hdim_v
+    args = (fake_tensor(dtype, qs + (h, d)), fake_tensor(dtype, ks + (hk, d)),
+            fake_tensor(dtype, ks + (hk, dv)), fake_tensor(dtype, qs + (h, dv)),
+            fake_tensor(Float32, rows, align=4), fake_tensor(Float32, rows, align=4),
+            fake_tensor(Float32, qs + (h, d), align=4), fake_tensor(dtype, ks + (h, d)),
+            fake_tensor(dtype, ks + (h, dv)), Float32(0.125), Float32(1.0), Int32(0), Int32(0),
+            Int32(1)) + cu + (fake_stream(),)
+    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS)

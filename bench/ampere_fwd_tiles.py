@@ -1,0 +1,56 @@
+"""Ablation: the Ampere forward's (tile_m, tile_n, warps) on the GPU at hand, next to SDPA-flash.
+
+    python bench/ampere_fwd_tiles.py [--hdim 64,128] [--seqlen 2048,8192]
+
+Prints TFLOP/s (4·b·h·s²·d, ÷2 causal) per tile config; results go into docs/perf.md by hand.
+"""
+
+import argparse
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flash_cute.arch.ampere import api
+from flash_cute.validation import validate_attention_inputs
+
+CANDIDATES = {
+    64: [(128, 128, 8), (128, 64, 8), (128, 64, 4), (64, 128, 4), (128, 128, 4)],
+    128: [(128, 128, 8), (128, 64, 8), (64, 128, 4), (64, 64, 4), (128, 64, 4)],
+}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hdim", default="64,128")
+    p.add_argument("--seqlen", default="2048,8192")
+    args = p.parse_args()
+    rows = []
+    for hdim in map(int, args.hdim.split(",")):
+        for seqlen in map(int, args.seqlen.split(",")):
+            batch, nheads = 16384 // seqlen, 2048 // hdim
+            for causal in (False, True):
+                q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda",
+                                       dtype=torch.bfloat16) for _ in range(3))
+                flops = 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1)
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    ref_fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+                    ref = ref_fn().transpose(1, 2)
+                    ms = triton.testing.do_bench(ref_fn, return_mode="median")
+                rows.append((hdim, seqlen, causal, "sdpa_flash", flops / ms / 1e9, 0.0))
+                problem = validate_attention_inputs(q, k, v, causal=causal)
+                for tile in CANDIDATES[hdim]:
+                    fn = lambda: api.forward(q, k, v, problem, tile=tile)  # noqa: E731
+                    err = (fn()[0].float() - ref.float()).abs().max().item()
+                    ms = triton.testing.do_bench(fn, return_mode="median")
+                    rows.append((hdim, seqlen, causal, "x".join(map(str, tile)), flops / ms / 1e9, err))
+                    print(rows[-1], flush=True)
+    print("\n| hdim | seqlen | causal | config | TFLOP/s | max err vs sdpa |")
+    print("|---:|---:|---:|---|---:|---:|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {int(r[2])} | {r[3]} | {r[4]:.1f} | {r[5]:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

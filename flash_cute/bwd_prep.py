@@ -1,0 +1,334 @@
+"""The backward pass's two arch-neutral helper kernels, run around every arch's main bwd kernel.
+
+* Preprocess (before): ``Delta = rowsum(dO ∘ O) − dLSE`` enters ``dS = P ∘ (dP − Delta)``
+  (seed 10.3.2; the dLSE term is the gradient through a returned LSE), and
+  ``LSElog2 = LSE · log2 e`` lets the main kernel recompute
+  ``P = exp2(S · scale_log2 − LSElog2)`` with one FFMA per element. A row that saw no key
+  (LSE = −inf) gets LSElog2 = +inf, so its P is exactly 0 rather than inf or NaN.
+* Postprocess (after): ``dQ = dQaccum · scale`` in the input dtype; the main kernel accumulates
+  dQ in fp32 across key blocks.
+
+Both are memory-bound: 128-bit loads, a power-of-two group of consecutive lanes per row (so a
+butterfly shuffle reduces it), fp32 arithmetic.
+"""
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from flash_cute.layouts import assume_aligned_strides
+from flash_cute.seqlen import SeqInfo
+from flash_cute.softmax import LOG2_E
+
+
+def _row_split(row_vectors: int, num_threads: int, vectors_per_thread: int) -> tuple:
+    """(threads per row, rows per CTA) for rows of `row_vectors` 128-bit vectors.
+
+    Threads per row: the largest power of two (at most a warp) dividing `row_vectors`, so every
+    thread loads the same number of vectors of a row. Rows per thread: enough for about
+    `vectors_per_thread` loads in flight per tensor.
+    """
+    threads_per_row = min(row_vectors & -row_vectors, 32)
+    rows_per_thread = max(1, vectors_per_thread // (row_vectors // threads_per_row))
+    return threads_per_row, num_threads // threads_per_row * rows_per_thread
+
+
+def _row_copy(dtype, elems: int, threads_per_row: int, num_threads: int) -> cute.TiledCopy:
+    """Tiled copy of (rows, d) tiles: `elems`-element vectors, `threads_per_row` consecutive
+    threads side by side along a row."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype,
+                               num_bits_per_copy=elems * dtype.width)
+    threads = cute.make_layout((num_threads // threads_per_row, threads_per_row),
+                               stride=(threads_per_row, 1))
+    return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, elems)))
+
+
+@cute.jit
+def _copy_rows(tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor,
+               coord: cute.Tensor, valid_rows: Int32):
+    """Copy a thread's partition of a tile; rows >= valid_rows are never touched.
+
+    A predicate rather than a branch per row, so all of a thread's loads are issued back to
+    back instead of one row's round trip at a time.
+    """
+    num_rows = cute.size(coord, mode=[1])
+    # One Boolean per row, broadcast (stride 0) over the atom's values and the row's vectors.
+    per_row = cute.make_layout((coord.shape[0][1], num_rows, cute.size(coord, mode=[2])),
+                               stride=(0, 1, 0))
+    pred = cute.make_rmem_tensor(per_row, cutlass.Boolean)
+    for m in cutlass.range_constexpr(num_rows):
+        pred[0, m, 0] = coord[0, m, 0][0] < valid_rows
+    cute.copy(tiled_copy, src, dst, pred=pred)
+
+
+class BwdPreprocessKernel:
+    """Delta and LSElog2 for every query row; one CTA per (row tile, head, batch).
+
+    | warps | role                                                                          |
+    |-------|-------------------------------------------------------------------------------|
+    | 0-3   | all: 128-bit loads of O and dO, `threads_per_row` lanes per row, fp32 products |
+    |       | summed in registers then by a butterfly shuffle; the row's first lane writes   |
+    |       | Delta; LSElog2 one thread per row (coalesced)                                  |
+
+    O, dO: padded [b, sq, h, dv] or varlen [total_q, h, dv]; LSE, dLSE, Delta, LSElog2: fp32
+    padded [b, h, sq] or varlen [h, total_q]. Rows past a sequence's length are neither read
+    nor written.
+    """
+
+    num_threads = 128
+    vectors_per_thread = 8
+
+    def __init__(self, dtype, hdim_v: int, varlen: bool = False, has_dlse: bool = False):
+        self.vec = 128 // dtype.width
+        if hdim_v % self.vec != 0:
+            raise ValueError(f"hdim_v must be a multiple of {self.vec} (128-bit loads), "
+                             f"got {hdim_v}")
+        self.dtype = dtype
+        self.hdim_v = hdim_v
+        self.varlen = varlen
+        self.has_dlse = has_dlse
+        self.threads_per_row, self.tile_m = _row_split(
+            hdim_v // self.vec, self.num_threads, self.vectors_per_thread)
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mdLSE: Optional[cute.Tensor], mDelta: cute.Tensor, mLSElog2: cute.Tensor,
+                 mCuSeqlensQ: Optional[cute.Tensor], max_seqlen_q: Int32, stream: cuda.CUstream):
+        """Varlen: cu_seqlens_q [b + 1] int32; max_seqlen_q sizes the grid."""
+        mO, mdO = (assume_aligned_strides(t, self.vec) for t in (mO, mdO))
+        batch = mCuSeqlensQ.shape[0] - 1 if cutlass.const_expr(self.varlen) else mO.shape[0]
+        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mO.shape[-2], batch)
+        load = _row_copy(self.dtype, self.vec, self.threads_per_row, self.num_threads)
+        self.kernel(mO, mdO, mLSE, mdLSE, mDelta, mLSElog2, mCuSeqlensQ, load).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+               mdLSE: Optional[cute.Tensor], mDelta: cute.Tensor, mLSElog2: cute.Tensor,
+               mCuSeqlensQ: Optional[cute.Tensor], load: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seq = SeqInfo(batch, mO.shape[1], mO.shape[1], mCuSeqlensQ, mCuSeqlensQ)
+        valid_rows = seq.seqlen_q - m_block * self.tile_m
+        if valid_rows > 0:
+            self.store_lse_log2(self.row_tile(seq.lse_view(mLSE, head), m_block),
+                                self.row_tile(seq.lse_view(mLSElog2, head), m_block),
+                                valid_rows, tidx)
+            dlse = None
+            if cutlass.const_expr(self.has_dlse):
+                dlse = self.row_tile(seq.lse_view(mdLSE, head), m_block)
+            tile = (self.tile_m, self.hdim_v)
+            self.store_delta(cute.local_tile(seq.q_view(mO, head), tile, (m_block, 0)),
+                             cute.local_tile(seq.q_view(mdO, head), tile, (m_block, 0)),
+                             dlse, self.row_tile(seq.lse_view(mDelta, head), m_block),
+                             load, valid_rows, tidx)
+
+    def row_tile(self, rows: cute.Tensor, m_block: Int32) -> cute.Tensor:
+        """The tile_m entries of a per-row vector that this CTA owns."""
+        return cute.local_tile(rows, (self.tile_m,), (m_block,))
+
+    @cute.jit
+    def store_lse_log2(self, t_lse: cute.Tensor, t_lse_log2: cute.Tensor, valid_rows: Int32,
+                       tidx: Int32):
+        """LSE · log2 e, one thread per row; −inf (no key seen) becomes +inf: P = exp2(−inf) = 0."""
+        rows = cutlass.min(valid_rows, self.tile_m)
+        for i in cutlass.range_constexpr(-(-self.tile_m // self.num_threads)):
+            row = tidx + i * self.num_threads
+            if row < rows:
+                lse = t_lse[row]
+                t_lse_log2[row] = Float32.inf if lse == -Float32.inf else lse * Float32(LOG2_E)
+
+    @cute.jit
+    def store_delta(self, gO: cute.Tensor, gdO: cute.Tensor, t_dlse: Optional[cute.Tensor],
+                    t_delta: cute.Tensor, load: cute.TiledCopy, valid_rows: Int32, tidx: Int32):
+        """Delta = rowsum(dO ∘ O) (− dLSE) for a (tile_m, hdim_v) tile."""
+        thr = load.get_slice(tidx)
+        tOgO, tOgdO = thr.partition_S(gO), thr.partition_S(gdO)
+        tOcO = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.hdim_v)))
+        # Zero first: every lane takes part in every row's shuffles, skipped rows included.
+        rO, rdO = cute.make_rmem_tensor_like(tOgO), cute.make_rmem_tensor_like(tOgdO)
+        rO.fill(0)
+        rdO.fill(0)
+        _copy_rows(load, tOgO, rO, tOcO, valid_rows)
+        _copy_rows(load, tOgdO, rdO, tOcO, valid_rows)
+        is_row_leader = tidx % self.threads_per_row == 0
+        for m in cutlass.range_constexpr(cute.size(rO, mode=[1])):
+            prod = rO[None, m, None].load().to(Float32) * rdO[None, m, None].load().to(Float32)
+            delta = cute.arch.warp_reduction_sum(prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+                                                 threads_in_group=self.threads_per_row)
+            row = tOcO[0, m, 0][0]
+            if is_row_leader and row < valid_rows:
+                if cutlass.const_expr(t_dlse is not None):
+                    delta = delta - t_dlse[row]
+                t_delta[row] = delta
+
+
+class BwdPostprocessKernel:
+    """dQ = dQaccum · scale in the input dtype; one CTA per (row tile, head, batch).
+
+    | warps | role                                                                        |
+    |-------|-----------------------------------------------------------------------------|
+    | 0-3   | all: 128-bit fp32 loads, scale, convert, 64-bit stores; `threads_per_row`    |
+    |       | lanes per row                                                                |
+
+    dQaccum (fp32) and dQ are laid out like q: padded [b, sq, h, d] or varlen [total_q, h, d].
+    The op is elementwise, so varlen treats the whole pack as one sequence (no cu_seqlens).
+    """
+
+    num_threads = 128
+    vectors_per_thread = 8
+    vec = 128 // Float32.width
+
+    def __init__(self, dtype, hdim: int, varlen: bool = False):
+        if hdim % self.vec != 0:
+            raise ValueError(f"hdim must be a multiple of {self.vec}, got {hdim}")
+        self.dtype = dtype
+        self.hdim = hdim
+        self.varlen = varlen
+        self.threads_per_row, self.tile_m = _row_split(
+            hdim // self.vec, self.num_threads, self.vectors_per_thread)
+
+    @cute.jit
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32,
+                 stream: cuda.CUstream):
+        """mdQaccum fp32 and mdQ, both [b, sq, h, d] (varlen: [total_q, h, d])."""
+        mdQaccum, mdQ = (assume_aligned_strides(t, self.vec) for t in (mdQaccum, mdQ))
+        rows = mdQ.shape[0] if cutlass.const_expr(self.varlen) else mdQ.shape[1]
+        batch = 1 if cutlass.const_expr(self.varlen) else mdQ.shape[0]
+        grid = (cute.ceil_div(rows, self.tile_m), mdQ.shape[-2], batch)
+        load = _row_copy(Float32, self.vec, self.threads_per_row, self.num_threads)
+        store = _row_copy(self.dtype, self.vec, self.threads_per_row, self.num_threads)
+        self.kernel(mdQaccum, mdQ, scale, load, store).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32,
+               load: cute.TiledCopy, store: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        tile = (self.tile_m, self.hdim)
+        gA = cute.local_tile(self.head_rows(mdQaccum, batch, head), tile, (m_block, 0))
+        gQ = cute.local_tile(self.head_rows(mdQ, batch, head), tile, (m_block, 0))
+        valid_rows = self.head_rows(mdQ, batch, head).shape[0] - m_block * self.tile_m
+        thr_load = load.get_slice(tidx)
+        tAgA = thr_load.partition_S(gA)
+        tAcA = thr_load.partition_S(cute.make_identity_tensor(tile))
+        rA = cute.make_rmem_tensor_like(tAgA)
+        _copy_rows(load, tAgA, rA, tAcA, valid_rows)
+        rQ = cute.make_rmem_tensor_like(rA, self.dtype)
+        rQ.store((rA.load() * scale).to(self.dtype))
+        _copy_rows(store, rQ, store.get_slice(tidx).partition_D(gQ), tAcA, valid_rows)
+
+    def head_rows(self, t: cute.Tensor, batch: Int32, head: Int32) -> cute.Tensor:
+        """(rows, d) of one head of one batch (varlen: of the whole pack)."""
+        if cutlass.const_expr(self.varlen):
+            return t[None, head, None]
+        return t[batch, None, head, None]
+
+
+def build_for_inspect(cfg):
+    """Registry builder for ``blocks.bwd.preprocess`` and ``blocks.bwd.postprocess``."""
+    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
+
+    dtype = DTYPES[cfg.dtype]
+    flags = cfg.flag_dict
+    heads = dynamic_dim()
+    if flags["varlen"]:
+        total_q = dynamic_dim()
+        q_rows, row_vec = (total_q, heads), (heads, total_q)
+    else:
+        batch, seqlen_q = dynamic_dim(), dynamic_dim()
+        q_rows, row_vec = (batch, seqlen_q, heads), (batch, heads, seqlen_q)
+    if cfg.kernel == "blocks.bwd.postprocess":
+        kernel = BwdPostprocessKernel(dtype, cfg.hdim, flags["varlen"])
+        shape = q_rows + (cfg.hdim,)
+        return CompileSpec(kernel, (fake_tensor(Float32, shape), fake_tensor(dtype, shape),
+                                    Float32(0.125), fake_stream()))
+    kernel = BwdPreprocessKernel(dtype, cfg.hdim_v, flags["varlen"], flags["dlse"])
+    o = tuple(fake_tensor(dtype, q_rows + (cfg.hdim_v,)) for _ in range(2))
+    vecs = [fake_tensor(Float32, row_vec, align=4) for _ in range(4)]
+    dlse = vecs[1] if kernel.has_dlse else None
+    cu = fake_tensor(Int32, (dynamic_dim(),), align=4) if kernel.varlen else None
+    args = o + (vecs[0], dlse, vecs[2], vecs[3], cu, Int32(1), fake_stream())
+    return CompileSpec(kernel, args)
+
+
+def _dtype_name(torch_dtype) -> str:
+    import torch
+
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}[torch_dtype]
+
+
+def _longest_sequence(cu_seqlens) -> int:
+    """max(cu_seqlens[i + 1] - cu_seqlens[i]), read back to the host (a sync)."""
+    return int(cu_seqlens.diff().max()) if cu_seqlens.numel() > 1 else 0
+
+
+def _vector_arg(t):
+    """An fp32/int32 per-row vector (scalar loads: 4-byte alignment), or None."""
+    from flash_cute.jit import to_cute_tensor
+
+    return None if t is None else to_cute_tensor(t, 4)
+
+
+def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=None,
+                   delta=None, lse_log2=None):
+    """Delta and LSElog2 on the GPU, for inputs as `validate_backward_inputs` accepts them.
+
+    out, dout: padded [b, sq, h, dv] or varlen [total_q, h, dv] (bf16/fp16, 16-byte aligned
+    rows, dv % 8 == 0); lse, dlse: fp32 [b, h, sq] or [h, total_q]; cu_seqlens_q: int32 [b + 1]
+    for varlen, with `max_seqlen_q` its longest sequence (computed, with a host sync, when None).
+    Returns (delta, lse_log2), fp32 shaped like lse, written into `delta`/`lse_log2` when given;
+    entries of rows outside every sequence are left as they were.
+    """
+    import torch
+
+    from flash_cute.jit import (DTYPES, CompileKey, compile_cache, current_arch, current_stream,
+                                to_cute_tensor)
+
+    varlen = cu_seqlens_q is not None
+    if delta is None:
+        delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+    if lse_log2 is None:
+        lse_log2 = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+    if max_seqlen_q is None:
+        max_seqlen_q = _longest_sequence(cu_seqlens_q) if varlen else out.shape[1]
+    if delta.numel() == 0 or max_seqlen_q == 0:
+        return delta, lse_log2
+    dtype, hdim_v = _dtype_name(out.dtype), out.shape[-1]
+    kernel = BwdPreprocessKernel(DTYPES[dtype], hdim_v, varlen, dlse is not None)
+    key = CompileKey("blocks.bwd.preprocess", current_arch(), dtype, None, hdim_v,
+                     (kernel.tile_m, hdim_v), (("dlse", kernel.has_dlse), ("varlen", varlen)))
+    args = (to_cute_tensor(out), to_cute_tensor(dout), _vector_arg(lse), _vector_arg(dlse),
+            _vector_arg(delta), _vector_arg(lse_log2), _vector_arg(cu_seqlens_q),
+            Int32(max_seqlen_q), current_stream())
+    compile_cache.get(key, lambda: cute.compile(kernel, *args))(*args)
+    return delta, lse_log2
+
+
+def bwd_postprocess(dq_accum, scale: float, dtype, out=None):
+    """dQ = dq_accum · scale as `dtype` (torch.bfloat16/float16), on the GPU.
+
+    dq_accum: fp32 [b, sq, h, d] or varlen [total_q, h, d], 16-byte aligned rows, d % 4 == 0.
+    Returns dq shaped like dq_accum, written into `out` (16-byte aligned, strides % 4 == 0)
+    when given.
+    """
+    import torch
+
+    from flash_cute.jit import (DTYPES, CompileKey, compile_cache, current_arch, current_stream,
+                                to_cute_tensor)
+
+    if out is None:
+        out = torch.empty(dq_accum.shape, dtype=dtype, device=dq_accum.device)
+    if out.numel() == 0:
+        return out
+    name, hdim, varlen = _dtype_name(dtype), dq_accum.shape[-1], dq_accum.dim() == 3
+    kernel = BwdPostprocessKernel(DTYPES[name], hdim, varlen)
+    key = CompileKey("blocks.bwd.postprocess", current_arch(), name, hdim, None,
+                     (kernel.tile_m, hdim), (("varlen", varlen),))
+    args = (to_cute_tensor(dq_accum), to_cute_tensor(out), Float32(scale), current_stream())
+    compile_cache.get(key, lambda: cute.compile(kernel, *args))(*args)
+    return out
