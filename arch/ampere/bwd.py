@@ -247,13 +247,17 @@ class BwdStep(DslState):
         gemm_dp.run(acc_dp)
         dp_mn = acc_to_mn(acc_dp)
         for r in cutlass.range_constexpr(num_rows):
-            t = s_mn[r, None].load()
-            p = cute.math.exp2(t * self.scale_log2 - lse[r], fastmath=True)
-            ds = p * (dp_mn[r, None].load() - delta[r])
             if cutlass.const_expr(cfg.has_softcap):
-                ds = ds * (1.0 - t * t)
+                # d/ds of cap·tanh(s·scale/cap) is scale·(1 − tanh²); the scale is applied to dK
+                # and dQ at the end. Masked entries hold −inf: clamped to −1 the factor is 0.
+                for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+                    t = cute.arch.fmax(s_mn[r, c], Float32(-1.0))
+                    dp_mn[r, c] = (dp_mn[r, c] - delta[r]) * (Float32(1.0) - t * t)
+            else:
+                dp_mn[r, None].store(dp_mn[r, None].load() - delta[r])
+            p = cute.math.exp2(s_mn[r, None].load() * self.scale_log2 - lse[r], fastmath=True)
             s_mn[r, None].store(p)
-            dp_mn[r, None].store(ds)
+            dp_mn[r, None].store(p * dp_mn[r, None].load())
         r_p = cute.make_rmem_tensor_like(acc_s, cfg.dtype)
         r_p.store(acc_s.load().to(cfg.dtype))
         r_ds = cute.make_rmem_tensor_like(acc_dp, cfg.dtype)

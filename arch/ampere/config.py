@@ -1,9 +1,10 @@
 """Compile-time choices of the Ampere pipeline (no CuTe DSL import, so the registry can read it)."""
 
-# hdim -> (tile_m, tile_n, num_warps). With 4 warps a thread holds 32 rows' share of O and S,
-# which spills at hdim 64, 96 and 128 (inspect: 16-90 B); 8 warps (16 rows each) fit in
-# 180-245 registers with no spill.
-TILES = {64: (128, 128, 8), 96: (128, 128, 8), 128: (128, 128, 8), 192: (128, 64, 8),
+# hdim -> (tile_m, tile_n, num_warps). Measured on the H200 (docs/perf.md, tile ablation): a warp
+# owning 32 query rows reuses each K/V fragment twice and beats 16 rows per warp; among the
+# 4-warp shapes these are the fastest that keep every variant (causal, local+softcap, varlen)
+# free of spills (128x64 spills at hdim 96 varlen and 128; 128x128 at hdim 64 and 128).
+TILES = {64: (128, 64, 4), 96: (64, 128, 4), 128: (64, 128, 4), 192: (128, 64, 8),
          256: (128, 64, 8)}
 
 # (hdim, hdim_v) pairs with a kernel: equal dims, and 192/128 (hdim_v <= hdim, multiple of 32).
