@@ -54,6 +54,11 @@ def assume_aligned_strides(t: cute.Tensor, divby: int) -> cute.Tensor:
 
 
 def transpose_view(t: cute.Tensor) -> cute.Tensor:
-    """The (C, R) view of an (R, C) tensor (e.g. Kᵀ of a K tile in shared memory)."""
+    """The (C, R[, S]) view of an (R, C[, S]) tensor (e.g. Kᵀ of a K tile in shared memory);
+    a trailing stage mode stays last."""
     rows, cols = cute.size(t, mode=[0]), cute.size(t, mode=[1])
+    if cutlass.const_expr(cute.rank(t) == 3):
+        stages = cute.size(t, mode=[2])
+        return cute.composition(
+            t, cute.make_layout((cols, rows, stages), stride=(rows, 1, rows * cols)))
     return cute.composition(t, cute.make_layout((cols, rows), stride=(rows, 1)))

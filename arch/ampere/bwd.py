@@ -50,7 +50,7 @@ class AmpereBwd:
         self.hdim, self.hdim_v = hdim, hdim_v
         cfg = tile or BWD_TILES[hdim]
         self.tile_m, self.tile_n, self.num_warps = cfg[:3]
-        self.warps_sdp, self.warps_dkv, self.warps_dq = cfg[3:]
+        self.warps_sdp, self.warps_dkv, self.warps_dq, self.num_stages = cfg[3:]
         self.num_threads = 32 * self.num_warps
         self.causal = causal
         self.has_window_left = has_window_left
@@ -60,8 +60,10 @@ class AmpereBwd:
 
     @property
     def smem_bytes(self) -> int:
-        tiles = [(self.tile_m, self.hdim), (self.tile_m, self.hdim_v), (self.tile_n, self.hdim),
-                 (self.tile_n, self.hdim_v), (self.tile_m, self.tile_n), (self.tile_m, self.tile_n)]
+        st = self.num_stages
+        tiles = [(self.tile_m * st, self.hdim), (self.tile_m * st, self.hdim_v),
+                 (self.tile_n, self.hdim), (self.tile_n, self.hdim_v), (self.tile_m, self.tile_n),
+                 (self.tile_m, self.tile_n)]
         return sum(-(-r * c * self.dtype.width // 8 // 1024) * 1024 for r, c in tiles)
 
     @cute.jit
@@ -75,7 +77,8 @@ class AmpereBwd:
         Delta like the forward's LSE (see `flash_cute.bwd_prep`)."""
         vec = 128 // self.dtype.width
         mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mdO))
-        layouts = (smem_layout(self.tile_m, self.hdim), smem_layout(self.tile_m, self.hdim_v),
+        layouts = (smem_layout(self.tile_m, self.hdim, self.num_stages),
+                   smem_layout(self.tile_m, self.hdim_v, self.num_stages),
                    smem_layout(self.tile_n, self.hdim), smem_layout(self.tile_n, self.hdim_v),
                    smem_layout(self.tile_m, self.tile_n))
 
@@ -143,7 +146,7 @@ class AmpereBwd:
             load_rows(copy_v, thr_v.partition_S(gV), thr_v.partition_D(sV),
                       thr_v.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim_v))), kv_rows)
             if m_max > m_min:
-                loader.load(m_min)
+                loader.load(m_min, 0)
             cute.arch.cp_async_commit_group()
 
             gemm_s = SmemGemm(mma_sdp, tidx, self.dtype, sQ, sK)
@@ -158,17 +161,26 @@ class AmpereBwd:
             step = BwdStep(self, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum, head,
                            sP, sdS, scale_log2, scale_div_cap, win_left, win_right)
             for m_block in cutlass.range(m_min, m_max, unroll=1):
-                cute.arch.cp_async_wait_group(0)
+                stage = (m_block - m_min) % self.num_stages
+                if cutlass.const_expr(self.num_stages > 1):
+                    # The other stage was released by the barrier that ended tile m-1.
+                    if m_block + 1 < m_max:
+                        loader.load(m_block + 1, 1 - stage)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(1)
+                else:
+                    cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()
-                step.compute_p_ds(gemm_s, gemm_dp, m_block, n_block)
+                step.compute_p_ds(gemm_s, gemm_dp, m_block, n_block, stage)
                 cute.arch.sync_threads()
-                gemm_dv.run(acc_dv)
-                gemm_dk.run(acc_dk)
+                gemm_dv.run(acc_dv, stage)
+                gemm_dk.run(acc_dk, stage)
                 step.dq_atomic(gemm_dq, m_block)
                 cute.arch.sync_threads()
-                if m_block + 1 < m_max:
-                    loader.load(m_block + 1)
-                cute.arch.cp_async_commit_group()
+                if cutlass.const_expr(self.num_stages == 1):
+                    if m_block + 1 < m_max:
+                        loader.load(m_block + 1, 0)
+                    cute.arch.cp_async_commit_group()
 
             acc_dk.store(acc_dk.load() * softmax_scale)
             store_rows(self, mma_dkv, tidx, acc_dk, seq.k_view(mdK, head), n_block, self.hdim, kv_rows)
@@ -190,10 +202,13 @@ class TileLoader(DslState):
         self.tdOcdO = thr_v.partition_S(cute.make_identity_tensor((cfg.tile_m, cfg.hdim_v)))
 
     @cute.jit
-    def load(self, m_block: Int32):
+    def load(self, m_block: Int32, stage):
         rows = self.seq.seqlen_q - m_block * self.cfg.tile_m
-        load_rows(self.copy_qk, self.tQgQ[None, None, None, m_block], self.tQsQ, self.tQcQ, rows)
-        load_rows(self.copy_v, self.tdOgdO[None, None, None, m_block], self.tdOsdO, self.tdOcdO, rows)
+        sQ, sdO = self.tQsQ, self.tdOsdO
+        if cutlass.const_expr(self.cfg.num_stages > 1):
+            sQ, sdO = sQ[None, None, None, stage], sdO[None, None, None, stage]
+        load_rows(self.copy_qk, self.tQgQ[None, None, None, m_block], sQ, self.tQcQ, rows)
+        load_rows(self.copy_v, self.tdOgdO[None, None, None, m_block], sdO, self.tdOcdO, rows)
 
 
 class BwdStep(DslState):
@@ -222,7 +237,8 @@ class BwdStep(DslState):
         self.tdSsdS = self.thr_r2s.partition_D(sdS)
 
     @cute.jit
-    def compute_p_ds(self, gemm_s: SmemGemm, gemm_dp: SmemGemm, m_block: Int32, n_block: Int32):
+    def compute_p_ds(self, gemm_s: SmemGemm, gemm_dp: SmemGemm, m_block: Int32, n_block: Int32,
+                     stage):
         cfg = self.cfg
         num_rows = cute.size(self.coord_s, mode=[0])
         lse = cute.make_rmem_tensor(num_rows, Float32)
@@ -234,7 +250,7 @@ class BwdStep(DslState):
             lse[r] = Float32.inf if row >= self.seq.seqlen_q else self.g_lse[safe]
             delta[r] = self.g_delta[safe]
         acc_s = gemm_s.new_acc((cfg.tile_m, cfg.tile_n))
-        gemm_s.run(acc_s)
+        gemm_s.run(acc_s, stage)
         s_mn = acc_to_mn(acc_s)
         if cutlass.const_expr(cfg.has_softcap):
             apply_softcap(s_mn, self.scale_div_cap)
@@ -244,7 +260,7 @@ class BwdStep(DslState):
         if needs_mask(n_block, rng):
             self.mask.apply(s_mn, self.coord_s, m_block, n_block)
         acc_dp = gemm_dp.new_acc((cfg.tile_m, cfg.tile_n))
-        gemm_dp.run(acc_dp)
+        gemm_dp.run(acc_dp, stage)
         dp_mn = acc_to_mn(acc_dp)
         for r in cutlass.range_constexpr(num_rows):
             if cutlass.const_expr(cfg.has_softcap):

@@ -12,13 +12,15 @@ SUPPORTED_HDIMS = frozenset({(d, d) for d in TILES} | {(192, 128)})
 
 COMPILE_OPTIONS = "--opt-level 2"
 
-# Backward: hdim -> (tile_m, tile_n, num_warps, warps of S/dP (m, n), of dK/dV (n, d), of dQ (m, d)).
-# FA2's sm80 shapes: a 64-row query tile against 128 keys up to hdim 128, 64 x 64 beyond, so
-# that dK and dV (held in registers for the whole loop) plus S, dP and dQ fit one thread.
+# Backward: hdim -> (tile_m, tile_n, num_warps, warps of S/dP (m, n), of dK/dV (n, d),
+# of dQ (m, d), Q/dO stages). FA2's sm80 shapes: a 64-row query tile against 128 keys up to hdim
+# 128, 64 x 64 beyond, so that dK and dV (in registers for the whole loop) plus S, dP and dQ fit
+# one thread. Two Q/dO stages let tile m+1 load under tile m's GEMMs; at hdim 192/256 a second
+# stage would pass sm80's 164 KiB of shared memory.
 BWD_TILES = {
-    64: (64, 128, 8, (2, 4), (4, 2), (4, 2)),
-    96: (64, 128, 8, (2, 4), (4, 2), (4, 2)),
-    128: (64, 128, 8, (2, 4), (4, 2), (2, 4)),
-    192: (64, 64, 8, (4, 2), (2, 4), (2, 4)),
-    256: (64, 64, 8, (4, 2), (2, 4), (2, 4)),
+    64: (64, 128, 8, (2, 4), (4, 2), (4, 2), 2),
+    96: (64, 128, 8, (2, 4), (4, 2), (4, 2), 2),
+    128: (64, 128, 8, (2, 4), (4, 2), (2, 4), 2),
+    192: (64, 64, 8, (4, 2), (2, 4), (2, 4), 1),
+    256: (64, 64, 8, (4, 2), (2, 4), (2, 4), 1),
 }

@@ -20,7 +20,8 @@ class SmemGemm(DslState):
     """acc (M x N) += A (M x K) · B (N x K)ᵀ with both operands in shared memory.
 
     `a_transposed` / `b_transposed` say the operand's K mode is not the contiguous one in shared
-    memory (a view made with `transpose_view`), so ldmatrix must transpose while loading.
+    memory (a view made with `transpose_view`), so ldmatrix must transpose while loading. An
+    operand may carry a trailing stage mode (a multi-buffered tile); `run` then takes the stage.
     """
 
     def __init__(self, tiled, tidx, dtype, sA, sB, a_transposed: bool = False,
@@ -28,8 +29,10 @@ class SmemGemm(DslState):
         self.tiled = tiled
         thr = tiled.get_slice(tidx)
         self.thr = thr
-        self.rA = thr.make_fragment_A(thr.partition_A(sA))
-        self.rB = thr.make_fragment_B(thr.partition_B(sB))
+        self.a_staged = cute.rank(sA) == 3
+        self.b_staged = cute.rank(sB) == 3
+        self.rA = thr.make_fragment_A(thr.partition_A(sA[None, None, 0] if self.a_staged else sA))
+        self.rB = thr.make_fragment_B(thr.partition_B(sB[None, None, 0] if self.b_staged else sB))
         ld = lambda t: cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=t, num_matrices=4), dtype)  # noqa: E731
         copy_a = cute.make_tiled_copy_A(ld(a_transposed), tiled)
         copy_b = cute.make_tiled_copy_B(ld(b_transposed), tiled)
@@ -44,13 +47,15 @@ class SmemGemm(DslState):
         return acc
 
     @cute.jit
-    def run(self, acc: cute.Tensor):
+    def run(self, acc: cute.Tensor, stage=0):
         """One k-block of A and B in registers ahead of the MMA that uses the previous one."""
-        num_k = cute.size(self.sA, mode=[2])
-        cute.copy(self.copy_a, self.sA[None, None, 0], self.rA_v[None, None, 0])
-        cute.copy(self.copy_b, self.sB[None, None, 0], self.rB_v[None, None, 0])
+        sA = self.sA[None, None, None, stage] if cutlass.const_expr(self.a_staged) else self.sA
+        sB = self.sB[None, None, None, stage] if cutlass.const_expr(self.b_staged) else self.sB
+        num_k = cute.size(sA, mode=[2])
+        cute.copy(self.copy_a, sA[None, None, 0], self.rA_v[None, None, 0])
+        cute.copy(self.copy_b, sB[None, None, 0], self.rB_v[None, None, 0])
         for k in cutlass.range_constexpr(num_k):
             if cutlass.const_expr(k + 1 < num_k):
-                cute.copy(self.copy_a, self.sA[None, None, k + 1], self.rA_v[None, None, k + 1])
-                cute.copy(self.copy_b, self.sB[None, None, k + 1], self.rB_v[None, None, k + 1])
+                cute.copy(self.copy_a, sA[None, None, k + 1], self.rA_v[None, None, k + 1])
+                cute.copy(self.copy_b, sB[None, None, k + 1], self.rB_v[None, None, k + 1])
             cute.gemm(self.tiled, acc, self.rA[None, None, k], self.rB[None, None, k], acc)

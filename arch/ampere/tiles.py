@@ -7,15 +7,17 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 
-def smem_layout(rows: int, cols: int):
-    """Swizzled (rows, cols) tile of a 16-bit type: ldmatrix and 128-bit cp.async both hit
-    distinct banks (8 rows of 64 columns, or of 32 when cols is not a multiple of 64)."""
+def smem_layout(rows: int, cols: int, stages: int = 1):
+    """Swizzled (rows, cols[, stages]) tile of a 16-bit type: ldmatrix and 128-bit cp.async both
+    hit distinct banks (8 rows of 64 columns, or of 32 when cols is not a multiple of 64)."""
     kblk = 64 if cols % 64 == 0 else 32
     atom = cute.make_composed_layout(
         cute.make_swizzle(3 if kblk == 64 else 2, 3, 3), 0,
         cute.make_layout((8, kblk), stride=(kblk, 1)),
     )
-    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    if stages == 1:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
 
 def gmem_tiled_copy(dtype, num_threads: int, cols: int, op=None):
