@@ -114,8 +114,12 @@ def flash_attn_varlen_func(
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, arch, deterministic, return_lse):
     pipeline = select_pipeline(q.device, arch)
-    _pipeline_module(pipeline).check_supported(problem)
+    module = _pipeline_module(pipeline)
+    module.check_supported(problem)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if deterministic and needs_grad and not module.DETERMINISTIC_BACKWARD:
+        raise NotImplementedError(f"deterministic=True: the {pipeline} pipeline's backward adds dQ "
+                                  "with atomics and is not deterministic")
     out, lse = _FlashAttnFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, pipeline,
                                     deterministic, return_lse)
     return out, (lse if (return_lse or needs_grad) else None)

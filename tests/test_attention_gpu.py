@@ -217,3 +217,22 @@ def test_backward_varlen_with_empty_sequence(pipeline):
     for name, g, g_ref, g_nat in zip(("dQ", "dK", "dV"), ours, ref, nat):
         res = tolerance_check(g, g_ref, g_nat)
         assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e}"
+
+
+def test_ampere_rejects_deterministic_backward_before_launch():
+    q, k, v = _inputs(1, 64, 64, 2, 2, 64, 64, torch.bfloat16, seed=14)
+    q.requires_grad_()
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        flash_attn_func(q, k, v, deterministic=True, arch="ampere")
+    out, _ = flash_attn_func(q.detach(), k, v, deterministic=True, arch="ampere")
+    assert out.shape == (1, 64, 2, 64)
+
+
+def test_unknown_or_unbuilt_pipeline_is_a_clear_error():
+    q, k, v = _inputs(1, 16, 16, 1, 1, 64, 64, torch.bfloat16, seed=15)
+    with pytest.raises(NotImplementedError, match="no such pipeline"):
+        flash_attn_func(q, k, v, arch="volta")
+    with pytest.raises(NotImplementedError, match="hdim"):
+        flash_attn_func(torch.randn(1, 16, 1, 80, device="cuda", dtype=torch.bfloat16),
+                        torch.randn(1, 16, 1, 80, device="cuda", dtype=torch.bfloat16),
+                        torch.randn(1, 16, 1, 80, device="cuda", dtype=torch.bfloat16), arch="ampere")

@@ -1,0 +1,68 @@
+"""Dispatch and API contracts that need no GPU."""
+
+import pytest
+import torch
+
+import flash_cute
+from flash_cute import interface
+from flash_cute.arch.ampere import api as ampere_api
+from flash_cute.validation import validate_attention_inputs
+
+
+@pytest.fixture
+def capability(monkeypatch):
+    def set_cap(major, minor=0):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"fake sm_{major}{minor}")
+    return set_cap
+
+
+def test_dispatch_picks_the_newest_built_pipeline(capability):
+    capability(8, 0)
+    assert interface.select_pipeline(torch.device("cuda")) == "ampere"
+    capability(9, 0)
+    assert interface.select_pipeline(torch.device("cuda")) in interface.PIPELINES
+
+
+def test_arch_override(capability):
+    capability(9, 0)
+    assert interface.select_pipeline(torch.device("cuda"), "ampere") == "ampere"
+    with pytest.raises(NotImplementedError, match="no such pipeline"):
+        interface.select_pipeline(torch.device("cuda"), "volta")
+
+
+def test_old_gpus_are_refused(capability):
+    capability(7, 5)
+    with pytest.raises(NotImplementedError, match="7.x"):
+        interface.select_pipeline(torch.device("cuda"))
+    with pytest.raises(ValueError, match="needs compute capability 8"):
+        interface.select_pipeline(torch.device("cuda"), "ampere")
+
+
+def test_ampere_supported_head_dims():
+    def problem(d, dv):
+        q = torch.randn(1, 4, 2, d, dtype=torch.bfloat16)
+        v = torch.randn(1, 4, 2, dv, dtype=torch.bfloat16)
+        return validate_attention_inputs(q, q, v, require_cuda=False)
+
+    for d, dv in [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)]:
+        ampere_api.check_supported(problem(d, dv))
+    for d, dv in [(80, 80), (128, 64), (32, 32)]:
+        with pytest.raises(NotImplementedError, match="hdim"):
+            ampere_api.check_supported(problem(d, dv))
+
+
+def test_cpu_tensors_are_refused_before_any_launch():
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA"):
+        flash_cute.flash_attn_func(q, q, q)
+
+
+def test_api_signature_matches_flash_attn_cute():
+    import inspect
+
+    params = list(inspect.signature(flash_cute.flash_attn_func).parameters)
+    assert params[:3] == ["q", "k", "v"]
+    assert {"softmax_scale", "causal", "window_size", "softcap", "deterministic", "return_lse"} <= set(params)
+    varlen = list(inspect.signature(flash_cute.flash_attn_varlen_func).parameters)
+    assert varlen[:7] == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
