@@ -14,7 +14,7 @@ from cutlass import Float32, Int32
 
 from flash_cute.block_range import block_range, needs_mask
 from flash_cute.mask import AttentionMask
-from flash_cute.softmax import LOG2_E, OnlineSoftmax, apply_softcap, rescale_o
+from flash_cute.softmax import OnlineSoftmax, apply_softcap, fold_scales, rescale_o
 
 
 class ScoreAttentionKernel:
@@ -92,12 +92,7 @@ class ScoreAttentionKernel:
         win_left = window_left if cutlass.const_expr(self.has_window_left) else None
         win_right = window_right if cutlass.const_expr(self.has_window_right) else None
 
-        scale_log2 = softmax_scale * Float32(LOG2_E)
-        scale_div_cap = Float32(1.0)
-        if cutlass.const_expr(self.has_softcap):
-            # tanh(s * scale / cap) * cap: the softmax then runs with scale = cap.
-            scale_div_cap = softmax_scale / softcap
-            scale_log2 = softcap * Float32(LOG2_E)
+        scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
 
         thr_layout = cute.make_layout((32, self.threads_per_row), stride=(self.threads_per_row, 1))
         tile_coord = cute.make_identity_tensor((self.tile_m, self.tile_n))

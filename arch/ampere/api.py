@@ -3,6 +3,7 @@
 import torch
 
 from flash_cute.validation import AttentionProblem
+from flash_cute.variant import Variant
 
 from .config import COMPILE_OPTIONS, SUPPORTED_HDIMS, TILES
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -19,16 +20,24 @@ def check_supported(problem: AttentionProblem) -> None:
         )
 
 
-def _flags(problem: AttentionProblem) -> tuple:
-    return (("causal", problem.causal), ("left", problem.window_left is not None),
-            ("right", problem.window_right is not None and not problem.causal),
-            ("softcap", problem.softcap > 0), ("varlen", problem.varlen))
+def _runtime_args(problem: AttentionProblem, cu_seqlens_q, cu_seqlens_k):
+    """Kernel arguments after the tensors: scale, softcap, window sides, cu_seqlens (or None)."""
+    from cutlass import Float32, Int32
+
+    from flash_cute.jit import to_cute_tensor
+
+    scalars = (Float32(problem.softmax_scale),
+               Float32(problem.softcap if problem.softcap > 0 else 1.0),
+               Int32(problem.window_left or 0), Int32(problem.window_right or 0))
+    cu = (to_cute_tensor(cu_seqlens_q, 4), to_cute_tensor(cu_seqlens_k, 4)) if problem.varlen \
+        else (None, None)
+    return scalars, cu
 
 
 def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None, tile=None):
     """(out, lse) for validated inputs; out has v's head dim, lse is fp32. `tile` overrides
     (tile_m, tile_n, num_warps) for ablations."""
-    from cutlass import Float32, Int32
+    from cutlass import Int32
     import cutlass.cute as cute
 
     from flash_cute.jit import DTYPES, CompileKey, compile_cache, current_arch, current_stream, to_cute_tensor
@@ -44,23 +53,18 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
     if out.numel() == 0 or problem.max_seqlen_q == 0:
         lse.fill_(-float("inf"))
         return out.zero_(), lse
-    flags = _flags(problem)
+    variant = Variant.from_problem(problem)
     dtype = _DTYPE_NAMES[q.dtype]
     tile = tuple(tile or TILES[problem.hdim])
-    key = CompileKey("ampere.fwd", current_arch(), dtype, problem.hdim, problem.hdim_v, tile, flags)
-    cu = (to_cute_tensor(cu_seqlens_q, 4), to_cute_tensor(cu_seqlens_k, 4)) if problem.varlen \
-        else (None, None)
+    key = CompileKey("ampere.fwd", current_arch(), dtype, problem.hdim, problem.hdim_v, tile,
+                     variant.flags())
+    scalars, cu = _runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
     args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(out),
-            to_cute_tensor(lse, 4), Float32(problem.softmax_scale),
-            Float32(problem.softcap if problem.softcap > 0 else 1.0),
-            Int32(problem.window_left or 0), Int32(problem.window_right or 0),
-            Int32(problem.max_seqlen_q)) + cu + (current_stream(),)
+            to_cute_tensor(lse, 4)) + scalars + (Int32(problem.max_seqlen_q),) + cu \
+        + (current_stream(),)
 
     def build():
-        f = dict(flags)
-        kernel = AmpereFwd(DTYPES[dtype], problem.hdim, problem.hdim_v, causal=f["causal"],
-                           has_window_left=f["left"], has_window_right=f["right"],
-                           has_softcap=f["softcap"], varlen=f["varlen"], tile=tile)
+        kernel = AmpereFwd(DTYPES[dtype], problem.hdim, problem.hdim_v, variant, tile=tile)
         return cute.compile(kernel, *args, options=COMPILE_OPTIONS)
 
     compile_cache.get(key, build)(*args)
@@ -73,7 +77,7 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
 
     With GQA the kernel writes fp32 dK/dV per query head and the group is summed here.
     """
-    from cutlass import Float32, Int32
+    from cutlass import Int32
     import cutlass.cute as cute
 
     from flash_cute.bwd_prep import bwd_postprocess, bwd_preprocess
@@ -92,25 +96,19 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
     dkv_dtype = torch.float32 if group > 1 else q.dtype
     dk = torch.empty(*kv_lead, problem.nheads, problem.hdim, dtype=dkv_dtype, device=q.device)
     dv = torch.empty(*kv_lead, problem.nheads, problem.hdim_v, dtype=dkv_dtype, device=q.device)
-    flags = _flags(problem) + (("dkv_fp32", group > 1),)
+    variant = Variant.from_problem(problem)
     dtype = _DTYPE_NAMES[q.dtype]
     key = CompileKey("ampere.bwd", current_arch(), dtype, problem.hdim, problem.hdim_v,
-                     BWD_TILES[problem.hdim][:3], flags)
-    cu = (to_cute_tensor(cu_seqlens_q, 4), to_cute_tensor(cu_seqlens_k, 4)) if problem.varlen \
-        else (None, None)
+                     BWD_TILES[problem.hdim][:3], variant.flags() + (("dkv_fp32", group > 1),))
+    scalars, cu = _runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
+    dkv_align = 16 if group == 1 else 4
     args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(dout),
             to_cute_tensor(lse_log2, 4), to_cute_tensor(delta, 4), to_cute_tensor(dq_accum, 4),
-            to_cute_tensor(dk, 16 if group == 1 else 4), to_cute_tensor(dv, 16 if group == 1 else 4),
-            Float32(problem.softmax_scale),
-            Float32(problem.softcap if problem.softcap > 0 else 1.0),
-            Int32(problem.window_left or 0), Int32(problem.window_right or 0),
-            Int32(problem.max_seqlen_k)) + cu + (current_stream(),)
+            to_cute_tensor(dk, dkv_align), to_cute_tensor(dv, dkv_align)) + scalars \
+        + (Int32(problem.max_seqlen_k),) + cu + (current_stream(),)
 
     def build():
-        f = dict(flags)
-        kernel = AmpereBwd(DTYPES[dtype], problem.hdim, problem.hdim_v, causal=f["causal"],
-                           has_window_left=f["left"], has_window_right=f["right"],
-                           has_softcap=f["softcap"], varlen=f["varlen"])
+        kernel = AmpereBwd(DTYPES[dtype], problem.hdim, problem.hdim_v, variant)
         return cute.compile(kernel, *args, options=COMPILE_OPTIONS)
 
     compile_cache.get(key, build)(*args)

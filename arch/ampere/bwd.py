@@ -18,7 +18,8 @@ from flash_cute.block_range import block_range, m_block_range, needs_mask
 from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.softmax import LOG2_E, apply_softcap
+from flash_cute.softmax import apply_softcap, fold_scales
+from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import BWD_TILES, COMPILE_OPTIONS
 from .mma import SmemGemm, tiled_mma
@@ -42,9 +43,8 @@ class AmpereBwd:
     dK/dV are written per query head; the host sums them over a GQA group.
     """
 
-    def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None, causal: bool = False,
-                 has_window_left: bool = False, has_window_right: bool = False,
-                 has_softcap: bool = False, varlen: bool = False, tile: Optional[tuple] = None):
+    def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
+                 variant: Variant = Variant(), tile: Optional[tuple] = None):
         hdim_v = hdim if hdim_v is None else hdim_v
         self.dtype = dtype
         self.hdim, self.hdim_v = hdim, hdim_v
@@ -52,11 +52,7 @@ class AmpereBwd:
         self.tile_m, self.tile_n, self.num_warps = cfg[:3]
         self.warps_sdp, self.warps_dkv, self.warps_dq, self.num_stages = cfg[3:]
         self.num_threads = 32 * self.num_warps
-        self.causal = causal
-        self.has_window_left = has_window_left
-        self.has_window_right = has_window_right and not causal
-        self.has_softcap = has_softcap
-        self.varlen = varlen
+        set_kernel_switches(self, variant)
 
     @property
     def smem_bytes(self) -> int:
@@ -93,11 +89,7 @@ class AmpereBwd:
 
         batch = mCuSeqlensQ.shape[0] - 1 if cutlass.const_expr(self.varlen) else mQ.shape[0]
         grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
-        scale_log2 = softmax_scale * Float32(LOG2_E)
-        scale_div_cap = Float32(1.0)
-        if cutlass.const_expr(self.has_softcap):
-            scale_div_cap = softmax_scale / softcap
-            scale_log2 = softcap * Float32(LOG2_E)
+        scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
             mQ, mK, mV, mdO, mLSElog2, mDelta, mdQaccum, mdK, mdV, softmax_scale, scale_log2,
             scale_div_cap, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, *layouts,
@@ -316,12 +308,8 @@ def build_for_inspect(cfg):
     """Registry builder: fake padded or varlen tensors with dynamic batch, heads and lengths."""
     from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
 
-    flags = cfg.flag_dict
     dtype = DTYPES[cfg.dtype]
-    kernel = AmpereBwd(dtype, cfg.hdim, cfg.hdim_v, causal=flags.get("causal", False),
-                       has_window_left=flags.get("local", False),
-                       has_window_right=flags.get("local", False),
-                       has_softcap=flags.get("softcap", False), varlen=flags.get("varlen", False))
+    kernel = AmpereBwd(dtype, cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict))
     h, hk = dynamic_dim(), dynamic_dim()
     if kernel.varlen:
         tq, tk, b1 = dynamic_dim(), dynamic_dim(), dynamic_dim()

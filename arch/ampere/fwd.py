@@ -17,9 +17,11 @@ from flash_cute.dsl_state import DslState
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.softmax import LOG2_E, OnlineSoftmax, apply_softcap, rescale_o
+from flash_cute.softmax import OnlineSoftmax, apply_softcap, fold_scales, rescale_o
+from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import COMPILE_OPTIONS, TILES
+from .mma import tiled_mma
 from .tiles import gmem_tiled_copy, load_rows, smem_layout
 
 
@@ -39,9 +41,8 @@ class AmpereFwd:
     the A operand of P V. The epilogue stages O through the Q buffer for 128-bit stores.
     """
 
-    def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None, causal: bool = False,
-                 has_window_left: bool = False, has_window_right: bool = False,
-                 has_softcap: bool = False, varlen: bool = False, tile: Optional[tuple] = None):
+    def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
+                 variant: Variant = Variant(), tile: Optional[tuple] = None):
         hdim_v = hdim if hdim_v is None else hdim_v
         if hdim not in TILES and tile is None:
             raise ValueError(f"no sm80 tile config for hdim {hdim}; have {sorted(TILES)}")
@@ -51,11 +52,7 @@ class AmpereFwd:
         self.hdim, self.hdim_v = hdim, hdim_v
         self.tile_m, self.tile_n, self.num_warps = tile or TILES[hdim]
         self.num_threads = 32 * self.num_warps
-        self.causal = causal
-        self.has_window_left = has_window_left
-        self.has_window_right = has_window_right and not causal
-        self.has_softcap = has_softcap
-        self.varlen = varlen
+        set_kernel_switches(self, variant)
 
     @property
     def smem_bytes(self) -> int:
@@ -85,24 +82,17 @@ class AmpereFwd:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        tiled_mma = cute.make_tiled_mma(
-            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (self.num_warps, 1, 1),
-            permutation_mnk=(self.num_warps * 16, 16, 16),
-        )
+        mma = tiled_mma(self.dtype, (self.num_warps, 1))
         batch = mCuSeqlensQ.shape[0] - 1 if cutlass.const_expr(self.varlen) else mQ.shape[0]
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mQ.shape[-2], batch)
-        scale_log2 = softmax_scale * Float32(LOG2_E)
-        scale_div_cap = Float32(1.0)
-        if cutlass.const_expr(self.has_softcap):
-            scale_div_cap = softmax_scale / softcap
-            scale_log2 = softcap * Float32(LOG2_E)
+        scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
             mQ, mK, mV, mO, mLSE, scale_log2, scale_div_cap, window_left, window_right,
             mCuSeqlensQ, mCuSeqlensK, sQ_layout, sK_layout, sV_layout, sO_layout,
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v, cute.nvgpu.CopyUniversalOp()),
-            tiled_mma, SharedStorage,
+            mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -278,13 +268,8 @@ def build_for_inspect(cfg):
     """Registry builder: fake padded or varlen Q/K/V/O/LSE with dynamic batch and lengths."""
     from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
 
-    flags = cfg.flag_dict
     dtype = DTYPES[cfg.dtype]
-    kernel = AmpereFwd(dtype, cfg.hdim, cfg.hdim_v, causal=flags.get("causal", False),
-                       has_window_left=flags.get("local", False),
-                       has_window_right=flags.get("local", False),
-                       has_softcap=flags.get("softcap", False), varlen=flags.get("varlen", False),
-                       tile=tuple(cfg.tile))
+    kernel = AmpereFwd(dtype, cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict), tile=tuple(cfg.tile))
     heads, heads_kv = dynamic_dim(), dynamic_dim()
     if kernel.varlen:
         total_q, total_k, batch1 = dynamic_dim(), dynamic_dim(), dynamic_dim()

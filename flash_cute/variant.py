@@ -1,0 +1,48 @@
+"""The compile-time shape of an attention call: which masks, softcap and layout a kernel handles.
+
+Every arch kernel takes one `Variant`; run-time values (window sizes, softcap value, scale,
+lengths) stay kernel arguments. `flags()` is the variant's part of a CompileKey.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Variant:
+    causal: bool = False
+    window_left: bool = False
+    window_right: bool = False
+    softcap: bool = False
+    varlen: bool = False
+
+    def __post_init__(self):
+        # Causal is the window (left, 0): a right window on top of it means nothing.
+        if self.causal and self.window_right:
+            object.__setattr__(self, "window_right", False)
+
+    @classmethod
+    def from_problem(cls, problem) -> "Variant":
+        """From a validated `flash_cute.validation.AttentionProblem`."""
+        return cls(causal=problem.causal, window_left=problem.window_left is not None,
+                   window_right=problem.window_right is not None and not problem.causal,
+                   softcap=problem.softcap > 0, varlen=problem.varlen)
+
+    @classmethod
+    def from_flags(cls, flags: dict) -> "Variant":
+        """From a registry config's flags (``local`` means both window sides)."""
+        local = flags.get("local", False)
+        return cls(causal=flags.get("causal", False), window_left=local, window_right=local,
+                   softcap=flags.get("softcap", False), varlen=flags.get("varlen", False))
+
+    def flags(self) -> tuple:
+        return (("causal", self.causal), ("left", self.window_left), ("right", self.window_right),
+                ("softcap", self.softcap), ("varlen", self.varlen))
+
+
+def set_kernel_switches(kernel, variant: Variant) -> None:
+    """The variant's switches as the attributes the kernels' `const_expr` branches read."""
+    kernel.causal = variant.causal
+    kernel.has_window_left = variant.window_left
+    kernel.has_window_right = variant.window_right
+    kernel.has_softcap = variant.softcap
+    kernel.varlen = variant.varlen
