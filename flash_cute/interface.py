@@ -13,7 +13,9 @@ from flash_cute.validation import AttentionProblem, validate_attention_inputs
 
 # Pipelines by name: (minimum compute capability major, module with `forward`/`backward`).
 PIPELINES = {"ampere": (8, "flash_cute.arch.ampere.api")}
-_PREFERENCE = ("blackwell", "hopper", "ampere")
+# Pipelines the dispatcher may pick on its own, newest first. A pipeline still being validated
+# is in PIPELINES (reachable with arch=...) but not here.
+DEFAULT_ORDER = ("ampere",)
 
 
 def select_pipeline(device: torch.device, arch: Optional[str] = None) -> str:
@@ -27,8 +29,8 @@ def select_pipeline(device: torch.device, arch: Optional[str] = None) -> str:
             raise ValueError(f"arch={arch!r} needs compute capability {PIPELINES[arch][0]}.x or "
                              f"newer; {torch.cuda.get_device_name(device)} is {major}.x")
         return arch
-    for name in _PREFERENCE:
-        if name in PIPELINES and major >= PIPELINES[name][0]:
+    for name in DEFAULT_ORDER:
+        if major >= PIPELINES[name][0]:
             return name
     raise NotImplementedError(f"no pipeline runs on compute capability {major}.x")
 
