@@ -16,7 +16,7 @@ from flash_cute.validation import validate_attention_inputs
 
 CANDIDATES = {
     64: [(128, 128, 8), (128, 64, 8), (128, 64, 4), (64, 128, 4), (128, 128, 4)],
-    128: [(128, 128, 8), (128, 64, 8), (64, 128, 4), (64, 64, 4), (128, 64, 4)],
+    128: [(128, 128, 8), (128, 64, 8), (64, 128, 4), (64, 64, 4), (128, 64, 4), (128, 32, 4)],
 }
 
 
@@ -24,6 +24,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--hdim", default="64,128")
     p.add_argument("--seqlen", default="2048,8192")
+    p.add_argument("--tiles", default=None, help="e.g. 128x32x4,64x128x4 (default: all candidates)")
     args = p.parse_args()
     rows = []
     for hdim in map(int, args.hdim.split(",")):
@@ -40,7 +41,9 @@ def main():
                     ms = triton.testing.do_bench(ref_fn, return_mode="median")
                 rows.append((hdim, seqlen, causal, "sdpa_flash", flops / ms / 1e9, 0.0))
                 problem = validate_attention_inputs(q, k, v, causal=causal)
-                for tile in CANDIDATES[hdim]:
+                tiles = CANDIDATES[hdim] if not args.tiles else [
+                    tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]
+                for tile in tiles:
                     fn = lambda: api.forward(q, k, v, problem, tile=tile)  # noqa: E731
                     err = (fn()[0].float() - ref.float()).abs().max().item()
                     ms = triton.testing.do_bench(fn, return_mode="median")
