@@ -12,7 +12,8 @@ import torch
 from flash_cute.validation import AttentionProblem, validate_attention_inputs
 
 # Pipelines by name: (minimum compute capability major, module with `forward`/`backward`).
-PIPELINES = {"ampere": (8, "flash_cute.arch.ampere.api")}
+PIPELINES = {"ampere": (8, "flash_cute.arch.ampere.api"),
+             "hopper": (9, "flash_cute.arch.hopper.api")}
 # Pipelines the dispatcher may pick on its own, newest first. A pipeline still being validated
 # is in PIPELINES (reachable with arch=...) but not here.
 DEFAULT_ORDER = ("ampere",)

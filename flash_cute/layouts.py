@@ -30,16 +30,35 @@ def acc_to_mn(acc: cute.Tensor) -> cute.Tensor:
 
 
 def acc_to_operand_a(acc: cute.Tensor) -> cute.Tensor:
-    """mma.sync m16n8k16: C fragment (4, MMA_M, MMA_N) -> A fragment ((4, 2), MMA_M, MMA_N/2).
+    """The S accumulator (or P, its converted copy) viewed as the A operand of O += P V.
 
-    Two adjacent n8 accumulator tiles hold exactly the registers of one k16 A tile.
+    mma.sync m16n8k16: C fragment (4, MMA_M, MMA_N) -> A fragment ((4, 2), MMA_M, MMA_N/2);
+    two adjacent n8 accumulator tiles hold exactly the registers of one k16 A tile.
+    WGMMA (register A): ((2, 2, N/8), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, (N/16, MMA_N)); a
+    thread's k16 A registers are the same two-columns-by-two-rows pairs as its accumulator, for
+    two adjacent n8 column groups, so N/8 must be even.
     """
+    if cutlass.const_expr(cute.rank(acc.layout.shape[0]) == 3):
+        return cute.make_tensor(acc.iterator, _wgmma_acc_to_a_layout(acc.layout))
     div = cute.logical_divide(acc.layout, (None, None, 2))
     layout = cute.make_layout(
         ((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
         stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]),
     )
     return cute.make_tensor(acc.iterator, layout)
+
+
+def _wgmma_acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
+    if cutlass.const_expr(acc_layout.shape[0][2] % 2 != 0):
+        raise ValueError(f"WGMMA P operand needs an even number of n8 groups, got {acc_layout.shape}")
+    div = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    # div: ((2, 2, (2, N/16)), MMA_M, MMA_N)
+    return cute.make_layout(
+        ((div.shape[0][0], div.shape[0][1], div.shape[0][2][0]), div.shape[1],
+         (div.shape[0][2][1], div.shape[2])),
+        stride=((div.stride[0][0], div.stride[0][1], div.stride[0][2][0]), div.stride[1],
+                (div.stride[0][2][1], div.stride[2])),
+    )
 
 
 def assume_aligned_strides(t: cute.Tensor, divby: int) -> cute.Tensor:

@@ -16,7 +16,7 @@ from flash_cute.reference import attention_ref, tolerance_check
 
 pytestmark = pytest.mark.gpu
 
-PIPELINES = ["ampere"]  # pipelines with a forward
+PIPELINES = ["ampere", "hopper"]  # pipelines with a forward
 BWD_PIPELINES = ["ampere"]  # pipelines with a backward
 
 

@@ -157,3 +157,20 @@ def test_ampere_bwd_uses_mma_sync_and_fp32_atomics(inspected):
         ops = e["sass"]
         assert ops.get("HMMA", 0) > 0 and ops.get("LDSM", 0) > 0 and ops.get("LDGSTS", 0) > 0
         assert ops.get("RED", 0) + ops.get("ATOMG", 0) > 0, "dQ is accumulated with atomics"
+
+
+def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
+    entries = [e for e in inspected if e["kernel"] == "hopper.fwd"]
+    assert {e["arch"] for e in entries} == {"sm_90a"}
+    hdims = {(e["config"]["hdim"], e["config"]["hdim_v"]) for e in entries}
+    assert hdims >= {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
+    for e in entries:
+        ops = e["sass"]
+        assert ops.get("HGMMA", 0) > 0, "QKᵀ and PV must run on WGMMA"
+        assert ops.get("UTMALDG", 0) > 0, "Q, K and V must be loaded with TMA"
+        assert ops.get("USETMAXREG", 0) >= 2, "producer and consumers re-balance registers"
+        assert ops.get("HMMA", 0) == 0 and ops.get("LDGSTS", 0) == 0
+        assert ops.get("MUFU.EX2", 0) > 0
+        assert e["spill_bytes"] == 0, e
+        assert e["registers_per_role"] == {"producer": 24, "consumer": 240}
+        assert 0 < e["smem_bytes"] <= 227 * 1024

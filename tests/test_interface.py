@@ -6,6 +6,7 @@ import torch
 import flash_cute
 from flash_cute import interface
 from flash_cute.arch.ampere import api as ampere_api
+from flash_cute.arch.hopper import api as hopper_api
 from flash_cute.validation import validate_attention_inputs
 
 
@@ -50,6 +51,37 @@ def test_ampere_supported_head_dims():
     for d, dv in [(80, 80), (128, 64), (32, 32)]:
         with pytest.raises(NotImplementedError, match="hdim"):
             ampere_api.check_supported(problem(d, dv))
+
+
+def test_hopper_is_reachable_but_not_a_default_yet(capability):
+    capability(9, 0)
+    assert interface.select_pipeline(torch.device("cuda"), "hopper") == "hopper"
+    assert "hopper" not in interface.DEFAULT_ORDER
+    capability(8, 6)
+    with pytest.raises(ValueError, match="needs compute capability 9"):
+        interface.select_pipeline(torch.device("cuda"), "hopper")
+
+
+def test_hopper_supported_head_dims():
+    def problem(d, dv):
+        q = torch.randn(1, 4, 2, d, dtype=torch.bfloat16)
+        v = torch.randn(1, 4, 2, dv, dtype=torch.bfloat16)
+        return validate_attention_inputs(q, q, v, require_cuda=False)
+
+    for d, dv in [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)]:
+        hopper_api.check_supported(problem(d, dv))
+    for d, dv in [(80, 80), (128, 64), (32, 32)]:
+        with pytest.raises(NotImplementedError, match="hopper pipeline has no kernel"):
+            hopper_api.check_supported(problem(d, dv))
+    assert not hasattr(hopper_api, "backward")
+
+
+def test_hopper_tma_strides_of_size_one_dims_are_made_compact():
+    x = torch.randn(7, 3, 64).unsqueeze(0).as_strided((1, 7, 3, 64), (5, 192, 64, 1))
+    y = hopper_api._tma_ready(x)
+    assert y.stride() == (1344, 192, 64, 1) and torch.equal(x, y)
+    z = torch.randn(2, 7, 3, 64)
+    assert hopper_api._tma_ready(z) is z
 
 
 def test_cpu_tensors_are_refused_before_any_launch():

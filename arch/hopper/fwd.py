@@ -1,0 +1,398 @@
+"""FlashAttention-3 forward on sm90a: TMA + mbarrier pipelines + WGMMA, warp-specialized
+(seed 10.3.4). First cut: the real FA3 structure, without the overlap tricks yet.
+
+One CTA per (128-row query tile, head, batch). Warpgroup 0 produces (one warp issues every TMA
+load), warpgroups 1 and 2 consume: each owns 64 query rows and runs S = Q Kᵀ, the online
+softmax and O += P V for them. K and V flow through two mbarrier rings that share one
+producer/consumer state (stage i of the K ring and stage i of the V ring hold the same block).
+"""
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, pipeline
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from flash_cute.block_range import block_range, needs_mask
+from flash_cute.dsl_state import DslState
+from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
+from flash_cute.mask import AttentionMask
+from flash_cute.seqlen import SeqInfo
+from flash_cute.softmax import OnlineSoftmax, apply_softcap, fold_scales, rescale_o
+from flash_cute.variant import Variant, set_kernel_switches
+
+from .config import (COMPILE_OPTIONS, CONSUMER_REGISTERS, NUM_CONSUMER_WARPGROUPS, NUM_THREADS,
+                     PRODUCER_REGISTERS, SMEM_CAPACITY, TILES, smem_bytes)
+
+# Mode orders that put (rows, cols) first, as TMA tiles the leading modes of a tensor, and
+# their inverses that give the kernel back the caller's order (so `SeqInfo` views apply).
+# Q, K: (b, s, h, d) -> (s, d, h, b); varlen (t, h, d) -> (t, d, h).
+_ROWS_FIRST = {False: ((1, 3, 2, 0), (3, 0, 2, 1)), True: ((0, 2, 1), (0, 2, 1))}
+# V is the B operand of P V with its head dim contiguous (MN-major): (b, s, h, dv) ->
+# (dv, s, h, b); varlen (t, h, dv) -> (dv, t, h).
+_COLS_FIRST = {False: ((3, 1, 2, 0), (3, 1, 2, 0)), True: ((2, 0, 1), (1, 2, 0))}
+
+
+def _permute(t: cute.Tensor, order) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(order)))
+
+
+class HopperFwd:
+    """Forward kernel: O = softmax(Q Kᵀ · scale) V and LSE, one CTA per (query tile, head, batch).
+
+    | warpgroup | warps | registers | role                                                  |
+    |-----------|-------|-----------|-------------------------------------------------------|
+    | 0         | 0     | 24        | producer: TMA of Q once, then K[n], V[n] per block     |
+    | 0         | 1..3  | 24        | idle (setmaxnreg is warpgroup-wide, so they stay)      |
+    | 1         | 4..7  | 240       | consumer: rows 0..63 — QKᵀ, mask, softmax, PV, store   |
+    | 2         | 8..11 | 240       | consumer: rows 64..127 — same                          |
+
+    | pipeline (PipelineTmaAsync) | stages | full barrier           | empty barrier          |
+    |-----------------------------|--------|------------------------|------------------------|
+    | Q                           | 1      | TMA bytes of the Q tile | 8 consumer warps      |
+    | K                           | 2      | TMA bytes of a K tile  | 8 consumer warps       |
+    | V                           | 2      | TMA bytes of a V tile  | 8 consumer warps       |
+
+    K/V blocks are visited right to left over `block_range` (masked blocks first). Per block a
+    consumer waits K[n], runs S = Q K[n]ᵀ (WGMMA, both operands in shared memory), releases K[n]
+    at once, applies softcap / mask / online softmax in registers, converts P to 16 bits and
+    runs O += P V[n] with P as the register A operand, then releases V[n].
+
+    Not yet (first cut): the intra-warpgroup overlap of softmax with the next QKᵀ, the
+    inter-warpgroup ping-pong (`PipelineOrder`), a TMA store of O through shared memory (O is
+    stored from registers with row predicates, LSE by the quad leader) and a persistent
+    scheduler.
+    """
+
+    def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
+                 variant: Variant = Variant(), tile: Optional[tuple] = None):
+        hdim_v = hdim if hdim_v is None else hdim_v
+        if hdim not in TILES and tile is None:
+            raise ValueError(f"no sm90 tile config for hdim {hdim}; have {sorted(TILES)}")
+        if hdim_v > hdim or hdim_v % 32:
+            raise ValueError(f"hdim_v must be a multiple of 32 and <= hdim, got {hdim_v}/{hdim}")
+        self.dtype = dtype
+        self.hdim, self.hdim_v = hdim, hdim_v
+        self.tile_m, self.tile_n, self.kv_stages = tile or TILES[hdim]
+        if self.tile_m != 64 * NUM_CONSUMER_WARPGROUPS:
+            raise ValueError(f"tile_m must be {64 * NUM_CONSUMER_WARPGROUPS} (64 rows per consumer)")
+        if self.tile_n % 16:
+            raise ValueError("tile_n must be a multiple of 16 (the K of the P V WGMMA)")
+        self.num_threads = NUM_THREADS
+        set_kernel_switches(self, variant)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory (the kernel's SharedStorage; checked against it at compile)."""
+        return smem_bytes(self.hdim, self.hdim_v, (self.tile_m, self.tile_n, self.kv_stages))
+
+    # ---------------------------------------------------------------- host side
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
+                 window_right: Int32, max_seqlen_q: Int32, mCuSeqlensQ: Optional[cute.Tensor],
+                 mCuSeqlensK: Optional[cute.Tensor], stream: cuda.CUstream):
+        """Padded: Q [b, sq, h, d], K/V [b, sk, hk, d], LSE [b, h, sq]. Varlen: Q [tq, h, d],
+        K/V [tk, hk, d], LSE [h, tq], cu_seqlens [b + 1]."""
+        vec = 128 // self.dtype.width
+        # TMA needs 16-byte global strides; validation guarantees them, this tells the compiler.
+        mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mO))
+        mma_qk, mma_pv = self._tiled_mmas()
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.hdim), self.dtype, 1)
+        sK_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.hdim), self.dtype, self.kv_stages)
+        # V as the (hdim_v, tile_n) B operand, head dim contiguous: no transpose in shared memory.
+        sV_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, (self.tile_m, self.hdim_v, self.tile_n), self.dtype,
+            self.kv_stages)
+
+        rows_first, back_rows = _ROWS_FIRST[self.varlen]
+        cols_first, back_cols = _COLS_FIRST[self.varlen]
+        tma_q, tQ = self._tma_load(mQ, rows_first, sQ_layout, (self.tile_m, self.hdim))
+        tma_k, tK = self._tma_load(mK, rows_first, sK_layout, (self.tile_n, self.hdim))
+        tma_v, tV = self._tma_load(mV, cols_first, sV_layout, (self.hdim_v, self.tile_n))
+        tQ, tK, tV = _permute(tQ, back_rows), _permute(tK, back_rows), _permute(tV, back_cols)
+
+        stages = self.kv_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        if cutlass.const_expr(SharedStorage.size_in_bytes() != self.smem_bytes
+                              or self.smem_bytes > SMEM_CAPACITY):
+            raise ValueError(f"shared memory: {SharedStorage.size_in_bytes()} B (estimated "
+                             f"{self.smem_bytes}), capacity {SMEM_CAPACITY}")
+        tx_bytes = tuple(cute.size_in_bytes(self.dtype, cute.slice_(layout, (None, None, 0)))
+                         for layout in (sQ_layout, sK_layout, sV_layout))
+        batch = mCuSeqlensQ.shape[0] - 1 if cutlass.const_expr(self.varlen) else mQ.shape[0]
+        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mQ.shape[-2], batch)
+        scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
+        self.kernel(
+            tma_q, tQ, tma_k, tK, tma_v, tV, mO, mLSE, scale_log2, scale_div_cap, window_left,
+            window_right, mCuSeqlensQ, mCuSeqlensK, sQ_layout, sK_layout, sV_layout, mma_qk,
+            mma_pv, SharedStorage, tx_bytes,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def _tiled_mmas(self):
+        """S = Q Kᵀ (both from shared memory, K-major) and O = P V (P from registers, V
+        MN-major); one 64-row WGMMA atom per consumer warpgroup."""
+        atoms = (NUM_CONSUMER_WARPGROUPS, 1, 1)
+        mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, atoms,
+            (64, self.tile_n))
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, atoms,
+            (64, self.hdim_v), a_source=warpgroup.OperandSource.RMEM)
+        return mma_qk, mma_pv
+
+    @staticmethod
+    def _tma_load(t: cute.Tensor, order, staged_layout, tile):
+        """TMA atom over the whole tensor (every batch and head; the kernel picks its tile by
+        coordinates), with one stage of `staged_layout` as the shared-memory box."""
+        return cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), _permute(t, order),
+            cute.slice_(staged_layout, (None, None, 0)), tile)
+
+    # ---------------------------------------------------------------- device side
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               scale_log2: Float32, scale_div_cap: Float32, window_left: Int32,
+               window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
+               mCuSeqlensK: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+               tx_bytes: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        # Every thread takes part: the barriers are initialized by warp 0 and made visible to
+        # all (and to the async proxy) before anyone waits on them.
+        pipes = self._make_pipelines(storage, tx_bytes)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.causal or self.has_window_right):
+            # Heaviest query tiles first, so the tail of the grid is short.
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        head_kv = head // (mQ.shape[-2] // mK.shape[-2])
+        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK)
+        # Uniform over the CTA (varlen tiles past the sequence), so no role is left waiting.
+        if m_block * self.tile_m < seq.seqlen_q:
+            win_left = window_left if cutlass.const_expr(self.has_window_left) else None
+            win_right = window_right if cutlass.const_expr(self.has_window_right) else None
+            rng = block_range(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                              self.causal, win_left, win_right, imin=cutlass.min, imax=cutlass.max)
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+                if warp_idx == 0:
+                    self.produce(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, seq, head,
+                                 head_kv, m_block, rng)
+            else:
+                cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+                mask = AttentionMask(self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                     self.causal, win_left, win_right)
+                self.consume(mma_qk, mma_pv, sQ, sK, sV, pipes, seq, mO, mLSE, head, m_block,
+                             rng, mask, scale_log2, scale_div_cap)
+
+    def _make_pipelines(self, storage, tx_bytes):
+        """(Q, K, V) TMA pipelines. The empty barriers count one arrive per consumer warp
+        (PipelineTmaAsync releases from lane 0 of each warp), the full ones one producer
+        arrive plus the stage's TMA bytes."""
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * NUM_CONSUMER_WARPGROUPS)
+        make = lambda bars, stages, tx: pipeline.PipelineTmaAsync.create(  # noqa: E731
+            num_stages=stages, producer_group=producer, consumer_group=consumers, tx_count=tx,
+            barrier_storage=bars.data_ptr(), defer_sync=True)
+        pipes = (make(storage.mbar_q, 1, tx_bytes[0]),
+                 make(storage.mbar_k, self.kv_stages, tx_bytes[1]),
+                 make(storage.mbar_v, self.kv_stages, tx_bytes[2]))
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        return pipes
+
+    @cute.jit
+    def produce(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, seq, head, head_kv,
+                m_block, rng):
+        """Warp 0 of the producer warpgroup, all 32 lanes: `producer_acquire` elects the lane
+        that arms the barrier, and the TMA copy elects its own issuing lane."""
+        pipe_q, pipe_k, pipe_v = pipes
+        gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
+        gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (None, 0))
+        gVt = cute.local_tile(_permute(seq.k_view(mV, head_kv), (1, 0)),
+                              (self.hdim_v, self.tile_n), (0, None))
+        no_mcast = (0, cute.make_layout(1))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, *no_mcast, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, *no_mcast, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, *no_mcast, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gVt, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
+            n_block = rng.n_block_max - 1 - i
+            pipe_k.producer_acquire(kv)
+            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv))
+            pipe_v.producer_acquire(kv)
+            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv))
+            kv.advance()
+
+    @cute.jit
+    def consume(self, mma_qk, mma_pv, sQ, sK, sV, pipes, seq, mO, mLSE, head, m_block, rng,
+                mask, scale_log2, scale_div_cap):
+        """One consumer warpgroup's 64 rows (thread index relative to the first consumer, so
+        the tiled MMAs place warpgroup 1 on rows 0..63 and warpgroup 2 on rows 64..127)."""
+        pipe_q, pipe_k, pipe_v = pipes
+        tidx = cute.arch.thread_idx()[0] - 128
+        thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
+        gemms = WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, sQ, sK, sV)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)),
+                                      Float32)
+        acc_o.fill(0.0)
+        softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4)
+        softmax.reset()
+        coord_mn = acc_to_mn(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+
+        # Q is waited for even when no block is visited: its TMA must land before the CTA exits.
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
+            n_block = rng.n_block_max - 1 - i
+            pipe_k.consumer_wait(kv)
+            acc_s = gemms.qk(kv.index)
+            pipe_k.consumer_release(kv)
+            acc_s_mn = acc_to_mn(acc_s)
+            if cutlass.const_expr(self.has_softcap):
+                apply_softcap(acc_s_mn, scale_div_cap)
+            if needs_mask(n_block, rng):
+                mask.apply(acc_s_mn, coord_mn, m_block, n_block)
+            row_scale = softmax.online_softmax(acc_s_mn)
+            rescale_o(acc_to_mn(acc_o), row_scale)
+            pipe_v.consumer_wait(kv)
+            gemms.pv(acc_s, acc_o, kv.index)
+            pipe_v.consumer_release(kv)
+            kv.advance()
+        pipe_q.consumer_release(q_state)
+
+        o_scale, lse = softmax.finalize()
+        rescale_o(acc_to_mn(acc_o), o_scale)
+        self.epilogue(acc_o, lse, thr_pv, seq, mO, mLSE, head, m_block)
+
+    @cute.jit
+    def epilogue(self, acc_o, lse, thr_pv, seq, mO, mLSE, head, m_block):
+        """O straight from registers to global memory (rows past seqlen_q skipped; in varlen
+        they belong to the next sequence), LSE from the first thread of each row's quad."""
+        gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim_v), (m_block, 0))
+        g_lse = seq.lse_view(mLSE, head)
+        coord = acc_to_mn(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+        acc_mn = acc_to_mn(acc_o)
+        valid_rows = seq.seqlen_q - m_block * self.tile_m
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            row = coord[r, 0][0]
+            if row < valid_rows:
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    gO[row, coord[0, c][1]] = acc_mn[r, c].to(self.dtype)
+                if coord[0, 0][1] == 0:
+                    g_lse[m_block * self.tile_m + row] = lse[r]
+
+
+class WgmmaOperands(DslState):
+    """The two WGMMAs of one K/V block: Q and K[stage] as shared-memory descriptors for S,
+    P (registers) and V[stage] (descriptor) for O. Built once per consumer thread."""
+
+    def __init__(self, cfg: HopperFwd, mma_qk, mma_pv, thr_qk, thr_pv, sQ, sK, sV):
+        self.cfg = cfg
+        self.mma_qk, self.mma_pv = mma_qk, mma_pv
+        self.thr_qk = thr_qk
+        self.tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        self.tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        self.tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+
+    @cute.jit
+    def qk(self, stage: Int32) -> cute.Tensor:
+        """S = Q K[stage]ᵀ, waited for (the softmax needs it at once)."""
+        acc_s = cute.make_rmem_tensor(
+            self.thr_qk.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n)), Float32)
+        # A fresh atom per GEMM: ACCUMULATE is atom state, and an atom reused across the
+        # run-time loop would carry that state as a loop value.
+        atom = cute.make_mma_atom(self.mma_qk.op)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(self.tSrQ, mode=[2])):
+            atom.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(atom, acc_s, self.tSrQ[None, None, k, 0], self.tSrK[None, None, k, stage],
+                      acc_s)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        return acc_s
+
+    @cute.jit
+    def pv(self, acc_s: cute.Tensor, acc_o: cute.Tensor, stage: Int32):
+        """O += P V[stage], P = S converted to 16 bits in the A-operand register layout."""
+        r_p = cute.make_rmem_tensor_like(acc_s, self.cfg.dtype)
+        r_p.store(acc_s.load().to(self.cfg.dtype))
+        tOrP = acc_to_operand_a(r_p)
+        atom = cute.make_mma_atom(self.mma_pv.op)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(atom, acc_o, tOrP[None, None, k], self.tOrV[None, None, k, stage], acc_o)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+
+def registers_per_role() -> dict:
+    """setmaxnreg budgets of each role, for `inspect` (the cubin reports only the launch-time
+    register count, which ptxas caps at 65536 / 384 threads)."""
+    return {"producer": PRODUCER_REGISTERS, "consumer": CONSUMER_REGISTERS}
+
+
+def build_for_inspect(cfg):
+    """Registry builder: fake padded or varlen Q/K/V/O/LSE with dynamic batch and lengths."""
+    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
+
+    dtype = DTYPES[cfg.dtype]
+    kernel = HopperFwd(dtype, cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict),
+                       tile=tuple(cfg.tile))
+    heads, heads_kv = dynamic_dim(), dynamic_dim()
+    if kernel.varlen:
+        total_q, total_k, batch1 = dynamic_dim(), dynamic_dim(), dynamic_dim()
+        q_shape, k_shape = (total_q, heads, cfg.hdim), (total_k, heads_kv, cfg.hdim)
+        v_shape, o_shape = (total_k, heads_kv, cfg.hdim_v), (total_q, heads, cfg.hdim_v)
+        lse_shape = (heads, total_q)
+        cu = (fake_tensor(Int32, (batch1,), align=4), fake_tensor(Int32, (batch1,), align=4))
+    else:
+        b, sq, sk = dynamic_dim(), dynamic_dim(), dynamic_dim()
+        q_shape, k_shape = (b, sq, heads, cfg.hdim), (b, sk, heads_kv, cfg.hdim)
+        v_shape, o_shape = (b, sk, heads_kv, cfg.hdim_v), (b, sq, heads, cfg.hdim_v)
+        lse_shape = (b, heads, sq)
+        cu = (None, None)
+    args = (fake_tensor(dtype, q_shape), fake_tensor(dtype, k_shape), fake_tensor(dtype, v_shape),
+            fake_tensor(dtype, o_shape), fake_tensor(Float32, lse_shape, align=4),
+            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu + (fake_stream(),)
+    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS,
+                       extra={"registers_per_role": registers_per_role()})
