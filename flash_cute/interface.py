@@ -2,7 +2,9 @@
 layouts and return convention ``(out, lse)``, and the dispatch to an arch pipeline.
 
 Dispatch picks the newest pipeline that is built and runs on the device; ``arch=`` forces one
-(e.g. ``arch="ampere"`` runs the sm80 pipeline on a Hopper GPU, for per-arch comparison).
+(e.g. ``arch="ampere"`` runs the sm80 pipeline on a Hopper GPU, for per-arch comparison). The
+backward runs in the forward's pipeline when it has one, else in the newest pipeline with a
+backward for the device: the forward's (O, LSE) are the same in every pipeline.
 """
 
 from typing import Optional, Tuple
@@ -11,12 +13,13 @@ import torch
 
 from flash_cute.validation import AttentionProblem, validate_attention_inputs
 
-# Pipelines by name: (minimum compute capability major, module with `forward`/`backward`).
-PIPELINES = {"ampere": (8, "flash_cute.arch.ampere.api"),
-             "hopper": (9, "flash_cute.arch.hopper.api")}
+# Pipelines by name: (compute capability majors it runs on, module with `forward`/`backward`).
+# mma.sync and cp.async run on every GPU from sm80 on; WGMMA exists on sm90 only.
+PIPELINES = {"ampere": (range(8, 13), "flash_cute.arch.ampere.api"),
+             "hopper": (range(9, 10), "flash_cute.arch.hopper.api")}
 # Pipelines the dispatcher may pick on its own, newest first. A pipeline still being validated
 # is in PIPELINES (reachable with arch=...) but not here.
-DEFAULT_ORDER = ("ampere",)
+DEFAULT_ORDER = ("hopper", "ampere")
 
 
 def select_pipeline(device: torch.device, arch: Optional[str] = None) -> str:
@@ -26,14 +29,26 @@ def select_pipeline(device: torch.device, arch: Optional[str] = None) -> str:
         if arch not in PIPELINES:
             built = ", ".join(sorted(PIPELINES))
             raise NotImplementedError(f"arch={arch!r}: no such pipeline is built (built: {built})")
-        if major < PIPELINES[arch][0]:
-            raise ValueError(f"arch={arch!r} needs compute capability {PIPELINES[arch][0]}.x or "
-                             f"newer; {torch.cuda.get_device_name(device)} is {major}.x")
+        majors = PIPELINES[arch][0]
+        if major not in majors:
+            raise ValueError(f"arch={arch!r} runs on compute capability {majors[0]}.x to "
+                             f"{majors[-1]}.x; {torch.cuda.get_device_name(device)} is {major}.x")
         return arch
     for name in DEFAULT_ORDER:
-        if major >= PIPELINES[name][0]:
+        if major in PIPELINES[name][0]:
             return name
     raise NotImplementedError(f"no pipeline runs on compute capability {major}.x")
+
+
+def select_backward_pipeline(device: torch.device, forward_pipeline: str) -> str:
+    """The forward's pipeline if it has a backward, else the newest default one that does."""
+    if hasattr(_pipeline_module(forward_pipeline), "backward"):
+        return forward_pipeline
+    major = torch.cuda.get_device_capability(device)[0]
+    for name in DEFAULT_ORDER:
+        if major in PIPELINES[name][0] and hasattr(_pipeline_module(name), "backward"):
+            return name
+    raise NotImplementedError(f"no pipeline has a backward for compute capability {major}.x")
 
 
 def _pipeline_module(name: str):
@@ -45,10 +60,10 @@ def _pipeline_module(name: str):
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, problem: AttentionProblem, pipeline: str,
-                deterministic: bool, return_lse: bool):
+                bwd_pipeline: Optional[str], deterministic: bool, return_lse: bool):
         out, lse = _pipeline_module(pipeline).forward(q, k, v, problem, cu_seqlens_q, cu_seqlens_k)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.problem, ctx.pipeline, ctx.deterministic = problem, pipeline, deterministic
+        ctx.problem, ctx.pipeline, ctx.deterministic = problem, bwd_pipeline, deterministic
         ctx.return_lse = return_lse
         ctx.set_materialize_grads(False)
         return out, lse
@@ -56,14 +71,12 @@ class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        backward = getattr(_pipeline_module(ctx.pipeline), "backward", None)
-        if backward is None:
-            raise NotImplementedError(f"the {ctx.pipeline} pipeline has no backward pass yet")
+        backward = _pipeline_module(ctx.pipeline).backward
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = backward(dout, dlse if ctx.return_lse else None, q, k, v, out, lse, ctx.problem,
                               cu_seqlens_q, cu_seqlens_k, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def flash_attn_func(
@@ -117,12 +130,16 @@ def flash_attn_varlen_func(
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, arch, deterministic, return_lse):
     pipeline = select_pipeline(q.device, arch)
-    module = _pipeline_module(pipeline)
-    module.check_supported(problem)
+    _pipeline_module(pipeline).check_supported(problem)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if deterministic and needs_grad and not module.DETERMINISTIC_BACKWARD:
-        raise NotImplementedError(f"deterministic=True: the {pipeline} pipeline's backward adds dQ "
-                                  "with atomics and is not deterministic")
+    bwd_pipeline = None
+    if needs_grad:
+        bwd_pipeline = select_backward_pipeline(q.device, pipeline)
+        bwd_module = _pipeline_module(bwd_pipeline)
+        bwd_module.check_supported(problem)
+        if deterministic and not bwd_module.DETERMINISTIC_BACKWARD:
+            raise NotImplementedError(f"deterministic=True: the {bwd_pipeline} pipeline's backward "
+                                      "adds dQ with atomics and is not deterministic")
     out, lse = _FlashAttnFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, pipeline,
-                                    deterministic, return_lse)
+                                    bwd_pipeline, deterministic, return_lse)
     return out, (lse if (return_lse or needs_grad) else None)

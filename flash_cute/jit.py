@@ -152,3 +152,16 @@ def current_stream():
     import torch
 
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k):
+    """An attention kernel's arguments after its tensors, for a validated `AttentionProblem`:
+    (scale, softcap, window left, window right) and the cu_seqlens (None when padded)."""
+    from cutlass import Float32, Int32
+
+    scalars = (Float32(problem.softmax_scale),
+               Float32(problem.softcap if problem.softcap > 0 else 1.0),
+               Int32(problem.window_left or 0), Int32(problem.window_right or 0))
+    cu = (to_cute_tensor(cu_seqlens_q, 4), to_cute_tensor(cu_seqlens_k, 4)) if problem.varlen \
+        else (None, None)
+    return scalars, cu

@@ -237,3 +237,18 @@ def test_unknown_or_unbuilt_pipeline_is_a_clear_error():
         flash_attn_func(torch.randn(1, 16, 1, 80, device="cuda", dtype=torch.bfloat16),
                         torch.randn(1, 16, 1, 80, device="cuda", dtype=torch.bfloat16),
                         torch.randn(1, 16, 1, 80, device="cuda", dtype=torch.bfloat16), arch="ampere")
+
+
+def test_default_dispatch_forward_and_backward():
+    """arch=None: the newest forward for the GPU, and a backward from a pipeline that has one."""
+    q, k, v = _inputs(2, 333, 517, 8, 2, 128, 128, torch.bfloat16, seed=16)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    _check_forward(out, lse, q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    ours = _grads(lambda a, b, c: flash_attn_func(a, b, c, causal=True)[0], q, k, v, dout)
+    ref = _grads(lambda a, b, c: attention_ref(a, b, c, mode="float64", causal=True)[0],
+                 q.double(), k.double(), v.double(), dout.double())
+    nat = _grads(lambda a, b, c: attention_ref(a, b, c, mode="native", causal=True)[0], q, k, v, dout)
+    for name, g, g_ref, g_nat in zip(("dQ", "dK", "dV"), ours, ref, nat):
+        res = tolerance_check(g, g_ref, g_nat)
+        assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e}"

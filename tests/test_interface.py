@@ -18,11 +18,13 @@ def capability(monkeypatch):
     return set_cap
 
 
-def test_dispatch_picks_the_newest_built_pipeline(capability):
+def test_dispatch_picks_the_newest_pipeline_that_runs_there(capability):
     capability(8, 0)
     assert interface.select_pipeline(torch.device("cuda")) == "ampere"
     capability(9, 0)
-    assert interface.select_pipeline(torch.device("cuda")) in interface.PIPELINES
+    assert interface.select_pipeline(torch.device("cuda")) == "hopper"
+    capability(10, 0)  # WGMMA does not exist on sm100: the sm80 code runs there
+    assert interface.select_pipeline(torch.device("cuda")) == "ampere"
 
 
 def test_arch_override(capability):
@@ -36,7 +38,7 @@ def test_old_gpus_are_refused(capability):
     capability(7, 5)
     with pytest.raises(NotImplementedError, match="7.x"):
         interface.select_pipeline(torch.device("cuda"))
-    with pytest.raises(ValueError, match="needs compute capability 8"):
+    with pytest.raises(ValueError, match="runs on compute capability 8.x"):
         interface.select_pipeline(torch.device("cuda"), "ampere")
 
 
@@ -53,13 +55,19 @@ def test_ampere_supported_head_dims():
             ampere_api.check_supported(problem(d, dv))
 
 
-def test_hopper_is_reachable_but_not_a_default_yet(capability):
+def test_hopper_runs_on_sm90_only(capability):
     capability(9, 0)
     assert interface.select_pipeline(torch.device("cuda"), "hopper") == "hopper"
-    assert "hopper" not in interface.DEFAULT_ORDER
-    capability(8, 6)
-    with pytest.raises(ValueError, match="needs compute capability 9"):
-        interface.select_pipeline(torch.device("cuda"), "hopper")
+    for major in (8, 10):
+        capability(major, 0)
+        with pytest.raises(ValueError, match="runs on compute capability 9.x"):
+            interface.select_pipeline(torch.device("cuda"), "hopper")
+
+
+def test_backward_falls_back_to_a_pipeline_that_has_one(capability):
+    capability(9, 0)
+    assert interface.select_backward_pipeline(torch.device("cuda"), "hopper") == "ampere"
+    assert interface.select_backward_pipeline(torch.device("cuda"), "ampere") == "ampere"
 
 
 def test_hopper_supported_head_dims():

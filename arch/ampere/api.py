@@ -20,27 +20,14 @@ def check_supported(problem: AttentionProblem) -> None:
         )
 
 
-def _runtime_args(problem: AttentionProblem, cu_seqlens_q, cu_seqlens_k):
-    """Kernel arguments after the tensors: scale, softcap, window sides, cu_seqlens (or None)."""
-    from cutlass import Float32, Int32
-
-    from flash_cute.jit import to_cute_tensor
-
-    scalars = (Float32(problem.softmax_scale),
-               Float32(problem.softcap if problem.softcap > 0 else 1.0),
-               Int32(problem.window_left or 0), Int32(problem.window_right or 0))
-    cu = (to_cute_tensor(cu_seqlens_q, 4), to_cute_tensor(cu_seqlens_k, 4)) if problem.varlen \
-        else (None, None)
-    return scalars, cu
-
-
 def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None, tile=None):
     """(out, lse) for validated inputs; out has v's head dim, lse is fp32. `tile` overrides
     (tile_m, tile_n, num_warps) for ablations."""
     from cutlass import Int32
     import cutlass.cute as cute
 
-    from flash_cute.jit import DTYPES, CompileKey, compile_cache, current_arch, current_stream, to_cute_tensor
+    from flash_cute.jit import (DTYPES, CompileKey, attention_runtime_args, compile_cache, current_arch,
+                                current_stream, to_cute_tensor)
 
     from .fwd import AmpereFwd
 
@@ -58,7 +45,7 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
     tile = tuple(tile or TILES[problem.hdim])
     key = CompileKey("ampere.fwd", current_arch(), dtype, problem.hdim, problem.hdim_v, tile,
                      variant.flags())
-    scalars, cu = _runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
+    scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
     args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(out),
             to_cute_tensor(lse, 4)) + scalars + (Int32(problem.max_seqlen_q),) + cu \
         + (current_stream(),)
@@ -81,7 +68,8 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
     import cutlass.cute as cute
 
     from flash_cute.bwd_prep import bwd_postprocess, bwd_preprocess
-    from flash_cute.jit import DTYPES, CompileKey, compile_cache, current_arch, current_stream, to_cute_tensor
+    from flash_cute.jit import (DTYPES, CompileKey, attention_runtime_args, compile_cache, current_arch,
+                                current_stream, to_cute_tensor)
 
     from .bwd import AmpereBwd
     from .config import BWD_TILES
@@ -100,7 +88,7 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
     dtype = _DTYPE_NAMES[q.dtype]
     key = CompileKey("ampere.bwd", current_arch(), dtype, problem.hdim, problem.hdim_v,
                      BWD_TILES[problem.hdim][:3], variant.flags() + (("dkv_fp32", group > 1),))
-    scalars, cu = _runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
+    scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
     dkv_align = 16 if group == 1 else 4
     args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(dout),
             to_cute_tensor(lse_log2, 4), to_cute_tensor(delta, 4), to_cute_tensor(dq_accum, 4),

@@ -47,8 +47,8 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
     from cutlass import Int32
     import cutlass.cute as cute
 
-    from flash_cute.arch.ampere.api import _runtime_args
-    from flash_cute.jit import DTYPES, CompileKey, compile_cache, current_arch, current_stream, to_cute_tensor
+    from flash_cute.jit import (DTYPES, CompileKey, attention_runtime_args, compile_cache, current_arch,
+                                current_stream, to_cute_tensor)
 
     from .fwd import HopperFwd
 
@@ -70,7 +70,7 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
     tile = tuple(tile or TILES[problem.hdim])
     key = CompileKey("hopper.fwd", arch, dtype, problem.hdim, problem.hdim_v, tile,
                      variant.flags())
-    scalars, cu = _runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
+    scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
     q, k, v = (_tma_ready(t) for t in (q, k, v))
     args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(out),
             to_cute_tensor(lse, 4)) + scalars + (Int32(problem.max_seqlen_q),) + cu \
