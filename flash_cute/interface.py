@@ -11,7 +11,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from flash_cute.validation import AttentionProblem, validate_attention_inputs
+from flash_cute.validation import (AttentionProblem, validate_attention_inputs,
+                                   validate_backward_inputs)
 
 # Pipelines by name: (compute capability majors it runs on, module with `forward`/`backward`).
 # mma.sync and cp.async run on every GPU from sm80 on; WGMMA exists on sm90 only.
@@ -60,23 +61,31 @@ def _pipeline_module(name: str):
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, problem: AttentionProblem, pipeline: str,
-                bwd_pipeline: Optional[str], deterministic: bool, return_lse: bool):
+                bwd_pipeline: Optional[str], deterministic: bool):
         out, lse = _pipeline_module(pipeline).forward(q, k, v, problem, cu_seqlens_q, cu_seqlens_k)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.problem, ctx.pipeline, ctx.deterministic = problem, bwd_pipeline, deterministic
-        ctx.return_lse = return_lse
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        backward = _pipeline_module(ctx.pipeline).backward
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = backward(dout, dlse if ctx.return_lse else None, q, k, v, out, lse, ctx.problem,
-                              cu_seqlens_q, cu_seqlens_k, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dout = _kernel_ready(torch.zeros_like(out) if dout is None else dout)
+        # dlse is None unless the loss used the LSE (grads are not materialized).
+        dlse = None if dlse is None else dlse.contiguous()
+        validate_backward_inputs(dout, q, k, v, out, lse, ctx.problem)
+        with torch.cuda.device(q.device):
+            dq, dk, dv = _pipeline_module(ctx.pipeline).backward(
+                dout, dlse, q, k, v, out, lse, ctx.problem, cu_seqlens_q, cu_seqlens_k,
+                ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (autograd may hand over expanded or offset gradients)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def flash_attn_func(
@@ -130,16 +139,18 @@ def flash_attn_varlen_func(
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, arch, deterministic, return_lse):
     pipeline = select_pipeline(q.device, arch)
-    _pipeline_module(pipeline).check_supported(problem)
+    _pipeline_module(pipeline).check_supported(problem, q.device)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     bwd_pipeline = None
     if needs_grad:
         bwd_pipeline = select_backward_pipeline(q.device, pipeline)
         bwd_module = _pipeline_module(bwd_pipeline)
-        bwd_module.check_supported(problem)
+        bwd_module.check_supported(problem, q.device, backward=True)
         if deterministic and not bwd_module.DETERMINISTIC_BACKWARD:
             raise NotImplementedError(f"deterministic=True: the {bwd_pipeline} pipeline's backward "
                                       "adds dQ with atomics and is not deterministic")
-    out, lse = _FlashAttnFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, pipeline,
-                                    bwd_pipeline, deterministic, return_lse)
+    # Kernels launch on the current device and stream: make that q's device.
+    with torch.cuda.device(q.device):
+        out, lse = _FlashAttnFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, pipeline,
+                                        bwd_pipeline, deterministic)
     return out, (lse if (return_lse or needs_grad) else None)

@@ -252,3 +252,46 @@ def test_default_dispatch_forward_and_backward():
     for name, g, g_ref, g_nat in zip(("dQ", "dK", "dV"), ours, ref, nat):
         res = tolerance_check(g, g_ref, g_nat)
         assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e}"
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_lse_gradient_is_never_dropped(return_lse):
+    """`lse` is returned whenever a gradient may flow; a loss that uses it gets its gradient."""
+    q, k, v = _inputs(1, 97, 131, 4, 2, 64, 64, torch.bfloat16, seed=17)
+
+    def grads(fn, tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        out, lse = fn(*leaves)
+        (out.double().sum() + lse.double().sum()).backward()  # expanded (stride-0) gradients
+        return [t.grad for t in leaves]
+
+    ours = grads(lambda a, b, c: flash_attn_func(a, b, c, causal=True, return_lse=return_lse),
+                 (q, k, v))
+    ref = grads(lambda a, b, c: attention_ref(a, b, c, causal=True, mode="float64"),
+                (q.double(), k.double(), v.double()))
+    nat = grads(lambda a, b, c: attention_ref(a, b, c, causal=True, mode="native"), (q, k, v))
+    for name, g, g_ref, g_nat in zip(("dQ", "dK", "dV"), ours, ref, nat):
+        res = tolerance_check(g, g_ref, g_nat)
+        assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e}"
+
+
+def test_varlen_rows_after_the_last_sequence_stay_defined():
+    """Packed tensors longer than cu_seqlens[-1]: no garbage in O, dK, dV for those rows."""
+    cu_q = torch.tensor([0, 40, 90], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 33, 70], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(18)
+    q = torch.randn(100, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k = torch.randn(80, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    v = torch.randn(80, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    out, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 50, 37, causal=True)
+    assert (out[90:] == 0).all()
+    out.sum().backward()
+    assert torch.isfinite(k.grad).all() and (k.grad[70:] == 0).all() and (v.grad[70:] == 0).all()
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_no_keys_gives_zero_output_and_neg_inf_lse(pipeline):
+    q = torch.randn(2, 33, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 0, 4, 64, device="cuda", dtype=torch.bfloat16)
+    out, lse = flash_attn_func(q, k, k, return_lse=True, arch=pipeline)
+    assert (out == 0).all() and torch.isneginf(lse).all()

@@ -106,3 +106,56 @@ def test_api_signature_matches_flash_attn_cute():
     assert {"softmax_scale", "causal", "window_size", "softcap", "deterministic", "return_lse"} <= set(params)
     varlen = list(inspect.signature(flash_cute.flash_attn_varlen_func).parameters)
     assert varlen[:7] == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_backward_inputs_as_autograd_hands_them_over_pass_validation(varlen):
+    """The exact tensors `_FlashAttnFunc.backward` validates: forward outputs and a dout made
+    kernel-ready from an expanded gradient (what `out.sum().backward()` produces)."""
+    from flash_cute.validation import validate_backward_inputs
+
+    b, sq, sk, h, hk, d, dv = 2, 37, 53, 8, 2, 192, 128
+    if varlen:
+        cu_q = torch.tensor([0, 17, 37], dtype=torch.int32)
+        cu_k = torch.tensor([0, 20, 53], dtype=torch.int32)
+        q, k, v = torch.randn(sq, h, d), torch.randn(sk, hk, d), torch.randn(sk, hk, dv)
+        kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=20, max_seqlen_k=33)
+        out, lse = torch.randn(sq, h, dv), torch.randn(h, sq)
+    else:
+        q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, hk, d), torch.randn(b, sk, hk, dv)
+        kw = {}
+        out, lse = torch.randn(b, sq, h, dv), torch.randn(b, h, sq)
+    q, k, v, out = (t.to(torch.bfloat16) for t in (q, k, v, out))
+    problem = validate_attention_inputs(q, k, v, causal=True, require_cuda=False, **kw)
+    dout = interface._kernel_ready(torch.ones((), dtype=torch.bfloat16).expand(out.shape))
+    validate_backward_inputs(dout, q, k, v, out, lse, problem, require_cuda=False)
+
+
+def test_kernel_ready_makes_gradients_contiguous_and_aligned():
+    flat = torch.randn(1 + 4 * 8 * 64, dtype=torch.bfloat16)
+    offset = flat[1:].view(4, 8, 64)  # 2-byte offset from an aligned allocation
+    assert offset.data_ptr() % 16 != 0
+    ready = interface._kernel_ready(offset)
+    assert ready.is_contiguous() and ready.data_ptr() % 16 == 0 and torch.equal(ready, offset)
+    expanded = torch.ones((), dtype=torch.bfloat16).expand(4, 8, 64)
+    assert interface._kernel_ready(expanded).stride() == (512, 64, 1)
+
+
+def test_ampere_refuses_tiles_larger_than_the_gpus_shared_memory(monkeypatch):
+    """sm86/sm89/sm120 give a CTA ~99 KiB: the hdim 256 forward and hdim 128 backward don't fit."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(shared_memory_per_block_optin=101376))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake sm_86")
+
+    def problem(d):
+        q = torch.randn(1, 4, 2, d, dtype=torch.bfloat16)
+        return validate_attention_inputs(q, q, q, require_cuda=False)
+
+    ampere_api.check_supported(problem(64), "cuda", backward=True)
+    ampere_api.check_supported(problem(128), "cuda")
+    with pytest.raises(NotImplementedError, match="ampere backward kernel needs"):
+        ampere_api.check_supported(problem(128), "cuda", backward=True)
+    with pytest.raises(NotImplementedError, match="ampere forward kernel needs"):
+        ampere_api.check_supported(problem(256), "cuda")

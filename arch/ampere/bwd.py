@@ -21,7 +21,7 @@ from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import apply_softcap, fold_scales
 from flash_cute.variant import Variant, set_kernel_switches
 
-from .config import BWD_TILES, COMPILE_OPTIONS
+from .config import BWD_TILES, COMPILE_OPTIONS, bwd_smem_bytes
 from .mma import SmemGemm, tiled_mma
 from .tiles import gmem_tiled_copy, load_rows, smem_layout
 
@@ -56,11 +56,7 @@ class AmpereBwd:
 
     @property
     def smem_bytes(self) -> int:
-        st = self.num_stages
-        tiles = [(self.tile_m * st, self.hdim), (self.tile_m * st, self.hdim_v),
-                 (self.tile_n, self.hdim), (self.tile_n, self.hdim_v), (self.tile_m, self.tile_n),
-                 (self.tile_m, self.tile_n)]
-        return sum(-(-r * c * self.dtype.width // 8 // 1024) * 1024 for r, c in tiles)
+        return bwd_smem_bytes(self.hdim, self.hdim_v)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,

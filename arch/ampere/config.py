@@ -24,3 +24,22 @@ BWD_TILES = {
     192: (64, 64, 8, (4, 2), (2, 4), (2, 4), 1),
     256: (64, 64, 8, (4, 2), (2, 4), (2, 4), 1),
 }
+
+
+def _tile_bytes(rows: int, cols: int) -> int:
+    """A 16-bit (rows, cols) shared-memory tile, rounded up to the 1 KiB alignment it gets."""
+    return -(-rows * cols * 2 // 1024) * 1024
+
+
+def fwd_smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
+    """Forward: Q, K and V tiles (O reuses Q's)."""
+    tile_m, tile_n = tile[:2]
+    return _tile_bytes(tile_m, hdim) + _tile_bytes(tile_n, hdim) + _tile_bytes(tile_n, hdim_v)
+
+
+def bwd_smem_bytes(hdim: int, hdim_v: int) -> int:
+    """Backward: staged Q and dO, K, V, and the P and dS tiles."""
+    tile_m, tile_n, *_, stages = BWD_TILES[hdim]
+    return (_tile_bytes(tile_m * stages, hdim) + _tile_bytes(tile_m * stages, hdim_v)
+            + _tile_bytes(tile_n, hdim) + _tile_bytes(tile_n, hdim_v)
+            + 2 * _tile_bytes(tile_m, tile_n))

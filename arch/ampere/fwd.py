@@ -20,7 +20,7 @@ from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import OnlineSoftmax, apply_softcap, fold_scales, rescale_o
 from flash_cute.variant import Variant, set_kernel_switches
 
-from .config import COMPILE_OPTIONS, TILES
+from .config import COMPILE_OPTIONS, TILES, fwd_smem_bytes
 from .mma import tiled_mma
 from .tiles import gmem_tiled_copy, load_rows, smem_layout
 
@@ -56,9 +56,7 @@ class AmpereFwd:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: Q, K and V tiles (each 1 KiB aligned; O reuses Q's)."""
-        elems = [self.tile_m * self.hdim, self.tile_n * self.hdim, self.tile_n * self.hdim_v]
-        return sum(-(-e * self.dtype.width // 8 // 1024) * 1024 for e in elems)
+        return fwd_smem_bytes(self.hdim, self.hdim_v, (self.tile_m, self.tile_n))
 
     # ---------------------------------------------------------------- host side
 

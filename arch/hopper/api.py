@@ -1,29 +1,21 @@
-"""Host entry of the Hopper pipeline: what it supports, and the forward launch with its cache.
+"""Host entry of the Hopper pipeline: what it supports, and the forward launch.
 
-Forward only for now: the Hopper backward is still to come, so `backward` is absent and the
-autograd Function says so when a gradient is asked for.
+Forward only for now: `backward` is absent, so autograd runs the backward of the newest
+pipeline that has one (`flash_cute.interface.select_backward_pipeline`) on this forward's
+(O, LSE), which every pipeline produces alike.
 """
 
 import torch
 
+from flash_cute import launch
 from flash_cute.validation import AttentionProblem
-from flash_cute.variant import Variant
 
 from .config import COMPILE_OPTIONS, SUPPORTED_HDIMS, TILES
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-# No backward yet; there is nothing to be deterministic about, and deterministic=True with a
-# gradient is refused like any unsupported backward.
-DETERMINISTIC_BACKWARD = False
 
-
-def check_supported(problem: AttentionProblem) -> None:
-    if (problem.hdim, problem.hdim_v) not in SUPPORTED_HDIMS:
-        pairs = ", ".join(f"{a}/{b}" for a, b in sorted(SUPPORTED_HDIMS))
-        raise NotImplementedError(
-            f"the hopper pipeline has no kernel for hdim/hdim_v {problem.hdim}/{problem.hdim_v}; "
-            f"supported: {pairs}"
-        )
+def check_supported(problem: AttentionProblem, device=None, backward: bool = False) -> None:
+    """Head dims with a kernel (the tiles are sized for the H100/H200's 227 KiB)."""
+    launch.check_head_dims("hopper", problem, SUPPORTED_HDIMS)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -42,43 +34,16 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None, tile=None):
-    """(out, lse) for validated inputs; out has v's head dim, lse is fp32. `tile` overrides
-    (tile_m, tile_n, kv_stages) for ablations."""
-    from cutlass import Int32
-    import cutlass.cute as cute
-
-    from flash_cute.jit import (DTYPES, CompileKey, attention_runtime_args, compile_cache, current_arch,
-                                current_stream, to_cute_tensor)
+    """(out, lse) for validated inputs. `tile` overrides (tile_m, tile_n, kv_stages) for
+    ablations."""
+    from flash_cute.jit import current_arch
 
     from .fwd import HopperFwd
 
-    out = torch.empty(*q.shape[:-1], problem.hdim_v, dtype=q.dtype, device=q.device)
-    if problem.varlen:
-        lse = torch.empty(problem.nheads, q.shape[0], dtype=torch.float32, device=q.device)
-    else:
-        lse = torch.empty(problem.batch, problem.nheads, q.shape[1], dtype=torch.float32,
-                          device=q.device)
-    if out.numel() == 0 or problem.max_seqlen_q == 0:
-        lse.fill_(-float("inf"))
-        return out.zero_(), lse
     arch = current_arch()
     if arch != "sm_90a":
         # WGMMA and setmaxnreg exist on sm_90a only; newer GPUs run their own pipeline.
         raise NotImplementedError(f"the hopper pipeline runs on sm_90a only, not {arch}")
-    variant = Variant.from_problem(problem)
-    dtype = _DTYPE_NAMES[q.dtype]
-    tile = tuple(tile or TILES[problem.hdim])
-    key = CompileKey("hopper.fwd", arch, dtype, problem.hdim, problem.hdim_v, tile,
-                     variant.flags())
-    scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
-    q, k, v = (_tma_ready(t) for t in (q, k, v))
-    args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(out),
-            to_cute_tensor(lse, 4)) + scalars + (Int32(problem.max_seqlen_q),) + cu \
-        + (current_stream(),)
-
-    def build():
-        kernel = HopperFwd(DTYPES[dtype], problem.hdim, problem.hdim_v, variant, tile=tile)
-        return cute.compile(kernel, *args, options=COMPILE_OPTIONS)
-
-    compile_cache.get(key, build)(*args)
-    return out, lse
+    return launch.forward("hopper.fwd", HopperFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
+                          tuple(tile or TILES[problem.hdim]), COMPILE_OPTIONS, arch,
+                          prepare=_tma_ready)

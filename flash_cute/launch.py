@@ -1,0 +1,87 @@
+"""Host-side launch plumbing shared by every pipeline's `api.py`: output allocation, the cases
+that need no kernel, support checks, and one compile-cached forward launch."""
+
+import torch
+
+from flash_cute.variant import Variant
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES[dtype]
+
+
+def check_head_dims(pipeline: str, problem, supported) -> None:
+    if (problem.hdim, problem.hdim_v) not in supported:
+        pairs = ", ".join(f"{a}/{b}" for a, b in sorted(supported))
+        raise NotImplementedError(
+            f"the {pipeline} pipeline has no kernel for hdim/hdim_v {problem.hdim}/"
+            f"{problem.hdim_v}; supported: {pairs}")
+
+
+def check_shared_memory(pipeline: str, needed: int, device) -> None:
+    """Refuse before launch when a kernel's tiles exceed what the GPU gives one CTA."""
+    available = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    if needed > available:
+        raise NotImplementedError(
+            f"the {pipeline} kernel needs {needed} bytes of shared memory per CTA; "
+            f"{torch.cuda.get_device_name(device)} allows {available}")
+
+
+def alloc_out_lse(q: torch.Tensor, problem):
+    """O (v's head dim) and LSE (fp32, [b, h, sq] or [h, total_q]).
+
+    Varlen O is zeroed: rows after the last sequence belong to no sequence and are never
+    written, but must not hold garbage for a caller that reduces over the whole tensor.
+    """
+    alloc = torch.zeros if problem.varlen else torch.empty
+    out = alloc(*q.shape[:-1], problem.hdim_v, dtype=q.dtype, device=q.device)
+    if problem.varlen:
+        lse = torch.empty(problem.nheads, q.shape[0], dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.empty(problem.batch, problem.nheads, q.shape[1], dtype=torch.float32,
+                          device=q.device)
+    return out, lse
+
+
+def has_no_work(q, k, problem) -> bool:
+    """No query row or no key at all: the outputs are O = 0, LSE = -inf, gradients 0, and a
+    kernel grid (or a TMA descriptor) would have an empty extent."""
+    return (q.numel() == 0 or k.numel() == 0 or problem.batch == 0
+            or problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0)
+
+
+def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k, tile: tuple,
+            options: str, arch: str, prepare=None):
+    """Allocate, handle the no-work case, compile (cached) and launch one attention forward.
+
+    `kernel_cls(dtype, hdim, hdim_v, variant, tile=...)` is the arch's kernel class; `prepare`
+    adapts q/k/v first (e.g. TMA-ready strides).
+    """
+    from cutlass import Int32
+    import cutlass.cute as cute
+
+    from flash_cute.jit import (DTYPES, CompileKey, attention_runtime_args, compile_cache,
+                                current_stream, to_cute_tensor)
+
+    out, lse = alloc_out_lse(q, problem)
+    if has_no_work(q, k, problem):
+        lse.fill_(-float("inf"))
+        return out.zero_(), lse
+    if prepare is not None:
+        q, k, v = (prepare(t) for t in (q, k, v))
+    variant = Variant.from_problem(problem)
+    dtype = dtype_name(q.dtype)
+    key = CompileKey(name, arch, dtype, problem.hdim, problem.hdim_v, tile, variant.flags())
+    scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
+    args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(out),
+            to_cute_tensor(lse, 4)) + scalars + (Int32(problem.max_seqlen_q),) + cu \
+        + (current_stream(),)
+
+    def build():
+        kernel = kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant, tile=tile)
+        return cute.compile(kernel, *args, options=options)
+
+    compile_cache.get(key, build)(*args)
+    return out, lse
