@@ -19,6 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from flash_cute.launch import dtype_name
 from flash_cute.layouts import assume_aligned_strides
 from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import LOG2_E
@@ -256,12 +257,6 @@ def build_for_inspect(cfg):
     return CompileSpec(kernel, args)
 
 
-def _dtype_name(torch_dtype) -> str:
-    import torch
-
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}[torch_dtype]
-
-
 def _longest_sequence(cu_seqlens) -> int:
     """max(cu_seqlens[i + 1] - cu_seqlens[i]), read back to the host (a sync)."""
     return int(cu_seqlens.diff().max()) if cu_seqlens.numel() > 1 else 0
@@ -298,7 +293,7 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
         max_seqlen_q = _longest_sequence(cu_seqlens_q) if varlen else out.shape[1]
     if delta.numel() == 0 or max_seqlen_q == 0:
         return delta, lse_log2
-    dtype, hdim_v = _dtype_name(out.dtype), out.shape[-1]
+    dtype, hdim_v = dtype_name(out.dtype), out.shape[-1]
     kernel = BwdPreprocessKernel(DTYPES[dtype], hdim_v, varlen, dlse is not None)
     key = CompileKey("blocks.bwd.preprocess", current_arch(), dtype, None, hdim_v,
                      (kernel.tile_m, hdim_v), (("dlse", kernel.has_dlse), ("varlen", varlen)))
@@ -325,7 +320,7 @@ def bwd_postprocess(dq_accum, scale: float, dtype, out=None):
         out = torch.empty(dq_accum.shape, dtype=dtype, device=dq_accum.device)
     if out.numel() == 0:
         return out
-    name, hdim, varlen = _dtype_name(dtype), dq_accum.shape[-1], dq_accum.dim() == 3
+    name, hdim, varlen = dtype_name(dtype), dq_accum.shape[-1], dq_accum.dim() == 3
     kernel = BwdPostprocessKernel(DTYPES[name], hdim, varlen)
     key = CompileKey("blocks.bwd.postprocess", current_arch(), name, hdim, None,
                      (kernel.tile_m, hdim), (("varlen", varlen),))

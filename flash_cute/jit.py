@@ -67,7 +67,8 @@ compile_cache = CompileCache()
 
 
 def current_arch() -> str:
-    """The arch CuTe DSL targets in this process (CUTE_DSL_ARCH, else the GPU's)."""
+    """Arch label of this process for cache keys and arch checks: CUTE_DSL_ARCH, else the
+    current GPU's family (sm_80 for any 8.x, sm_90a for 9.0, sm_100a for 10.x)."""
     env = os.environ.get("CUTE_DSL_ARCH")
     if env:
         return env
@@ -165,3 +166,24 @@ def attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k):
     cu = (to_cute_tensor(cu_seqlens_q, 4), to_cute_tensor(cu_seqlens_k, 4)) if problem.varlen \
         else (None, None)
     return scalars, cu
+
+
+def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool) -> tuple:
+    """Fake arguments of an attention forward kernel (the `launch.forward` argument list) with
+    dynamic batch, heads and lengths, padded or varlen, for cross-compiling."""
+    from cutlass import Float32, Int32
+
+    heads, heads_kv = dynamic_dim(), dynamic_dim()
+    if varlen:
+        rows_q, rows_k, batch1 = (dynamic_dim(),), (dynamic_dim(),), dynamic_dim()
+        lse_shape = (heads, rows_q[0])
+        cu = (fake_tensor(Int32, (batch1,), align=4), fake_tensor(Int32, (batch1,), align=4))
+    else:
+        batch, seqlen_q, seqlen_k = dynamic_dim(), dynamic_dim(), dynamic_dim()
+        rows_q, rows_k = (batch, seqlen_q), (batch, seqlen_k)
+        lse_shape = (batch, heads, seqlen_q)
+        cu = (None, None)
+    return (fake_tensor(dtype, rows_q + (heads, hdim)), fake_tensor(dtype, rows_k + (heads_kv, hdim)),
+            fake_tensor(dtype, rows_k + (heads_kv, hdim_v)),
+            fake_tensor(dtype, rows_q + (heads, hdim_v)), fake_tensor(Float32, lse_shape, align=4),
+            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu + (fake_stream(),)

@@ -114,6 +114,7 @@ def lse_merge(o_parts, lse_parts, out_dtype=None, out=None, lse=None):
     import torch
 
     from flash_cute.jit import CompileKey, compile_cache, current_arch, current_stream, to_cute_tensor
+    from flash_cute.launch import dtype_name
 
     out_dtype = out_dtype or torch.bfloat16
     _, rows, hdim = o_parts.shape
@@ -121,7 +122,7 @@ def lse_merge(o_parts, lse_parts, out_dtype=None, out=None, lse=None):
         out = torch.empty(rows, hdim, dtype=out_dtype, device=o_parts.device)
     if lse is None:
         lse = torch.empty(rows, dtype=torch.float32, device=o_parts.device)
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[out_dtype]
+    dtype = dtype_name(out_dtype)
     key = CompileKey("blocks.lse_merge", current_arch(), dtype, hdim, hdim,
                      (LseMergeKernel.rows_per_cta, hdim))
     args = (to_cute_tensor(o_parts), to_cute_tensor(lse_parts, 4), to_cute_tensor(out),

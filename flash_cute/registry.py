@@ -2,7 +2,7 @@
 
 Data only (no CuTe DSL import), so listing and filtering it is free. Each entry names a builder
 ``"module:function"`` that, inside a compile worker, returns what to hand to ``cute.compile``
-(see `flash_cute.jit.compile_config`). A kernel is named ``<module>.<role>``: ``ampere.fwd``,
+(see `flash_cute.xcompile`). A kernel is named ``<module>.<role>``: ``ampere.fwd``,
 ``hopper.bwd``, ... for the attention pipelines, ``blocks.*`` for the shared blocks' own kernels.
 """
 

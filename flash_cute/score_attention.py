@@ -187,6 +187,7 @@ def score_attention(scores, v, softmax_scale: float, causal: bool = False,
     import torch
 
     from flash_cute.jit import CompileKey, compile_cache, current_arch, current_stream, to_cute_tensor
+    from flash_cute.launch import dtype_name
 
     left, right = window_size
     batch, seqlen_q, _ = scores.shape
@@ -194,7 +195,7 @@ def score_attention(scores, v, softmax_scale: float, causal: bool = False,
         out = torch.empty(batch, seqlen_q, v.shape[2], dtype=v.dtype, device=v.device)
     if lse is None:
         lse = torch.empty(batch, seqlen_q, dtype=torch.float32, device=v.device)
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[v.dtype]
+    dtype = dtype_name(v.dtype)
     flags = (("causal", causal), ("left", left is not None), ("right", right is not None),
              ("softcap", softcap > 0))
     key = CompileKey("blocks.softmax_rows", current_arch(), dtype, None, v.shape[2],

@@ -78,10 +78,12 @@ def check_attention() -> bool:
         v = torch.randn(2, 301, 2, 128, device="cuda", dtype=torch.bfloat16)
         out, lse = attn(q, k, v, causal=causal, return_lse=True)
         out_ref, lse_ref = attention_ref(q, k, v, causal=causal, mode="float64")
-        native, _ = attention_ref(q, k, v, causal=causal, mode="native")
+        native, lse_native = attention_ref(q, k, v, causal=causal, mode="native")
         res = tolerance_check(out, out_ref, native)
-        ok &= _report(f"flash_attn_func GQA 4:1 257x301 d128 causal={causal}", res.ok,
-                      f"O err {res.err:.2e} (native {res.err_native:.2e})")
+        res_lse = tolerance_check(lse, lse_ref, lse_native, atol=1e-4)
+        ok &= _report(f"flash_attn_func GQA 4:1 257x301 d128 causal={causal}",
+                      res.ok and res_lse.ok,
+                      f"O err {res.err:.2e} (native {res.err_native:.2e}), LSE err {res_lse.err:.2e}")
     return ok
 
 

@@ -4,7 +4,10 @@ Every public entry point (forward, backward, varlen) calls into this module
 before it builds a kernel argument or launches anything.  A bad input must
 surface here as a Python exception that names the argument, says what was
 expected and shows what was given -- never as a CUDA error, an illegal memory
-access, or a silently wrong result.
+access, or a silently wrong result.  One exception by design: the *contents* of
+CUDA ``cu_seqlens``/``seqused`` tensors are only read with ``check_contents=True``
+(reading them costs a device sync), so a ``max_seqlen`` smaller than the longest
+sequence is the caller's promise to keep.
 
 Exception types:
 

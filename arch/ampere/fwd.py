@@ -264,24 +264,9 @@ class MmaOperands(DslState):
 
 def build_for_inspect(cfg):
     """Registry builder: fake padded or varlen Q/K/V/O/LSE with dynamic batch and lengths."""
-    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
+    from flash_cute.jit import DTYPES, CompileSpec, fake_forward_args
 
-    dtype = DTYPES[cfg.dtype]
-    kernel = AmpereFwd(dtype, cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict), tile=tuple(cfg.tile))
-    heads, heads_kv = dynamic_dim(), dynamic_dim()
-    if kernel.varlen:
-        total_q, total_k, batch1 = dynamic_dim(), dynamic_dim(), dynamic_dim()
-        q_shape, k_shape = (total_q, heads, cfg.hdim), (total_k, heads_kv, cfg.hdim)
-        v_shape, o_shape = (total_k, heads_kv, cfg.hdim_v), (total_q, heads, cfg.hdim_v)
-        lse_shape = (heads, total_q)
-        cu = (fake_tensor(Int32, (batch1,), align=4), fake_tensor(Int32, (batch1,), align=4))
-    else:
-        b, sq, sk = dynamic_dim(), dynamic_dim(), dynamic_dim()
-        q_shape, k_shape = (b, sq, heads, cfg.hdim), (b, sk, heads_kv, cfg.hdim)
-        v_shape, o_shape = (b, sk, heads_kv, cfg.hdim_v), (b, sq, heads, cfg.hdim_v)
-        lse_shape = (b, heads, sq)
-        cu = (None, None)
-    args = (fake_tensor(dtype, q_shape), fake_tensor(dtype, k_shape), fake_tensor(dtype, v_shape),
-            fake_tensor(dtype, o_shape), fake_tensor(Float32, lse_shape, align=4),
-            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu + (fake_stream(),)
+    kernel = AmpereFwd(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict),
+                       tile=tuple(cfg.tile))
+    args = fake_forward_args(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, kernel.varlen)
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS)
