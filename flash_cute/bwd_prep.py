@@ -100,7 +100,7 @@ class BwdPreprocessKernel:
                  mCuSeqlensQ: Optional[cute.Tensor], max_seqlen_q: Int32, stream: cuda.CUstream):
         """Varlen: cu_seqlens_q [b + 1] int32; max_seqlen_q sizes the grid."""
         mO, mdO = (assume_aligned_strides(t, self.vec) for t in (mO, mdO))
-        batch = mCuSeqlensQ.shape[0] - 1 if cutlass.const_expr(self.varlen) else mO.shape[0]
+        batch = SeqInfo.num_batches(mO, mCuSeqlensQ)
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mO.shape[-2], batch)
         load = _row_copy(self.dtype, self.vec, self.threads_per_row, self.num_threads)
         self.kernel(mO, mdO, mLSE, mdLSE, mDelta, mLSElog2, mCuSeqlensQ, load).launch(

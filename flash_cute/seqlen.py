@@ -32,6 +32,13 @@ class SeqInfo(DslState):
             self.seqlen_k = Int32(seqlen_k_static)
         self.batch = batch
 
+    @staticmethod
+    def num_batches(mQ: cute.Tensor, cu_seqlens_q: Optional[cute.Tensor] = None):
+        """Batch size of a launch: len(cu_seqlens) - 1 when varlen, else Q's leading extent."""
+        if cutlass.const_expr(cu_seqlens_q is not None):
+            return cu_seqlens_q.shape[0] - 1
+        return mQ.shape[0]
+
     def q_view(self, mQ: cute.Tensor, head) -> cute.Tensor:
         """(seqlen_q, d) view of Q (or O, dO) for one head."""
         if cutlass.const_expr(self.varlen):

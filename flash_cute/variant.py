@@ -46,3 +46,14 @@ def set_kernel_switches(kernel, variant: Variant) -> None:
     kernel.has_window_right = variant.window_right
     kernel.has_softcap = variant.softcap
     kernel.varlen = variant.varlen
+
+
+def kernel_head_dims(arch: str, hdim: int, hdim_v, tiles: dict, tile) -> tuple:
+    """(hdim, hdim_v) of a forward kernel: a tile exists (or is given) and hdim_v ≤ hdim is a
+    multiple of 32 (O reuses Q's shared-memory tile)."""
+    hdim_v = hdim if hdim_v is None else hdim_v
+    if hdim not in tiles and tile is None:
+        raise ValueError(f"no {arch} tile config for hdim {hdim}; have {sorted(tiles)}")
+    if hdim_v > hdim or hdim_v % 32:
+        raise ValueError(f"hdim_v must be a multiple of 32 and <= hdim, got {hdim_v}/{hdim}")
+    return hdim, hdim_v

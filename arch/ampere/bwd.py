@@ -83,7 +83,7 @@ class AmpereBwd:
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[4])], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[4])], 1024]
 
-        batch = mCuSeqlensQ.shape[0] - 1 if cutlass.const_expr(self.varlen) else mQ.shape[0]
+        batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
         grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(

@@ -18,7 +18,7 @@ from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strid
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import OnlineSoftmax, apply_softcap, fold_scales, rescale_o
-from flash_cute.variant import Variant, set_kernel_switches
+from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 
 from .config import COMPILE_OPTIONS, TILES, fwd_smem_bytes
 from .mma import tiled_mma
@@ -43,13 +43,8 @@ class AmpereFwd:
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), tile: Optional[tuple] = None):
-        hdim_v = hdim if hdim_v is None else hdim_v
-        if hdim not in TILES and tile is None:
-            raise ValueError(f"no sm80 tile config for hdim {hdim}; have {sorted(TILES)}")
-        if hdim_v > hdim or hdim_v % 32:
-            raise ValueError(f"hdim_v must be a multiple of 32 and <= hdim, got {hdim_v}/{hdim}")
         self.dtype = dtype
-        self.hdim, self.hdim_v = hdim, hdim_v
+        self.hdim, self.hdim_v = kernel_head_dims("sm80", hdim, hdim_v, TILES, tile)
         self.tile_m, self.tile_n, self.num_warps = tile or TILES[hdim]
         self.num_threads = 32 * self.num_warps
         set_kernel_switches(self, variant)
@@ -81,7 +76,7 @@ class AmpereFwd:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
         mma = tiled_mma(self.dtype, (self.num_warps, 1))
-        batch = mCuSeqlensQ.shape[0] - 1 if cutlass.const_expr(self.varlen) else mQ.shape[0]
+        batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mQ.shape[-2], batch)
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
