@@ -23,8 +23,9 @@ PIPELINES = {"ampere": (range(8, 13), "flash_cute.arch.ampere.api"),
 DEFAULT_ORDER = ("hopper", "ampere")
 
 
-def select_pipeline(device: torch.device, arch: Optional[str] = None) -> str:
-    """The pipeline to run on `device`: `arch` if given (and able to run there), else the newest."""
+def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=None) -> str:
+    """The pipeline to run on `device`: `arch` if given (and able to run there), else the newest
+    that takes `problem` by default (a pipeline's `default_for(problem)`, when it has one)."""
     major = torch.cuda.get_device_capability(device)[0]
     if arch is not None:
         if arch not in PIPELINES:
@@ -36,9 +37,14 @@ def select_pipeline(device: torch.device, arch: Optional[str] = None) -> str:
                              f"{majors[-1]}.x; {torch.cuda.get_device_name(device)} is {major}.x")
         return arch
     for name in DEFAULT_ORDER:
-        if major in PIPELINES[name][0]:
+        if major in PIPELINES[name][0] and _takes_by_default(name, problem):
             return name
     raise NotImplementedError(f"no pipeline runs on compute capability {major}.x")
+
+
+def _takes_by_default(name: str, problem) -> bool:
+    default_for = getattr(_pipeline_module(name), "default_for", None)
+    return problem is None or default_for is None or default_for(problem)
 
 
 def select_backward_pipeline(device: torch.device, forward_pipeline: str) -> str:
@@ -138,7 +144,7 @@ def flash_attn_varlen_func(
 
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, arch, deterministic, return_lse):
-    pipeline = select_pipeline(q.device, arch)
+    pipeline = select_pipeline(q.device, arch, problem)
     _pipeline_module(pipeline).check_supported(problem, q.device)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     bwd_pipeline = None

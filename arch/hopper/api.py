@@ -13,6 +13,14 @@ from flash_cute.validation import AttentionProblem
 from .config import COMPILE_OPTIONS, SUPPORTED_HDIMS, TILES
 
 
+def default_for(problem: AttentionProblem) -> bool:
+    """Whether the dispatcher picks this pipeline on its own. Not for varlen yet: TMA reads the
+    K/V rows after a sequence (the next sequence, or the unused tail of the packed tensor) into
+    the last tile, and although P is 0 there, 0 × NaN garbage in V would still reach O. The
+    sm80 kernel zero-fills those rows. `arch="hopper"` still runs varlen here."""
+    return not problem.varlen
+
+
 def check_supported(problem: AttentionProblem, device=None, backward: bool = False) -> None:
     """Head dims with a kernel (the tiles are sized for the H100/H200's 227 KiB)."""
     launch.check_head_dims("hopper", problem, SUPPORTED_HDIMS)
