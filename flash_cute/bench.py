@@ -146,9 +146,11 @@ def make_record(
     ms: float | None = None,
     max_abs_diff: float | None = None,
     reason: str | None = None,
+    grad_rel_diff: float | None = None,
 ) -> dict:
     """One result: config fields + provider, status ("ok", "unavailable", "error"),
-    time, TFLOP/s, sanity-check diff, WRONG flag and the reason when not ok."""
+    time, TFLOP/s, sanity-check diffs (forward output; for bwd cells also the gradients,
+    relative to their largest entry), WRONG flag and the reason when not ok."""
     flops = attention_flops(cfg.batch, cfg.nheads, cfg.seqlen, cfg.seqlen, cfg.hdim,
                             causal=cfg.causal, direction=cfg.direction)
     record = asdict(cfg)
@@ -159,7 +161,8 @@ def make_record(
         flops=flops,
         tflops=tflops_per_s(flops, ms) if ms else None,
         max_abs_diff=max_abs_diff,
-        wrong=is_wrong(max_abs_diff),
+        grad_rel_diff=grad_rel_diff,
+        wrong=is_wrong(max_abs_diff) or is_wrong(grad_rel_diff),
         reason=reason,
     )
     return record
@@ -282,7 +285,8 @@ def format_table(results: Sequence[dict], providers: Sequence[str] | None = None
     parts = [format_header(env), ""] if env else []
     parts.append(_markdown(header, body))
     parts.append("")
-    parts.append(f"Values are TFLOP/s. WRONG: max |out - reference| > {WRONG_TOL:g} "
+    parts.append(f"Values are TFLOP/s. WRONG: max |out - reference| > {WRONG_TOL:g}, or for bwd "
+                 f"a gradient off by more than {WRONG_TOL:g} of its largest entry "
                  "(time still reported). n/a: unavailable. ERR: error.")
     parts += _reason_notes(results, providers)
     return "\n".join(parts)
@@ -584,6 +588,35 @@ def reference_output(q, k, v, causal: bool, flash: Provider | None):
         return None, f"no reference: {classify_error(exc)[1]}"
 
 
+def reference_grads(q, k, v, dout, causal: bool, flash: Provider | None):
+    """(dq, dk, dv) of the same reference as `reference_output`, for bwd cells; None when no
+    reference can run the cell."""
+    import torch
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    try:
+        if flash is not None and flash.forward is not None:
+            with flash.context(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = flash.forward(*leaves, causal)
+        else:
+            out = math_reference(*leaves, causal)
+        return torch.autograd.grad(out, leaves, dout)
+    except Exception:
+        return None
+
+
+def grad_rel_diff(grads, ref_grads) -> float | None:
+    """max over dq, dk, dv of max|g - g_ref| / max|g_ref| (NaN propagates)."""
+    if ref_grads is None:
+        return None
+    rel = []
+    for g, r in zip(grads, ref_grads):
+        r = r.float()
+        rel.append(((g.float() - r).abs().max() / r.abs().max().clamp_min(1e-6)).item())
+    return max(rel) if all(x == x for x in rel) else float("nan")
+
+
 def max_abs_diff(out, ref) -> float | None:
     """max |out - ref| in float32 (NaN propagates, and is flagged WRONG)."""
     if ref is None:
@@ -608,7 +641,7 @@ def _warning_reason(caught: list) -> str:
 
 
 def bench_provider(provider: Provider, cfg: BenchConfig, inputs, ref, timer,
-                   device: str = "cuda") -> dict:
+                   device: str = "cuda", ref_grads=None) -> dict:
     """Sanity-check then time one provider on one cell; every failure becomes a record.
 
     `timer(fn) -> ms`. Forward times `forward(q, k, v)`; backward runs the forward once
@@ -619,7 +652,7 @@ def bench_provider(provider: Provider, cfg: BenchConfig, inputs, ref, timer,
     if provider.unavailable:
         return make_record(cfg, provider.name, "unavailable", reason=provider.unavailable)
     q, k, v, dout = inputs
-    diff = None
+    diff = gdiff = None
     out = fn = None
     try:
         with provider.context():
@@ -633,12 +666,16 @@ def bench_provider(provider: Provider, cfg: BenchConfig, inputs, ref, timer,
             diff = max_abs_diff(out, ref)
             out = None
             fn = _timed_callable(provider, cfg, q, k, v, dout)
-            fn()  # first call compiles / raises here, outside the timed region
+            first = fn()  # first call compiles / raises here, outside the timed region
+            if cfg.direction == "bwd":
+                gdiff = grad_rel_diff(first, ref_grads)
+            first = None
             ms = timer(fn)
-        return make_record(cfg, provider.name, "ok", ms=ms, max_abs_diff=diff)
+        return make_record(cfg, provider.name, "ok", ms=ms, max_abs_diff=diff, grad_rel_diff=gdiff)
     except Exception as exc:
         status, reason = classify_error(exc)
-        return make_record(cfg, provider.name, status, max_abs_diff=diff, reason=reason)
+        return make_record(cfg, provider.name, status, max_abs_diff=diff, reason=reason,
+                           grad_rel_diff=gdiff)
     finally:
         del out, fn
         _free(device)
@@ -661,10 +698,13 @@ def run_cell(cfg: BenchConfig, providers: Sequence[Provider], dtype, timer,
     the reference used for the sanity check."""
     inputs = make_inputs(cfg, dtype, device)
     ref, ref_name = reference_output(*inputs[:3], cfg.causal, reference_provider)
+    ref_grads = None
+    if cfg.direction == "bwd":
+        ref_grads = reference_grads(*inputs, cfg.causal, reference_provider)
     try:
-        records = [bench_provider(p, cfg, inputs, ref, timer, device) for p in providers]
+        records = [bench_provider(p, cfg, inputs, ref, timer, device, ref_grads) for p in providers]
     finally:
-        del ref, inputs
+        del ref, ref_grads, inputs
         _free(device)
     for r in records:
         r["reference"] = ref_name

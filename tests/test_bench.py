@@ -340,3 +340,27 @@ def test_measuring_loop_on_cpu(tmp_path, capsys, monkeypatch):
     assert all(r["status"] == "ok" and r["ms"] == 0.5 and not r["wrong"] for r in ok)
     assert (tmp_path / "run" / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "run" / "bench.md").read_text().count("| fwd") == 1
+
+
+def test_bwd_cells_check_the_gradients():
+    """A provider whose forward is right but whose backward is not is flagged WRONG."""
+    flash = bench.load_provider("sdpa_flash")
+
+    class ScaleGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return 1.5 * g
+
+    def bad_backward(q, k, v, causal):
+        return flash.forward(ScaleGrad.apply(q), k, v, causal)
+
+    bad = bench.Provider("bad_bwd", bad_backward, context=flash.context)
+    out = run_tiny([flash, bad], direction="bwd")
+    assert out["sdpa_flash"]["grad_rel_diff"] == 0.0 and not out["sdpa_flash"]["wrong"]
+    assert out["bad_bwd"]["max_abs_diff"] == 0.0
+    assert out["bad_bwd"]["grad_rel_diff"] > 0.3 and out["bad_bwd"]["wrong"]
+    assert out["bad_bwd"]["status"] == "ok"
