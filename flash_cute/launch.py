@@ -85,3 +85,55 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
 
     compile_cache.get(key, build)(*args)
     return out, lse
+
+
+def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
+             cu_seqlens_k, tile: tuple, options: str, arch: str, prepare=None):
+    """(dq, dk, dv) through a backward main kernel with `AmpereBwd.__call__`'s contract:
+    preprocess (Δ, LSE·log2 e), the main kernel (compile-cached), dQ's scale-and-convert.
+
+    `kernel_cls(dtype, hdim, hdim_v, variant, tile=...)`; `prepare` adapts q/k/v/dout first
+    (e.g. TMA-ready strides). With GQA the kernel writes fp32 dK/dV per query head and the
+    group is summed here. Varlen dK/dV start at zero: rows after the last sequence get no
+    gradient.
+    """
+    from cutlass import Int32
+    import cutlass.cute as cute
+
+    from flash_cute.bwd_prep import bwd_postprocess, bwd_preprocess
+    from flash_cute.jit import (DTYPES, CompileKey, attention_runtime_args, compile_cache,
+                                current_stream, to_cute_tensor)
+
+    if has_no_work(q, k, problem):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    delta, lse_log2 = bwd_preprocess(out, dout, lse, dlse, cu_seqlens_q, problem.max_seqlen_q)
+    if prepare is not None:
+        q, k, v, dout = (prepare(t) for t in (q, k, v, dout))
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    group = problem.qheads_per_kvhead
+    kv_lead = k.shape[:-2]
+    dkv_dtype = torch.float32 if group > 1 else q.dtype
+    alloc = torch.zeros if problem.varlen else torch.empty
+    dk = alloc(*kv_lead, problem.nheads, problem.hdim, dtype=dkv_dtype, device=q.device)
+    dv = alloc(*kv_lead, problem.nheads, problem.hdim_v, dtype=dkv_dtype, device=q.device)
+    variant = Variant.from_problem(problem)
+    dtype = dtype_name(q.dtype)
+    key = CompileKey(name, arch, dtype, problem.hdim, problem.hdim_v, tile,
+                     variant.flags() + (("dkv_fp32", group > 1),))
+    scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
+    dkv_align = 16 if group == 1 else 4
+    args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(dout),
+            to_cute_tensor(lse_log2, 4), to_cute_tensor(delta, 4), to_cute_tensor(dq_accum, 4),
+            to_cute_tensor(dk, dkv_align), to_cute_tensor(dv, dkv_align)) + scalars \
+        + (Int32(problem.max_seqlen_k),) + cu + (current_stream(),)
+
+    def build():
+        kernel = kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant, tile=tile)
+        return cute.compile(kernel, *args, options=options)
+
+    compile_cache.get(key, build)(*args)
+    dq = bwd_postprocess(dq_accum, problem.softmax_scale, q.dtype)
+    if group > 1:
+        dk = dk.view(*kv_lead, problem.nheads_kv, group, problem.hdim).sum(-2).to(q.dtype)
+        dv = dv.view(*kv_lead, problem.nheads_kv, group, problem.hdim_v).sum(-2).to(q.dtype)
+    return dq, dk, dv

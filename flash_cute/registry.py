@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from flash_cute.arch.ampere.config import BWD_TILES as AMPERE_BWD_TILES
 from flash_cute.arch.ampere.config import TILES as AMPERE_TILES
+from flash_cute.arch.hopper.config import BWD_TILES as HOPPER_BWD_TILES
 from flash_cute.arch.hopper.config import TILES as HOPPER_TILES
 
 ARCHES = ("sm_80", "sm_90a", "sm_100a")
@@ -98,6 +99,25 @@ def _hopper_fwd_configs():
     return tuple(out)
 
 
+_HOPPER_BWD = "flash_cute.arch.hopper.bwd:build_for_inspect"
+
+
+def _hopper_bwd_configs():
+    out = []
+    for (d, dv), flags in [((64, 64), {}), ((64, 64), {"causal": True}), ((96, 96), {}),
+                           ((128, 128), {}), ((128, 128), {"causal": True}),
+                           ((128, 128), {"local": True, "softcap": True}),
+                           ((128, 128), {"causal": True, "varlen": True}),
+                           ((128, 128), {"dkv_fp32": True}), ((64, 64), {"fp16": True}),
+                           ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {})]:
+        dtype = "fp16" if flags.pop("fp16", False) else "bf16"
+        full = {"causal": False, "local": False, "softcap": False, "varlen": False,
+                "dkv_fp32": False, **flags}
+        out.append(KernelConfig("hopper.bwd", ("sm_90a",), dtype, d, dv, HOPPER_BWD_TILES[d],
+                                _HOPPER_BWD, _flags(**full)))
+    return tuple(out)
+
+
 _LSE_MERGE = "flash_cute.lse_merge:build_for_inspect"
 
 CONFIGS = (
@@ -108,7 +128,8 @@ CONFIGS = (
     KernelConfig("blocks.softmax_rows", ARCHES, "fp16", None, 16, (64, 64), _SOFTMAX_ROWS,
                  _flags(causal=False, local=True, softcap=False)),
     KernelConfig("blocks.lse_merge", ARCHES, "bf16", 128, 128, (4, 128), _LSE_MERGE),
-) + _ampere_fwd_configs() + _ampere_bwd_configs() + _hopper_fwd_configs()
+) + _ampere_fwd_configs() + _ampere_bwd_configs() + _hopper_fwd_configs() \
+    + _hopper_bwd_configs()
 
 _BWD_PREP = "flash_cute.bwd_prep:build_for_inspect"
 CONFIGS += (

@@ -174,3 +174,30 @@ def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
         assert e["spill_bytes"] == 0, e
         assert e["registers_per_role"] == {"producer": 24, "consumer": 240}
         assert 0 < e["smem_bytes"] <= 227 * 1024
+
+
+def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_dq_atomics(inspected):
+    entries = [e for e in inspected if e["kernel"] == "hopper.bwd"]
+    assert {e["arch"] for e in entries} == {"sm_90a"}
+    hdims = {(e["config"]["hdim"], e["config"]["hdim_v"]) for e in entries}
+    assert hdims >= {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
+    for e in entries:
+        ops = e["sass"]
+        assert ops.get("HGMMA", 0) > 0, "S, dP, dV, dK and dQ must run on WGMMA"
+        assert ops.get("UTMALDG", 0) > 0, "Q, dO, K and V must be loaded with TMA"
+        assert ops.get("USETMAXREG", 0) >= 2, "producer and consumers re-balance registers"
+        assert ops.get("REDG", 0) + ops.get("RED", 0) > 0, "dQ is accumulated with fp32 atomics"
+        assert ops.get("HMMA", 0) == 0 and ops.get("LDGSTS", 0) == 0
+        assert ops.get("MUFU.EX2", 0) > 0
+        assert e["spill_bytes"] == 0, e
+        assert e["registers_per_role"] == {"producer": 24, "consumer": 240}
+        assert 0 < e["smem_bytes"] <= 227 * 1024
+
+
+def test_hopper_backward_is_not_dispatched_yet():
+    """`arch.hopper.api` has no backward until the sm90 kernel passes its GPU tests."""
+    import flash_cute.arch.hopper.api as hopper_api
+    import flash_cute.arch.hopper.bwd_api as hopper_bwd_api
+
+    assert not hasattr(hopper_api, "backward")
+    assert callable(hopper_bwd_api.backward)

@@ -35,3 +35,42 @@ def smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
     barriers = 8 * (2 + 4 * stages)
     return align(barriers) + align(tile_m * hdim * 2) + align(stages * tile_n * hdim * 2) \
         + align(stages * tile_n * hdim_v * 2)
+
+
+# ---------------------------------------------------------------- backward
+
+# hdim -> (tile_m, tile_n, q_stages). The CTA owns tile_n keys (dK and dV stay in the consumers'
+# registers for the whole query loop) and streams tile_m query rows at a time through a
+# q_stages ring of Q and dO. FA3's shapes: 64 x 128 up to hdim 128 (dK + dV = hdim/2 + hdim_v/2
+# registers per thread, S and dP 32 each), 64 x 64 beyond so dK/dV still fit and Q, dO (2
+# stages), K, V, P and dS stay inside 227 KiB (hdim 256: 64 + 64 + 32 + 32 + 8 + 8 KiB).
+BWD_TILES = {64: (64, 128, 2), 96: (64, 128, 2), 128: (64, 128, 2), 192: (64, 64, 2),
+             256: (64, 64, 2)}
+
+BWD_SUPPORTED_HDIMS = frozenset({(d, d) for d in BWD_TILES} | {(192, 128)})
+
+
+def bwd_mma_splits(tile: tuple) -> dict:
+    """How the two consumer warpgroups split each GEMM's (M, N) (WGMMA's M is 64 per
+    warpgroup): S/dP (tile_m x tile_n) and dQ (tile_m x hdim) split N, as tile_m is 64; dK/dV
+    (tile_n x hdim) split M when tile_n is 128, else N."""
+    tile_m, tile_n, _ = tile
+    if tile_m != 64 or tile_n not in (64, 128):
+        raise ValueError(f"backward tile must be 64 x (64 | 128), got {tile_m} x {tile_n}")
+    dkv = (2, 1) if tile_n == 128 else (1, 2)
+    return {"sdp": (1, 2), "dq": (1, 2), "dkv": dkv}
+
+
+def bwd_smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
+    """Dynamic shared memory of `HopperBwd`'s SharedStorage: mbarriers (K/V once, full + empty
+    per stage of Q and dO), the Q and dO rings, K, V, and one P and one dS tile."""
+    tile_m, tile_n, stages = tile
+    align = lambda b: -(-b // 1024) * 1024  # noqa: E731
+    barriers = 8 * (2 + 4 * stages)
+    return (align(barriers) + align(stages * tile_m * hdim * 2) + align(stages * tile_m * hdim_v * 2)
+            + align(tile_n * hdim * 2) + align(tile_n * hdim_v * 2) + 2 * align(tile_m * tile_n * 2))
+
+# At --opt-level 2 the hdim-128 local+softcap and causal+varlen backward spill 8 B (one hoisted
+# shared-memory address, refilled once per query tile); --opt-level 1 gives the same code
+# (2512 vs 2472 SASS instructions, same HGMMA/MUFU/STS/REDG counts) with no spill.
+BWD_COMPILE_OPTIONS = "--opt-level 1"
