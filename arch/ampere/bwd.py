@@ -15,6 +15,7 @@ from cutlass import Float32, Int32
 
 from flash_cute.dsl_state import DslState
 from flash_cute.block_range import block_range, m_block_range, needs_mask
+from flash_cute.bwd_blocks import atomic_add_rows, p_and_ds, row_stats, store_acc_tile
 from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
@@ -171,8 +172,10 @@ class AmpereBwd:
                     cute.arch.cp_async_commit_group()
 
             acc_dk.store(acc_dk.load() * softmax_scale)
-            store_rows(self, mma_dkv, tidx, acc_dk, seq.k_view(mdK, head), n_block, self.hdim, kv_rows)
-            store_rows(self, mma_dkv, tidx, acc_dv, seq.k_view(mdV, head), n_block, self.hdim_v, kv_rows)
+            store_acc_tile(mma_dkv, tidx, acc_dk, seq.k_view(mdK, head), (self.tile_n, self.hdim),
+                           n_block, kv_rows)
+            store_acc_tile(mma_dkv, tidx, acc_dv, seq.k_view(mdV, head), (self.tile_n, self.hdim_v),
+                           n_block, kv_rows)
 
 
 class TileLoader(DslState):
@@ -228,15 +231,8 @@ class BwdStep(DslState):
     def compute_p_ds(self, gemm_s: SmemGemm, gemm_dp: SmemGemm, m_block: Int32, n_block: Int32,
                      stage):
         cfg = self.cfg
-        num_rows = cute.size(self.coord_s, mode=[0])
-        lse = cute.make_rmem_tensor(num_rows, Float32)
-        delta = cute.make_rmem_tensor(num_rows, Float32)
-        for r in cutlass.range_constexpr(num_rows):
-            row = m_block * cfg.tile_m + self.coord_s[r, 0][0]
-            safe = cutlass.min(row, self.seq.seqlen_q - 1)
-            # Padding rows get P = exp2(-inf) = 0, so they add nothing to dK or dV.
-            lse[r] = Float32.inf if row >= self.seq.seqlen_q else self.g_lse[safe]
-            delta[r] = self.g_delta[safe]
+        lse, delta = row_stats(self.coord_s, m_block, cfg.tile_m, self.seq.seqlen_q, self.g_lse,
+                               self.g_delta)
         acc_s = gemm_s.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_s.run(acc_s, stage)
         s_mn = acc_to_mn(acc_s)
@@ -250,18 +246,7 @@ class BwdStep(DslState):
         acc_dp = gemm_dp.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_dp.run(acc_dp, stage)
         dp_mn = acc_to_mn(acc_dp)
-        for r in cutlass.range_constexpr(num_rows):
-            if cutlass.const_expr(cfg.has_softcap):
-                # d/ds of cap·tanh(s·scale/cap) is scale·(1 − tanh²); the scale is applied to dK
-                # and dQ at the end. Masked entries hold −inf: clamped to −1 the factor is 0.
-                for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-                    t = cute.arch.fmax(s_mn[r, c], Float32(-1.0))
-                    dp_mn[r, c] = (dp_mn[r, c] - delta[r]) * (Float32(1.0) - t * t)
-            else:
-                dp_mn[r, None].store(dp_mn[r, None].load() - delta[r])
-            p = cute.math.exp2(s_mn[r, None].load() * self.scale_log2 - lse[r], fastmath=True)
-            s_mn[r, None].store(p)
-            dp_mn[r, None].store(p * dp_mn[r, None].load())
+        p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.has_softcap)
         r_p = cute.make_rmem_tensor_like(acc_s, cfg.dtype)
         r_p.store(acc_s.load().to(cfg.dtype))
         r_ds = cute.make_rmem_tensor_like(acc_dp, cfg.dtype)
@@ -275,29 +260,9 @@ class BwdStep(DslState):
         cfg = self.cfg
         acc_dq = gemm_dq.new_acc((cfg.tile_m, cfg.hdim))
         gemm_dq.run(acc_dq)
-        dq_mn = acc_to_mn(acc_dq)
         g_dq = cute.local_tile(self.g_dq, (cfg.tile_m, cfg.hdim), (m_block, 0))
-        rows = self.seq.seqlen_q - m_block * cfg.tile_m
-        for r in cutlass.range_constexpr(cute.size(dq_mn, mode=[0])):
-            row = self.coord_dq[r, 0][0]
-            if row < rows:
-                for c in cutlass.range_constexpr(cute.size(dq_mn, mode=[1])):
-                    ptr = g_dq.iterator + cute.crd2idx((row, self.coord_dq[0, c][1]), g_dq.layout)
-                    cute.arch.atomic_add(ptr, dq_mn[r, c])
-
-
-@cute.jit
-def store_rows(cfg: AmpereBwd, mma: cute.TiledMma, tidx, acc: cute.Tensor, m_out: cute.Tensor,
-               n_block: Int32, cols: int, valid_rows: Int32):
-    """Store the in-bounds rows of a (tile_n, cols) accumulator, converted to m_out's type."""
-    g_out = cute.local_tile(m_out, (cfg.tile_n, cols), (n_block, 0))
-    coord = acc_to_mn(mma.get_slice(tidx).partition_C(cute.make_identity_tensor((cfg.tile_n, cols))))
-    acc_mn = acc_to_mn(acc)
-    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-        row = coord[r, 0][0]
-        if row < valid_rows:
-            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                g_out[row, coord[0, c][1]] = acc_mn[r, c].to(m_out.element_type)
+        atomic_add_rows(acc_to_mn(acc_dq), self.coord_dq, g_dq,
+                        self.seq.seqlen_q - m_block * cfg.tile_m)
 
 
 def build_for_inspect(cfg):

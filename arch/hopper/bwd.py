@@ -17,6 +17,7 @@ from cutlass import Float32, Int32, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from flash_cute.bwd_blocks import atomic_add_rows, p_and_ds, row_stats, store_acc_tile
 from flash_cute.block_range import block_range, m_block_range, needs_mask
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
@@ -242,10 +243,10 @@ class HopperBwd:
                 self.consume(step, pipes, m_min, m_max, n_block)
                 step.acc_dk.store(step.acc_dk.load() * softmax_scale)
                 kv_rows = seq.seqlen_k - n_block * self.tile_n
-                store_rows(self, mmas[1], tidx, step.acc_dk, seq.k_view(mdK, head), n_block,
-                           self.hdim, kv_rows)
-                store_rows(self, mmas[2], tidx, step.acc_dv, seq.k_view(mdV, head), n_block,
-                           self.hdim_v, kv_rows)
+                store_acc_tile(mmas[1], tidx, step.acc_dk, seq.k_view(mdK, head),
+                               (self.tile_n, self.hdim), n_block, kv_rows)
+                store_acc_tile(mmas[2], tidx, step.acc_dv, seq.k_view(mdV, head),
+                               (self.tile_n, self.hdim_v), n_block, kv_rows)
 
     def _make_pipelines(self, storage, tx_bytes):
         """(K+V, Q, dO) TMA pipelines; empty barriers count one arrive per consumer warp, full
@@ -387,7 +388,8 @@ class BwdStep(DslState):
         cfg = self.cfg
         stage = state.index
         # Global loads issued first, so their latency hides under the two GEMMs.
-        lse, delta = self.row_stats(m_block)
+        lse, delta = row_stats(self.coord_s, m_block, self.cfg.tile_m, self.seq.seqlen_q,
+                               self.g_lse, self.g_delta)
         pipe_q.consumer_wait(state)
         acc_s = wgmma(self.mma_sdp, self.new_acc_s(), self.tSrQ, self.tSrK, stage, 0, False)
         s_mn = acc_to_mn(acc_s)
@@ -400,7 +402,7 @@ class BwdStep(DslState):
             self.mask.apply(s_mn, self.coord_s, m_block, n_block)
         pipe_do.consumer_wait(state)
         acc_dp = wgmma(self.mma_sdp, self.new_acc_s(), self.tdPrdO, self.tdPrV, stage, 0, False)
-        self.p_and_ds(s_mn, acc_to_mn(acc_dp), lse, delta)
+        p_and_ds(s_mn, acc_to_mn(acc_dp), lse, delta, self.scale_log2, self.cfg.has_softcap)
 
         r_p, r_ds = self.to_16bit(acc_s), self.to_16bit(acc_dp)
         # The previous tile's dV/dK/dQ GEMMs (of both warpgroups) are done with sP and sdS.
@@ -432,48 +434,11 @@ class BwdStep(DslState):
             self.thr_sdp.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n)), Float32)
 
     @cute.jit
-    def row_stats(self, m_block: Int32):
-        """LSE·log2 e and Δ of this thread's rows; rows past seqlen_q get LSE = +inf (P = 0)."""
-        num_rows = cute.size(self.coord_s, mode=[0])
-        lse = cute.make_rmem_tensor(num_rows, Float32)
-        delta = cute.make_rmem_tensor(num_rows, Float32)
-        for r in cutlass.range_constexpr(num_rows):
-            row = m_block * self.cfg.tile_m + self.coord_s[r, 0][0]
-            safe = cutlass.min(row, self.seq.seqlen_q - 1)
-            lse[r] = Float32.inf if row >= self.seq.seqlen_q else self.g_lse[safe]
-            delta[r] = self.g_delta[safe]
-        return lse, delta
-
-    @cute.jit
-    def p_and_ds(self, s_mn, dp_mn, lse, delta):
-        """In place: S -> P = exp2(S·scale_log2 − LSE₂), dP -> dS = P ∘ (dP − Δ)
-        [∘ (1 − tanh²)], exactly as `AmpereBwd`."""
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            if cutlass.const_expr(self.cfg.has_softcap):
-                # d/ds of cap·tanh(s·scale/cap) is scale·(1 − tanh²); the scale is applied to dK
-                # and dQ at the end. Masked entries hold −inf: clamped to −1 the factor is 0.
-                for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-                    t = cute.arch.fmax(s_mn[r, c], Float32(-1.0))
-                    dp_mn[r, c] = (dp_mn[r, c] - delta[r]) * (Float32(1.0) - t * t)
-            else:
-                dp_mn[r, None].store(dp_mn[r, None].load() - delta[r])
-            p = cute.math.exp2(s_mn[r, None].load() * self.scale_log2 - lse[r], fastmath=True)
-            s_mn[r, None].store(p)
-            dp_mn[r, None].store(p * dp_mn[r, None].load())
-
-    @cute.jit
     def dq_atomic(self, acc_dq: cute.Tensor, m_block: Int32):
         """dQ partial = dS K[n]; fp32 atomics into the in-bounds rows of this query tile."""
-        cfg = self.cfg
-        dq_mn = acc_to_mn(acc_dq)
-        g_dq = cute.local_tile(self.g_dq, (cfg.tile_m, cfg.hdim), (m_block, 0))
-        rows = self.seq.seqlen_q - m_block * cfg.tile_m
-        for r in cutlass.range_constexpr(cute.size(dq_mn, mode=[0])):
-            row = self.coord_dq[r, 0][0]
-            if row < rows:
-                for c in cutlass.range_constexpr(cute.size(dq_mn, mode=[1])):
-                    ptr = g_dq.iterator + cute.crd2idx((row, self.coord_dq[0, c][1]), g_dq.layout)
-                    cute.arch.atomic_add(ptr, dq_mn[r, c])
+        g_dq = cute.local_tile(self.g_dq, (self.cfg.tile_m, self.cfg.hdim), (m_block, 0))
+        atomic_add_rows(acc_to_mn(acc_dq), self.coord_dq, g_dq,
+                        self.seq.seqlen_q - m_block * self.cfg.tile_m)
 
 
 @cute.jit
@@ -491,20 +456,6 @@ def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.
     warpgroup.commit_group()
     warpgroup.wait_group(0)
     return acc
-
-
-@cute.jit
-def store_rows(cfg: HopperBwd, mma: cute.TiledMma, tidx, acc: cute.Tensor, m_out: cute.Tensor,
-               n_block: Int32, cols: int, valid_rows: Int32):
-    """Store the in-bounds rows of a (tile_n, cols) accumulator, converted to m_out's type."""
-    g_out = cute.local_tile(m_out, (cfg.tile_n, cols), (n_block, 0))
-    coord = acc_to_mn(mma.get_slice(tidx).partition_C(cute.make_identity_tensor((cfg.tile_n, cols))))
-    acc_mn = acc_to_mn(acc)
-    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-        row = coord[r, 0][0]
-        if row < valid_rows:
-            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                g_out[row, coord[0, c][1]] = acc_mn[r, c].to(m_out.element_type)
 
 
 def registers_per_role() -> dict:

@@ -1,0 +1,84 @@
+"""Backward blocks shared by every arch (seed 10.3.2, recompute from LSE).
+
+Like the forward blocks they see only (rows, cols) views of a thread's fragments (`acc_to_mn`)
+and the matching coordinate views, never an MMA layout.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from flash_cute.layouts import acc_to_mn
+
+
+@cute.jit
+def row_stats(coord_mn: cute.Tensor, m_block: Int32, tile_m: int, seqlen_q: Int32,
+              g_lse_log2: cute.Tensor, g_delta: cute.Tensor):
+    """LSE·log2 e and Δ for a thread's rows of query tile `m_block`.
+
+    Rows past seqlen_q get LSE = +inf, so their P is exp2(−inf) = 0 and they add nothing to
+    dK or dV whatever their (padding) Q and dO hold.
+    """
+    num_rows = cute.size(coord_mn, mode=[0])
+    lse = cute.make_rmem_tensor(num_rows, Float32)
+    delta = cute.make_rmem_tensor(num_rows, Float32)
+    for r in cutlass.range_constexpr(num_rows):
+        row = m_block * tile_m + coord_mn[r, 0][0]
+        safe = cutlass.min(row, seqlen_q - 1)
+        lse[r] = Float32.inf if row >= seqlen_q else g_lse_log2[safe]
+        delta[r] = g_delta[safe]
+    return lse, delta
+
+
+@cute.jit
+def p_and_ds(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor, delta: cute.Tensor,
+             scale_log2: Float32, has_softcap: cutlass.Constexpr[bool]):
+    """In place: S → P = exp2(S·scale_log2 − LSE₂) and dP → dS = P ∘ (dP − Δ) [∘ (1 − tanh²)].
+
+    With softcap S holds tanh(s·scale/cap): d/ds of cap·tanh(s·scale/cap) is scale·(1 − tanh²),
+    the scale being applied to dK and dQ at the end. Masked entries hold −inf; clamped to −1
+    their factor is 0 instead of NaN.
+    """
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        if cutlass.const_expr(has_softcap):
+            for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+                t = cute.arch.fmax(s_mn[r, c], Float32(-1.0))
+                dp_mn[r, c] = (dp_mn[r, c] - delta[r]) * (Float32(1.0) - t * t)
+        else:
+            dp_mn[r, None].store(dp_mn[r, None].load() - delta[r])
+        p = cute.math.exp2(s_mn[r, None].load() * scale_log2 - lse[r], fastmath=True)
+        s_mn[r, None].store(p)
+        dp_mn[r, None].store(p * dp_mn[r, None].load())
+
+
+@cute.jit
+def atomic_add_rows(acc_mn: cute.Tensor, coord_mn: cute.Tensor, g_tile: cute.Tensor,
+                    valid_rows: Int32):
+    """fp32 atomics of a (rows, cols) fragment into the in-bounds rows of a global tile."""
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        row = coord_mn[r, 0][0]
+        if row < valid_rows:
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                ptr = g_tile.iterator + cute.crd2idx((row, coord_mn[0, c][1]), g_tile.layout)
+                cute.arch.atomic_add(ptr, acc_mn[r, c])
+
+
+@cute.jit
+def store_rows(acc_mn: cute.Tensor, coord_mn: cute.Tensor, g_tile: cute.Tensor,
+               valid_rows: Int32):
+    """Store the in-bounds rows of a (rows, cols) fragment, converted to g_tile's type."""
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        row = coord_mn[r, 0][0]
+        if row < valid_rows:
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                g_tile[row, coord_mn[0, c][1]] = acc_mn[r, c].to(g_tile.element_type)
+
+
+@cute.jit
+def store_acc_tile(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, m_out: cute.Tensor,
+                   tile_shape: cutlass.Constexpr, block: Int32, valid_rows: Int32):
+    """Store the in-bounds rows of accumulator `acc` of `tiled_mma` as tile `block` of the
+    (rows, cols) tensor `m_out` (e.g. dK or dV of one K/V tile)."""
+    g_out = cute.local_tile(m_out, tile_shape, (block, 0))
+    coord = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor(tile_shape))
+    store_rows(acc_to_mn(acc), acc_to_mn(coord), g_out, valid_rows)
