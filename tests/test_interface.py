@@ -173,3 +173,23 @@ def test_varlen_is_not_sent_to_hopper_by_default(capability):
     assert interface.select_pipeline(device, None, varlen) == "ampere"
     assert interface.select_pipeline(device, None, padded) == "hopper"
     assert interface.select_pipeline(device, "hopper", varlen) == "hopper"
+
+
+def test_every_compile_time_switch_is_in_the_cache_key():
+    """Two variants that compile differently never share a CompileKey: every switch a kernel
+    reads (set_kernel_switches) is in Variant.flags(), and distinct variants have distinct flags."""
+    import itertools
+
+    from flash_cute.variant import Variant, set_kernel_switches
+
+    seen = {}
+    for values in itertools.product([False, True], repeat=5):
+        variant = Variant(*values)
+        kernel = type("K", (), {})()
+        set_kernel_switches(kernel, variant)
+        switches = tuple(sorted(vars(kernel).items()))
+        flags = variant.flags()
+        assert seen.setdefault(flags, switches) == switches
+    assert len(set(seen.values())) == len(seen)
+    # causal + right window is the same kernel as causal alone (right = 0), and says so.
+    assert Variant(causal=True, window_right=True).flags() == Variant(causal=True).flags()
