@@ -17,7 +17,7 @@ from flash_cute.reference import attention_ref, tolerance_check
 pytestmark = pytest.mark.gpu
 
 PIPELINES = ["ampere", "hopper"]  # pipelines with a forward
-BWD_PIPELINES = ["ampere"]  # pipelines with a backward
+BWD_PIPELINES = ["ampere", "hopper"]  # pipelines with a backward
 
 
 def _inputs(batch, sq, sk, h, hk, d, dv, dtype, seed):
@@ -54,6 +54,7 @@ KERNELS = [
     (64, 64, False, (97, 33), 0.0, torch.bfloat16),
     (128, 128, True, (200, None), 0.0, torch.bfloat16),
     (128, 128, False, (None, None), 15.0, torch.bfloat16),
+    (128, 128, False, (61, 40), 15.0, torch.bfloat16),
     (64, 64, True, (None, None), 30.0, torch.float16),
 ]
 SHAPES = [
@@ -220,12 +221,13 @@ def test_backward_varlen_with_empty_sequence(pipeline):
         assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e}"
 
 
-def test_ampere_rejects_deterministic_backward_before_launch():
+@pytest.mark.parametrize("pipeline", ["ampere"])
+def test_nondeterministic_backward_refuses_deterministic_before_launch(pipeline):
     q, k, v = _inputs(1, 64, 64, 2, 2, 64, 64, torch.bfloat16, seed=14)
     q.requires_grad_()
     with pytest.raises(NotImplementedError, match="deterministic"):
-        flash_attn_func(q, k, v, deterministic=True, arch="ampere")
-    out, _ = flash_attn_func(q.detach(), k, v, deterministic=True, arch="ampere")
+        flash_attn_func(q, k, v, deterministic=True, arch=pipeline)
+    out, _ = flash_attn_func(q.detach(), k, v, deterministic=True, arch=pipeline)
     assert out.shape == (1, 64, 2, 64)
 
 

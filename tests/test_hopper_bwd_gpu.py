@@ -1,9 +1,7 @@
-"""The Hopper backward main kernel (`arch.hopper.bwd_api.backward`) against float64 autograd.
-
-Not yet behind the dispatcher (autograd still runs the Ampere backward on sm90), so these tests
-call the host entry directly on the (O, LSE) of the Hopper forward and compare dQ, dK, dV with
-the FlashAttention rule (`tolerance_check`: error <= 2x a bf16/fp16 PyTorch implementation's,
-plus rounding atol). Needs an H100/H200.
+"""The Hopper backward's own cases, calling `arch.hopper.api.backward` directly on the (O, LSE)
+of the Hopper forward, against float64 autograd by the FlashAttention rule (`tolerance_check`:
+error <= 2x a bf16/fp16 PyTorch implementation's, plus rounding atol). The feature matrix runs
+through autograd in tests/test_attention_gpu.py. Needs an H100/H200.
 """
 
 import math
@@ -34,7 +32,7 @@ def _inputs(batch, sq, sk, h, hk, d, dv, dtype, seed):
 def _hopper_grads(q, k, v, dout, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                   max_seqlen_k=None, dlse=None, **kw):
     """Hopper forward (O, LSE), then the Hopper backward on them."""
-    from flash_cute.arch.hopper.bwd_api import backward
+    from flash_cute.arch.hopper.api import backward
 
     varlen = cu_seqlens_q is not None
     window = kw.get("window_size", (None, None))
@@ -67,71 +65,6 @@ def _check(ours, q, k, v, dout, **kw):
         assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e} (+atol {res.atol:.1e})"
 
 
-# (hdim, hdim_v, causal, window, softcap, dtype): each line is one compiled kernel.
-KERNELS = [
-    (64, 64, False, (None, None), 0.0, torch.bfloat16),
-    (64, 64, True, (None, None), 0.0, torch.float16),
-    (96, 96, False, (None, None), 0.0, torch.bfloat16),
-    (128, 128, False, (None, None), 0.0, torch.bfloat16),
-    (128, 128, True, (None, None), 0.0, torch.bfloat16),
-    (128, 128, False, (None, None), 0.0, torch.float16),
-    (192, 192, False, (None, None), 0.0, torch.bfloat16),
-    (192, 128, True, (None, None), 0.0, torch.bfloat16),
-    (256, 256, False, (None, None), 0.0, torch.bfloat16),
-    (256, 256, True, (None, None), 0.0, torch.bfloat16),
-    (64, 64, False, (97, 33), 0.0, torch.bfloat16),
-    (128, 128, True, (200, None), 0.0, torch.bfloat16),
-    (128, 128, False, (None, None), 15.0, torch.bfloat16),
-    (128, 128, False, (61, 40), 15.0, torch.bfloat16),
-    (64, 64, True, (None, None), 30.0, torch.float16),
-]
-SHAPES = [
-    # batch, seqlen_q, seqlen_k, nheads, nheads_kv
-    (2, 113, 203, 4, 4),
-    (1, 300, 130, 8, 1),  # MQA; causal: the first 170 rows see no key
-    (2, 257, 129, 6, 2),  # GQA 3:1, several query tiles and a partial last one
-    (3, 1, 1, 2, 2),
-]
-
-
-@pytest.mark.parametrize("hdim,hdim_v,causal,window,softcap,dtype", KERNELS)
-@pytest.mark.parametrize("batch,sq,sk,h,hk", SHAPES)
-def test_hopper_backward_matches_float64(hdim, hdim_v, causal, window, softcap, dtype, batch, sq,
-                                         sk, h, hk):
-    q, k, v, dout = _inputs(batch, sq, sk, h, hk, hdim, hdim_v, dtype, seed=sq * 5 + hdim)
-    kw = dict(causal=causal, window_size=window, softcap=softcap)
-    _check(_hopper_grads(q, k, v, dout, **kw), q, k, v, dout, **kw)
-
-
-def test_hopper_backward_long_gqa_8_to_1_with_scale():
-    q, k, v, dout = _inputs(2, 1031, 2047, 16, 2, 128, 128, torch.bfloat16, seed=11)
-    kw = dict(causal=True, softmax_scale=0.07)
-    _check(_hopper_grads(q, k, v, dout, **kw), q, k, v, dout, **kw)
-
-
-def test_hopper_backward_through_lse():
-    """A loss that uses the LSE too: dS = P (dP - (Δ - dLSE))."""
-    from flash_cute.arch.hopper.bwd_api import backward
-
-    q, k, v, dout = _inputs(2, 157, 211, 4, 2, 64, 64, torch.bfloat16, seed=12)
-    dlse = torch.randn(2, 4, 157, device="cuda")
-    problem = validate_attention_inputs(q, k, v, causal=True)
-    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, arch="hopper")
-    ours = backward(dout, dlse, q, k, v, out, lse, problem)
-
-    def loss_grads(mode, tensors):
-        leaves = [t.detach().clone().requires_grad_() for t in tensors]
-        o, l = attention_ref(*leaves, causal=True, mode=mode)
-        loss = (o.double() * dout.double()).sum() + (l.double() * dlse.double()).sum()
-        return torch.autograd.grad(loss, leaves)
-
-    ref = loss_grads("float64", (q.double(), k.double(), v.double()))
-    nat = loss_grads("native", (q, k, v))
-    for name, g, g_ref, g_nat in zip(("dQ", "dK", "dV"), ours, ref, nat):
-        res = tolerance_check(g, g_ref, g_nat)
-        assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e}"
-
-
 @pytest.mark.parametrize("causal,hdim", [(True, 128), (False, 64)])
 def test_hopper_backward_varlen_with_empty_sequence(causal, hdim):
     seqlens_q, seqlens_k = [37, 0, 129, 1, 300], [50, 17, 0, 1, 257]
@@ -158,7 +91,7 @@ def test_hopper_backward_every_gradient_element_is_written(monkeypatch):
     q, k, v, dout = _inputs(2, 333, 251, 4, 4, 128, 128, torch.bfloat16, seed=4)
     problem = validate_attention_inputs(q, k, v, window_size=(20, 0))
     out, lse = flash_attn_func(q, k, v, window_size=(20, 0), return_lse=True, arch="hopper")
-    from flash_cute.arch.hopper.bwd_api import backward
+    from flash_cute.arch.hopper.api import backward
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     grads = backward(dout, None, q, k, v, out, lse, problem)
@@ -179,8 +112,8 @@ def test_hopper_backward_new_lengths_reuse_the_compiled_kernel():
     assert len(compile_cache) == before
 
 
-def test_dispatcher_still_uses_the_ampere_backward_on_sm90():
-    """Until this kernel is validated, autograd on sm90 must not pick it up."""
+def test_dispatcher_runs_the_hopper_backward_after_the_hopper_forward():
     from flash_cute.interface import select_backward_pipeline
 
-    assert select_backward_pipeline(torch.device("cuda"), "hopper") == "ampere"
+    assert select_backward_pipeline(torch.device("cuda"), "hopper") == "hopper"
+    assert select_backward_pipeline(torch.device("cuda"), "ampere") == "ampere"

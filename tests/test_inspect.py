@@ -194,10 +194,7 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_dq_atomics(inspe
         assert 0 < e["smem_bytes"] <= 227 * 1024
 
 
-def test_hopper_backward_is_not_dispatched_yet():
-    """`arch.hopper.api` has no backward until the sm90 kernel passes its GPU tests."""
+def test_hopper_pipeline_has_a_backward():
     import flash_cute.arch.hopper.api as hopper_api
-    import flash_cute.arch.hopper.bwd_api as hopper_bwd_api
 
-    assert not hasattr(hopper_api, "backward")
-    assert callable(hopper_bwd_api.backward)
+    assert callable(hopper_api.backward)

@@ -64,10 +64,16 @@ def test_hopper_runs_on_sm90_only(capability):
             interface.select_pipeline(torch.device("cuda"), "hopper")
 
 
-def test_backward_falls_back_to_a_pipeline_that_has_one(capability):
+def test_backward_runs_in_the_forward_pipeline(capability):
     capability(9, 0)
-    assert interface.select_backward_pipeline(torch.device("cuda"), "hopper") == "ampere"
+    assert interface.select_backward_pipeline(torch.device("cuda"), "hopper") == "hopper"
     assert interface.select_backward_pipeline(torch.device("cuda"), "ampere") == "ampere"
+
+
+def test_backward_falls_back_to_a_pipeline_that_has_one(capability, monkeypatch):
+    capability(9, 0)
+    monkeypatch.delattr(hopper_api, "backward")
+    assert interface.select_backward_pipeline(torch.device("cuda"), "hopper") == "ampere"
 
 
 def test_hopper_supported_head_dims():
@@ -81,7 +87,8 @@ def test_hopper_supported_head_dims():
     for d, dv in [(80, 80), (128, 64), (32, 32)]:
         with pytest.raises(NotImplementedError, match="hopper pipeline has no kernel"):
             hopper_api.check_supported(problem(d, dv))
-    assert not hasattr(hopper_api, "backward")
+    for d, dv in [(64, 64), (128, 128), (256, 256), (192, 128)]:
+        hopper_api.check_supported(problem(d, dv), backward=True)
 
 
 def test_hopper_tma_strides_of_size_one_dims_are_made_compact():

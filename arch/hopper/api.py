@@ -1,16 +1,15 @@
-"""Host entry of the Hopper pipeline: what it supports, and the forward launch.
-
-Forward only for now: `backward` is absent, so autograd runs the backward of the newest
-pipeline that has one (`flash_cute.interface.select_backward_pipeline`) on this forward's
-(O, LSE), which every pipeline produces alike.
-"""
+"""Host entry of the Hopper pipeline: what it supports, and the forward and backward launches."""
 
 import torch
 
 from flash_cute import launch
 from flash_cute.validation import AttentionProblem
 
-from .config import COMPILE_OPTIONS, SUPPORTED_HDIMS, TILES
+from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, BWD_TILES, COMPILE_OPTIONS,
+                     SUPPORTED_HDIMS, TILES)
+
+# dQ is accumulated with fp32 atomics, so its rounding depends on the order CTAs finish.
+DETERMINISTIC_BACKWARD = False
 
 
 def default_for(problem: AttentionProblem) -> bool:
@@ -24,6 +23,8 @@ def default_for(problem: AttentionProblem) -> bool:
 def check_supported(problem: AttentionProblem, device=None, backward: bool = False) -> None:
     """Head dims with a kernel (the tiles are sized for the H100/H200's 227 KiB)."""
     launch.check_head_dims("hopper", problem, SUPPORTED_HDIMS)
+    if backward:
+        launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -55,3 +56,23 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
     return launch.forward("hopper.fwd", HopperFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                           tuple(tile or TILES[problem.hdim]), COMPILE_OPTIONS, arch,
                           prepare=_tma_ready)
+
+
+def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
+             cu_seqlens_k=None, deterministic: bool = False, tile=None):
+    """(dq, dk, dv) through `HopperBwd` (see `flash_cute.launch.backward`). `tile` overrides
+    (tile_m, tile_n, q_stages) for ablations."""
+    from flash_cute.jit import current_arch
+
+    from .bwd import HopperBwd
+
+    if deterministic:
+        raise NotImplementedError("the hopper backward accumulates dQ with atomics; "
+                                  "deterministic=True is not supported")
+    arch = current_arch()
+    if arch != "sm_90a":
+        raise NotImplementedError(f"the hopper backward runs on sm_90a only, not {arch}")
+    launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
+    return launch.backward("hopper.bwd", HopperBwd, dout, dlse, q, k, v, out, lse, problem,
+                           cu_seqlens_q, cu_seqlens_k, tuple(tile or BWD_TILES[problem.hdim]),
+                           BWD_COMPILE_OPTIONS, arch, prepare=_tma_ready)

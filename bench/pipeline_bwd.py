@@ -1,0 +1,88 @@
+"""Backward of one pipeline, called directly (no dispatcher), next to FA4 and SDPA in one run.
+
+    python bench/pipeline_bwd.py [--pipeline hopper] [--hdim 64,128] [--seqlen 2048,8192]
+                                 [--tiles 64x128x2,...]
+
+Prints TFLOP/s (2.5 x 4·b·h·s²·d, ÷2 causal) and the largest |dq|, |dk|, |dv| difference from
+SDPA-flash's relative to its largest entry; used for ablations before a kernel is dispatched.
+"""
+
+import argparse
+import importlib
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flash_cute import flash_attn_func
+from flash_cute.validation import validate_attention_inputs
+
+
+def _sdpa(backend, q, k, v, do, causal):
+    leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(backend):
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+    fn = lambda: torch.autograd.grad(out, leaves, do.transpose(1, 2), retain_graph=True)  # noqa: E731
+    return fn, lambda: [g.transpose(1, 2) for g in fn()]
+
+
+def _fa4(q, k, v, do, causal):
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except ImportError:
+        return None
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fa4(*leaves, causal=causal)
+    out = out[0] if isinstance(out, tuple) else out
+    return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--pipeline", default="hopper")
+    p.add_argument("--hdim", default="64,128")
+    p.add_argument("--seqlen", default="2048,8192")
+    p.add_argument("--causal", default="0,1")
+    p.add_argument("--tiles", default=None, help="e.g. 64x128x2 (default: the pipeline's table)")
+    args = p.parse_args()
+    mod = importlib.import_module(f"flash_cute.arch.{args.pipeline}.api")
+    rows = []
+    for hdim in map(int, args.hdim.split(",")):
+        for seqlen in map(int, args.seqlen.split(",")):
+            batch, nheads = 16384 // seqlen, 2048 // hdim
+            for causal in map(bool, map(int, args.causal.split(","))):
+                q, k, v, do = (torch.randn(batch, seqlen, nheads, hdim, device="cuda",
+                                           dtype=torch.bfloat16) for _ in range(4))
+                flops = 2.5 * 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1)
+                cell = (hdim, seqlen, int(causal))
+                timed, ref_grads = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, do, causal)
+                ref = ref_grads()
+                for name, fn in (("sdpa_flash", timed),
+                                 ("sdpa_cudnn", _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, do,
+                                                      causal)[0]),
+                                 ("fa4", _fa4(q, k, v, do, causal))):
+                    if fn is not None:
+                        ms = triton.testing.do_bench(fn, return_mode="median")
+                        rows.append((*cell, name, flops / ms / 1e9, ""))
+                problem = validate_attention_inputs(q, k, v, causal=causal)
+                out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+                tiles = [None] if not args.tiles else [
+                    tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]
+                for tile in tiles:
+                    kw = {} if tile is None else {"tile": tile}
+                    fn = lambda: mod.backward(do, None, q, k, v, out, lse, problem, **kw)  # noqa: E731
+                    err = max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                              for g, r in zip(fn(), ref))
+                    ms = triton.testing.do_bench(fn, return_mode="median")
+                    label = args.pipeline + ("" if tile is None else "-" + "x".join(map(str, tile)))
+                    rows.append((*cell, label, flops / ms / 1e9, f"{err:.1e}"))
+                for r in rows[-4 - len(tiles):]:
+                    print(r, flush=True)
+    print("\n| hdim | seqlen | causal | provider | bwd TFLOP/s | rel. err vs sdpa_flash |")
+    print("|---:|---:|---:|---|---:|---:|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]} |")
+
+
+if __name__ == "__main__":
+    main()
