@@ -8,6 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from flash_cute.block_range import block_range
 from flash_cute.layouts import acc_to_mn
 
 
@@ -49,6 +50,51 @@ def p_and_ds(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor, delta: cut
         p = cute.math.exp2(s_mn[r, None].load() * scale_log2 - lse[r], fastmath=True)
         s_mn[r, None].store(p)
         dp_mn[r, None].store(p * dp_mn[r, None].load())
+
+
+@cute.jit
+def probs(s_mn: cute.Tensor, lse: cute.Tensor, scale_log2: Float32):
+    """In place: S → P = exp2(S·scale_log2 − LSE₂), the first half of `p_and_ds` (no softcap),
+    for a kernel whose dP is still being computed."""
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        s_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * scale_log2 - lse[r],
+                                           fastmath=True))
+
+
+@cute.jit
+def ds_from_probs(p_mn: cute.Tensor, dp_mn: cute.Tensor, delta: cute.Tensor):
+    """In place: dP → dS = P ∘ (dP − Δ), the second half of `p_and_ds` (no softcap), rounded
+    as there."""
+    for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
+        dp_mn[r, None].store(p_mn[r, None].load() * (dp_mn[r, None].load() - delta[r]))
+
+
+@cute.jit
+def dq_turn(n_block: Int32, m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
+            seqlen_k: Int32, causal: bool, window_left, window_right) -> Int32:
+    """Deterministic dQ: the place of K/V block `n_block` among the K/V blocks that add into
+    query block `m_block`, which are exactly ``block_range(m_block).[n_block_min, n_block_max)``
+    (the range is tight, like `m_block_range`'s, so every one of them visits `m_block`). dQ of
+    `m_block` is added in increasing n_block: block n waits until the semaphore equals its
+    turn, adds, and increments it."""
+    rng = block_range(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal, window_left,
+                      window_right, imin=cutlass.min, imax=cutlass.max)
+    return n_block - rng.n_block_min
+
+
+@cute.jit
+def wait_turn(semaphore: cute.Pointer, turn: Int32):
+    """Spin until the global int32 at `semaphore` equals `turn` (acquire: the adds of the
+    blocks before are visible to what follows)."""
+    seen = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+    while seen != turn:
+        seen = cute.arch.load(semaphore, Int32, sem="acquire", scope="gpu")
+
+
+@cute.jit
+def pass_turn(semaphore: cute.Pointer):
+    """Give the next block its turn (release: after this thread's completed adds)."""
+    cute.arch.red(semaphore, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
 
 
 @cute.jit

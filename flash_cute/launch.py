@@ -88,21 +88,27 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
 
 
 def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
-             cu_seqlens_k, tile: tuple, options: str, arch: str, prepare=None):
+             cu_seqlens_k, tile: tuple, options: str, arch: str, prepare=None,
+             deterministic=None, dq_accum_align: int = 4):
     """(dq, dk, dv) through a backward main kernel with `AmpereBwd.__call__`'s contract:
     preprocess (Δ, LSE·log2 e), the main kernel (compile-cached), dQ's scale-and-convert.
 
     `kernel_cls(dtype, hdim, hdim_v, variant, tile=...)`; `prepare` adapts q/k/v/dout first
     (e.g. TMA-ready strides). With GQA the kernel writes fp32 dK/dV per query head and the
-    group is summed here. Varlen dK/dV start at zero: rows after the last sequence get no
-    gradient.
+    group is summed here, in a fixed order. Varlen dK/dV start at zero: rows after the last
+    sequence get no gradient.
+
+    `deterministic` is None for a kernel without that switch; a bool for one whose constructor
+    takes `deterministic=` and whose call takes the dQ semaphores (`dq_semaphores`, or None)
+    before the stream. `dq_accum_align`: the byte alignment the kernel may assume of dQaccum
+    (a fresh allocation; 16 for a TMA).
     """
     from cutlass import Int32
     import cutlass.cute as cute
 
     from flash_cute.bwd_prep import bwd_postprocess, bwd_preprocess
-    from flash_cute.jit import (DTYPES, CompileKey, attention_runtime_args, compile_cache,
-                                current_stream, to_cute_tensor)
+    from flash_cute.jit import (DTYPES, attention_runtime_args, compile_cache, current_stream,
+                                to_cute_tensor)
 
     if has_no_work(q, k, problem):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -118,17 +124,23 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
     dv = alloc(*kv_lead, problem.nheads, problem.hdim_v, dtype=dkv_dtype, device=q.device)
     variant = Variant.from_problem(problem)
     dtype = dtype_name(q.dtype)
-    key = CompileKey(name, arch, dtype, problem.hdim, problem.hdim_v, tile,
-                     variant.flags() + (("dkv_fp32", group > 1),))
+    key = backward_compile_key(name, arch, dtype, problem, tile, deterministic)
     scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
     dkv_align = 16 if group == 1 else 4
+    kernel_kw, sem = {}, ()
+    if deterministic is not None:
+        kernel_kw = {"deterministic": deterministic}
+        sem = (to_cute_tensor(dq_semaphores(problem, tile[0], q.device), 4)
+               if deterministic else None,)
     args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(dout),
-            to_cute_tensor(lse_log2, 4), to_cute_tensor(delta, 4), to_cute_tensor(dq_accum, 4),
-            to_cute_tensor(dk, dkv_align), to_cute_tensor(dv, dkv_align)) + scalars \
-        + (Int32(problem.max_seqlen_k),) + cu + (current_stream(),)
+            to_cute_tensor(lse_log2, 4), to_cute_tensor(delta, 4),
+            to_cute_tensor(dq_accum, dq_accum_align), to_cute_tensor(dk, dkv_align),
+            to_cute_tensor(dv, dkv_align)) + scalars \
+        + (Int32(problem.max_seqlen_k),) + cu + sem + (current_stream(),)
 
     def build():
-        kernel = kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant, tile=tile)
+        kernel = kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant, tile=tile,
+                            **kernel_kw)
         return cute.compile(kernel, *args, options=options)
 
     compile_cache.get(key, build)(*args)
@@ -137,3 +149,22 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
         dk = dk.view(*kv_lead, problem.nheads_kv, group, problem.hdim).sum(-2).to(q.dtype)
         dv = dv.view(*kv_lead, problem.nheads_kv, group, problem.hdim_v).sum(-2).to(q.dtype)
     return dq, dk, dv
+
+
+def backward_compile_key(name: str, arch: str, dtype: str, problem, tile: tuple,
+                         deterministic=None):
+    """A backward main kernel's CompileKey: the variant, fp32 dK/dV for GQA and, for a kernel
+    that has the switch, deterministic dQ."""
+    from flash_cute.jit import CompileKey
+
+    flags = Variant.from_problem(problem).flags() + (("dkv_fp32", problem.qheads_per_kvhead > 1),)
+    if deterministic is not None:
+        flags += (("deterministic", bool(deterministic)),)
+    return CompileKey(name, arch, dtype, problem.hdim, problem.hdim_v, tuple(tile), flags)
+
+
+def dq_semaphores(problem, tile_m: int, device) -> torch.Tensor:
+    """Zeroed int32 [batch, nheads, ceil(max_seqlen_q / tile_m)]: per (query tile, head,
+    batch), how many K/V tiles have added their dQ partial (deterministic backward)."""
+    return torch.zeros(problem.batch, problem.nheads, -(-problem.max_seqlen_q // tile_m),
+                       dtype=torch.int32, device=device)

@@ -36,12 +36,23 @@ class KernelConfig:
         """Short unique description, e.g. ``bf16 d-/16 64x64 causal``."""
         on = [k if v is True else f"{k}={v}" for k, v in self.flags if v is not False]
         dims = f"d{self.hdim if self.hdim is not None else '-'}/{self.hdim_v}"
-        return " ".join([self.dtype, dims, "x".join(map(str, self.tile))] + on)
+        return " ".join([self.dtype, dims, _tile_label(self.tile)] + on)
 
     def config_dict(self) -> dict:
-        cfg = {"dtype": self.dtype, "hdim": self.hdim, "hdim_v": self.hdim_v, "tile": list(self.tile)}
+        nums = [x for x in self.tile if not isinstance(x, bool)]
+        cfg = {"dtype": self.dtype, "hdim": self.hdim, "hdim_v": self.hdim_v, "tile": nums}
+        # A schedule's named switches (e.g. the Hopper forward's overlaps) read like flags.
+        cfg.update({n: x for n, x in zip(getattr(self.tile, "_fields", ()), self.tile)
+                    if isinstance(x, bool)})
         cfg.update(self.flag_dict)
         return cfg
+
+
+def _tile_label(tile) -> str:
+    """``128x128x2`` from the numbers; a named schedule switch that is on adds ``+name``."""
+    nums = "x".join(str(x) for x in tile if not isinstance(x, bool))
+    names = getattr(tile, "_fields", ())
+    return nums + "".join(f"+{n}" for n, x in zip(names, tile) if x is True)
 
 
 def _flags(**kw) -> tuple:
@@ -96,6 +107,12 @@ def _hopper_fwd_configs():
         full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
         out.append(KernelConfig("hopper.fwd", ("sm_90a",), dtype, d, dv, HOPPER_TILES[d],
                                 _HOPPER_FWD, _flags(**full)))
+    # The overlap ablation: each FA3 overlap on its own, and neither.
+    plain = {"causal": False, "local": False, "softcap": False, "varlen": False}
+    for overlap, pingpong in [(False, False), (True, True), (False, True)]:
+        tile = HOPPER_TILES[128]._replace(intra_wg_overlap=overlap, pingpong=pingpong)
+        out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", 128, 128, tile, _HOPPER_FWD,
+                                _flags(**plain)))
     return tuple(out)
 
 
@@ -109,10 +126,13 @@ def _hopper_bwd_configs():
                            ((128, 128), {"local": True, "softcap": True}),
                            ((128, 128), {"causal": True, "varlen": True}),
                            ((128, 128), {"dkv_fp32": True}), ((64, 64), {"fp16": True}),
-                           ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {})]:
+                           ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
+                           ((128, 128), {"causal": True, "deterministic": True}),
+                           ((128, 128), {"local": True, "varlen": True, "deterministic": True}),
+                           ((256, 256), {"causal": True, "deterministic": True})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False,
-                "dkv_fp32": False, **flags}
+                "dkv_fp32": False, "deterministic": False, **flags}
         out.append(KernelConfig("hopper.bwd", ("sm_90a",), dtype, d, dv, HOPPER_BWD_TILES[d],
                                 _HOPPER_BWD, _flags(**full)))
     return tuple(out)

@@ -12,7 +12,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 # Opcodes whose modifiers matter enough to be counted on their own as well.
-FULL_FORM_OPCODES = ("MUFU.EX2", "UTCHMMA.2CTA")
+# WARPGROUP.DEPBAR (a wait on in-flight WGMMAs) tells whether ptxas serialized the WGMMAs.
+FULL_FORM_OPCODES = ("MUFU.EX2", "UTCHMMA.2CTA", "WARPGROUP.DEPBAR")
 
 _SASS_INSTR = re.compile(
     r"/\*[0-9a-f]{4,}\*/\s+(?:\{\s*)?(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)"

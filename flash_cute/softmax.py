@@ -23,6 +23,44 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
+# Independent partial chains per row reduction (see `_row_reduce`); a power of two.
+_REDUCE_CHAINS = 4
+
+
+def _row_reduce(row, combine, init):
+    """`combine`-reduce one row of a thread's fragment, folding `init` in last.
+
+    `TensorSSA.reduce` emits one dependent chain (32 FMNMX/FADD in a row for a 128-wide WGMMA
+    tile), which sits on the softmax's critical path; `_REDUCE_CHAINS` interleaved partial
+    chains give the scheduler independent instructions to issue back to back.
+    """
+    n = cute.size(row.shape)
+    if n % _REDUCE_CHAINS or n < 2 * _REDUCE_CHAINS:
+        vals = cute.make_rmem_tensor(row.shape, Float32)
+        vals.store(row)
+        acc = init
+        for i in range(n):
+            acc = combine(acc, vals[i])
+        return acc
+    vals = cute.make_rmem_tensor(row.shape, Float32)
+    vals.store(row)
+    part = [vals[j] for j in range(_REDUCE_CHAINS)]
+    for i in range(_REDUCE_CHAINS, n, _REDUCE_CHAINS):
+        for j in range(_REDUCE_CHAINS):
+            part[j] = combine(part[j], vals[i + j])
+    while len(part) > 1:
+        part = [combine(part[j], part[j + 1]) for j in range(0, len(part), 2)]
+    return combine(part[0], init)
+
+
+def _max(a, b):
+    return cute.arch.fmax(a, b)
+
+
+def _add(a, b):
+    return a + b
+
+
 class OnlineSoftmax(DslState):
     """Per-thread online-softmax state for `num_rows` rows.
 
@@ -66,7 +104,7 @@ class OnlineSoftmax(DslState):
         for r in cutlass.range_constexpr(self.num_rows):
             s_row = acc_mn[r, None].load()
             m_prev = self.row_max[r]
-            m_cur = s_row.reduce(cute.ReductionOp.MAX, m_prev, 0)
+            m_cur = _row_reduce(s_row, _max, m_prev)
             m_cur = self._allreduce_max(m_cur)
             self.row_max[r] = m_cur
             m_safe = m_cur
@@ -76,13 +114,11 @@ class OnlineSoftmax(DslState):
             p_row = cute.math.exp2(s_row * self.scale_log2 - m_scaled, fastmath=True)
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
-                self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                self.row_sum[r] = _row_reduce(p_row, _add, Float32(0.0))
             else:
                 # m_prev = -inf (nothing seen yet) gives a factor of 0: the old sum was 0 anyway.
                 row_scale[r] = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
-                self.row_sum[r] = p_row.reduce(
-                    cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
-                )
+                self.row_sum[r] = _row_reduce(p_row, _add, self.row_sum[r] * row_scale[r])
             acc_mn[r, None].store(p_row)
         return row_scale
 

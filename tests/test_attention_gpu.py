@@ -223,6 +223,8 @@ def test_backward_varlen_with_empty_sequence(pipeline):
 
 @pytest.mark.parametrize("pipeline", ["ampere"])
 def test_nondeterministic_backward_refuses_deterministic_before_launch(pipeline):
+    """Ampere's backward adds dQ with unordered atomics and refuses deterministic=True before
+    any launch (the forward alone still runs); Hopper's orders them (test_hopper_bwd_gpu.py)."""
     q, k, v = _inputs(1, 64, 64, 2, 2, 64, 64, torch.bfloat16, seed=14)
     q.requires_grad_()
     with pytest.raises(NotImplementedError, match="deterministic"):

@@ -1,7 +1,8 @@
 """The Hopper backward's own cases, calling `arch.hopper.api.backward` directly on the (O, LSE)
 of the Hopper forward, against float64 autograd by the FlashAttention rule (`tolerance_check`:
 error <= 2x a bf16/fp16 PyTorch implementation's, plus rounding atol). The feature matrix runs
-through autograd in tests/test_attention_gpu.py. Needs an H100/H200.
+through autograd in tests/test_attention_gpu.py; deterministic=True (bitwise-reproducible dQ)
+is checked here through autograd too. Needs an H100/H200.
 """
 
 import math
@@ -117,3 +118,57 @@ def test_dispatcher_runs_the_hopper_backward_after_the_hopper_forward():
 
     assert select_backward_pipeline(torch.device("cuda"), "hopper") == "hopper"
     assert select_backward_pipeline(torch.device("cuda"), "ampere") == "ampere"
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _autograd_grads(fn, q, k, v, dout):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    return torch.autograd.grad(fn(*leaves), leaves, dout)
+
+
+@pytest.mark.parametrize("hdim,h,hk,sq,sk,kw", [
+    (128, 8, 2, 333, 1029, {}),                            # GQA, 9 K/V tiles per query tile
+    (128, 4, 4, 1029, 777, {"causal": True}),
+    (64, 6, 3, 517, 901, {"window_size": (150, 30)}),      # local: turns start past block 0
+    (256, 4, 1, 300, 700, {"causal": True}),               # atomics path (no dQ tile), MQA
+])
+def test_hopper_deterministic_backward_is_bitwise_reproducible(hdim, h, hk, sq, sk, kw):
+    """deterministic=True through flash_attn_func and autograd: dQ, dK, dV are bitwise equal
+    over 10 runs, and within the float64 tolerance."""
+    q, k, v, dout = _inputs(2, sq, sk, h, hk, hdim, hdim, torch.bfloat16, seed=sq + sk)
+
+    def fn(a, b, c):
+        return flash_attn_func(a, b, c, deterministic=True, arch="hopper", **kw)[0]
+
+    first = _autograd_grads(fn, q, k, v, dout)
+    for _ in range(9):
+        again = _autograd_grads(fn, q, k, v, dout)
+        for name, a, b in zip(("dQ", "dK", "dV"), first, again):
+            assert _bitwise_equal(a, b), f"{name} differs between deterministic runs"
+    _check(first, q, k, v, dout, **kw)
+
+
+def test_hopper_deterministic_varlen_backward_is_bitwise_reproducible():
+    seqlens_q, seqlens_k = [300, 0, 77, 513], [450, 33, 1, 600]
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)),  # noqa: E731
+                                   dtype=torch.int32, device="cuda")
+    cu_q, cu_k = cu(seqlens_q), cu(seqlens_k)
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    make = lambda n, h: torch.randn(n, h, 128, device="cuda",  # noqa: E731
+                                    dtype=torch.bfloat16, generator=gen)
+    q, k, v = make(sum(seqlens_q), 4), make(sum(seqlens_k), 2), make(sum(seqlens_k), 2)
+    dout = make(sum(seqlens_q), 4)
+
+    def fn(a, b, c):
+        return flash_attn_varlen_func(a, b, c, cu_q, cu_k, max(seqlens_q), max(seqlens_k),
+                                      causal=True, deterministic=True, arch="hopper")[0]
+
+    first = _autograd_grads(fn, q, k, v, dout)
+    for _ in range(9):
+        again = _autograd_grads(fn, q, k, v, dout)
+        assert all(_bitwise_equal(a, b) for a, b in zip(first, again))
+    _check(first, q, k, v, dout, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+

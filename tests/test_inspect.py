@@ -174,24 +174,56 @@ def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
         assert e["spill_bytes"] == 0, e
         assert e["registers_per_role"] == {"producer": 24, "consumer": 240}
         assert 0 < e["smem_bytes"] <= 227 * 1024
+        # When ptxas cannot keep WGMMAs in flight (C7512, e.g. too few registers) it waits
+        # after every one of them: as many DEPBARs as HGMMAs. The kernel waits per GEMM.
+        assert 2 * ops.get("WARPGROUP.DEPBAR", 0) <= ops["HGMMA"], (e["config"], ops)
 
 
-def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_dq_atomics(inspected):
+def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_tma_dq_reduce(inspected):
+    """dQ leaves through a TMA reduce-add of a shared-memory tile wherever that tile fits
+    (`bwd_smem_plan`; every hdim but 256), else through fp32 atomics; a deterministic kernel
+    adds one int32 semaphore increment."""
+    from flash_cute.arch.hopper.config import bwd_smem_plan
+
     entries = [e for e in inspected if e["kernel"] == "hopper.bwd"]
     assert {e["arch"] for e in entries} == {"sm_90a"}
     hdims = {(e["config"]["hdim"], e["config"]["hdim_v"]) for e in entries}
     assert hdims >= {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
+    assert any(e["config"]["deterministic"] for e in entries)
     for e in entries:
-        ops = e["sass"]
+        ops, cfg = e["sass"], e["config"]
         assert ops.get("HGMMA", 0) > 0, "S, dP, dV, dK and dQ must run on WGMMA"
         assert ops.get("UTMALDG", 0) > 0, "Q, dO, K and V must be loaded with TMA"
         assert ops.get("USETMAXREG", 0) >= 2, "producer and consumers re-balance registers"
-        assert ops.get("REDG", 0) + ops.get("RED", 0) > 0, "dQ is accumulated with fp32 atomics"
+        assert ops.get("STSM", 0) > 0, "P and dS go to shared memory by stmatrix"
+        semaphore = 1 if cfg["deterministic"] else 0
+        atomics = ops.get("REDG", 0) + ops.get("ATOMG", 0) - semaphore
+        if bwd_smem_plan(cfg["hdim"], cfg["hdim_v"], tuple(cfg["tile"])).dq_tma:
+            assert ops.get("UTMAREDG", 0) > 0, "dQ is added by a TMA reduce"
+            assert atomics == 0, "no fp32 atomics where the TMA reduce adds dQ"
+        else:
+            assert ops.get("UTMAREDG", 0) == 0 and atomics > 0, "dQ is added by fp32 atomics"
         assert ops.get("HMMA", 0) == 0 and ops.get("LDGSTS", 0) == 0
         assert ops.get("MUFU.EX2", 0) > 0
         assert e["spill_bytes"] == 0, e
         assert e["registers_per_role"] == {"producer": 24, "consumer": 240}
         assert 0 < e["smem_bytes"] <= 227 * 1024
+        # When ptxas cannot keep WGMMAs in flight (C7512, e.g. too few registers) it waits
+        # after every one of them: as many DEPBARs as HGMMAs. The kernel waits per GEMM.
+        assert 2 * ops.get("WARPGROUP.DEPBAR", 0) <= ops["HGMMA"], (e["config"], ops)
+
+
+def test_hopper_bwd_waits_for_each_gemm_only_where_it_is_needed():
+    """S runs under nothing but dP is issued before S is waited for (P's exp2 overlaps dP),
+    dV under dS, dK under dQ's way out: `wgmma.wait_group 1` three times per query tile."""
+    from flash_cute.xcompile import compile_for_arch
+
+    cfg = next(c for c in registered_configs("hopper.bwd")
+               if c.hdim == 128 and c.dtype == "bf16" and not any(c.flag_dict.values()))
+    sass = compile_for_arch(cfg, "sm_90a").sass
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 3
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
+    assert sass.count("WARPGROUP.ARRIVE") == 5
 
 
 def test_hopper_pipeline_has_a_backward():

@@ -8,8 +8,9 @@ from flash_cute.validation import AttentionProblem
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, BWD_TILES, COMPILE_OPTIONS,
                      SUPPORTED_HDIMS, TILES)
 
-# dQ is accumulated with fp32 atomics, so its rounding depends on the order CTAs finish.
-DETERMINISTIC_BACKWARD = False
+# deterministic=True adds each query tile's dQ partials in a fixed order (a semaphore per
+# query tile, `HopperBwd`); GQA's dK/dV are summed on the host in a fixed order.
+DETERMINISTIC_BACKWARD = True
 
 
 def default_for(problem: AttentionProblem) -> bool:
@@ -60,19 +61,17 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
              cu_seqlens_k=None, deterministic: bool = False, tile=None):
-    """(dq, dk, dv) through `HopperBwd` (see `flash_cute.launch.backward`). `tile` overrides
-    (tile_m, tile_n, q_stages) for ablations."""
+    """(dq, dk, dv) through `HopperBwd` (see `flash_cute.launch.backward`); `deterministic`
+    makes dQ bitwise reproducible. `tile` overrides (tile_m, tile_n, q_stages) for ablations."""
     from flash_cute.jit import current_arch
 
     from .bwd import HopperBwd
 
-    if deterministic:
-        raise NotImplementedError("the hopper backward accumulates dQ with atomics; "
-                                  "deterministic=True is not supported")
     arch = current_arch()
     if arch != "sm_90a":
         raise NotImplementedError(f"the hopper backward runs on sm_90a only, not {arch}")
     launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
     return launch.backward("hopper.bwd", HopperBwd, dout, dlse, q, k, v, out, lse, problem,
                            cu_seqlens_q, cu_seqlens_k, tuple(tile or BWD_TILES[problem.hdim]),
-                           BWD_COMPILE_OPTIONS, arch, prepare=_tma_ready)
+                           BWD_COMPILE_OPTIONS, arch, prepare=_tma_ready,
+                           deterministic=bool(deterministic), dq_accum_align=16)

@@ -1,10 +1,11 @@
 """FlashAttention-3 backward on sm90a (seed 10.3.2 recompute, 10.3.4 FA3): TMA + mbarrier
-pipelines + WGMMA, warp-specialized. First cut: the real FA3 structure, correctness over speed.
+pipelines + WGMMA, warp-specialized, the GEMMs running under the pointwise work.
 
 Parallel over K/V tiles, like `arch.ampere.bwd`: a CTA keeps dK and dV of its tile_n keys in
 registers while it walks the query tiles that see them (`m_block_range`), recomputing
-P = exp2(S · scale_log2 − LSE · log2 e). dQ gets a partial sum from every K/V tile, added with
-fp32 atomics into dQaccum (laid out like Q); `bwd_postprocess` scales and converts it.
+P = exp2(S · scale_log2 − LSE · log2 e). dQ gets a partial sum from every K/V tile, added into
+dQaccum (fp32, laid out like Q) by a TMA reduce-add of a shared-memory tile, or by fp32 atomics
+where that tile does not fit (`config.bwd_smem_plan`); `bwd_postprocess` scales and converts it.
 """
 
 from typing import Optional
@@ -17,7 +18,8 @@ from cutlass import Float32, Int32, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from flash_cute.bwd_blocks import atomic_add_rows, p_and_ds, row_stats, store_acc_tile
+from flash_cute.bwd_blocks import (atomic_add_rows, dq_turn, ds_from_probs, p_and_ds, pass_turn,
+                                   probs, row_stats, store_acc_tile, wait_turn)
 from flash_cute.block_range import block_range, m_block_range, needs_mask
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
@@ -28,12 +30,18 @@ from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, BWD_TILES, CONSUMER_REGISTERS,
                      NUM_CONSUMER_WARPGROUPS, NUM_THREADS, PRODUCER_REGISTERS, SMEM_CAPACITY,
-                     bwd_mma_splits, bwd_smem_bytes)
+                     bwd_mma_splits, bwd_smem_plan)
 from .fwd import _ROWS_FIRST, _permute
 
-# Named barrier of the 256 consumer threads around the shared P and dS tiles (id 0 is
-# sync_threads'; the pipelines use mbarriers).
+# Named barriers (0 is sync_threads'; the pipelines use mbarriers). 1: the 256 consumer
+# threads around the shared P and dS tiles (and around a deterministic turn of dQ atomics);
+# 2, 3: one consumer warpgroup's P, when its dV reads only the P columns it wrote itself;
+# 4, 5: the dQ tile full / empty, between the 256 consumer threads and the dQ-writer warp.
 _PDS_BARRIER_ID = 1
+_WG_P_BARRIER_ID = 2
+_DQ_FULL_BARRIER_ID = 4
+_DQ_EMPTY_BARRIER_ID = 5
+_DQ_WRITER_WARP = 1
 
 
 class HopperBwd:
@@ -42,38 +50,55 @@ class HopperBwd:
     | warpgroup | warps | registers | role                                                     |
     |-----------|-------|-----------|----------------------------------------------------------|
     | 0         | 0     | 24        | producer: TMA of K, V once, then Q[m], dO[m] per tile     |
-    | 0         | 1..3  | 24        | idle (setmaxnreg is warpgroup-wide, so they stay)         |
+    | 0         | 1     | 24        | dQ writer (dq_tma): TMA reduce-add of each dQ tile        |
+    | 0         | 2, 3  | 24        | idle (setmaxnreg is warpgroup-wide, so they stay)         |
     | 1, 2      | 4..11 | 240       | consumers: S, dP, P, dS, dV, dK, dQ (split below), store  |
 
-    | pipeline (PipelineTmaAsync) | stages   | full barrier             | empty barrier      |
-    |-----------------------------|----------|--------------------------|--------------------|
-    | K + V                       | 1 (once) | TMA bytes of K and V     | 8 consumer warps   |
-    | Q                           | q_stages | TMA bytes of a Q tile    | 8 consumer warps   |
-    | dO                          | q_stages | TMA bytes of a dO tile   | 8 consumer warps   |
+    | pipeline / buffer           | stages     | filled by                | freed by              |
+    |-----------------------------|------------|--------------------------|-----------------------|
+    | K + V (PipelineTmaAsync)    | 1 (once)   | TMA bytes of K and V     | 8 consumer warps      |
+    | Q (PipelineTmaAsync)        | q_stages   | TMA bytes of a Q tile    | 8 warps, after dK     |
+    | dO (PipelineTmaAsync)       | q_stages   | TMA bytes of a dO tile   | 8 warps, after dV     |
+    | P, dS tiles (shared memory) | pds_stages | consumers                | their dV, dK, dQ      |
+    | dQ tile (named barriers)    | 1          | consumers: 4 (full)      | dQ writer: 5 (empty)  |
+
+    `config.bwd_smem_plan` picks pds_stages (q_stages where it fits, else 1) and dq_tma (the
+    fp32 dQ tile in shared memory; without it, hdim 256, the consumers add dQ with fp32
+    atomics and warp 1 idles).
 
     Per query tile m the consumers (WGMMA; how the two warpgroups split each GEMM is
-    `config.bwd_mma_splits`):
+    `config.bwd_mma_splits`; a GEMM is issued and committed, and waited for only where its
+    result is needed, `warpgroup.wait_group(n)`, groups completing in issue order):
 
-    1. wait Q[m]: S = Q Kᵀ; softcap, mask; wait dO[m]: dP = dO Vᵀ (both split over keys);
-    2. P = exp2(S·scale_log2 − LSE₂), dS = P ∘ (dP − Δ) [∘ (1 − tanh²)] in registers;
-    3. barrier (the previous tile's GEMMs are done with sP, sdS), P and dS to shared memory,
-       async-proxy fence, barrier;
-    4. dV += Pᵀ dO, dK += dSᵀ Q, dQ = dS K; release Q[m] and dO[m]; dQ to dQaccum with fp32
-       atomics (a TMA reduce-add, `CopyReduceBulkTensorTileS2GOp`, through shared memory by a
-       dedicated warp is the FA3 way and the next step).
+    1. wait Q[m]: issue S = Q Kᵀ; wait dO[m]: issue dP = dO Vᵀ (both split over keys);
+    2. wait for S (dP still runs): softcap, mask, P = exp2(S·scale_log2 − LSE₂) → sP; with
+       softcap both are waited for first, as dS needs tanh(S), which P overwrites;
+    3. async-proxy fence, barrier on P (own warpgroup when tile_n is 128, else all 256);
+       issue dV += Pᵀ dO;
+    4. wait for dP: dS = P ∘ (dP − Δ) [∘ (1 − tanh²)] → sdS; fence, barrier of all 256 (dQ
+       reads every key's dS); issue dQ = dS K, then dK += dSᵀ Q;
+    5. wait for dV and dQ: release dO[m]; while dK runs, dQ goes to the shared dQ tile (wait
+       empty, write, fence, arrive full) or to dQaccum by atomics; wait for dK: release Q[m].
+
+    The dQ writer, per tile: wait until the TMA has read the previous tile, arrive empty,
+    [deterministic: wait for its turn], wait full, TMA reduce-add of the tile into dQaccum
+    [deterministic: wait for the add to complete, pass the turn].
 
     Then dK *= softmax_scale and dK, dV rows < seqlen_k go from registers to global memory,
     per query head (the host sums a GQA group). Rows of a Q/dO tile past seqlen_q (zero-filled
     by TMA, or the next varlen sequence) get LSE = +inf, so P = dS = 0 there; K/V rows past
     seqlen_k are masked to P = 0.
 
-    Not yet (first cut): dQ by TMA reduce-add, P/dS double buffering, P kept in registers for
-    dV (FA3's RS variant), overlap of the GEMMs with the pointwise work, deterministic dQ, a TMA
-    store of dK/dV.
+    `deterministic`: dQ of a query tile is added by its K/V tiles in increasing order, through
+    an int32 semaphore per (query tile, head, batch) in global memory (`bwd_blocks.dq_turn`).
+
+    Not yet: P kept in registers for dV (FA3's RS variant), LSE and Δ through shared memory, a
+    TMA store of dK/dV.
     """
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
-                 variant: Variant = Variant(), tile: Optional[tuple] = None):
+                 variant: Variant = Variant(), tile: Optional[tuple] = None,
+                 deterministic: bool = False):
         hdim_v = hdim if hdim_v is None else hdim_v
         if tile is None and (hdim, hdim_v) not in BWD_SUPPORTED_HDIMS:
             raise ValueError(f"no sm90 backward for hdim {hdim}/{hdim_v}; "
@@ -82,13 +107,16 @@ class HopperBwd:
         self.hdim, self.hdim_v = hdim, hdim_v
         self.tile_m, self.tile_n, self.q_stages = tile or BWD_TILES[hdim]
         self.splits = bwd_mma_splits((self.tile_m, self.tile_n, self.q_stages))
+        self.plan = bwd_smem_plan(hdim, hdim_v, (self.tile_m, self.tile_n, self.q_stages))
+        self.pds_stages, self.dq_tma = self.plan.pds_stages, self.plan.dq_tma
         self.num_threads = NUM_THREADS
         self.num_consumer_threads = 128 * NUM_CONSUMER_WARPGROUPS
+        self.deterministic = deterministic
         set_kernel_switches(self, variant)
 
     @property
     def smem_bytes(self) -> int:
-        return bwd_smem_bytes(self.hdim, self.hdim_v, (self.tile_m, self.tile_n, self.q_stages))
+        return self.plan.smem_bytes
 
     # ---------------------------------------------------------------- host side
 
@@ -98,15 +126,16 @@ class HopperBwd:
                  mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, softcap: Float32,
                  window_left: Int32, window_right: Int32, max_seqlen_k: Int32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-                 stream: cuda.CUstream):
+                 mdQsem: Optional[cute.Tensor], stream: cuda.CUstream):
         """`AmpereBwd.__call__`'s contract: Q/dO/dQaccum like Q, K/V like K, dK/dV
         [.., nheads, d] (per query head; dtype or fp32), LSElog2 and Delta like the forward's
-        LSE (see `flash_cute.bwd_prep`)."""
+        LSE (see `flash_cute.bwd_prep`); plus, when deterministic, zeroed int32 semaphores
+        [batch, nheads, ceil(max_seqlen_q / tile_m)] (else None)."""
         vec = 128 // self.dtype.width
         # TMA needs 16-byte global strides; validation guarantees them, this tells the compiler.
         mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mdO))
         layouts = self._smem_layouts()
-        sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout = layouts
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout = layouts
         mmas = self._tiled_mmas()
 
         order, back = _ROWS_FIRST[self.varlen]
@@ -115,21 +144,16 @@ class HopperBwd:
         tma_k, tK = self._tma_load(mK, order, sK_layout, (self.tile_n, self.hdim))
         tma_v, tV = self._tma_load(mV, order, sV_layout, (self.tile_n, self.hdim_v))
         tQ, tdO, tK, tV = (_permute(t, back) for t in (tQ, tdO, tK, tV))
+        tma_dq, tdQaccum = None, mdQaccum
+        if cutlass.const_expr(self.dq_tma):
+            # fp32 rows of hdim elements: 16-byte strides for the same reason.
+            tma_dq, tdQaccum = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(),
+                _permute(assume_aligned_strides(mdQaccum, 4), order),
+                cute.slice_(sdQ_layout, (None, None, 0)), (self.tile_m, self.hdim))
+            tdQaccum = _permute(tdQaccum, back)
 
-        stages = self.q_stages
-
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
-
+        SharedStorage = self._shared_storage(layouts)
         if cutlass.const_expr(SharedStorage.size_in_bytes() != self.smem_bytes
                               or self.smem_bytes > SMEM_CAPACITY):
             raise ValueError(f"shared memory: {SharedStorage.size_in_bytes()} B (estimated "
@@ -142,32 +166,58 @@ class HopperBwd:
         grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
-            tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, mLSElog2, mDelta, mdQaccum, mdK, mdV,
-            softmax_scale, scale_log2, scale_div_cap, window_left, window_right, mCuSeqlensQ,
-            mCuSeqlensK, *layouts, *mmas, SharedStorage, tx_bytes,
+            tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_dq, tdQaccum, mLSElog2, mDelta,
+            mdK, mdV, mdQsem, softmax_scale, scale_log2, scale_div_cap, window_left,
+            window_right, mCuSeqlensQ, mCuSeqlensK, *layouts, *mmas, SharedStorage, tx_bytes,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
-    def _smem_layouts(self):
-        """(Q, dO, K, V, P/dS) shared-memory layouts, each (rows, cols, stages), K-major (cols
-        contiguous) and swizzled.
+    def _shared_storage(self, layouts):
+        """The CTA's shared memory, as `config.bwd_smem_plan` sizes it."""
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout = layouts
+        stages, dtype = self.q_stages, self.dtype
+        tile = lambda t, layout: cute.struct.Align[  # noqa: E731
+            cute.struct.MemRange[t, cute.cosize(layout)], 1024]
 
-        Each tile is also read transposed (Qᵀ, dOᵀ as dK/dV's B, Kᵀ as dQ's B, Pᵀ, dSᵀ as
-        dK/dV's A), i.e. MN-major, where a warpgroup's operand may be half the tile's
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: tile(dtype, sQ_layout)
+            sdO: tile(dtype, sdO_layout)
+            sK: tile(dtype, sK_layout)
+            sV: tile(dtype, sV_layout)
+            sP: tile(dtype, sPdS_layout)
+            sdS: tile(dtype, sPdS_layout)
+            if self.dq_tma:
+                sdQ: tile(Float32, sdQ_layout)
+
+        return SharedStorage
+
+    def _smem_layouts(self):
+        """(Q, dO, K, V, P/dS, dQ) shared-memory layouts, each (rows, cols, stages), K-major
+        (cols contiguous) and swizzled.
+
+        Each 16-bit tile is also read transposed (Qᵀ, dOᵀ as dK/dV's B, Kᵀ as dQ's B, Pᵀ, dSᵀ
+        as dK/dV's A), i.e. MN-major, where a warpgroup's operand may be half the tile's
         columns. A swizzle atom may not straddle that half, so each atom is sized for the
-        narrowest transposed use (FA3's trick to keep one copy of each tile)."""
+        narrowest transposed use (FA3's trick to keep one copy of each tile). The fp32 dQ
+        tile's atom is sized for a warpgroup's half of its columns: a warp's 64-bit stores of
+        accumulator pairs then cover every bank, and the TMA reads the same swizzle."""
         dkv_m, dkv_n = self.splits["dkv"]
         dq_n = self.splits["dq"][1]
 
-        def layout(rows, cols, stages, major_size):
-            kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, major_size)
-            atom = warpgroup.make_smem_layout_atom(kind, self.dtype)
+        def layout(rows, cols, stages, major_size, dtype=self.dtype):
+            kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_size)
+            atom = warpgroup.make_smem_layout_atom(kind, dtype)
             return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
         return (layout(self.tile_m, self.hdim, self.q_stages, self.hdim // dkv_n),
                 layout(self.tile_m, self.hdim_v, self.q_stages, self.hdim_v // dkv_n),
                 layout(self.tile_n, self.hdim, 1, self.hdim // dq_n),
                 layout(self.tile_n, self.hdim_v, 1, self.hdim_v),
-                layout(self.tile_m, self.tile_n, 1, self.tile_n // dkv_m))
+                layout(self.tile_m, self.tile_n, self.pds_stages, self.tile_n // dkv_m),
+                layout(self.tile_m, self.hdim, 1, self.hdim // dq_n, Float32))
 
     def _tiled_mmas(self):
         """(S/dP, dK, dV, dQ) WGMMAs, every operand from shared memory.
@@ -199,17 +249,18 @@ class HopperBwd:
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom,
                mdO: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom,
-               mV: cute.Tensor, mLSElog2: cute.Tensor, mDelta: cute.Tensor,
-               mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32,
-               scale_log2: Float32, scale_div_cap: Float32, window_left: Int32,
-               window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
-               mCuSeqlensK: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
-               sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
+               mV: cute.Tensor, tma_dq: Optional[cute.CopyAtom], mdQaccum: cute.Tensor,
+               mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               mdQsem: Optional[cute.Tensor], softmax_scale: Float32, scale_log2: Float32,
+               scale_div_cap: Float32, window_left: Int32, window_right: Int32,
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
-        layouts = (sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout)
+        layouts = (sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout)
         mmas = (mma_sdp, mma_dk, mma_dv, mma_dq)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -218,7 +269,7 @@ class HopperBwd:
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         # Every thread takes part: warp 0 initializes the barriers, all see them.
         pipes = self._make_pipelines(storage, tx_bytes)
-        smem = SmemTiles(storage, layouts)
+        smem = SmemTiles(self, storage, layouts)
 
         n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
@@ -230,23 +281,34 @@ class HopperBwd:
             m_min, m_max = m_block_range(n_block, self.tile_m, self.tile_n, seq.seqlen_q,
                                          seq.seqlen_k, self.causal, win_left, win_right,
                                          imin=cutlass.min, imax=cutlass.max)
+            order = None
+            if cutlass.const_expr(self.deterministic):
+                order = DqOrder(self, mdQsem, seq, head, n_block, win_left, win_right)
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
                 if warp_idx == 0:
                     self.produce((tma_q, tma_do, tma_k, tma_v), (mQ, mdO, mK, mV), smem, pipes,
                                  seq, head, head_kv, n_block, m_min, m_max)
+                if cutlass.const_expr(self.dq_tma):
+                    if warp_idx == _DQ_WRITER_WARP:
+                        self.write_dq(tma_dq, mdQaccum, smem, seq, head, order, m_min, m_max)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
                 tidx = cute.arch.thread_idx()[0] - 128
                 step = BwdStep(self, tidx, seq, mmas, smem, mLSElog2, mDelta, mdQaccum, head,
-                               scale_log2, scale_div_cap, win_left, win_right)
+                               scale_log2, scale_div_cap, win_left, win_right, order)
                 self.consume(step, pipes, m_min, m_max, n_block)
-                step.acc_dk.store(step.acc_dk.load() * softmax_scale)
-                kv_rows = seq.seqlen_k - n_block * self.tile_n
-                store_acc_tile(mmas[1], tidx, step.acc_dk, seq.k_view(mdK, head),
-                               (self.tile_n, self.hdim), n_block, kv_rows)
-                store_acc_tile(mmas[2], tidx, step.acc_dv, seq.k_view(mdV, head),
-                               (self.tile_n, self.hdim_v), n_block, kv_rows)
+                self.store_dkv(step, mmas, tidx, seq, mdK, mdV, head, n_block, softmax_scale)
+
+    @cute.jit
+    def store_dkv(self, step, mmas, tidx, seq, mdK, mdV, head, n_block, softmax_scale):
+        """dK *= softmax_scale; dK, dV rows < seqlen_k from registers to global memory."""
+        step.acc_dk.store(step.acc_dk.load() * softmax_scale)
+        kv_rows = seq.seqlen_k - n_block * self.tile_n
+        store_acc_tile(mmas[1], tidx, step.acc_dk, seq.k_view(mdK, head),
+                       (self.tile_n, self.hdim), n_block, kv_rows)
+        store_acc_tile(mmas[2], tidx, step.acc_dv, seq.k_view(mdV, head),
+                       (self.tile_n, self.hdim_v), n_block, kv_rows)
 
     def _make_pipelines(self, storage, tx_bytes):
         """(K+V, Q, dO) TMA pipelines; empty barriers count one arrive per consumer warp, full
@@ -298,6 +360,46 @@ class HopperBwd:
             state.advance()
 
     @cute.jit
+    def write_dq(self, tma_dq, mdQaccum, smem, seq, head, order, m_min, m_max):
+        """Warp 1, all 32 lanes: the TMA reduce-add of each query tile's dQ partial from the
+        shared dQ tile into dQaccum (the copy elects its issuing lane; bulk groups are that
+        lane's, and every lane waits on its own).
+
+        Padded inputs: the rows of a tile past seqlen_q lie outside the tensor, and TMA clips
+        them. Varlen: they are the next sequence's rows (TMA clips only at the end of the
+        packed tensor) and get this tile's rows added. Those rows are exactly ±0: they have
+        LSE = +inf (`row_stats`), so P = exp2(S·scale_log2 − inf) = 0, dS = P ∘ (dP − Δ) = ±0
+        and dQ = dS K = ±0; adding ±0 changes no dQaccum value (never −0: it starts at +0),
+        in any order, so determinism holds too. That needs finite values in the rows TMA
+        reads, which dK = dSᵀ Q and dV = Pᵀ dO (summing over those rows) and the Hopper
+        forward already assume (`api.default_for`)."""
+        g_dq = cute.local_tile(seq.q_view(mdQaccum, head), (self.tile_m, self.hdim), (None, 0))
+        t_s, t_g = _tma_partition(tma_dq, smem.sdQ, g_dq)
+        full, empty = _dq_barriers(self)
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
+            if cutlass.const_expr(not self.deterministic):
+                # The previous tile's add has read the tile (deterministic: it has completed).
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            empty.arrive()
+            if cutlass.const_expr(self.deterministic):
+                order.wait(m_block)
+                # The adds before ours were observed through the generic proxy; ours go
+                # through the async one.
+                cute.arch.fence_proxy("async.global")
+            full.arrive_and_wait()
+            cute.copy(tma_dq, t_s[None, 0], t_g[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                # The add must be done in global memory, not just read, before the next
+                # K/V tile's add may start.
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_proxy("async.global")
+                with cute.arch.elect_one():
+                    order.signal(m_block)
+        # Shared memory must outlive the last read.
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
     def consume(self, step, pipes, m_min, m_max, n_block):
         """Both consumer warpgroups, in lockstep over the query tiles (they share P and dS)."""
         pipe_kv, pipe_q, pipe_do = pipes
@@ -310,6 +412,13 @@ class HopperBwd:
         pipe_kv.consumer_release(kv_state)
 
 
+def _dq_barriers(cfg: HopperBwd):
+    """(full, empty) named barriers of the dQ tile: the 256 consumer threads and warp 1."""
+    n = cfg.num_consumer_threads + 32
+    return (pipeline.NamedBarrier(barrier_id=_DQ_FULL_BARRIER_ID, num_threads=n),
+            pipeline.NamedBarrier(barrier_id=_DQ_EMPTY_BARRIER_ID, num_threads=n))
+
+
 def _tma_partition(atom, s: cute.Tensor, g: cute.Tensor):
     """TMA partition (no multicast) of a staged shared-memory tile and its global tile(s)."""
     return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
@@ -319,15 +428,41 @@ def _tma_partition(atom, s: cute.Tensor, g: cute.Tensor):
 class SmemTiles(DslState):
     """The shared-memory tensors of one CTA, each (rows, cols, stages)."""
 
-    def __init__(self, storage, layouts):
+    def __init__(self, cfg: HopperBwd, storage, layouts):
         get = lambda field, layout: field.get_tensor(layout.outer, swizzle=layout.inner)  # noqa: E731
-        sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout = layouts
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout = layouts
         self.sQ = get(storage.sQ, sQ_layout)
         self.sdO = get(storage.sdO, sdO_layout)
         self.sK = get(storage.sK, sK_layout)
         self.sV = get(storage.sV, sV_layout)
         self.sP = get(storage.sP, sPdS_layout)
         self.sdS = get(storage.sdS, sPdS_layout)
+        self.sdQ = get(storage.sdQ, sdQ_layout) if cfg.dq_tma else None
+
+
+class DqOrder(DslState):
+    """Deterministic dQ for one CTA (K/V tile `n_block` of one head and batch): its turn at
+    each query tile (`bwd_blocks.dq_turn`) and that tile's semaphore."""
+
+    def __init__(self, cfg: HopperBwd, mdQsem: cute.Tensor, seq: SeqInfo, head, n_block,
+                 win_left, win_right):
+        self.cfg, self.seq, self.n_block = cfg, seq, n_block
+        self.win_left, self.win_right = win_left, win_right
+        self.sem = mdQsem[seq.batch, head, None]
+
+    def _ptr(self, m_block):
+        return self.sem.iterator + cute.crd2idx(m_block, self.sem.layout)
+
+    @cute.jit
+    def wait(self, m_block: Int32):
+        cfg = self.cfg
+        turn = dq_turn(self.n_block, m_block, cfg.tile_m, cfg.tile_n, self.seq.seqlen_q,
+                       self.seq.seqlen_k, cfg.causal, self.win_left, self.win_right)
+        wait_turn(self._ptr(m_block), turn)
+
+    @cute.jit
+    def signal(self, m_block: Int32):
+        pass_turn(self._ptr(m_block))
 
 
 class BwdStep(DslState):
@@ -335,8 +470,8 @@ class BwdStep(DslState):
     and dV accumulators across the loop."""
 
     def __init__(self, cfg: HopperBwd, tidx, seq, mmas, smem: SmemTiles, mLSElog2, mDelta,
-                 mdQaccum, head, scale_log2, scale_div_cap, win_left, win_right):
-        self.cfg, self.seq = cfg, seq
+                 mdQaccum, head, scale_log2, scale_div_cap, win_left, win_right, order):
+        self.cfg, self.seq, self.tidx, self.order = cfg, seq, tidx, order
         self.scale_log2, self.scale_div_cap = scale_log2, scale_div_cap
         self.win_left, self.win_right = win_left, win_right
         mma_sdp, mma_dk, mma_dv, mma_dq = mmas
@@ -364,35 +499,99 @@ class BwdStep(DslState):
 
         self.coord_s = acc_to_mn(thr_sdp.partition_C(
             cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))))
-        self.coord_dq = acc_to_mn(thr_dq.partition_C(
-            cute.make_identity_tensor((cfg.tile_m, cfg.hdim))))
         self.g_lse = seq.lse_view(mLSElog2, head)
         self.g_delta = seq.lse_view(mDelta, head)
-        self.g_dq = seq.q_view(mdQaccum, head)
         self.mask = AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.causal,
                                   win_left, win_right)
-        # P and dS leave the S accumulator layout two 16-bit columns (32 bits) at a time
-        # (stmatrix is the faster way; its fragment order differs from the accumulator's).
-        r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cfg.dtype,
-                                       num_bits_per_copy=2 * cfg.dtype.width)
-        self.r2s_atom = r2s_atom
-        self.thr_r2s = cute.make_tiled_copy_C(r2s_atom, mma_sdp).get_slice(tidx)
-        self.tPsP = self.thr_r2s.partition_D(smem.sP[None, None, 0])
-        self.tdSsdS = self.thr_r2s.partition_D(smem.sdS[None, None, 0])
+        # P and dS leave the S accumulator layout by stmatrix: four 8x8 blocks per
+        # instruction, one row address per lane, so few shared-memory addresses stay live.
+        self.r2s_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), cfg.dtype)
+        self.thr_r2s = cute.make_tiled_copy_C(self.r2s_atom, mma_sdp).get_slice(tidx)
+        self.tPsP = self.thr_r2s.partition_D(smem.sP)
+        self.tdSsdS = self.thr_r2s.partition_D(smem.sdS)
         self.pds_barrier = pipeline.NamedBarrier(barrier_id=_PDS_BARRIER_ID,
                                                  num_threads=cfg.num_consumer_threads)
+        # Consumer warpgroup 0 or 1, warp-uniform so that the id can live in a uniform register.
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        self.wg_p_barrier_id = _WG_P_BARRIER_ID + warp // 4 - 1
+        self._init_dq(cfg, tidx, seq, mma_dq, smem, mdQaccum, head)
+
+    def _init_dq(self, cfg, tidx, seq, mma_dq, smem, mdQaccum, head):
+        """dQ's way out: the shared dQ tile (fp32 pairs, 64-bit stores) or atomics."""
+        if cutlass.const_expr(cfg.dq_tma):
+            self.r2s_dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
+                                                   num_bits_per_copy=64)
+            self.thr_r2s_dq = cute.make_tiled_copy_C(self.r2s_dq_atom, mma_dq).get_slice(tidx)
+            self.tdQsdQ = self.thr_r2s_dq.partition_D(smem.sdQ[None, None, 0])
+        else:
+            self.coord_dq = acc_to_mn(self.thr_dq.partition_C(
+                cute.make_identity_tensor((cfg.tile_m, cfg.hdim))))
+            self.g_dq = seq.q_view(mdQaccum, head)
 
     @cute.jit
     def run(self, pipe_q, pipe_do, state, m_block: Int32, n_block: Int32):
-        """Query tile `m_block` against this CTA's keys (steps 1-4 of `HopperBwd`)."""
+        """Query tile `m_block` against this CTA's keys (steps 1-5 of `HopperBwd`)."""
         cfg = self.cfg
         stage = state.index
+        # Stage m's index: consecutive query tiles alternate P/dS buffers. A warpgroup writes
+        # tile m+1's only after the dS barrier of tile m, which the other reaches after its
+        # tile m-1 GEMMs (the last readers of that buffer) completed.
+        pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
         # Global loads issued first, so their latency hides under the two GEMMs.
-        lse, delta = row_stats(self.coord_s, m_block, self.cfg.tile_m, self.seq.seqlen_q,
+        lse, delta = row_stats(self.coord_s, m_block, cfg.tile_m, self.seq.seqlen_q,
                                self.g_lse, self.g_delta)
         pipe_q.consumer_wait(state)
-        acc_s = wgmma(self.mma_sdp, self.new_acc_s(), self.tSrQ, self.tSrK, stage, 0, False)
-        s_mn = acc_to_mn(acc_s)
+        acc_s = self.new_acc_s()
+        gemm(self.mma_sdp, acc_s, self.tSrQ, self.tSrK, stage, 0, False)
+        pipe_do.consumer_wait(state)
+        acc_dp = self.new_acc_s()
+        gemm(self.mma_sdp, acc_dp, self.tdPrdO, self.tdPrV, stage, 0, False)
+        s_mn, dp_mn = acc_to_mn(acc_s), acc_to_mn(acc_dp)
+        if cutlass.const_expr(cfg.pds_stages == 1):
+            # One P/dS buffer: both warpgroups' GEMMs of the previous tile are done with it.
+            self.pds_barrier.arrive_and_wait()
+        # Softcap: dS needs tanh(S), which P overwrites, so S and dP are both waited for.
+        warpgroup.wait_group(0 if cutlass.const_expr(cfg.has_softcap) else 1)
+        self.mask_scores(s_mn, m_block, n_block)
+        if cutlass.const_expr(cfg.has_softcap):
+            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, True)
+        else:
+            probs(s_mn, lse, self.scale_log2)
+        self.to_smem(acc_s, self.tPsP, pds)
+        # Generic-proxy stores must be made visible to the async proxy that WGMMA reads
+        # shared memory through, and every warp's part of the P that dV reads must be written.
+        cute.arch.fence_view_async_shared()
+        self.p_barrier()
+        gemm(self.mma_dv, self.acc_dv, self.tdVrPt, self.tdVrdOt, pds, stage, True)
+        if cutlass.const_expr(not cfg.has_softcap):
+            warpgroup.wait_group(1)  # dP; dV still runs
+            ds_from_probs(s_mn, dp_mn, delta)
+        self.to_smem(acc_dp, self.tdSsdS, pds)
+        cute.arch.fence_view_async_shared()
+        self.pds_barrier.arrive_and_wait()
+        self.dq_and_dk(pipe_q, pipe_do, state, pds, m_block)
+
+    @cute.jit
+    def dq_and_dk(self, pipe_q, pipe_do, state, pds, m_block: Int32):
+        """Step 5: dQ = dS K and dK += dSᵀ Q; dQ leaves while dK runs."""
+        cfg = self.cfg
+        acc_dq = cute.make_rmem_tensor(
+            self.thr_dq.partition_shape_C((cfg.tile_m, cfg.hdim)), Float32)
+        gemm(self.mma_dq, acc_dq, self.tdQrdS, self.tdQrKt, pds, 0, False)
+        gemm(self.mma_dk, self.acc_dk, self.tdKrdSt, self.tdKrQt, pds, state.index, True)
+        warpgroup.wait_group(1)  # dV and dQ; dK still runs
+        pipe_do.consumer_release(state)
+        if cutlass.const_expr(cfg.dq_tma):
+            self.dq_to_smem(acc_dq)
+        else:
+            self.dq_atomic(acc_dq, m_block)
+        warpgroup.wait_group(0)
+        pipe_q.consumer_release(state)
+
+    @cute.jit
+    def mask_scores(self, s_mn: cute.Tensor, m_block: Int32, n_block: Int32):
+        cfg = self.cfg
         if cutlass.const_expr(cfg.has_softcap):
             apply_softcap(s_mn, self.scale_div_cap)
         rng = block_range(m_block, cfg.tile_m, cfg.tile_n, self.seq.seqlen_q, self.seq.seqlen_k,
@@ -400,62 +599,71 @@ class BwdStep(DslState):
                           imin=cutlass.min, imax=cutlass.max)
         if needs_mask(n_block, rng):
             self.mask.apply(s_mn, self.coord_s, m_block, n_block)
-        pipe_do.consumer_wait(state)
-        acc_dp = wgmma(self.mma_sdp, self.new_acc_s(), self.tdPrdO, self.tdPrV, stage, 0, False)
-        p_and_ds(s_mn, acc_to_mn(acc_dp), lse, delta, self.scale_log2, self.cfg.has_softcap)
-
-        r_p, r_ds = self.to_16bit(acc_s), self.to_16bit(acc_dp)
-        # The previous tile's dV/dK/dQ GEMMs (of both warpgroups) are done with sP and sdS.
-        self.pds_barrier.arrive_and_wait()
-        cute.copy(self.r2s_atom, self.thr_r2s.retile(r_p), self.tPsP)
-        cute.copy(self.r2s_atom, self.thr_r2s.retile(r_ds), self.tdSsdS)
-        # Generic-proxy stores must be made visible to the async proxy that WGMMA reads
-        # shared memory through, and both warpgroups' halves must be written.
-        cute.arch.fence_view_async_shared()
-        self.pds_barrier.arrive_and_wait()
-
-        wgmma(self.mma_dv, self.acc_dv, self.tdVrPt, self.tdVrdOt, 0, stage, True)
-        wgmma(self.mma_dk, self.acc_dk, self.tdKrdSt, self.tdKrQt, 0, stage, True)
-        acc_dq = cute.make_rmem_tensor(
-            self.thr_dq.partition_shape_C((cfg.tile_m, cfg.hdim)), Float32)
-        acc_dq = wgmma(self.mma_dq, acc_dq, self.tdQrdS, self.tdQrKt, 0, 0, False)
-        pipe_do.consumer_release(state)
-        pipe_q.consumer_release(state)
-        self.dq_atomic(acc_dq, m_block)
 
     @cute.jit
-    def to_16bit(self, acc: cute.Tensor) -> cute.Tensor:
+    def p_barrier(self):
+        """P of the dV GEMM written: with tile_n 128 a warpgroup's dV rows are the keys whose
+        S (and P) columns it computed itself, so its own 128 threads suffice; else all 256."""
+        if cutlass.const_expr(self.cfg.splits["dkv"] == (2, 1)):
+            cute.arch.barrier(barrier_id=self.wg_p_barrier_id, number_of_threads=128)
+        else:
+            self.pds_barrier.arrive_and_wait()
+
+    @cute.jit
+    def to_smem(self, acc: cute.Tensor, t_smem: cute.Tensor, stage):
+        """A score-shaped fp32 accumulator, converted to 16 bits, into stage `stage` of a
+        P/dS tile."""
         r = cute.make_rmem_tensor_like(acc, self.cfg.dtype)
         r.store(acc.load().to(self.cfg.dtype))
-        return r
+        cute.copy(self.r2s_atom, self.thr_r2s.retile(r), t_smem[None, None, None, stage])
 
     def new_acc_s(self) -> cute.Tensor:
         return cute.make_rmem_tensor(
             self.thr_sdp.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n)), Float32)
 
     @cute.jit
+    def dq_to_smem(self, acc_dq: cute.Tensor):
+        """dQ partial into the shared dQ tile, once the dQ writer's TMA has read the last one."""
+        full, empty = _dq_barriers(self.cfg)
+        empty.arrive_and_wait()
+        cute.copy(self.r2s_dq_atom, self.thr_r2s_dq.retile(acc_dq), self.tdQsdQ)
+        # The TMA reads the tile through the async proxy.
+        cute.arch.fence_view_async_shared()
+        full.arrive()
+
+    @cute.jit
     def dq_atomic(self, acc_dq: cute.Tensor, m_block: Int32):
-        """dQ partial = dS K[n]; fp32 atomics into the in-bounds rows of this query tile."""
+        """dQ partial = dS K[n]; fp32 atomics into the in-bounds rows of this query tile, in
+        turn when deterministic (every thread waits for the turn; all 256 threads' atomics are
+        made visible at gpu scope before one thread passes it)."""
+        if cutlass.const_expr(self.cfg.deterministic):
+            self.order.wait(m_block)
         g_dq = cute.local_tile(self.g_dq, (self.cfg.tile_m, self.cfg.hdim), (m_block, 0))
         atomic_add_rows(acc_to_mn(acc_dq), self.coord_dq, g_dq,
                         self.seq.seqlen_q - m_block * self.cfg.tile_m)
+        if cutlass.const_expr(self.cfg.deterministic):
+            cute.arch.fence_acq_rel_gpu()
+            self.pds_barrier.arrive_and_wait()
+            if self.tidx == 0:
+                self.order.signal(m_block)
 
 
 @cute.jit
-def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-          stage_a, stage_b, accumulate: cutlass.Constexpr[bool]) -> cute.Tensor:
-    """acc (+)= A[stage_a] · B[stage_b] over every k-block, issued, committed and waited for.
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+         stage_a, stage_b, accumulate: cutlass.Constexpr[bool]):
+    """Issue acc (+)= A[stage_a] · B[stage_b] over every k-block as one committed WGMMA group,
+    without waiting: the caller waits (`warpgroup.wait_group`) where it reads acc, or before
+    the shared-memory operands are overwritten.
 
     A fresh atom per GEMM: ACCUMULATE is atom state, and an atom reused across the run-time
-    loop would carry it as a loop value. `accumulate=False` zero-initializes acc."""
+    loop would carry it as a loop value. `accumulate=False` zero-initializes acc. The fence
+    orders earlier ordinary accesses to acc's registers before the WGMMAs."""
     atom = cute.make_mma_atom(tiled_mma.op)
     warpgroup.fence()
     for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
         atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
         cute.gemm(atom, acc, tA[None, None, k, stage_a], tB[None, None, k, stage_b], acc)
     warpgroup.commit_group()
-    warpgroup.wait_group(0)
-    return acc
 
 
 def registers_per_role() -> dict:
@@ -463,9 +671,10 @@ def registers_per_role() -> dict:
     return {"producer": PRODUCER_REGISTERS, "consumer": CONSUMER_REGISTERS}
 
 
-def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, dkv_fp32: bool = False):
-    """Fake arguments of a backward main kernel (`AmpereBwd`/`HopperBwd` argument list) with
-    dynamic batch, heads and lengths, padded or varlen, for cross-compiling."""
+def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, dkv_fp32: bool = False,
+                       deterministic: bool = False):
+    """Fake arguments of a `HopperBwd` launch (`AmpereBwd`'s argument list plus the dQ
+    semaphores) with dynamic batch, heads and lengths, padded or varlen, for cross-compiling."""
     from flash_cute.jit import dynamic_dim, fake_stream, fake_tensor
 
     h, hk = dynamic_dim(), dynamic_dim()
@@ -478,13 +687,16 @@ def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, dkv_fp32: bo
         qs, ks, rows = (b, sq), (b, sk), (b, h, sq)
         cu = (None, None)
     dkv_dtype, dkv_align = (Float32, 4) if dkv_fp32 else (dtype, 16)
+    sem = fake_tensor(Int32, (dynamic_dim(), h, dynamic_dim()), align=4) if deterministic \
+        else None
     return (fake_tensor(dtype, qs + (h, hdim)), fake_tensor(dtype, ks + (hk, hdim)),
             fake_tensor(dtype, ks + (hk, hdim_v)), fake_tensor(dtype, qs + (h, hdim_v)),
             fake_tensor(Float32, rows, align=4), fake_tensor(Float32, rows, align=4),
-            fake_tensor(Float32, qs + (h, hdim), align=4),
+            fake_tensor(Float32, qs + (h, hdim), align=16),
             fake_tensor(dkv_dtype, ks + (h, hdim), align=dkv_align),
             fake_tensor(dkv_dtype, ks + (h, hdim_v), align=dkv_align),
-            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu + (fake_stream(),)
+            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu \
+        + (sem, fake_stream())
 
 
 def build_for_inspect(cfg):
@@ -492,9 +704,11 @@ def build_for_inspect(cfg):
     from flash_cute.jit import DTYPES, CompileSpec
 
     dtype = DTYPES[cfg.dtype]
-    kernel = HopperBwd(dtype, cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict),
-                       tile=tuple(cfg.tile))
+    flags = cfg.flag_dict
+    kernel = HopperBwd(dtype, cfg.hdim, cfg.hdim_v, Variant.from_flags(flags),
+                       tile=tuple(cfg.tile), deterministic=flags.get("deterministic", False))
     args = fake_backward_args(dtype, cfg.hdim, cfg.hdim_v, kernel.varlen,
-                              cfg.flag_dict.get("dkv_fp32", False))
-    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=BWD_COMPILE_OPTIONS,
+                              flags.get("dkv_fp32", False), kernel.deterministic)
+    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
+                       options=BWD_COMPILE_OPTIONS,
                        extra={"registers_per_role": registers_per_role()})

@@ -1,5 +1,7 @@
 """Compile-time choices of the Hopper pipeline (no CuTe DSL import, so the registry can read it)."""
 
+from typing import NamedTuple
+
 # Warpgroups: one producer (TMA) and two consumers, each consumer owning 64 query rows of a
 # 128-row tile (WGMMA's M is 64 per warpgroup).
 NUM_CONSUMER_WARPGROUPS = 2
@@ -11,12 +13,28 @@ NUM_THREADS = 128 * (1 + NUM_CONSUMER_WARPGROUPS)
 PRODUCER_REGISTERS = 24
 CONSUMER_REGISTERS = 240
 
-# hdim -> (tile_m, tile_n, kv_stages). tile_m is fixed at 128 (two consumer warpgroups); tile_n
-# shrinks as the head dim grows so that Q + 2 stages of K and V stay inside the H200's 227 KiB
-# of shared memory (hdim 256: 64 + 2 * 40 + 2 * 40 KiB = 224 KiB) and the O accumulator
-# (hdim_v / 2 registers per thread) plus S (tile_n / 2) fit the 240-register consumer budget.
-TILES = {64: (128, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 96, 2),
-         256: (128, 80, 2)}
+
+class FwdConfig(NamedTuple):
+    """A forward kernel's compile-time schedule: its tile, K/V ring depth and the two FA3
+    overlaps (each switchable so that `inspect` and `bench/hopper_fwd_ablation.py` compare
+    them; see `HopperFwd`)."""
+    tile_m: int
+    tile_n: int
+    kv_stages: int
+    intra_wg_overlap: bool = True
+    pingpong: bool = True
+
+
+# hdim -> FwdConfig. tile_m is fixed at 128 (two consumer warpgroups); tile_n shrinks as the
+# head dim grows so that Q + 2 stages of K and V stay inside the H200's 227 KiB of shared memory
+# (hdim 256: 64 + 2 * 40 + 2 * 40 KiB = 224 KiB) and the O accumulator (hdim_v / 2 registers
+# per thread), S (tile_n / 2) and, with the overlap, P (tile_n / 4) fit the 240-register
+# consumer budget.
+# Ping-pong is on where it measured faster on the H200 (docs/perf.md, 2026-11-29, seqlen 8k):
+# hdim 256 +3 %, hdim 64 +1 %; at hdim 128 it cost 12 % causal and nothing non-causal.
+TILES = {64: FwdConfig(128, 128, 2), 96: FwdConfig(128, 128, 2),
+         128: FwdConfig(128, 128, 2, pingpong=False), 192: FwdConfig(128, 96, 2),
+         256: FwdConfig(128, 80, 2)}
 
 # (hdim, hdim_v) pairs with a kernel: equal dims, and 192/128 (DeepSeek's shape).
 SUPPORTED_HDIMS = frozenset({(d, d) for d in TILES} | {(192, 128)})
@@ -30,7 +48,7 @@ def smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
     """Dynamic shared memory of one CTA, laid out as `HopperFwd`'s SharedStorage: the mbarriers
     (full + empty per stage of Q, K and V) padded to the 1 KiB alignment of the swizzled tiles,
     then Q and the K and V rings."""
-    tile_m, tile_n, stages = tile
+    tile_m, tile_n, stages = tile[:3]
     align = lambda b: -(-b // 1024) * 1024  # noqa: E731
     barriers = 8 * (2 + 4 * stages)
     return align(barriers) + align(tile_m * hdim * 2) + align(stages * tile_n * hdim * 2) \
@@ -43,7 +61,8 @@ def smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
 # registers for the whole query loop) and streams tile_m query rows at a time through a
 # q_stages ring of Q and dO. FA3's shapes: 64 x 128 up to hdim 128 (dK + dV = hdim/2 + hdim_v/2
 # registers per thread, S and dP 32 each), 64 x 64 beyond so dK/dV still fit and Q, dO (2
-# stages), K, V, P and dS stay inside 227 KiB (hdim 256: 64 + 64 + 32 + 32 + 8 + 8 KiB).
+# stages), K, V, P and dS stay inside 227 KiB (hdim 256: 64 + 64 + 32 + 32 + 2 * (8 + 8) KiB
+# with P and dS double-buffered; what else fits is `bwd_smem_plan`'s).
 BWD_TILES = {64: (64, 128, 2), 96: (64, 128, 2), 128: (64, 128, 2), 192: (64, 64, 2),
              256: (64, 64, 2)}
 
@@ -61,16 +80,34 @@ def bwd_mma_splits(tile: tuple) -> dict:
     return {"sdp": (1, 2), "dq": (1, 2), "dkv": dkv}
 
 
-def bwd_smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
-    """Dynamic shared memory of `HopperBwd`'s SharedStorage: mbarriers (K/V once, full + empty
-    per stage of Q and dO), the Q and dO rings, K, V, and one P and one dS tile."""
+class BwdSmemPlan(NamedTuple):
+    """What the backward keeps in shared memory besides Q, dO, K and V.
+
+    pds_stages: P and dS tiles (1, or q_stages: then tile m uses stage m's index, and a warpgroup
+    writing P of tile m+1 cannot overwrite what the other is still reading for tile m).
+    dq_tma: a tile_m x hdim fp32 dQ tile, added to dQaccum by a TMA reduce-add; without it
+    the consumers add dQ with fp32 atomics (hdim 256: 64 KiB more does not fit)."""
+    pds_stages: int
+    dq_tma: bool
+    smem_bytes: int
+
+
+def bwd_smem_plan(hdim: int, hdim_v: int, tile: tuple) -> BwdSmemPlan:
+    """The largest layout that fits SMEM_CAPACITY: the dQ tile first (it replaces hdim / 4
+    fp32 atomics per consumer thread and query tile by one TMA), then double-buffered P and dS
+    (one barrier less per query tile). Sizes follow `HopperBwd`'s SharedStorage: mbarriers
+    (K/V once, full + empty per stage of Q and dO), the Q and dO rings, K, V, P and dS, the dQ
+    tile, each 1 KiB aligned."""
     tile_m, tile_n, stages = tile
     align = lambda b: -(-b // 1024) * 1024  # noqa: E731
-    barriers = 8 * (2 + 4 * stages)
-    return (align(barriers) + align(stages * tile_m * hdim * 2) + align(stages * tile_m * hdim_v * 2)
-            + align(tile_n * hdim * 2) + align(tile_n * hdim_v * 2) + 2 * align(tile_m * tile_n * 2))
+    base = (align(8 * (2 + 4 * stages)) + align(stages * tile_m * hdim * 2)
+            + align(stages * tile_m * hdim_v * 2) + align(tile_n * hdim * 2)
+            + align(tile_n * hdim_v * 2))
+    pds, dq = align(tile_m * tile_n * 2), align(tile_m * hdim * 4)
+    plans = [BwdSmemPlan(p, d, base + 2 * p * pds + d * dq)
+             for d in (True, False) for p in (stages, 1)]
+    return next(p for p in plans if p.smem_bytes <= SMEM_CAPACITY)
 
-# At --opt-level 2 the hdim-128 local+softcap and causal+varlen backward spill 8 B (one hoisted
-# shared-memory address, refilled once per query tile); --opt-level 1 gives the same code
-# (2512 vs 2472 SASS instructions, same HGMMA/MUFU/STS/REDG counts) with no spill.
+# At --opt-level 2 and 3 the hdim-128 local+softcap backward spills 8 B (a hoisted
+# shared-memory address); --opt-level 1 spills in no registered config.
 BWD_COMPILE_OPTIONS = "--opt-level 1"

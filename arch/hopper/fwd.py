@@ -1,5 +1,5 @@
-"""FlashAttention-3 forward on sm90a: TMA + mbarrier pipelines + WGMMA, warp-specialized
-(seed 10.3.4). First cut: the real FA3 structure, without the overlap tricks yet.
+"""FlashAttention-3 forward on sm90a: TMA + mbarrier pipelines + WGMMA, warp-specialized, with
+FA3's intra-warpgroup overlap and inter-warpgroup ping-pong, each switchable (seed 10.3.4).
 
 One CTA per (128-row query tile, head, batch). Warpgroup 0 produces (one warp issues every TMA
 load), warpgroups 1 and 2 consume: each owns 64 query rows and runs S = Q Kᵀ, the online
@@ -26,7 +26,7 @@ from flash_cute.softmax import OnlineSoftmax, apply_softcap, fold_scales, rescal
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 
 from .config import (COMPILE_OPTIONS, CONSUMER_REGISTERS, NUM_CONSUMER_WARPGROUPS, NUM_THREADS,
-                     PRODUCER_REGISTERS, SMEM_CAPACITY, TILES, smem_bytes)
+                     PRODUCER_REGISTERS, SMEM_CAPACITY, TILES, FwdConfig, smem_bytes)
 
 # Mode orders that put (rows, cols) first, as TMA tiles the leading modes of a tensor, and
 # their inverses that give the kernel back the caller's order (so `SeqInfo` views apply).
@@ -35,6 +35,10 @@ _ROWS_FIRST = {False: ((1, 3, 2, 0), (3, 0, 2, 1)), True: ((0, 2, 1), (0, 2, 1))
 # V is the B operand of P V with its head dim contiguous (MN-major): (b, s, h, dv) ->
 # (dv, s, h, b); varlen (t, h, dv) -> (dv, t, h).
 _COLS_FIRST = {False: ((3, 1, 2, 0), (3, 1, 2, 0)), True: ((2, 0, 1), (1, 2, 0))}
+
+
+# Named barriers 1 and 2: the consumer warpgroups' ping-pong turns (0 is sync_threads').
+_PINGPONG_BARRIER_ID = 1
 
 
 def _permute(t: cute.Tensor, order) -> cute.Tensor:
@@ -57,22 +61,31 @@ class HopperFwd:
     | K                           | 2      | TMA bytes of a K tile  | 8 consumer warps       |
     | V                           | 2      | TMA bytes of a V tile  | 8 consumer warps       |
 
-    K/V blocks are visited right to left over `block_range` (masked blocks first). Per block a
-    consumer waits K[n], runs S = Q K[n]ᵀ (WGMMA, both operands in shared memory), releases K[n]
-    at once, applies softcap / mask / online softmax in registers, converts P to 16 bits and
-    runs O += P V[n] with P as the register A operand, then releases V[n].
+    | named barrier | threads | use                                                     |
+    |---------------|---------|---------------------------------------------------------|
+    | 1, 2          | 256     | ping-pong turns of consumer warpgroup 1, 2 (`GemmTurns`) |
 
-    Not yet (first cut): the intra-warpgroup overlap of softmax with the next QKᵀ, the
-    inter-warpgroup ping-pong (`PipelineOrder`), a TMA store of O through shared memory (O is
-    stored from registers with row predicates, LSE by the quad leader) and a persistent
-    scheduler.
+    K/V blocks are visited right to left over `block_range` (masked blocks first). S = Q K[n]ᵀ
+    runs with both operands in shared memory, O += P V[n] with P (16-bit) as the register A
+    operand; softcap, mask and the online softmax run in registers. The schedule (`FwdConfig`):
+
+    * ``intra_wg_overlap``: S[n-1] and P[n] V[n] are issued together; the softmax of S[n-1]
+      runs while that PV is in flight, O is rescaled after it lands (`mainloop_overlapped`).
+      Off: S, wait, softmax, PV, wait (`mainloop_serial`).
+    * ``pingpong``: the two consumer warpgroups take turns issuing their WGMMAs, so one's
+      softmax overlaps the other's GEMMs (`GemmTurns`).
+
+    Not yet: a TMA store of O through shared memory (O is stored from registers with row
+    predicates, LSE by the quad leader), a persistent scheduler, packed GQA.
     """
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), tile: Optional[tuple] = None):
         self.dtype = dtype
         self.hdim, self.hdim_v = kernel_head_dims("sm90", hdim, hdim_v, TILES, tile)
-        self.tile_m, self.tile_n, self.kv_stages = tile or TILES[hdim]
+        config = FwdConfig(*(tile or TILES[hdim]))
+        self.tile_m, self.tile_n, self.kv_stages = config[:3]
+        self.intra_wg_overlap, self.pingpong = config.intra_wg_overlap, config.pingpong
         if self.tile_m != 64 * NUM_CONSUMER_WARPGROUPS:
             raise ValueError(f"tile_m must be {64 * NUM_CONSUMER_WARPGROUPS} (64 rows per consumer)")
         if self.tile_n % 16:
@@ -261,7 +274,7 @@ class HopperFwd:
                 mask, scale_log2, scale_div_cap):
         """One consumer warpgroup's 64 rows (thread index relative to the first consumer, so
         the tiled MMAs place warpgroup 1 on rows 0..63 and warpgroup 2 on rows 64..127)."""
-        pipe_q, pipe_k, pipe_v = pipes
+        pipe_q = pipes[0]
         tidx = cute.arch.thread_idx()[0] - 128
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
         gemms = WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, sQ, sK, sV)
@@ -271,32 +284,83 @@ class HopperFwd:
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4)
         softmax.reset()
         coord_mn = acc_to_mn(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        scores = ScoreStep(self, softmax, mask, coord_mn, m_block, rng, scale_div_cap)
+        turns = GemmTurns(self.pingpong, cute.arch.make_warp_uniform(tidx // 128))
+        turns.start()
 
         # Q is waited for even when no block is visited: its TMA must land before the CTA exits.
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
-            n_block = rng.n_block_max - 1 - i
-            pipe_k.consumer_wait(kv)
-            acc_s = gemms.qk(kv.index)
-            pipe_k.consumer_release(kv)
-            acc_s_mn = acc_to_mn(acc_s)
-            if cutlass.const_expr(self.has_softcap):
-                apply_softcap(acc_s_mn, scale_div_cap)
-            if needs_mask(n_block, rng):
-                mask.apply(acc_s_mn, coord_mn, m_block, n_block)
-            row_scale = softmax.online_softmax(acc_s_mn)
-            rescale_o(acc_to_mn(acc_o), row_scale)
-            pipe_v.consumer_wait(kv)
-            gemms.pv(acc_s, acc_o, kv.index)
-            pipe_v.consumer_release(kv)
-            kv.advance()
+        if cutlass.const_expr(self.intra_wg_overlap):
+            self.mainloop_overlapped(gemms, scores, turns, pipes, acc_o, rng)
+        else:
+            self.mainloop_serial(gemms, scores, turns, pipes, acc_o, rng)
+        turns.finish()
         pipe_q.consumer_release(q_state)
 
         o_scale, lse = softmax.finalize()
         rescale_o(acc_to_mn(acc_o), o_scale)
         self.epilogue(acc_o, lse, thr_pv, seq, mO, mLSE, head, m_block)
+
+    @cute.jit
+    def mainloop_serial(self, gemms, scores, turns, pipes, acc_o, rng):
+        """Per block: S = Q Kᵀ, wait, softmax, O += P V, wait (the tensor cores idle during
+        this warpgroup's softmax unless the other warpgroup fills them: `pingpong`)."""
+        _, pipe_k, pipe_v = pipes
+        acc_s = gemms.new_acc_s()
+        r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
+            pipe_k.consumer_wait(kv)
+            turns.begin()
+            gemms.qk(acc_s, kv.index)
+            turns.end()
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(kv)
+            rescale_o(acc_to_mn(acc_o), scores.to_p(acc_s, rng.n_block_max - 1 - i, False, None))
+            r_p.store(acc_s.load().to(self.dtype))
+            pipe_v.consumer_wait(kv)
+            turns.begin()
+            gemms.pv(r_p, acc_o, kv.index)
+            turns.end()
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(kv)
+            kv.advance()
+
+    @cute.jit
+    def mainloop_overlapped(self, gemms, scores, turns, pipes, acc_o, rng):
+        """FA3's intra-warpgroup overlap: S[n-1] = Q K[n-1]ᵀ and O += P[n] V[n] are issued
+        together, so the softmax of block n-1 runs while the PV WGMMA of block n is in flight;
+        O is rescaled once that PV has landed. Blocks run right to left; the first is always
+        masked (harmless where it needs none), the others where `needs_mask` says so."""
+        _, pipe_k, pipe_v = pipes
+        acc_s = gemms.new_acc_s()
+        r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        n_max = rng.n_block_max
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        if n_max > rng.n_block_min:
+            pipe_k.consumer_wait(k_state)
+            turns.begin()
+            gemms.qk(acc_s, k_state.index)
+            turns.end()
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(k_state)
+            scores.to_p(acc_s, n_max - 1, True, True)
+            r_p.store(acc_s.load().to(self.dtype))
+            v_state = k_state.clone()
+            k_state.advance()
+            step = OverlappedStep(gemms, scores, turns, pipe_k, pipe_v, acc_s, r_p, acc_o)
+            # One loop with a run-time mask test: with the blocks split into masked and
+            # unmasked loops (FA4's layout), ptxas finds too few registers to keep the WGMMAs
+            # of the several loop bodies in flight and serializes every WGMMA of the kernel.
+            for i in cutlass.range(n_max - 1 - rng.n_block_min, unroll=1):
+                k_state, v_state = step.run(k_state, v_state, n_max - 2 - i, None)
+            pipe_v.consumer_wait(v_state)
+            turns.begin()
+            gemms.pv(r_p, acc_o, v_state.index)
+            turns.end()
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(v_state)
 
     @cute.jit
     def epilogue(self, acc_o, lse, thr_pv, seq, mO, mLSE, head, m_block):
@@ -318,7 +382,8 @@ class HopperFwd:
 
 class WgmmaOperands(DslState):
     """The two WGMMAs of one K/V block: Q and K[stage] as shared-memory descriptors for S,
-    P (registers) and V[stage] (descriptor) for O. Built once per consumer thread."""
+    P (registers) and V[stage] (descriptor) for O. Built once per consumer thread. Each call
+    issues and commits one group; the caller waits (`warpgroup.wait_group`)."""
 
     def __init__(self, cfg: HopperFwd, mma_qk, mma_pv, thr_qk, thr_pv, sQ, sK, sV):
         self.cfg = cfg
@@ -328,11 +393,13 @@ class WgmmaOperands(DslState):
         self.tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         self.tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
 
-    @cute.jit
-    def qk(self, stage: Int32) -> cute.Tensor:
-        """S = Q K[stage]ᵀ, waited for (the softmax needs it at once)."""
-        acc_s = cute.make_rmem_tensor(
+    def new_acc_s(self) -> cute.Tensor:
+        return cute.make_rmem_tensor(
             self.thr_qk.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n)), Float32)
+
+    @cute.jit
+    def qk(self, acc_s: cute.Tensor, stage: Int32):
+        """Issue S = Q K[stage]ᵀ (overwrites acc_s)."""
         # A fresh atom per GEMM: ACCUMULATE is atom state, and an atom reused across the
         # run-time loop would carry that state as a loop value.
         atom = cute.make_mma_atom(self.mma_qk.op)
@@ -342,14 +409,11 @@ class WgmmaOperands(DslState):
             cute.gemm(atom, acc_s, self.tSrQ[None, None, k, 0], self.tSrK[None, None, k, stage],
                       acc_s)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        return acc_s
 
     @cute.jit
-    def pv(self, acc_s: cute.Tensor, acc_o: cute.Tensor, stage: Int32):
-        """O += P V[stage], P = S converted to 16 bits in the A-operand register layout."""
-        r_p = cute.make_rmem_tensor_like(acc_s, self.cfg.dtype)
-        r_p.store(acc_s.load().to(self.cfg.dtype))
+    def pv(self, r_p: cute.Tensor, acc_o: cute.Tensor, stage: Int32):
+        """Issue O += P V[stage], P (16-bit, S's accumulator layout) as the register A operand.
+        P and O must not be touched until the group has completed."""
         tOrP = acc_to_operand_a(r_p)
         atom = cute.make_mma_atom(self.mma_pv.op)
         atom.set(warpgroup.Field.ACCUMULATE, True)
@@ -357,7 +421,101 @@ class WgmmaOperands(DslState):
         for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
             cute.gemm(atom, acc_o, tOrP[None, None, k], self.tOrV[None, None, k, stage], acc_o)
         warpgroup.commit_group()
+
+
+class ScoreStep(DslState):
+    """S of one block to unnormalized P in place: softcap, mask where the block needs it,
+    online softmax. Returns the factor the O accumulator must be rescaled by."""
+
+    def __init__(self, cfg: HopperFwd, softmax: OnlineSoftmax, mask: AttentionMask, coord_mn,
+                 m_block, rng, scale_div_cap):
+        self.cfg, self.softmax, self.mask, self.coord_mn = cfg, softmax, mask, coord_mn
+        self.m_block, self.rng, self.scale_div_cap = m_block, rng, scale_div_cap
+
+    @cute.jit
+    def to_p(self, acc_s: cute.Tensor, n_block: Int32, is_first: cutlass.Constexpr[bool],
+             masked: cutlass.Constexpr):
+        """`masked`: True or False when the caller knows whether the block needs the mask,
+        None to decide at run time (`needs_mask`)."""
+        acc_s_mn = acc_to_mn(acc_s)
+        if cutlass.const_expr(self.cfg.has_softcap):
+            apply_softcap(acc_s_mn, self.scale_div_cap)
+        if cutlass.const_expr(masked is None):
+            if needs_mask(n_block, self.rng):
+                self.mask.apply(acc_s_mn, self.coord_mn, self.m_block, n_block)
+        elif cutlass.const_expr(masked):
+            self.mask.apply(acc_s_mn, self.coord_mn, self.m_block, n_block)
+        return self.softmax.online_softmax(acc_s_mn, is_first=is_first)
+
+
+class OverlappedStep(DslState):
+    """One block of `HopperFwd.mainloop_overlapped` after the first: issue S[n] and
+    O += P[n+1] V[n+1], softmax of S[n] under the PV, then rescale O and convert P[n]."""
+
+    def __init__(self, gemms, scores, turns, pipe_k, pipe_v, acc_s, r_p, acc_o):
+        self.gemms, self.scores, self.turns = gemms, scores, turns
+        self.pipe_k, self.pipe_v = pipe_k, pipe_v
+        self.acc_s, self.r_p, self.acc_o = acc_s, r_p, acc_o
+
+    @cute.jit
+    def run(self, k_state, v_state, n_block: Int32, masked: cutlass.Constexpr):
+        self.pipe_k.consumer_wait(k_state)
+        self.turns.begin()
+        self.gemms.qk(self.acc_s, k_state.index)
+        self.pipe_v.consumer_wait(v_state)
+        self.gemms.pv(self.r_p, self.acc_o, v_state.index)
+        self.turns.end()
+        # Groups complete in issue order: one left in flight means S has landed.
+        warpgroup.wait_group(1)
+        self.pipe_k.consumer_release(k_state)
+        row_scale = self.scores.to_p(self.acc_s, n_block, False, masked)
         warpgroup.wait_group(0)
+        self.pipe_v.consumer_release(v_state)
+        rescale_o(acc_to_mn(self.acc_o), row_scale)
+        self.r_p.store(self.acc_s.load().to(self.r_p.element_type))
+        k_state.advance()
+        v_state.advance()
+        # Returned so the caller's loop rebinds them (the DSL carries plain locals only).
+        return k_state, v_state
+
+
+class GemmTurns(DslState):
+    """Inter-warpgroup ping-pong (FA3): the two consumer warpgroups take turns issuing their
+    WGMMAs, so one's softmax runs while the other's GEMMs hold the tensor cores.
+
+    Named barrier 1 + w is warpgroup w's turn (256 threads: w's own `arrive_and_wait` plus the
+    other warpgroup's `arrive` when it has issued). Warpgroup 1 hands the first turn to
+    warpgroup 0; warpgroup 0 takes one extra turn at the end, so no arrive is left pending.
+    With `enabled` False every call is a no-op.
+    """
+
+    def __init__(self, enabled: bool, wg: Int32):
+        self.enabled, self.wg = enabled, wg
+
+    def _bar(self, wg):
+        return pipeline.NamedBarrier(barrier_id=_PINGPONG_BARRIER_ID + wg, num_threads=256)
+
+    @cute.jit
+    def start(self):
+        if cutlass.const_expr(self.enabled):
+            if self.wg == 1:
+                self._bar(0).arrive()
+
+    @cute.jit
+    def begin(self):
+        if cutlass.const_expr(self.enabled):
+            self._bar(self.wg).arrive_and_wait()
+
+    @cute.jit
+    def end(self):
+        if cutlass.const_expr(self.enabled):
+            self._bar(1 - self.wg).arrive()
+
+    @cute.jit
+    def finish(self):
+        if cutlass.const_expr(self.enabled):
+            if self.wg == 0:
+                self._bar(0).arrive_and_wait()
 
 
 def registers_per_role() -> dict:

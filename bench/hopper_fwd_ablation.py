@@ -1,0 +1,91 @@
+"""Ablation of the Hopper forward's schedule (FA3's two overlaps, tile, K/V stages), next to FA4
+and cuDNN in the same run.
+
+    python bench/hopper_fwd_ablation.py [--hdim 64,128,256] [--seqlen 2048,8192] [--causal 0,1]
+                                        [--configs 128x128x2+ov+pp,128x128x2]
+
+A config is tile_m x tile_n x kv_stages, then +ov (intra-warpgroup overlap) and +pp
+(inter-warpgroup ping-pong); the default compares the table's tile with each overlap on and
+off. Prints TFLOP/s (4·b·h·s²·d, ÷2 causal) and the largest |O| difference from SDPA-flash.
+"""
+
+import argparse
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flash_cute.arch.hopper import api
+from flash_cute.arch.hopper.config import TILES, FwdConfig
+from flash_cute.validation import validate_attention_inputs
+
+
+def parse_config(text: str) -> FwdConfig:
+    dims, *switches = text.split("+")
+    unknown = set(switches) - {"ov", "pp"}
+    if unknown:
+        raise SystemExit(f"unknown switch(es) {sorted(unknown)} in {text!r}: use +ov, +pp")
+    return FwdConfig(*map(int, dims.split("x")), "ov" in switches, "pp" in switches)
+
+
+def label(cfg: FwdConfig) -> str:
+    return "x".join(map(str, cfg[:3])) + "+ov" * cfg.intra_wg_overlap + "+pp" * cfg.pingpong
+
+
+def peers(q, k, v, causal):
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa(qt, kt, vt, is_causal=causal)
+        yield name, run
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except ImportError:
+        return
+    yield "fa4", lambda: fa4(q, k, v, causal=causal)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hdim", default="64,128,256")
+    p.add_argument("--seqlen", default="8192")
+    p.add_argument("--causal", default="0,1")
+    p.add_argument("--configs", default=None)
+    args = p.parse_args()
+    rows = []
+    for hdim in map(int, args.hdim.split(",")):
+        base = TILES[hdim]
+        configs = ([parse_config(c) for c in args.configs.split(",")] if args.configs else
+                   [base._replace(intra_wg_overlap=o, pingpong=pp)
+                    for o, pp in ((True, True), (True, False), (False, True), (False, False))])
+        for seqlen in map(int, args.seqlen.split(",")):
+            batch, nheads = 16384 // seqlen, 2048 // hdim
+            for causal in map(bool, map(int, args.causal.split(","))):
+                q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda",
+                                       dtype=torch.bfloat16) for _ in range(3))
+                flops = 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1)
+                cell = (hdim, seqlen, int(causal))
+                ref = None
+                for name, fn in peers(q, k, v, causal):
+                    if ref is None:
+                        ref = fn().transpose(1, 2)
+                    ms = triton.testing.do_bench(fn, return_mode="median")
+                    rows.append((*cell, name, flops / ms / 1e9, ""))
+                problem = validate_attention_inputs(q, k, v, causal=causal)
+                for cfg in configs:
+                    fn = lambda: api.forward(q, k, v, problem, tile=cfg)  # noqa: E731
+                    err = (fn()[0].float() - ref.float()).abs().max().item()
+                    ms = triton.testing.do_bench(fn, return_mode="median")
+                    rows.append((*cell, label(cfg), flops / ms / 1e9, f"{err:.1e}"))
+                print("\n".join(map(str, rows[-3 - len(configs):])), flush=True)
+    print("\n| hdim | seqlen | causal | provider | fwd TFLOP/s | max err vs sdpa_flash |")
+    print("|---:|---:|---:|---|---:|---:|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]} |")
+
+
+if __name__ == "__main__":
+    main()

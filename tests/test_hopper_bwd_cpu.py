@@ -1,0 +1,72 @@
+"""CPU checks of the Hopper backward's host-side choices: its shared-memory plan, the
+deterministic dQ order (a model of the semaphore protocol on `block_range`/`m_block_range`),
+and the compile key and semaphores of `launch.backward`."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flash_cute.arch.hopper.config import (BWD_SUPPORTED_HDIMS, BWD_TILES, SMEM_CAPACITY,
+                                           bwd_smem_plan)
+from flash_cute.block_range import block_range, m_block_range
+from flash_cute.launch import backward_compile_key, dq_semaphores
+
+
+@pytest.mark.parametrize("hdim,hdim_v", sorted(BWD_SUPPORTED_HDIMS))
+def test_bwd_smem_plan_fits_and_keeps_dq_out_of_atomics_below_hdim_256(hdim, hdim_v):
+    plan = bwd_smem_plan(hdim, hdim_v, BWD_TILES[hdim])
+    assert plan.smem_bytes <= SMEM_CAPACITY
+    assert plan.dq_tma == (hdim < 256)
+    assert plan.pds_stages == BWD_TILES[hdim][2]
+
+
+def _n_blocks_that_visit(m, tm, tn, sq, sk, causal, left, right):
+    """K/V blocks whose CTA walks query block m (the backward's loop over `m_block_range`)."""
+    return [n for n in range(-(-sk // tn))
+            if m in range(*m_block_range(n, tm, tn, sq, sk, causal, left, right))]
+
+
+def test_deterministic_turns_are_0_to_count_minus_1_in_increasing_n():
+    """Each query block's semaphore is bumped once by every K/V block that visits it, and the
+    turn a block waits for (n - block_range(m).n_block_min, `bwd_blocks.dq_turn`) is its place
+    among them: no block waits for a turn nobody gives (deadlock) or two share one."""
+    rng = random.Random(11)
+    for _ in range(300):
+        sq, sk = rng.randint(1, 400), rng.randint(1, 400)
+        tm, tn = 64, rng.choice([64, 128])
+        causal = rng.random() < 0.4
+        left = rng.choice([None, 0, 7, 100, 500])
+        right = None if causal else rng.choice([None, 0, 13, 200])
+        for m in range(-(-sq // tm)):
+            visitors = _n_blocks_that_visit(m, tm, tn, sq, sk, causal, left, right)
+            rng_m = block_range(m, tm, tn, sq, sk, causal, left, right)
+            turns = [n - rng_m.n_block_min for n in visitors]
+            assert turns == list(range(len(visitors))), (sq, sk, tn, causal, left, right, m)
+
+
+def _problem(**kw):
+    base = dict(causal=False, window_left=None, window_right=None, softcap=0.0, varlen=False,
+                nheads=8, nheads_kv=8, hdim=128, hdim_v=128, batch=3, max_seqlen_q=1000)
+    base.update(kw)
+    p = SimpleNamespace(**base)
+    p.qheads_per_kvhead = p.nheads // p.nheads_kv
+    return p
+
+
+def test_backward_compile_key_has_the_deterministic_switch_only_where_a_kernel_has_it():
+    p = _problem()
+    det = backward_compile_key("hopper.bwd", "sm_90a", "bf16", p, (64, 128, 2), True)
+    nondet = backward_compile_key("hopper.bwd", "sm_90a", "bf16", p, (64, 128, 2), False)
+    assert det != nondet and ("deterministic", True) in det.flags
+    ampere = backward_compile_key("ampere.bwd", "sm_80", "bf16", p, (64, 128, 8))
+    assert all(name != "deterministic" for name, _ in ampere.flags)
+    gqa = backward_compile_key("hopper.bwd", "sm_90a", "bf16", _problem(nheads_kv=2),
+                               (64, 128, 2), False)
+    assert ("dkv_fp32", True) in gqa.flags and ("dkv_fp32", False) in nondet.flags
+
+
+def test_dq_semaphores_one_zeroed_int32_per_query_tile_head_and_batch():
+    sem = dq_semaphores(_problem(batch=3, nheads=5, max_seqlen_q=129), 64, "cpu")
+    assert sem.shape == (3, 5, 3) and sem.dtype == torch.int32 and not sem.any()
