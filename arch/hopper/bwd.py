@@ -31,7 +31,7 @@ from flash_cute.variant import Variant, set_kernel_switches
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, BWD_TILES, CONSUMER_REGISTERS,
                      NUM_CONSUMER_WARPGROUPS, NUM_THREADS, PRODUCER_REGISTERS, SMEM_CAPACITY,
                      bwd_mma_splits, bwd_smem_plan)
-from .fwd import _ROWS_FIRST, _permute
+from .tma import ROWS_FIRST, make_tma_pipelines, permute, tma_load_atom, tma_partition
 
 # Named barriers (0 is sync_threads'; the pipelines use mbarriers). 1: the 256 consumer
 # threads around the shared P and dS tiles (and around a deterministic turn of dQ atomics);
@@ -138,20 +138,20 @@ class HopperBwd:
         sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout = layouts
         mmas = self._tiled_mmas()
 
-        order, back = _ROWS_FIRST[self.varlen]
-        tma_q, tQ = self._tma_load(mQ, order, sQ_layout, (self.tile_m, self.hdim))
-        tma_do, tdO = self._tma_load(mdO, order, sdO_layout, (self.tile_m, self.hdim_v))
-        tma_k, tK = self._tma_load(mK, order, sK_layout, (self.tile_n, self.hdim))
-        tma_v, tV = self._tma_load(mV, order, sV_layout, (self.tile_n, self.hdim_v))
-        tQ, tdO, tK, tV = (_permute(t, back) for t in (tQ, tdO, tK, tV))
+        order, back = ROWS_FIRST[self.varlen]
+        tma_q, tQ = tma_load_atom(mQ, order, sQ_layout, (self.tile_m, self.hdim))
+        tma_do, tdO = tma_load_atom(mdO, order, sdO_layout, (self.tile_m, self.hdim_v))
+        tma_k, tK = tma_load_atom(mK, order, sK_layout, (self.tile_n, self.hdim))
+        tma_v, tV = tma_load_atom(mV, order, sV_layout, (self.tile_n, self.hdim_v))
+        tQ, tdO, tK, tV = (permute(t, back) for t in (tQ, tdO, tK, tV))
         tma_dq, tdQaccum = None, mdQaccum
         if cutlass.const_expr(self.dq_tma):
             # fp32 rows of hdim elements: 16-byte strides for the same reason.
             tma_dq, tdQaccum = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(),
-                _permute(assume_aligned_strides(mdQaccum, 4), order),
+                permute(assume_aligned_strides(mdQaccum, 4), order),
                 cute.slice_(sdQ_layout, (None, None, 0)), (self.tile_m, self.hdim))
-            tdQaccum = _permute(tdQaccum, back)
+            tdQaccum = permute(tdQaccum, back)
 
         SharedStorage = self._shared_storage(layouts)
         if cutlass.const_expr(SharedStorage.size_in_bytes() != self.smem_bytes
@@ -236,14 +236,6 @@ class HopperBwd:
         return (mma(K, K, s["sdp"], self.tile_n), mma(MN, MN, s["dkv"], self.hdim),
                 mma(MN, MN, s["dkv"], self.hdim_v), mma(K, MN, s["dq"], self.hdim))
 
-    @staticmethod
-    def _tma_load(t: cute.Tensor, order, staged_layout, tile):
-        """TMA atom over the whole tensor (the kernel picks its tile by coordinates), with one
-        stage of `staged_layout` as the shared-memory box."""
-        return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), _permute(t, order),
-            cute.slice_(staged_layout, (None, None, 0)), tile)
-
     # ---------------------------------------------------------------- device side
 
     @cute.kernel
@@ -267,8 +259,10 @@ class HopperBwd:
             for atom in (tma_q, tma_do, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        # Every thread takes part: warp 0 initializes the barriers, all see them.
-        pipes = self._make_pipelines(storage, tx_bytes)
+        # K and V share one barrier (one expect_tx of both tiles' bytes).
+        pipes = make_tma_pipelines(((storage.mbar_kv, 1, tx_bytes[0]),
+                                    (storage.mbar_q, self.q_stages, tx_bytes[1]),
+                                    (storage.mbar_do, self.q_stages, tx_bytes[2])))
         smem = SmemTiles(self, storage, layouts)
 
         n_block, head, batch = cute.arch.block_idx()
@@ -310,22 +304,6 @@ class HopperBwd:
         store_acc_tile(mmas[2], tidx, step.acc_dv, seq.k_view(mdV, head),
                        (self.tile_n, self.hdim_v), n_block, kv_rows)
 
-    def _make_pipelines(self, storage, tx_bytes):
-        """(K+V, Q, dO) TMA pipelines; empty barriers count one arrive per consumer warp, full
-        ones one producer arrive plus the stage's TMA bytes. K and V share one barrier (one
-        expect_tx of both tiles' bytes)."""
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * NUM_CONSUMER_WARPGROUPS)
-        make = lambda bars, stages, tx: pipeline.PipelineTmaAsync.create(  # noqa: E731
-            num_stages=stages, producer_group=producer, consumer_group=consumers, tx_count=tx,
-            barrier_storage=bars.data_ptr(), defer_sync=True)
-        pipes = (make(storage.mbar_kv, 1, tx_bytes[0]),
-                 make(storage.mbar_q, self.q_stages, tx_bytes[1]),
-                 make(storage.mbar_do, self.q_stages, tx_bytes[2]))
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        return pipes
-
     @cute.jit
     def produce(self, atoms, tensors, smem, pipes, seq, head, head_kv, n_block, m_min, m_max):
         """Warp 0, all 32 lanes: `producer_acquire` elects the lane that arms the barrier, the
@@ -338,10 +316,10 @@ class HopperBwd:
         gdO = cute.local_tile(seq.q_view(mdO, head), (self.tile_m, self.hdim_v), (None, 0))
         gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (n_block, 0))
         gV = cute.local_tile(seq.k_view(mV, head_kv), (self.tile_n, self.hdim_v), (n_block, 0))
-        tQsQ, tQgQ = _tma_partition(tma_q, smem.sQ, gQ)
-        tdOsdO, tdOgdO = _tma_partition(tma_do, smem.sdO, gdO)
-        tKsK, tKgK = _tma_partition(tma_k, smem.sK, gK)
-        tVsV, tVgV = _tma_partition(tma_v, smem.sV, gV)
+        tQsQ, tQgQ = tma_partition(tma_q, smem.sQ, gQ)
+        tdOsdO, tdOgdO = tma_partition(tma_do, smem.sdO, gdO)
+        tKsK, tKgK = tma_partition(tma_k, smem.sK, gK)
+        tVsV, tVgV = tma_partition(tma_v, smem.sV, gV)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
@@ -374,7 +352,7 @@ class HopperBwd:
         reads, which dK = dSᵀ Q and dV = Pᵀ dO (summing over those rows) and the Hopper
         forward already assume (`api.default_for`)."""
         g_dq = cute.local_tile(seq.q_view(mdQaccum, head), (self.tile_m, self.hdim), (None, 0))
-        t_s, t_g = _tma_partition(tma_dq, smem.sdQ, g_dq)
+        t_s, t_g = tma_partition(tma_dq, smem.sdQ, g_dq)
         full, empty = _dq_barriers(self)
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             if cutlass.const_expr(not self.deterministic):
@@ -417,12 +395,6 @@ def _dq_barriers(cfg: HopperBwd):
     n = cfg.num_consumer_threads + 32
     return (pipeline.NamedBarrier(barrier_id=_DQ_FULL_BARRIER_ID, num_threads=n),
             pipeline.NamedBarrier(barrier_id=_DQ_EMPTY_BARRIER_ID, num_threads=n))
-
-
-def _tma_partition(atom, s: cute.Tensor, g: cute.Tensor):
-    """TMA partition (no multicast) of a staged shared-memory tile and its global tile(s)."""
-    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                 cute.group_modes(g, 0, 2))
 
 
 class SmemTiles(DslState):

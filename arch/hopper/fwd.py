@@ -27,22 +27,11 @@ from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 
 from .config import (COMPILE_OPTIONS, CONSUMER_REGISTERS, NUM_CONSUMER_WARPGROUPS, NUM_THREADS,
                      PRODUCER_REGISTERS, SMEM_CAPACITY, TILES, FwdConfig, smem_bytes)
-
-# Mode orders that put (rows, cols) first, as TMA tiles the leading modes of a tensor, and
-# their inverses that give the kernel back the caller's order (so `SeqInfo` views apply).
-# Q, K: (b, s, h, d) -> (s, d, h, b); varlen (t, h, d) -> (t, d, h).
-_ROWS_FIRST = {False: ((1, 3, 2, 0), (3, 0, 2, 1)), True: ((0, 2, 1), (0, 2, 1))}
-# V is the B operand of P V with its head dim contiguous (MN-major): (b, s, h, dv) ->
-# (dv, s, h, b); varlen (t, h, dv) -> (dv, t, h).
-_COLS_FIRST = {False: ((3, 1, 2, 0), (3, 1, 2, 0)), True: ((2, 0, 1), (1, 2, 0))}
-
+from .tma import (COLS_FIRST, ROWS_FIRST, make_tma_pipelines, permute, tma_load_atom,
+                  tma_partition)
 
 # Named barriers 1 and 2: the consumer warpgroups' ping-pong turns (0 is sync_threads').
 _PINGPONG_BARRIER_ID = 1
-
-
-def _permute(t: cute.Tensor, order) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(order)))
 
 
 class HopperFwd:
@@ -120,12 +109,12 @@ class HopperFwd:
             LayoutEnum.COL_MAJOR, (self.tile_m, self.hdim_v, self.tile_n), self.dtype,
             self.kv_stages)
 
-        rows_first, back_rows = _ROWS_FIRST[self.varlen]
-        cols_first, back_cols = _COLS_FIRST[self.varlen]
-        tma_q, tQ = self._tma_load(mQ, rows_first, sQ_layout, (self.tile_m, self.hdim))
-        tma_k, tK = self._tma_load(mK, rows_first, sK_layout, (self.tile_n, self.hdim))
-        tma_v, tV = self._tma_load(mV, cols_first, sV_layout, (self.hdim_v, self.tile_n))
-        tQ, tK, tV = _permute(tQ, back_rows), _permute(tK, back_rows), _permute(tV, back_cols)
+        rows_first, back_rows = ROWS_FIRST[self.varlen]
+        cols_first, back_cols = COLS_FIRST[self.varlen]
+        tma_q, tQ = tma_load_atom(mQ, rows_first, sQ_layout, (self.tile_m, self.hdim))
+        tma_k, tK = tma_load_atom(mK, rows_first, sK_layout, (self.tile_n, self.hdim))
+        tma_v, tV = tma_load_atom(mV, cols_first, sV_layout, (self.hdim_v, self.tile_n))
+        tQ, tK, tV = permute(tQ, back_rows), permute(tK, back_rows), permute(tV, back_cols)
 
         stages = self.kv_stages
 
@@ -165,14 +154,6 @@ class HopperFwd:
             (64, self.hdim_v), a_source=warpgroup.OperandSource.RMEM)
         return mma_qk, mma_pv
 
-    @staticmethod
-    def _tma_load(t: cute.Tensor, order, staged_layout, tile):
-        """TMA atom over the whole tensor (every batch and head; the kernel picks its tile by
-        coordinates), with one stage of `staged_layout` as the shared-memory box."""
-        return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), _permute(t, order),
-            cute.slice_(staged_layout, (None, None, 0)), tile)
-
     # ---------------------------------------------------------------- device side
 
     @cute.kernel
@@ -189,9 +170,9 @@ class HopperFwd:
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        # Every thread takes part: the barriers are initialized by warp 0 and made visible to
-        # all (and to the async proxy) before anyone waits on them.
-        pipes = self._make_pipelines(storage, tx_bytes)
+        pipes = make_tma_pipelines(((storage.mbar_q, 1, tx_bytes[0]),
+                                    (storage.mbar_k, self.kv_stages, tx_bytes[1]),
+                                    (storage.mbar_v, self.kv_stages, tx_bytes[2])))
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -220,22 +201,6 @@ class HopperFwd:
                 self.consume(mma_qk, mma_pv, sQ, sK, sV, pipes, seq, mO, mLSE, head, m_block,
                              rng, mask, scale_log2, scale_div_cap)
 
-    def _make_pipelines(self, storage, tx_bytes):
-        """(Q, K, V) TMA pipelines. The empty barriers count one arrive per consumer warp
-        (PipelineTmaAsync releases from lane 0 of each warp), the full ones one producer
-        arrive plus the stage's TMA bytes."""
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * NUM_CONSUMER_WARPGROUPS)
-        make = lambda bars, stages, tx: pipeline.PipelineTmaAsync.create(  # noqa: E731
-            num_stages=stages, producer_group=producer, consumer_group=consumers, tx_count=tx,
-            barrier_storage=bars.data_ptr(), defer_sync=True)
-        pipes = (make(storage.mbar_q, 1, tx_bytes[0]),
-                 make(storage.mbar_k, self.kv_stages, tx_bytes[1]),
-                 make(storage.mbar_v, self.kv_stages, tx_bytes[2]))
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        return pipes
-
     @cute.jit
     def produce(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, seq, head, head_kv,
                 m_block, rng):
@@ -244,15 +209,11 @@ class HopperFwd:
         pipe_q, pipe_k, pipe_v = pipes
         gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
         gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (None, 0))
-        gVt = cute.local_tile(_permute(seq.k_view(mV, head_kv), (1, 0)),
+        gVt = cute.local_tile(permute(seq.k_view(mV, head_kv), (1, 0)),
                               (self.hdim_v, self.tile_n), (0, None))
-        no_mcast = (0, cute.make_layout(1))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, *no_mcast, cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, *no_mcast, cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, *no_mcast, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gVt, 0, 2))
+        tQsQ, tQgQ = tma_partition(tma_q, sQ, gQ)
+        tKsK, tKgK = tma_partition(tma_k, sK, gK)
+        tVsV, tVgV = tma_partition(tma_v, sV, gVt)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_q.producer_acquire(q_state)

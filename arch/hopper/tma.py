@@ -1,0 +1,50 @@
+"""TMA plumbing shared by the Hopper kernels: mode orders that put a tile's (rows, cols) first,
+TMA load atoms over whole tensors, their partitions, and the mbarrier pipelines they fill."""
+
+import cutlass.cute as cute
+from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync
+
+from .config import NUM_CONSUMER_WARPGROUPS
+
+# Mode orders that put (rows, cols) first, as TMA tiles the leading modes of a tensor, and
+# their inverses that give the kernel back the caller's order (so `SeqInfo` views apply).
+# Q, K: (b, s, h, d) -> (s, d, h, b); varlen (t, h, d) -> (t, d, h).
+ROWS_FIRST = {False: ((1, 3, 2, 0), (3, 0, 2, 1)), True: ((0, 2, 1), (0, 2, 1))}
+# V as the MN-major B operand of P V, head dim contiguous: (b, s, h, dv) -> (dv, s, h, b);
+# varlen (t, h, dv) -> (dv, t, h).
+COLS_FIRST = {False: ((3, 1, 2, 0), (3, 1, 2, 0)), True: ((2, 0, 1), (1, 2, 0))}
+
+
+def permute(t: cute.Tensor, order) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(order)))
+
+
+def tma_load_atom(t: cute.Tensor, order, staged_layout, tile):
+    """TMA atom over the whole tensor (every batch and head; the kernel picks its tile by
+    coordinates), with one stage of `staged_layout` as the shared-memory box."""
+    return cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), permute(t, order),
+        cute.slice_(staged_layout, (None, None, 0)), tile)
+
+
+def tma_partition(atom, s: cute.Tensor, g: cute.Tensor):
+    """TMA partition (no multicast) of a staged shared-memory tile and its global tile(s)."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                 cute.group_modes(g, 0, 2))
+
+
+def make_tma_pipelines(specs):
+    """One `PipelineTmaAsync` per (barrier storage, stages, TMA bytes per stage). The empty
+    barriers count one arrive per consumer warp (PipelineTmaAsync releases from lane 0 of each
+    warp), the full ones one producer arrive plus the stage's bytes. Every thread of the CTA
+    calls this: the barriers are initialized by warp 0 and made visible to all (and to the
+    async proxy) before anyone waits on them."""
+    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+    consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * NUM_CONSUMER_WARPGROUPS)
+    pipes = tuple(pipeline.PipelineTmaAsync.create(
+        num_stages=stages, producer_group=producer, consumer_group=consumers, tx_count=tx,
+        barrier_storage=bars.data_ptr(), defer_sync=True) for bars, stages, tx in specs)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    return pipes
