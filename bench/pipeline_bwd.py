@@ -1,7 +1,7 @@
 """Backward of one pipeline, called directly (no dispatcher), next to FA4 and SDPA in one run.
 
     python bench/pipeline_bwd.py [--pipeline hopper] [--hdim 64,128] [--seqlen 2048,8192]
-                                 [--tiles 64x128x2,...]
+                                 [--tiles 64x128x2,64x128x2+swap_sdp,...]
 
 Prints TFLOP/s (2.5 x 4·b·h·s²·d, ÷2 causal) and the largest |dq|, |dk|, |dv| difference from
 SDPA-flash's relative to its largest entry; used for ablations before a kernel is dispatched.
@@ -16,6 +16,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute import flash_attn_func
 from flash_cute.validation import validate_attention_inputs
+
+
+def _parse_tile(pipeline: str, text: str):
+    """``64x128x2`` -> (64, 128, 2); ``+name`` turns on a switch of the pipeline's BwdConfig
+    (``64x128x2+swap_sdp``); without a switch the numbers fill the config's first fields and
+    its defaults the rest (so ``64x128x2`` is the schedule with every switch off)."""
+    nums, *flags = text.split("+")
+    values = tuple(map(int, nums.split("x")))
+    config = getattr(importlib.import_module(f"flash_cute.arch.{pipeline}.config"),
+                     "BwdConfig", None)
+    if config is None:
+        if flags:
+            raise SystemExit(f"{pipeline} has no backward schedule switches: {text}")
+        return values
+    return config(*values, **{f: True for f in flags})
 
 
 def _sdpa(backend, q, k, v, do, causal):
@@ -43,7 +58,8 @@ def main():
     p.add_argument("--hdim", default="64,128")
     p.add_argument("--seqlen", default="2048,8192")
     p.add_argument("--causal", default="0,1")
-    p.add_argument("--tiles", default=None, help="e.g. 64x128x2 (default: the pipeline's table)")
+    p.add_argument("--tiles", default=None, help="e.g. 64x128x2,64x128x2+swap_sdp (default: the "
+                   "pipeline's table)")
     args = p.parse_args()
     mod = importlib.import_module(f"flash_cute.arch.{args.pipeline}.api")
     rows = []
@@ -67,7 +83,7 @@ def main():
                 problem = validate_attention_inputs(q, k, v, causal=causal)
                 out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
                 tiles = [None] if not args.tiles else [
-                    tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]
+                    _parse_tile(args.pipeline, t) for t in args.tiles.split(",")]
                 for tile in tiles:
                     kw = {} if tile is None else {"tile": tile}
                     fn = lambda: mod.backward(do, None, q, k, v, out, lse, problem, **kw)  # noqa: E731

@@ -32,6 +32,28 @@ def row_stats(coord_mn: cute.Tensor, m_block: Int32, tile_m: int, seqlen_q: Int3
 
 
 @cute.jit
+def tile_row_values(coord_mn: cute.Tensor, valid_rows: Int32, t_rows: cute.Tensor, outside,
+                    clamp: cutlass.Constexpr[bool] = False):
+    """A thread's rows of a per-row vector of a query tile already in memory (e.g. LSE₂ or Δ,
+    TMA-loaded to shared memory), indexed by the tile's own rows, of which the first
+    `valid_rows` belong to the sequence; the other rows get `outside`.
+
+    LSE₂ = +inf and Δ = 0 outside: whatever the tile holds there (zeros past the tensor, the
+    next varlen sequence, or the unwritten padding of a buffer, possibly NaN) never reaches
+    P = exp2(−inf) = 0 or dS = P ∘ (dP − Δ) = 0. `clamp`: the index is clamped to the last
+    valid row, for a tile in global memory whose rows past the sequence may not exist (the
+    value read is then discarded).
+    """
+    num_rows = cute.size(coord_mn, mode=[0])
+    vals = cute.make_rmem_tensor(num_rows, Float32)
+    for r in cutlass.range_constexpr(num_rows):
+        row = coord_mn[r, 0][0]
+        idx = cutlass.min(row, valid_rows - 1) if clamp else row
+        vals[r] = t_rows[idx] if row < valid_rows else Float32(outside)
+    return vals
+
+
+@cute.jit
 def p_and_ds(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor, delta: cute.Tensor,
              scale_log2: Float32, has_softcap: cutlass.Constexpr[bool]):
     """In place: S → P = exp2(S·scale_log2 − LSE₂) and dP → dS = P ∘ (dP − Δ) [∘ (1 − tanh²)].

@@ -89,7 +89,7 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
 
 def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
              cu_seqlens_k, tile: tuple, options: str, arch: str, prepare=None,
-             deterministic=None, dq_accum_align: int = 4):
+             deterministic=None, dq_accum_align: int = 4, row_stats_align: int = 4):
     """(dq, dk, dv) through a backward main kernel with `AmpereBwd.__call__`'s contract:
     preprocess (Δ, LSE·log2 e), the main kernel (compile-cached), dQ's scale-and-convert.
 
@@ -101,7 +101,9 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
     `deterministic` is None for a kernel without that switch; a bool for one whose constructor
     takes `deterministic=` and whose call takes the dQ semaphores (`dq_semaphores`, or None)
     before the stream. `dq_accum_align`: the byte alignment the kernel may assume of dQaccum
-    (a fresh allocation; 16 for a TMA).
+    (a fresh allocation; 16 for a TMA). `row_stats_align`: the same for Δ and LSE·log2 e,
+    whose rows (one per head) are then padded so every row starts that aligned (a TMA needs
+    16-byte strides).
     """
     from cutlass import Int32
     import cutlass.cute as cute
@@ -112,7 +114,8 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
 
     if has_no_work(q, k, problem):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    delta, lse_log2 = bwd_preprocess(out, dout, lse, dlse, cu_seqlens_q, problem.max_seqlen_q)
+    delta, lse_log2 = (row_stats_buffer(lse, row_stats_align) for _ in range(2))
+    bwd_preprocess(out, dout, lse, dlse, cu_seqlens_q, problem.max_seqlen_q, delta, lse_log2)
     if prepare is not None:
         q, k, v, dout = (prepare(t) for t in (q, k, v, dout))
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -133,7 +136,7 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
         sem = (to_cute_tensor(dq_semaphores(problem, tile[0], q.device), 4)
                if deterministic else None,)
     args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(dout),
-            to_cute_tensor(lse_log2, 4), to_cute_tensor(delta, 4),
+            to_cute_tensor(lse_log2, row_stats_align), to_cute_tensor(delta, row_stats_align),
             to_cute_tensor(dq_accum, dq_accum_align), to_cute_tensor(dk, dkv_align),
             to_cute_tensor(dv, dkv_align)) + scalars \
         + (Int32(problem.max_seqlen_k),) + cu + sem + (current_stream(),)
@@ -149,6 +152,15 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
         dk = dk.view(*kv_lead, problem.nheads_kv, group, problem.hdim).sum(-2).to(q.dtype)
         dv = dv.view(*kv_lead, problem.nheads_kv, group, problem.hdim_v).sum(-2).to(q.dtype)
     return dq, dk, dv
+
+
+def row_stats_buffer(lse: torch.Tensor, align: int) -> torch.Tensor:
+    """An uninitialized fp32 tensor shaped like `lse` ([b, h, sq] or [h, total_q]) whose rows
+    start `align`-byte aligned: the last dim is padded in memory, not in shape."""
+    n = lse.shape[-1]
+    padded = -(-max(n, 1) // (align // 4)) * (align // 4)
+    buf = torch.empty(*lse.shape[:-1], padded, dtype=torch.float32, device=lse.device)
+    return buf[..., :n]
 
 
 def backward_compile_key(name: str, arch: str, dtype: str, problem, tile: tuple,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from flash_cute.arch.ampere.config import BWD_TILES as AMPERE_BWD_TILES
 from flash_cute.arch.ampere.config import TILES as AMPERE_TILES
 from flash_cute.arch.hopper.config import BWD_TILES as HOPPER_BWD_TILES
+from flash_cute.arch.hopper.config import bwd_tile as hopper_bwd_tile
 from flash_cute.arch.hopper.config import TILES as HOPPER_TILES
 
 ARCHES = ("sm_80", "sm_90a", "sm_100a")
@@ -133,8 +134,15 @@ def _hopper_bwd_configs():
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False,
                 "dkv_fp32": False, "deterministic": False, **flags}
-        out.append(KernelConfig("hopper.bwd", ("sm_90a",), dtype, d, dv, HOPPER_BWD_TILES[d],
-                                _HOPPER_BWD, _flags(**full)))
+        out.append(KernelConfig("hopper.bwd", ("sm_90a",), dtype, d, dv,
+                                hopper_bwd_tile(d, full["varlen"]), _HOPPER_BWD,
+                                _flags(**full)))
+    # The score-layout ablation: transposed scores (P kept in registers) at hdim 128.
+    plain = {"causal": False, "local": False, "softcap": False, "varlen": False,
+             "dkv_fp32": False, "deterministic": False}
+    out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 128, 128,
+                            HOPPER_BWD_TILES[128]._replace(swap_sdp=True), _HOPPER_BWD,
+                            _flags(**plain)))
     return tuple(out)
 
 

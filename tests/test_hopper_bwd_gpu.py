@@ -101,6 +101,23 @@ def test_hopper_backward_every_gradient_element_is_written(monkeypatch):
     _check(grads, q, k, v, dout, window_size=(20, 0))
 
 
+@pytest.mark.parametrize("swap_sdp", [True, False])
+@pytest.mark.parametrize("hdim,kw", [(128, {"causal": True}), (64, {"softcap": 15.0}),
+                                     (128, {"window_size": (70, 9)})])
+def test_hopper_backward_both_score_layouts(swap_sdp, hdim, kw):
+    """S/dP computed transposed (P and dS kept in registers for dV and dK) or not (P and dS
+    through shared memory): both schedules of a 64 x 128 tile pass the float64 rule."""
+    from flash_cute.arch.hopper.api import backward
+    from flash_cute.arch.hopper.config import BwdConfig
+
+    q, k, v, dout = _inputs(2, 301, 413, 4, 2, hdim, hdim, torch.bfloat16, seed=hdim + swap_sdp)
+    problem = validate_attention_inputs(q, k, v, **kw)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, arch="hopper", **kw)
+    grads = backward(dout, None, q, k, v, out, lse, problem,
+                     tile=BwdConfig(64, 128, 2, swap_sdp))
+    _check(grads, q, k, v, dout, **kw)
+
+
 def test_hopper_backward_new_lengths_reuse_the_compiled_kernel():
     from flash_cute.jit import compile_cache
 

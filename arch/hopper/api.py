@@ -5,8 +5,8 @@ import torch
 from flash_cute import launch
 from flash_cute.validation import AttentionProblem
 
-from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, BWD_TILES, COMPILE_OPTIONS,
-                     SUPPORTED_HDIMS, TILES)
+from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS,
+                     SUPPORTED_HDIMS, TILES, bwd_tile)
 
 # deterministic=True adds each query tile's dQ partials in a fixed order (a semaphore per
 # query tile, `HopperBwd`); GQA's dK/dV are summed on the host in a fixed order.
@@ -62,7 +62,7 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
              cu_seqlens_k=None, deterministic: bool = False, tile=None):
     """(dq, dk, dv) through `HopperBwd` (see `flash_cute.launch.backward`); `deterministic`
-    makes dQ bitwise reproducible. `tile` overrides (tile_m, tile_n, q_stages) for ablations."""
+    makes dQ bitwise reproducible. `tile` overrides the `config.BwdConfig` for ablations."""
     from flash_cute.jit import current_arch
 
     from .bwd import HopperBwd
@@ -72,6 +72,8 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
         raise NotImplementedError(f"the hopper backward runs on sm_90a only, not {arch}")
     launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
     return launch.backward("hopper.bwd", HopperBwd, dout, dlse, q, k, v, out, lse, problem,
-                           cu_seqlens_q, cu_seqlens_k, tuple(tile or BWD_TILES[problem.hdim]),
+                           cu_seqlens_q, cu_seqlens_k,
+                           tuple(tile or bwd_tile(problem.hdim, problem.varlen)),
                            BWD_COMPILE_OPTIONS, arch, prepare=_tma_ready,
-                           deterministic=bool(deterministic), dq_accum_align=16)
+                           deterministic=bool(deterministic), dq_accum_align=16,
+                           row_stats_align=16)

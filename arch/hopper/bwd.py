@@ -19,16 +19,18 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from flash_cute.bwd_blocks import (atomic_add_rows, dq_turn, ds_from_probs, p_and_ds, pass_turn,
-                                   probs, row_stats, store_acc_tile, wait_turn)
+                                   probs, store_acc_tile, tile_row_values, wait_turn)
 from flash_cute.block_range import block_range, m_block_range, needs_mask
 from flash_cute.dsl_state import DslState
-from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
+from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_strides,
+                                transpose_view)
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import apply_softcap, fold_scales
 from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, BWD_TILES, CONSUMER_REGISTERS,
+                     BwdConfig,
                      NUM_CONSUMER_WARPGROUPS, NUM_THREADS, PRODUCER_REGISTERS, SMEM_CAPACITY,
                      bwd_mma_splits, bwd_smem_plan)
 from .tma import ROWS_FIRST, make_tma_pipelines, permute, tma_load_atom, tma_partition
@@ -49,7 +51,7 @@ class HopperBwd:
 
     | warpgroup | warps | registers | role                                                     |
     |-----------|-------|-----------|----------------------------------------------------------|
-    | 0         | 0     | 24        | producer: TMA of K, V once, then Q[m], dO[m] per tile     |
+    | 0         | 0     | 24        | producer: TMA of K, V once, then Q, dO, LSE₂, Δ per tile  |
     | 0         | 1     | 24        | dQ writer (dq_tma): TMA reduce-add of each dQ tile        |
     | 0         | 2, 3  | 24        | idle (setmaxnreg is warpgroup-wide, so they stay)         |
     | 1, 2      | 4..11 | 240       | consumers: S, dP, P, dS, dV, dK, dQ (split below), store  |
@@ -57,9 +59,10 @@ class HopperBwd:
     | pipeline / buffer           | stages     | filled by                | freed by              |
     |-----------------------------|------------|--------------------------|-----------------------|
     | K + V (PipelineTmaAsync)    | 1 (once)   | TMA bytes of K and V     | 8 consumer warps      |
-    | Q (PipelineTmaAsync)        | q_stages   | TMA bytes of a Q tile    | 8 warps, after dK     |
-    | dO (PipelineTmaAsync)       | q_stages   | TMA bytes of a dO tile   | 8 warps, after dV     |
+    | Q + LSE₂ (PipelineTmaAsync) | q_stages   | TMA bytes of both tiles  | 8 warps, after dK     |
+    | dO + Δ (PipelineTmaAsync)   | q_stages   | TMA bytes of both tiles  | 8 warps, after dV     |
     | P, dS tiles (shared memory) | pds_stages | consumers                | their dV, dK, dQ      |
+    |   (swap_sdp: dSᵀ only)      |            |                          | dQ                    |
     | dQ tile (named barriers)    | 1          | consumers: 4 (full)      | dQ writer: 5 (empty)  |
 
     `config.bwd_smem_plan` picks pds_stages (q_stages where it fits, else 1) and dq_tma (the
@@ -70,7 +73,8 @@ class HopperBwd:
     `config.bwd_mma_splits`; a GEMM is issued and committed, and waited for only where its
     result is needed, `warpgroup.wait_group(n)`, groups completing in issue order):
 
-    1. wait Q[m]: issue S = Q Kᵀ; wait dO[m]: issue dP = dO Vᵀ (both split over keys);
+    1. wait Q[m]: issue S = Q Kᵀ; wait dO[m]: issue dP = dO Vᵀ (both split over keys); read
+       the thread's rows of LSE₂[m] and Δ[m] from shared memory;
     2. wait for S (dP still runs): softcap, mask, P = exp2(S·scale_log2 − LSE₂) → sP; with
        softcap both are waited for first, as dS needs tanh(S), which P overwrites;
     3. async-proxy fence, barrier on P (own warpgroup when tile_n is 128, else all 256);
@@ -80,20 +84,27 @@ class HopperBwd:
     5. wait for dV and dQ: release dO[m]; while dK runs, dQ goes to the shared dQ tile (wait
        empty, write, fence, arrive full) or to dQaccum by atomics; wait for dK: release Q[m].
 
+    With `swap_sdp` (`config.BwdConfig`; tile_n 128 only, the default at hdim 64) steps 1-4
+    run transposed: each warpgroup computes Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for its own 64 keys,
+    so Pᵀ and dSᵀ sit
+    in its registers in the layout of the A operand of dV += Pᵀ dO and dK += dSᵀ Q (register-A
+    WGMMAs; no P tile, no P barrier), and only dSᵀ goes to shared memory, where dQ reads it as
+    the MN-major dS. A thread then holds 16 query columns instead of 2 rows, so LSE₂ and Δ are
+    read from shared memory just before their use.
+
     The dQ writer, per tile: wait until the TMA has read the previous tile, arrive empty,
     [deterministic: wait for its turn], wait full, TMA reduce-add of the tile into dQaccum
     [deterministic: wait for the add to complete, pass the turn].
 
     Then dK *= softmax_scale and dK, dV rows < seqlen_k go from registers to global memory,
     per query head (the host sums a GQA group). Rows of a Q/dO tile past seqlen_q (zero-filled
-    by TMA, or the next varlen sequence) get LSE = +inf, so P = dS = 0 there; K/V rows past
-    seqlen_k are masked to P = 0.
+    by TMA, or the next varlen sequence) get LSE = +inf and Δ = 0 (`tile_row_values`), so
+    P = dS = 0 there; K/V rows past seqlen_k are masked to P = 0.
 
     `deterministic`: dQ of a query tile is added by its K/V tiles in increasing order, through
     an int32 semaphore per (query tile, head, batch) in global memory (`bwd_blocks.dq_turn`).
 
-    Not yet: P kept in registers for dV (FA3's RS variant), LSE and Δ through shared memory, a
-    TMA store of dK/dV.
+    Not yet: a TMA store of dK/dV; LSE₂ and Δ by TMA for varlen.
     """
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
@@ -105,14 +116,18 @@ class HopperBwd:
                              f"have {sorted(BWD_SUPPORTED_HDIMS)}")
         self.dtype = dtype
         self.hdim, self.hdim_v = hdim, hdim_v
-        self.tile_m, self.tile_n, self.q_stages = tile or BWD_TILES[hdim]
-        self.splits = bwd_mma_splits((self.tile_m, self.tile_n, self.q_stages))
-        self.plan = bwd_smem_plan(hdim, hdim_v, (self.tile_m, self.tile_n, self.q_stages))
+        config = BwdConfig(*(tile or BWD_TILES[hdim]))
+        self.tile_m, self.tile_n, self.q_stages, self.swap_sdp = config
+        self.splits = bwd_mma_splits(config)
+        self.plan = bwd_smem_plan(hdim, hdim_v, config)
         self.pds_stages, self.dq_tma = self.plan.pds_stages, self.plan.dq_tma
         self.num_threads = NUM_THREADS
         self.num_consumer_threads = 128 * NUM_CONSUMER_WARPGROUPS
         self.deterministic = deterministic
         set_kernel_switches(self, variant)
+        # LSE₂ and Δ tiles by TMA; varlen reads them from global memory (a TMA of the
+        # [h, tq] vectors faulted with an illegal instruction on the H200, not yet understood).
+        self.stats_tma = not self.varlen
 
     @property
     def smem_bytes(self) -> int:
@@ -129,7 +144,8 @@ class HopperBwd:
                  mdQsem: Optional[cute.Tensor], stream: cuda.CUstream):
         """`AmpereBwd.__call__`'s contract: Q/dO/dQaccum like Q, K/V like K, dK/dV
         [.., nheads, d] (per query head; dtype or fp32), LSElog2 and Delta like the forward's
-        LSE (see `flash_cute.bwd_prep`); plus, when deterministic, zeroed int32 semaphores
+        LSE (see `flash_cute.bwd_prep`) with 16-byte aligned rows (`launch.row_stats_buffer`:
+        they are TMA-loaded); plus, when deterministic, zeroed int32 semaphores
         [batch, nheads, ceil(max_seqlen_q / tile_m)] (else None)."""
         vec = 128 // self.dtype.width
         # TMA needs 16-byte global strides; validation guarantees them, this tells the compiler.
@@ -144,6 +160,12 @@ class HopperBwd:
         tma_k, tK = tma_load_atom(mK, order, sK_layout, (self.tile_n, self.hdim))
         tma_v, tV = tma_load_atom(mV, order, sV_layout, (self.tile_n, self.hdim_v))
         tQ, tdO, tK, tV = (permute(t, back) for t in (tQ, tdO, tK, tV))
+        # LSE₂ and Δ [b, h, sq] (varlen [h, tq] as [1, h, tq]): one tile_m-row box of fp32
+        # per query tile.
+        tma_lse, tLSE, tma_delta, tDelta = None, mLSElog2, None, mDelta
+        if cutlass.const_expr(self.stats_tma):
+            tma_lse, tLSE = self._row_stats_atom(mLSElog2)
+            tma_delta, tDelta = self._row_stats_atom(mDelta)
         tma_dq, tdQaccum = None, mdQaccum
         if cutlass.const_expr(self.dq_tma):
             # fp32 rows of hdim elements: 16-byte strides for the same reason.
@@ -160,16 +182,25 @@ class HopperBwd:
                              f"{self.smem_bytes}), capacity {SMEM_CAPACITY}")
         one_stage = lambda layout: cute.size_in_bytes(  # noqa: E731
             self.dtype, cute.slice_(layout, (None, None, 0)))
-        tx_bytes = (one_stage(sK_layout) + one_stage(sV_layout), one_stage(sQ_layout),
-                    one_stage(sdO_layout))
+        stats_bytes = self.tile_m * 4 if self.stats_tma else 0
+        tx_bytes = (one_stage(sK_layout) + one_stage(sV_layout),
+                    one_stage(sQ_layout) + stats_bytes, one_stage(sdO_layout) + stats_bytes)
         batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
         grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
-            tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_dq, tdQaccum, mLSElog2, mDelta,
-            mdK, mdV, mdQsem, softmax_scale, scale_log2, scale_div_cap, window_left,
+            tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_dq, tdQaccum, tma_lse, tLSE,
+            tma_delta, tDelta, mdK, mdV, mdQsem, softmax_scale, scale_log2, scale_div_cap, window_left,
             window_right, mCuSeqlensQ, mCuSeqlensK, *layouts, *mmas, SharedStorage, tx_bytes,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def _row_stats_atom(self, t: cute.Tensor):
+        """TMA atom and coordinate tensor of a padded [b, h, sq] per-row fp32 vector."""
+        t = assume_aligned_strides(t, 4)
+        atom, coords = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), permute(t, (2, 1, 0)),
+            cute.make_layout(self.tile_m), (self.tile_m,))
+        return atom, permute(coords, (2, 1, 0))
 
     def _shared_storage(self, layouts):
         """The CTA's shared memory, as `config.bwd_smem_plan` sizes it."""
@@ -183,11 +214,14 @@ class HopperBwd:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
             sQ: tile(dtype, sQ_layout)
             sdO: tile(dtype, sdO_layout)
             sK: tile(dtype, sK_layout)
             sV: tile(dtype, sV_layout)
-            sP: tile(dtype, sPdS_layout)
+            if not self.swap_sdp:
+                sP: tile(dtype, sPdS_layout)
             sdS: tile(dtype, sPdS_layout)
             if self.dq_tma:
                 sdQ: tile(Float32, sdQ_layout)
@@ -212,27 +246,35 @@ class HopperBwd:
             atom = warpgroup.make_smem_layout_atom(kind, dtype)
             return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
+        # swap_sdp: dSᵀ (keys x queries, as computed), read by dQ as the MN-major dS.
+        pds = (layout(self.tile_n, self.tile_m, self.pds_stages, self.tile_m) if self.swap_sdp
+               else layout(self.tile_m, self.tile_n, self.pds_stages, self.tile_n // dkv_m))
         return (layout(self.tile_m, self.hdim, self.q_stages, self.hdim // dkv_n),
                 layout(self.tile_m, self.hdim_v, self.q_stages, self.hdim_v // dkv_n),
                 layout(self.tile_n, self.hdim, 1, self.hdim // dq_n),
-                layout(self.tile_n, self.hdim_v, 1, self.hdim_v),
-                layout(self.tile_m, self.tile_n, self.pds_stages, self.tile_n // dkv_m),
+                layout(self.tile_n, self.hdim_v, 1, self.hdim_v), pds,
                 layout(self.tile_m, self.hdim, 1, self.hdim // dq_n, Float32))
 
     def _tiled_mmas(self):
         """(S/dP, dK, dV, dQ) WGMMAs, every operand from shared memory.
 
         S = Q Kᵀ and dP = dO Vᵀ: both K-major. dV = Pᵀ dO and dK = dSᵀ Q: both operands are
-        transposed views (MN-major). dQ = dS K: dS K-major, Kᵀ MN-major."""
+        transposed views (MN-major). dQ = dS K: dS K-major, Kᵀ MN-major.
+        swap_sdp: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (K-major); dV and dK take Pᵀ and dSᵀ from registers
+        (A from registers is K-major); dQ reads dS as the MN-major view of the dSᵀ tile."""
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
+        rmem = warpgroup.OperandSource.RMEM
 
-        def mma(a_major, b_major, split, n):
+        def mma(a_major, b_major, split, n, a_source=warpgroup.OperandSource.SMEM):
             wg_m, wg_n = split
             return sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, a_major, b_major, Float32, (wg_m, wg_n, 1),
-                (64, n // wg_n))
+                (64, n // wg_n), a_source=a_source)
 
         s = self.splits
+        if cutlass.const_expr(self.swap_sdp):
+            return (mma(K, K, s["sdp"], self.tile_m), mma(K, MN, s["dkv"], self.hdim, rmem),
+                    mma(K, MN, s["dkv"], self.hdim_v, rmem), mma(MN, MN, s["dq"], self.hdim))
         return (mma(K, K, s["sdp"], self.tile_n), mma(MN, MN, s["dkv"], self.hdim),
                 mma(MN, MN, s["dkv"], self.hdim_v), mma(K, MN, s["dq"], self.hdim))
 
@@ -242,7 +284,8 @@ class HopperBwd:
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom,
                mdO: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom,
                mV: cute.Tensor, tma_dq: Optional[cute.CopyAtom], mdQaccum: cute.Tensor,
-               mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               tma_lse: cute.CopyAtom, mLSElog2: cute.Tensor, tma_delta: cute.CopyAtom,
+               mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mdQsem: Optional[cute.Tensor], softmax_scale: Float32, scale_log2: Float32,
                scale_div_cap: Float32, window_left: Int32, window_right: Int32,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
@@ -256,10 +299,12 @@ class HopperBwd:
         mmas = (mma_sdp, mma_dk, mma_dv, mma_dq)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_q, tma_do, tma_k, tma_v):
-                cpasync.prefetch_descriptor(atom)
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta):
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        # K and V share one barrier (one expect_tx of both tiles' bytes).
+        # K and V share one barrier (one expect_tx of both tiles' bytes), as do Q and LSE₂,
+        # dO and Δ.
         pipes = make_tma_pipelines(((storage.mbar_kv, 1, tx_bytes[0]),
                                     (storage.mbar_q, self.q_stages, tx_bytes[1]),
                                     (storage.mbar_do, self.q_stages, tx_bytes[2])))
@@ -281,15 +326,16 @@ class HopperBwd:
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
                 if warp_idx == 0:
-                    self.produce((tma_q, tma_do, tma_k, tma_v), (mQ, mdO, mK, mV), smem, pipes,
-                                 seq, head, head_kv, n_block, m_min, m_max)
+                    self.produce((tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta),
+                                 (mQ, mdO, mK, mV, mLSElog2, mDelta), smem, pipes, seq, head,
+                                 head_kv, n_block, m_min, m_max)
                 if cutlass.const_expr(self.dq_tma):
                     if warp_idx == _DQ_WRITER_WARP:
                         self.write_dq(tma_dq, mdQaccum, smem, seq, head, order, m_min, m_max)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
                 tidx = cute.arch.thread_idx()[0] - 128
-                step = BwdStep(self, tidx, seq, mmas, smem, mLSElog2, mDelta, mdQaccum, head,
+                step = BwdStep(self, tidx, seq, mmas, smem, (mLSElog2, mDelta), mdQaccum, head,
                                scale_log2, scale_div_cap, win_left, win_right, order)
                 self.consume(step, pipes, m_min, m_max, n_block)
                 self.store_dkv(step, mmas, tidx, seq, mdK, mdV, head, n_block, softmax_scale)
@@ -309,8 +355,8 @@ class HopperBwd:
         """Warp 0, all 32 lanes: `producer_acquire` elects the lane that arms the barrier, the
         TMA copy elects its own issuing lane. K and V are loaded even when no query tile sees
         this block, so the consumers' one wait is unconditional."""
-        tma_q, tma_do, tma_k, tma_v = atoms
-        mQ, mdO, mK, mV = tensors
+        tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta = atoms
+        mQ, mdO, mK, mV, mLSE, mDelta = tensors
         pipe_kv, pipe_q, pipe_do = pipes
         gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (None, 0))
         gdO = cute.local_tile(seq.q_view(mdO, head), (self.tile_m, self.hdim_v), (None, 0))
@@ -320,6 +366,12 @@ class HopperBwd:
         tdOsdO, tdOgdO = tma_partition(tma_do, smem.sdO, gdO)
         tKsK, tKgK = tma_partition(tma_k, smem.sK, gK)
         tVsV, tVgV = tma_partition(tma_v, smem.sV, gV)
+        stats = None
+        if cutlass.const_expr(self.stats_tma):
+            stats = [tma_partition(atom, s, cute.local_tile(seq.lse_view(m, head), (self.tile_m,),
+                                                            (None,)), rank=1)
+                     for atom, s, m in ((tma_lse, smem.sLSE, mLSE),
+                                        (tma_delta, smem.sDelta, mDelta))]
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
@@ -330,11 +382,17 @@ class HopperBwd:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             pipe_q.producer_acquire(state)
-            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index],
-                      tma_bar_ptr=pipe_q.producer_get_barrier(state))
+            bar = pipe_q.producer_get_barrier(state)
+            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+            if cutlass.const_expr(self.stats_tma):
+                cute.copy(tma_lse, stats[0][1][None, m_block], stats[0][0][None, state.index],
+                          tma_bar_ptr=bar)
             pipe_do.producer_acquire(state)
-            cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index],
-                      tma_bar_ptr=pipe_do.producer_get_barrier(state))
+            bar = pipe_do.producer_get_barrier(state)
+            cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
+            if cutlass.const_expr(self.stats_tma):
+                cute.copy(tma_delta, stats[1][1][None, m_block],
+                          stats[1][0][None, state.index], tma_bar_ptr=bar)
             state.advance()
 
     @cute.jit
@@ -346,7 +404,7 @@ class HopperBwd:
         Padded inputs: the rows of a tile past seqlen_q lie outside the tensor, and TMA clips
         them. Varlen: they are the next sequence's rows (TMA clips only at the end of the
         packed tensor) and get this tile's rows added. Those rows are exactly ±0: they have
-        LSE = +inf (`row_stats`), so P = exp2(S·scale_log2 − inf) = 0, dS = P ∘ (dP − Δ) = ±0
+        LSE = +inf (`tile_row_values`), so P = exp2(S·scale_log2 − inf) = 0, dS = P ∘ (dP − Δ) = ±0
         and dQ = dS K = ±0; adding ±0 changes no dQaccum value (never −0: it starts at +0),
         in any order, so determinism holds too. That needs finite values in the rows TMA
         reads, which dK = dSᵀ Q and dV = Pᵀ dO (summing over those rows) and the Hopper
@@ -407,9 +465,12 @@ class SmemTiles(DslState):
         self.sdO = get(storage.sdO, sdO_layout)
         self.sK = get(storage.sK, sK_layout)
         self.sV = get(storage.sV, sV_layout)
-        self.sP = get(storage.sP, sPdS_layout)
+        self.sP = None if cfg.swap_sdp else get(storage.sP, sPdS_layout)
         self.sdS = get(storage.sdS, sPdS_layout)
         self.sdQ = get(storage.sdQ, sdQ_layout) if cfg.dq_tma else None
+        stats = cute.make_layout((cfg.tile_m, cfg.q_stages))
+        self.sLSE = storage.sLSE.get_tensor(stats)
+        self.sDelta = storage.sDelta.get_tensor(stats)
 
 
 class DqOrder(DslState):
@@ -441,8 +502,8 @@ class BwdStep(DslState):
     """One consumer thread's view of the five GEMMs and the per-query-tile math; holds the dK
     and dV accumulators across the loop."""
 
-    def __init__(self, cfg: HopperBwd, tidx, seq, mmas, smem: SmemTiles, mLSElog2, mDelta,
-                 mdQaccum, head, scale_log2, scale_div_cap, win_left, win_right, order):
+    def __init__(self, cfg: HopperBwd, tidx, seq, mmas, smem: SmemTiles, stats, mdQaccum, head,
+                 scale_log2, scale_div_cap, win_left, win_right, order):
         self.cfg, self.seq, self.tidx, self.order = cfg, seq, tidx, order
         self.scale_log2, self.scale_div_cap = scale_log2, scale_div_cap
         self.win_left, self.win_right = win_left, win_right
@@ -453,13 +514,19 @@ class BwdStep(DslState):
         self.thr_sdp, self.thr_dq = thr_sdp, thr_dq
         frag_a = lambda thr, s: thr.make_fragment_A(thr.partition_A(s))  # noqa: E731
         frag_b = lambda thr, s: thr.make_fragment_B(thr.partition_B(s))  # noqa: E731
-        self.tSrQ, self.tSrK = frag_a(thr_sdp, smem.sQ), frag_b(thr_sdp, smem.sK)
-        self.tdPrdO, self.tdPrV = frag_a(thr_sdp, smem.sdO), frag_b(thr_sdp, smem.sV)
-        self.tdVrPt = frag_a(thr_dv, transpose_view(smem.sP))
+        if cutlass.const_expr(cfg.swap_sdp):
+            # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ; Pᵀ and dSᵀ stay in registers as dV's and dK's A.
+            self.tSrK, self.tSrQ = frag_a(thr_sdp, smem.sK), frag_b(thr_sdp, smem.sQ)
+            self.tdPrV, self.tdPrdO = frag_a(thr_sdp, smem.sV), frag_b(thr_sdp, smem.sdO)
+            self.tdQrdS = frag_a(thr_dq, transpose_view(smem.sdS))
+        else:
+            self.tSrQ, self.tSrK = frag_a(thr_sdp, smem.sQ), frag_b(thr_sdp, smem.sK)
+            self.tdPrdO, self.tdPrV = frag_a(thr_sdp, smem.sdO), frag_b(thr_sdp, smem.sV)
+            self.tdVrPt = frag_a(thr_dv, transpose_view(smem.sP))
+            self.tdKrdSt = frag_a(thr_dk, transpose_view(smem.sdS))
+            self.tdQrdS = frag_a(thr_dq, smem.sdS)
         self.tdVrdOt = frag_b(thr_dv, transpose_view(smem.sdO))
-        self.tdKrdSt = frag_a(thr_dk, transpose_view(smem.sdS))
         self.tdKrQt = frag_b(thr_dk, transpose_view(smem.sQ))
-        self.tdQrdS = frag_a(thr_dq, smem.sdS)
         self.tdQrKt = frag_b(thr_dq, transpose_view(smem.sK))
 
         self.acc_dk = cute.make_rmem_tensor(thr_dk.partition_shape_C((cfg.tile_n, cfg.hdim)),
@@ -469,10 +536,10 @@ class BwdStep(DslState):
         self.acc_dk.fill(0.0)
         self.acc_dv.fill(0.0)
 
-        self.coord_s = acc_to_mn(thr_sdp.partition_C(
-            cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))))
-        self.g_lse = seq.lse_view(mLSElog2, head)
-        self.g_delta = seq.lse_view(mDelta, head)
+        self.coord_s = self.scores_view(thr_sdp.partition_C(_score_coords(cfg)))
+        self.sLSE, self.sDelta = smem.sLSE, smem.sDelta
+        # Without their TMA (varlen): the (seqlen_q,) global views.
+        self.g_lse, self.g_delta = (seq.lse_view(t, head) for t in stats)
         self.mask = AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.causal,
                                   win_left, win_right)
         # P and dS leave the S accumulator layout by stmatrix: four 8x8 blocks per
@@ -480,7 +547,7 @@ class BwdStep(DslState):
         self.r2s_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), cfg.dtype)
         self.thr_r2s = cute.make_tiled_copy_C(self.r2s_atom, mma_sdp).get_slice(tidx)
-        self.tPsP = self.thr_r2s.partition_D(smem.sP)
+        self.tPsP = None if cfg.swap_sdp else self.thr_r2s.partition_D(smem.sP)
         self.tdSsdS = self.thr_r2s.partition_D(smem.sdS)
         self.pds_barrier = pipeline.NamedBarrier(barrier_id=_PDS_BARRIER_ID,
                                                  num_threads=cfg.num_consumer_threads)
@@ -502,23 +569,96 @@ class BwdStep(DslState):
             self.g_dq = seq.q_view(mdQaccum, head)
 
     @cute.jit
+    def row_values(self, m_block: Int32, stage, lse: cutlass.Constexpr[bool]):
+        """This thread's query rows of LSE₂ (+inf outside the sequence) or Δ (0 outside) of
+        tile `m_block` (`tile_row_values`): from shared memory, or without their TMA from
+        global memory, clamped to the sequence's last row."""
+        cfg = self.cfg
+        outside = Float32.inf if lse else Float32(0.0)
+        valid_rows = self.seq.seqlen_q - m_block * cfg.tile_m
+        if cutlass.const_expr(cfg.stats_tma):
+            t = (self.sLSE if lse else self.sDelta)[None, stage]
+            return tile_row_values(self.coord_s, valid_rows, t, outside)
+        t = cute.local_tile(self.g_lse if lse else self.g_delta, (cfg.tile_m,), (m_block,))
+        return tile_row_values(self.coord_s, valid_rows, t, outside, clamp=True)
+
+    @cute.jit
+    def row_stats(self, m_block: Int32, stage):
+        """(LSE₂, Δ) of this thread's query rows of tile `m_block`."""
+        return self.row_values(m_block, stage, True), self.row_values(m_block, stage, False)
+
+    def scores_view(self, acc: cute.Tensor) -> cute.Tensor:
+        """A score-shaped accumulator (or its coordinates) as (query rows, key cols), the
+        blocks' view: with swap_sdp the accumulator holds Sᵀ, so its (rows, cols) swap."""
+        mn = acc_to_mn(acc)
+        if cutlass.const_expr(self.cfg.swap_sdp):
+            return permute(mn, (1, 0))
+        return mn
+
+    @cute.jit
     def run(self, pipe_q, pipe_do, state, m_block: Int32, n_block: Int32):
         """Query tile `m_block` against this CTA's keys (steps 1-5 of `HopperBwd`)."""
+        if cutlass.const_expr(self.cfg.swap_sdp):
+            self.run_swapped(pipe_q, pipe_do, state, m_block, n_block)
+        else:
+            self.run_smem_p(pipe_q, pipe_do, state, m_block, n_block)
+
+    @cute.jit
+    def run_swapped(self, pipe_q, pipe_do, state, m_block: Int32, n_block: Int32):
+        """swap_sdp: Sᵀ and dPᵀ per warpgroup's 64 keys; dV += Pᵀ dO and dK += dSᵀ Q with A
+        from registers; only dSᵀ goes to shared memory, for dQ."""
+        cfg = self.cfg
+        stage = state.index
+        pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
+        pipe_q.consumer_wait(state)
+        acc_s = self.new_acc_s()
+        gemm(self.mma_sdp, acc_s, self.tSrK, self.tSrQ, 0, stage, False)
+        pipe_do.consumer_wait(state)
+        acc_dp = self.new_acc_s()
+        gemm(self.mma_sdp, acc_dp, self.tdPrV, self.tdPrdO, 0, stage, False)
+        s_qk, dp_qk = self.scores_view(acc_s), self.scores_view(acc_dp)
+        if cutlass.const_expr(cfg.pds_stages == 1):
+            self.pds_barrier.arrive_and_wait()
+        warpgroup.wait_group(0 if cutlass.const_expr(cfg.has_softcap) else 1)
+        self.mask_scores(s_qk, m_block, n_block)
+        # A thread holds 16 queries' columns here, not 2 rows: LSE₂ and Δ are each read just
+        # before their use, so that both are never live at once.
+        if cutlass.const_expr(cfg.has_softcap):
+            lse, delta = self.row_stats(m_block, stage)
+            p_and_ds(s_qk, dp_qk, lse, delta, self.scale_log2, True)
+        else:
+            probs(s_qk, self.row_values(m_block, stage, True), self.scale_log2)
+        r_p = self.to_dtype(acc_s)
+        gemm_rs(self.mma_dv, self.acc_dv, acc_to_operand_a(r_p), self.tdVrdOt, stage)
+        if cutlass.const_expr(not cfg.has_softcap):
+            warpgroup.wait_group(1)  # dP; dV still runs
+            ds_from_probs(s_qk, dp_qk, self.row_values(m_block, stage, False))
+        r_ds = self.to_dtype(acc_dp)
+        cute.copy(self.r2s_atom, self.thr_r2s.retile(r_ds), self.tdSsdS[None, None, None, pds])
+        cute.arch.fence_view_async_shared()
+        self.pds_barrier.arrive_and_wait()
+        acc_dq = cute.make_rmem_tensor(
+            self.thr_dq.partition_shape_C((cfg.tile_m, cfg.hdim)), Float32)
+        gemm(self.mma_dq, acc_dq, self.tdQrdS, self.tdQrKt, pds, 0, False)
+        gemm_rs(self.mma_dk, self.acc_dk, acc_to_operand_a(r_ds), self.tdKrQt, stage)
+        self.finish_dq(pipe_q, pipe_do, state, acc_dq, m_block)
+
+    @cute.jit
+    def run_smem_p(self, pipe_q, pipe_do, state, m_block: Int32, n_block: Int32):
+        """P and dS both through shared memory (tile_n 64)."""
         cfg = self.cfg
         stage = state.index
         # Stage m's index: consecutive query tiles alternate P/dS buffers. A warpgroup writes
         # tile m+1's only after the dS barrier of tile m, which the other reaches after its
         # tile m-1 GEMMs (the last readers of that buffer) completed.
         pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
-        # Global loads issued first, so their latency hides under the two GEMMs.
-        lse, delta = row_stats(self.coord_s, m_block, cfg.tile_m, self.seq.seqlen_q,
-                               self.g_lse, self.g_delta)
         pipe_q.consumer_wait(state)
         acc_s = self.new_acc_s()
         gemm(self.mma_sdp, acc_s, self.tSrQ, self.tSrK, stage, 0, False)
         pipe_do.consumer_wait(state)
         acc_dp = self.new_acc_s()
         gemm(self.mma_sdp, acc_dp, self.tdPrdO, self.tdPrV, stage, 0, False)
+        lse, delta = self.row_stats(m_block, stage)
         s_mn, dp_mn = acc_to_mn(acc_s), acc_to_mn(acc_dp)
         if cutlass.const_expr(cfg.pds_stages == 1):
             # One P/dS buffer: both warpgroups' GEMMs of the previous tile are done with it.
@@ -552,6 +692,13 @@ class BwdStep(DslState):
             self.thr_dq.partition_shape_C((cfg.tile_m, cfg.hdim)), Float32)
         gemm(self.mma_dq, acc_dq, self.tdQrdS, self.tdQrKt, pds, 0, False)
         gemm(self.mma_dk, self.acc_dk, self.tdKrdSt, self.tdKrQt, pds, state.index, True)
+        self.finish_dq(pipe_q, pipe_do, state, acc_dq, m_block)
+
+    @cute.jit
+    def finish_dq(self, pipe_q, pipe_do, state, acc_dq, m_block: Int32):
+        """With dV, dQ and then dK in flight: dQ leaves while dK runs, then Q and dO are
+        released."""
+        cfg = self.cfg
         warpgroup.wait_group(1)  # dV and dQ; dK still runs
         pipe_do.consumer_release(state)
         if cutlass.const_expr(cfg.dq_tma):
@@ -585,13 +732,18 @@ class BwdStep(DslState):
     def to_smem(self, acc: cute.Tensor, t_smem: cute.Tensor, stage):
         """A score-shaped fp32 accumulator, converted to 16 bits, into stage `stage` of a
         P/dS tile."""
-        r = cute.make_rmem_tensor_like(acc, self.cfg.dtype)
-        r.store(acc.load().to(self.cfg.dtype))
+        r = self.to_dtype(acc)
         cute.copy(self.r2s_atom, self.thr_r2s.retile(r), t_smem[None, None, None, stage])
 
+    @cute.jit
+    def to_dtype(self, acc: cute.Tensor) -> cute.Tensor:
+        r = cute.make_rmem_tensor_like(acc, self.cfg.dtype)
+        r.store(acc.load().to(self.cfg.dtype))
+        return r
+
     def new_acc_s(self) -> cute.Tensor:
-        return cute.make_rmem_tensor(
-            self.thr_sdp.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n)), Float32)
+        return cute.make_rmem_tensor(self.thr_sdp.partition_shape_C(_score_shape(self.cfg)),
+                                     Float32)
 
     @cute.jit
     def dq_to_smem(self, acc_dq: cute.Tensor):
@@ -638,6 +790,35 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.T
     warpgroup.commit_group()
 
 
+def _score_shape(cfg: HopperBwd) -> tuple:
+    """The S/dP accumulator's (M, N): (queries, keys), or (keys, queries) with swap_sdp."""
+    return (cfg.tile_n, cfg.tile_m) if cfg.swap_sdp else (cfg.tile_m, cfg.tile_n)
+
+
+def _score_coords(cfg: HopperBwd) -> cute.Tensor:
+    """(query, key) coordinates laid out like the S/dP accumulator's tile: with swap_sdp,
+    position (key, query) holds the coordinate (query, key)."""
+    ident = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
+    if cutlass.const_expr(cfg.swap_sdp):
+        return cute.composition(ident, cute.make_layout((cfg.tile_n, cfg.tile_m),
+                                                        stride=(cfg.tile_m, 1)))
+    return ident
+
+
+@cute.jit
+def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+            stage_b):
+    """Issue acc += A · B[stage_b] with A (16-bit, a converted accumulator viewed by
+    `acc_to_operand_a`) from registers, as one committed group; A's registers must stay
+    untouched until it completes."""
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k, stage_b], acc)
+    warpgroup.commit_group()
+
+
 def registers_per_role() -> dict:
     """setmaxnreg budgets of each role, for `inspect`."""
     return {"producer": PRODUCER_REGISTERS, "consumer": CONSUMER_REGISTERS}
@@ -663,7 +844,7 @@ def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, dkv_fp32: bo
         else None
     return (fake_tensor(dtype, qs + (h, hdim)), fake_tensor(dtype, ks + (hk, hdim)),
             fake_tensor(dtype, ks + (hk, hdim_v)), fake_tensor(dtype, qs + (h, hdim_v)),
-            fake_tensor(Float32, rows, align=4), fake_tensor(Float32, rows, align=4),
+            fake_tensor(Float32, rows, align=16), fake_tensor(Float32, rows, align=16),
             fake_tensor(Float32, qs + (h, hdim), align=16),
             fake_tensor(dkv_dtype, ks + (h, hdim), align=dkv_align),
             fake_tensor(dkv_dtype, ks + (h, hdim_v), align=dkv_align),

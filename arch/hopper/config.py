@@ -57,14 +57,38 @@ def smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
 
 # ---------------------------------------------------------------- backward
 
-# hdim -> (tile_m, tile_n, q_stages). The CTA owns tile_n keys (dK and dV stay in the consumers'
-# registers for the whole query loop) and streams tile_m query rows at a time through a
-# q_stages ring of Q and dO. FA3's shapes: 64 x 128 up to hdim 128 (dK + dV = hdim/2 + hdim_v/2
+class BwdConfig(NamedTuple):
+    """A backward kernel's compile-time schedule: the CTA owns tile_n keys (dK and dV stay in
+    the consumers' registers for the whole query loop) and streams tile_m query rows at a time
+    through a q_stages ring of Q and dO.
+
+    swap_sdp (FA3's SdP_swapAB): S and dP are computed transposed (Sᵀ = K Qᵀ, keys on WGMMA's
+    M), so each consumer warpgroup holds Pᵀ and dSᵀ of its own 64 keys in the layout of the A
+    operand of dV += Pᵀ dO and dK += dSᵀ Q: those two GEMMs take A from registers and P never
+    goes through shared memory. Needs tile_n = 128 (64 keys per warpgroup)."""
+    tile_m: int
+    tile_n: int
+    q_stages: int
+    swap_sdp: bool = False
+
+
+# hdim -> BwdConfig. FA3's shapes: 64 x 128 up to hdim 128 (dK + dV = hdim/2 + hdim_v/2
 # registers per thread, S and dP 32 each), 64 x 64 beyond so dK/dV still fit and Q, dO (2
 # stages), K, V, P and dS stay inside 227 KiB (hdim 256: 64 + 64 + 32 + 32 + 2 * (8 + 8) KiB
 # with P and dS double-buffered; what else fits is `bwd_smem_plan`'s).
-BWD_TILES = {64: (64, 128, 2), 96: (64, 128, 2), 128: (64, 128, 2), 192: (64, 64, 2),
-             256: (64, 64, 2)}
+# swap_sdp where it measured faster on the H200 (docs/perf.md, 2026-11-29): hdim 64 +2-5 %;
+# at hdim 128 it was 0-6 % slower, so P stays in shared memory there (and at 96, unmeasured).
+BWD_TILES = {64: BwdConfig(64, 128, 2, True), 96: BwdConfig(64, 128, 2),
+             128: BwdConfig(64, 128, 2), 192: BwdConfig(64, 64, 2),
+             256: BwdConfig(64, 64, 2)}
+
+def bwd_tile(hdim: int, varlen: bool = False) -> BwdConfig:
+    """The backward schedule of a head dim. Varlen keeps P in shared memory: it reads LSE₂ and
+    Δ from global memory (`HopperBwd.stats_tma`), and with swap_sdp a thread's 16 query
+    columns of them (and their addresses) spill."""
+    tile = BWD_TILES[hdim]
+    return tile._replace(swap_sdp=False) if varlen else tile
+
 
 BWD_SUPPORTED_HDIMS = frozenset({(d, d) for d in BWD_TILES} | {(192, 128)})
 
@@ -72,19 +96,23 @@ BWD_SUPPORTED_HDIMS = frozenset({(d, d) for d in BWD_TILES} | {(192, 128)})
 def bwd_mma_splits(tile: tuple) -> dict:
     """How the two consumer warpgroups split each GEMM's (M, N) (WGMMA's M is 64 per
     warpgroup): S/dP (tile_m x tile_n) and dQ (tile_m x hdim) split N, as tile_m is 64; dK/dV
-    (tile_n x hdim) split M when tile_n is 128, else N."""
-    tile_m, tile_n, _ = tile
-    if tile_m != 64 or tile_n not in (64, 128):
-        raise ValueError(f"backward tile must be 64 x (64 | 128), got {tile_m} x {tile_n}")
-    dkv = (2, 1) if tile_n == 128 else (1, 2)
-    return {"sdp": (1, 2), "dq": (1, 2), "dkv": dkv}
+    (tile_n x hdim) split M when tile_n is 128, else N. With swap_sdp, Sᵀ/dPᵀ
+    (tile_n x tile_m) split M: each warpgroup's keys are then its dK/dV rows."""
+    cfg = BwdConfig(*tile)
+    if cfg.tile_m != 64 or cfg.tile_n not in (64, 128):
+        raise ValueError(f"backward tile must be 64 x (64 | 128), got {cfg.tile_m} x {cfg.tile_n}")
+    if cfg.swap_sdp and cfg.tile_n != 128:
+        raise ValueError("swap_sdp needs tile_n = 128 (64 keys per consumer warpgroup)")
+    dkv = (2, 1) if cfg.tile_n == 128 else (1, 2)
+    return {"sdp": (2, 1) if cfg.swap_sdp else (1, 2), "dq": (1, 2), "dkv": dkv}
 
 
 class BwdSmemPlan(NamedTuple):
     """What the backward keeps in shared memory besides Q, dO, K and V.
 
     pds_stages: P and dS tiles (1, or q_stages: then tile m uses stage m's index, and a warpgroup
-    writing P of tile m+1 cannot overwrite what the other is still reading for tile m).
+    writing P of tile m+1 cannot overwrite what the other is still reading for tile m); with
+    swap_sdp there is no P tile.
     dq_tma: a tile_m x hdim fp32 dQ tile, added to dQaccum by a TMA reduce-add; without it
     the consumers add dQ with fp32 atomics (hdim 256: 64 KiB more does not fit)."""
     pds_stages: int
@@ -96,15 +124,18 @@ def bwd_smem_plan(hdim: int, hdim_v: int, tile: tuple) -> BwdSmemPlan:
     """The largest layout that fits SMEM_CAPACITY: the dQ tile first (it replaces hdim / 4
     fp32 atomics per consumer thread and query tile by one TMA), then double-buffered P and dS
     (one barrier less per query tile). Sizes follow `HopperBwd`'s SharedStorage: mbarriers
-    (K/V once, full + empty per stage of Q and dO), the Q and dO rings, K, V, P and dS, the dQ
-    tile, each 1 KiB aligned."""
-    tile_m, tile_n, stages = tile
-    align = lambda b: -(-b // 1024) * 1024  # noqa: E731
-    base = (align(8 * (2 + 4 * stages)) + align(stages * tile_m * hdim * 2)
+    (K/V once, full + empty per stage of Q and dO) with the LSE₂ and Δ rings, then the Q and dO
+    rings, K, V, P and dS, the dQ tile, each 1 KiB aligned."""
+    tile_m, tile_n, stages, swap_sdp = BwdConfig(*tile)
+    align = lambda b, to=1024: -(-b // to) * to  # noqa: E731
+    # The barriers, then the LSE₂ and Δ rings (fp32, 128-byte aligned for their TMA).
+    head = align(align(8 * (2 + 4 * stages), 128) + 2 * align(stages * tile_m * 4, 128))
+    base = (head + align(stages * tile_m * hdim * 2)
             + align(stages * tile_m * hdim_v * 2) + align(tile_n * hdim * 2)
             + align(tile_n * hdim_v * 2))
     pds, dq = align(tile_m * tile_n * 2), align(tile_m * hdim * 4)
-    plans = [BwdSmemPlan(p, d, base + 2 * p * pds + d * dq)
+    tiles = 1 if swap_sdp else 2
+    plans = [BwdSmemPlan(p, d, base + tiles * p * pds + d * dq)
              for d in (True, False) for p in (stages, 1)]
     return next(p for p in plans if p.smem_bytes <= SMEM_CAPACITY)
 

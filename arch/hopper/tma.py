@@ -28,10 +28,11 @@ def tma_load_atom(t: cute.Tensor, order, staged_layout, tile):
         cute.slice_(staged_layout, (None, None, 0)), tile)
 
 
-def tma_partition(atom, s: cute.Tensor, g: cute.Tensor):
-    """TMA partition (no multicast) of a staged shared-memory tile and its global tile(s)."""
-    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                 cute.group_modes(g, 0, 2))
+def tma_partition(atom, s: cute.Tensor, g: cute.Tensor, rank: int = 2):
+    """TMA partition (no multicast) of a staged shared-memory tile and its global tile(s), the
+    tile being the leading `rank` modes of both."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, rank),
+                                 cute.group_modes(g, 0, rank))
 
 
 def make_tma_pipelines(specs):
