@@ -1,12 +1,14 @@
-"""Ablation of the Hopper forward's schedule (FA3's two overlaps, tile, K/V stages), next to FA4
-and cuDNN in the same run.
+"""Ablation of the Hopper forward's schedule (FA3's two overlaps, the persistent tile
+scheduler, tile, K/V stages), next to FA4 and cuDNN in the same run.
 
     python bench/hopper_fwd_ablation.py [--hdim 64,128,256] [--seqlen 2048,8192] [--causal 0,1]
-                                        [--configs 128x128x2+ov+pp,128x128x2]
+                                        [--configs 128x128x2+ov+pp,128x128x2+ov+ps]
 
-A config is tile_m x tile_n x kv_stages, then +ov (intra-warpgroup overlap) and +pp
-(inter-warpgroup ping-pong); the default compares the table's tile with each overlap on and
-off. Prints TFLOP/s (4·b·h·s²·d, ÷2 causal) and the largest |O| difference from SDPA-flash.
+A config is tile_m x tile_n x kv_stages, then +ov (intra-warpgroup overlap), +pp
+(inter-warpgroup ping-pong) and +ps (persistent: one CTA per SM walking the tiles; also
+spelled +persistent). The default compares the table's schedule with persistence flipped and
+with each overlap on and off. Prints TFLOP/s (4·b·h·s²·d, ÷2 causal) and the largest |O|
+difference from SDPA-flash.
 """
 
 import argparse
@@ -20,16 +22,30 @@ from flash_cute.arch.hopper.config import TILES, FwdConfig
 from flash_cute.validation import validate_attention_inputs
 
 
+_SWITCHES = {"ov": "intra_wg_overlap", "pp": "pingpong", "ps": "persistent",
+             "persistent": "persistent"}
+
+
 def parse_config(text: str) -> FwdConfig:
     dims, *switches = text.split("+")
-    unknown = set(switches) - {"ov", "pp"}
+    unknown = set(switches) - set(_SWITCHES)
     if unknown:
-        raise SystemExit(f"unknown switch(es) {sorted(unknown)} in {text!r}: use +ov, +pp")
-    return FwdConfig(*map(int, dims.split("x")), "ov" in switches, "pp" in switches)
+        raise SystemExit(f"unknown switch(es) {sorted(unknown)} in {text!r}: use +ov, +pp, +ps")
+    on = {_SWITCHES[s] for s in switches}
+    return FwdConfig(*map(int, dims.split("x")), **{f: f in on for f in set(_SWITCHES.values())})
 
 
 def label(cfg: FwdConfig) -> str:
-    return "x".join(map(str, cfg[:3])) + "+ov" * cfg.intra_wg_overlap + "+pp" * cfg.pingpong
+    return ("x".join(map(str, cfg[:3])) + "+ov" * cfg.intra_wg_overlap + "+pp" * cfg.pingpong
+            + "+ps" * cfg.persistent)
+
+
+def default_configs(base: FwdConfig) -> list:
+    """The table's schedule, it with persistence flipped, and each overlap on and off."""
+    overlaps = [base._replace(intra_wg_overlap=o, pingpong=pp)
+                for o, pp in ((True, True), (True, False), (False, True), (False, False))]
+    return [base, base._replace(persistent=not base.persistent)] \
+        + [c for c in overlaps if c != base]
 
 
 def peers(q, k, v, causal):
@@ -59,8 +75,7 @@ def main():
     for hdim in map(int, args.hdim.split(",")):
         base = TILES[hdim]
         configs = ([parse_config(c) for c in args.configs.split(",")] if args.configs else
-                   [base._replace(intra_wg_overlap=o, pingpong=pp)
-                    for o, pp in ((True, True), (True, False), (False, True), (False, False))])
+                   default_configs(base))
         for seqlen in map(int, args.seqlen.split(",")):
             batch, nheads = 16384 // seqlen, 2048 // hdim
             for causal in map(bool, map(int, args.causal.split(","))):

@@ -75,14 +75,16 @@ class BwdPreprocessKernel:
     |       | Delta; LSElog2 one thread per row (coalesced)                                  |
 
     O, dO: padded [b, sq, h, dv] or varlen [total_q, h, dv]; LSE, dLSE, Delta, LSElog2: fp32
-    padded [b, h, sq] or varlen [h, total_q]. Rows past a sequence's length are neither read
-    nor written.
+    padded [b, h, sq] or varlen [h, total_q]. Rows past a sequence's length (seqused_q[b] when
+    given) are neither read nor written: the main kernels never read their Delta or LSElog2
+    (`bwd_blocks.row_stats` and `tile_row_stats` stand in P = 0 for them).
     """
 
     num_threads = 128
     vectors_per_thread = 8
 
-    def __init__(self, dtype, hdim_v: int, varlen: bool = False, has_dlse: bool = False):
+    def __init__(self, dtype, hdim_v: int, varlen: bool = False, has_dlse: bool = False,
+                 has_seqused: bool = False):
         self.vec = 128 // dtype.width
         if hdim_v % self.vec != 0:
             raise ValueError(f"hdim_v must be a multiple of {self.vec} (128-bit loads), "
@@ -91,28 +93,32 @@ class BwdPreprocessKernel:
         self.hdim_v = hdim_v
         self.varlen = varlen
         self.has_dlse = has_dlse
+        self.has_seqused = has_seqused
         self.threads_per_row, self.tile_m = _row_split(
             hdim_v // self.vec, self.num_threads, self.vectors_per_thread)
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mdLSE: Optional[cute.Tensor], mDelta: cute.Tensor, mLSElog2: cute.Tensor,
-                 mCuSeqlensQ: Optional[cute.Tensor], max_seqlen_q: Int32, stream: cuda.CUstream):
-        """Varlen: cu_seqlens_q [b + 1] int32; max_seqlen_q sizes the grid."""
+                 mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+                 max_seqlen_q: Int32, stream: cuda.CUstream):
+        """Varlen: cu_seqlens_q [b + 1] int32; seqused_q [b] int32 or None; max_seqlen_q sizes
+        the grid."""
         mO, mdO = (assume_aligned_strides(t, self.vec) for t in (mO, mdO))
         batch = SeqInfo.num_batches(mO, mCuSeqlensQ)
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mO.shape[-2], batch)
         load = _row_copy(self.dtype, self.vec, self.threads_per_row, self.num_threads)
-        self.kernel(mO, mdO, mLSE, mdLSE, mDelta, mLSElog2, mCuSeqlensQ, load).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mDelta, mLSElog2, mCuSeqlensQ, mSeqUsedQ, load).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                mdLSE: Optional[cute.Tensor], mDelta: cute.Tensor, mLSElog2: cute.Tensor,
-               mCuSeqlensQ: Optional[cute.Tensor], load: cute.TiledCopy):
+               mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+               load: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        seq = SeqInfo(batch, mO.shape[1], mO.shape[1], mCuSeqlensQ, mCuSeqlensQ)
+        seq = SeqInfo(batch, mO.shape[1], mO.shape[1], mCuSeqlensQ, mCuSeqlensQ, mSeqUsedQ)
         valid_rows = seq.seqlen_q - m_block * self.tile_m
         if valid_rows > 0:
             self.store_lse_log2(self.row_tile(seq.lse_view(mLSE, head), m_block),
@@ -248,12 +254,14 @@ def build_for_inspect(cfg):
         shape = q_rows + (cfg.hdim,)
         return CompileSpec(kernel, (fake_tensor(Float32, shape), fake_tensor(dtype, shape),
                                     Float32(0.125), fake_stream()))
-    kernel = BwdPreprocessKernel(dtype, cfg.hdim_v, flags["varlen"], flags["dlse"])
+    kernel = BwdPreprocessKernel(dtype, cfg.hdim_v, flags["varlen"], flags["dlse"],
+                                 flags.get("seqused_q", False))
     o = tuple(fake_tensor(dtype, q_rows + (cfg.hdim_v,)) for _ in range(2))
     vecs = [fake_tensor(Float32, row_vec, align=4) for _ in range(4)]
     dlse = vecs[1] if kernel.has_dlse else None
-    cu = fake_tensor(Int32, (dynamic_dim(),), align=4) if kernel.varlen else None
-    args = o + (vecs[0], dlse, vecs[2], vecs[3], cu, Int32(1), fake_stream())
+    cu, used = (fake_tensor(Int32, (dynamic_dim(),), align=4) if on else None
+                for on in (kernel.varlen, kernel.has_seqused))
+    args = o + (vecs[0], dlse, vecs[2], vecs[3], cu, used, Int32(1), fake_stream())
     return CompileSpec(kernel, args)
 
 
@@ -270,14 +278,15 @@ def _vector_arg(t):
 
 
 def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=None,
-                   delta=None, lse_log2=None):
+                   delta=None, lse_log2=None, seqused_q=None):
     """Delta and LSElog2 on the GPU, for inputs as `validate_backward_inputs` accepts them.
 
     out, dout: padded [b, sq, h, dv] or varlen [total_q, h, dv] (bf16/fp16, 16-byte aligned
     rows, dv % 8 == 0); lse, dlse: fp32 [b, h, sq] or [h, total_q]; cu_seqlens_q: int32 [b + 1]
-    for varlen, with `max_seqlen_q` its longest sequence (computed, with a host sync, when None).
-    Returns (delta, lse_log2), fp32 shaped like lse, written into `delta`/`lse_log2` when given;
-    entries of rows outside every sequence are left as they were.
+    for varlen, with `max_seqlen_q` its longest sequence (computed, with a host sync, when None);
+    seqused_q: int32 [b], the rows of each sequence used (at most `max_seqlen_q`). Returns (delta, lse_log2), fp32 shaped like lse, written into
+    `delta`/`lse_log2` when given; entries of rows outside every sequence, or past
+    seqused_q[b], are left as they were.
     """
     import torch
 
@@ -294,12 +303,14 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
     if delta.numel() == 0 or max_seqlen_q == 0:
         return delta, lse_log2
     dtype, hdim_v = dtype_name(out.dtype), out.shape[-1]
-    kernel = BwdPreprocessKernel(DTYPES[dtype], hdim_v, varlen, dlse is not None)
+    kernel = BwdPreprocessKernel(DTYPES[dtype], hdim_v, varlen, dlse is not None,
+                                 seqused_q is not None)
     key = CompileKey("blocks.bwd.preprocess", current_arch(), dtype, None, hdim_v,
-                     (kernel.tile_m, hdim_v), (("dlse", kernel.has_dlse), ("varlen", varlen)))
+                     (kernel.tile_m, hdim_v), (("dlse", kernel.has_dlse), ("varlen", varlen),
+                                               ("seqused_q", kernel.has_seqused)))
     args = (to_cute_tensor(out), to_cute_tensor(dout), _vector_arg(lse), _vector_arg(dlse),
             _vector_arg(delta), _vector_arg(lse_log2), _vector_arg(cu_seqlens_q),
-            Int32(max_seqlen_q), current_stream())
+            _vector_arg(seqused_q), Int32(max_seqlen_q), current_stream())
     compile_cache.get(key, lambda: cute.compile(kernel, *args))(*args)
     return delta, lse_log2
 

@@ -4,7 +4,9 @@ layouts and return convention ``(out, lse)``, and the dispatch to an arch pipeli
 Dispatch picks the newest pipeline that is built and runs on the device; ``arch=`` forces one
 (e.g. ``arch="ampere"`` runs the sm80 pipeline on a Hopper GPU, for per-arch comparison). The
 backward runs in the forward's pipeline when it has one, else in the newest pipeline with a
-backward for the device: the forward's (O, LSE) are the same in every pipeline.
+backward for the device: the forward's (O, LSE) are the same in every pipeline. A pipeline
+that lacks a capability a problem needs (today: seqused_q / seqused_k, declared by a pipeline's
+``SUPPORTS_SEQUSED``) is never the default for it, and refuses it before any launch.
 """
 
 from typing import Optional, Tuple
@@ -43,17 +45,41 @@ def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=No
 
 
 def _takes_by_default(name: str, problem) -> bool:
+    if problem is None:
+        return True
+    if missing_capability(name, problem) is not None:
+        return False
     default_for = getattr(_pipeline_module(name), "default_for", None)
-    return problem is None or default_for is None or default_for(problem)
+    return default_for is None or default_for(problem)
 
 
-def select_backward_pipeline(device: torch.device, forward_pipeline: str) -> str:
-    """The forward's pipeline if it has a backward, else the newest default one that does."""
+def missing_capability(name: str, problem) -> Optional[str]:
+    """What pipeline `name` lacks to run `problem` at all (None if nothing). A generic check
+    here, so a pipeline's own `check_supported` need not know every newer feature."""
+    uses_seqused = problem.has_seqused_q or problem.has_seqused_k
+    if uses_seqused and not getattr(_pipeline_module(name), "SUPPORTS_SEQUSED", False):
+        return "seqused_q/seqused_k"
+    return None
+
+
+def check_capabilities(name: str, problem) -> None:
+    """NotImplementedError, before any launch, when pipeline `name` cannot run `problem`."""
+    missing = missing_capability(name, problem)
+    if missing is not None:
+        takers = [n for n in PIPELINES if missing_capability(n, problem) is None]
+        raise NotImplementedError(f"{missing}: the {name} pipeline does not support them yet; "
+                                  f"pipelines that do: {', '.join(takers) or 'none'}")
+
+
+def select_backward_pipeline(device: torch.device, forward_pipeline: str, problem=None) -> str:
+    """The forward's pipeline if it has a backward, else the newest default one that does (and
+    can run `problem`, when given)."""
     if hasattr(_pipeline_module(forward_pipeline), "backward"):
         return forward_pipeline
     major = torch.cuda.get_device_capability(device)[0]
     for name in DEFAULT_ORDER:
-        if major in PIPELINES[name][0] and hasattr(_pipeline_module(name), "backward"):
+        if (major in PIPELINES[name][0] and hasattr(_pipeline_module(name), "backward")
+                and (problem is None or missing_capability(name, problem) is None)):
             return name
     raise NotImplementedError(f"no pipeline has a backward for compute capability {major}.x")
 
@@ -66,17 +92,19 @@ def _pipeline_module(name: str):
 
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, problem: AttentionProblem, pipeline: str,
-                bwd_pipeline: Optional[str], deterministic: bool):
-        out, lse = _pipeline_module(pipeline).forward(q, k, v, problem, cu_seqlens_q, cu_seqlens_k)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                problem: AttentionProblem, pipeline: str, bwd_pipeline: Optional[str],
+                deterministic: bool):
+        out, lse = _pipeline_module(pipeline).forward(q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
+                                                      **_seqused_kwargs(seqused_q, seqused_k))
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.problem, ctx.pipeline, ctx.deterministic = problem, bwd_pipeline, deterministic
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
         dout = _kernel_ready(torch.zeros_like(out) if dout is None else dout)
         # dlse is None unless the loss used the LSE (grads are not materialized).
         dlse = None if dlse is None else dlse.contiguous()
@@ -84,8 +112,16 @@ class _FlashAttnFunc(torch.autograd.Function):
         with torch.cuda.device(q.device):
             dq, dk, dv = _pipeline_module(ctx.pipeline).backward(
                 dout, dlse, q, k, v, out, lse, ctx.problem, cu_seqlens_q, cu_seqlens_k,
-                ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None
+                ctx.deterministic, **_seqused_kwargs(seqused_q, seqused_k))
+        return (dq, dk, dv) + (None,) * 8
+
+
+def _seqused_kwargs(seqused_q, seqused_k) -> dict:
+    """The seqused keywords, only when given: a pipeline without seqused support (which
+    `check_capabilities` kept from getting them) has no such parameters."""
+    if seqused_q is None and seqused_k is None:
+        return {}
+    return {"seqused_q": seqused_q, "seqused_k": seqused_k}
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
@@ -114,17 +150,19 @@ def flash_attn_func(
     """
     problem = validate_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                         window_size=window_size, softcap=softcap)
-    return _run(q, k, v, None, None, problem, arch, deterministic, return_lse)
+    return _run(q, k, v, (None, None, None, None), problem, arch, deterministic, return_lse)
 
 
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     window_size: Tuple[Optional[int], Optional[int]] = (None, None),
@@ -133,23 +171,50 @@ def flash_attn_varlen_func(
     return_lse: bool = False,
     arch: Optional[str] = None,
 ):
-    """Attention over packed sequences: q [total_q, nheads, hdim], k/v [total_k, nheads_kv, d],
-    int32 cu_seqlens [batch + 1]. Returns ``(out, lse)`` with lse [nheads, total_q]."""
+    """Attention over sequences of different lengths; returns ``(out, lse)``.
+
+    Layouts (flash_attn.cute's):
+
+    * packed: q [total_q, nheads, hdim], k/v [total_k, nheads_kv, d], int32 cu_seqlens_q and
+      cu_seqlens_k [batch + 1] and max_seqlen_q/k (at least the longest length used); lse
+      [nheads, total_q].
+    * padded: cu_seqlens_q = cu_seqlens_k = None, q/k/v [batch, seqlen, heads, d] as in
+      `flash_attn_func` (max_seqlen_* omitted or equal to the padded lengths); lse
+      [batch, nheads, seqlen_q]. With seqused_k this is e.g. a padded KV cache.
+
+    ``seqused_q`` / ``seqused_k`` (optional int32 CUDA [batch], either layout, independently):
+    sequence b uses only its first seqused[b] queries / keys of its span (cu_seqlens[b] to
+    cu_seqlens[b + 1], or the padded length); the rest is padding that is never read. Their
+    values must lie in [0, span] and be at most max_seqlen; they are not checked (that needs a
+    device sync). Causal and local masks align bottom-right to the *used* lengths. Query rows
+    past seqused_q[b] get out = 0 and lse = -inf, as a row that sees no key (flash-attn leaves
+    them unwritten, so any value there meets its contract), and dq = 0; keys past seqused_k[b]
+    get dk = dv = 0. Only the ampere pipeline takes seqused, and the default dispatch picks it
+    for them; ``arch="hopper"`` raises NotImplementedError.
+
+    Not supported (NotImplementedError before any launch): packed q with padded k/v or the
+    reverse (cu_seqlens for one side only).
+    """
     problem = validate_attention_inputs(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
     )
-    return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, arch, deterministic, return_lse)
+    return _run(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), problem, arch,
+                deterministic, return_lse)
 
 
-def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, arch, deterministic, return_lse):
+def _run(q, k, v, lengths: tuple, problem, arch, deterministic, return_lse):
+    """`lengths`: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), each a tensor or None."""
     pipeline = select_pipeline(q.device, arch, problem)
+    check_capabilities(pipeline, problem)
     _pipeline_module(pipeline).check_supported(problem, q.device)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     bwd_pipeline = None
     if needs_grad:
-        bwd_pipeline = select_backward_pipeline(q.device, pipeline)
+        bwd_pipeline = select_backward_pipeline(q.device, pipeline, problem)
+        check_capabilities(bwd_pipeline, problem)
         bwd_module = _pipeline_module(bwd_pipeline)
         bwd_module.check_supported(problem, q.device, backward=True)
         if deterministic and not bwd_module.DETERMINISTIC_BACKWARD:
@@ -157,6 +222,6 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, arch, deterministic, retu
                                       "adds dQ with atomics and is not deterministic")
     # Kernels launch on the current device and stream: make that q's device.
     with torch.cuda.device(q.device):
-        out, lse = _FlashAttnFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, problem, pipeline,
-                                        bwd_pipeline, deterministic)
+        out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, problem, pipeline, bwd_pipeline,
+                                        deterministic)
     return out, (lse if (return_lse or needs_grad) else None)

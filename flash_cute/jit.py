@@ -168,9 +168,18 @@ def attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k):
     return scalars, cu
 
 
-def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool) -> tuple:
+def fake_seqused_args(seqused_q: bool, seqused_k: bool) -> tuple:
+    """Fake (mSeqUsedQ, mSeqUsedK) of a kernel that takes them: int32 [batch] or None."""
+    from cutlass import Int32
+
+    return tuple(fake_tensor(Int32, (dynamic_dim(),), align=4) if used else None
+                 for used in (seqused_q, seqused_k))
+
+
+def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool, seqused=None) -> tuple:
     """Fake arguments of an attention forward kernel (the `launch.forward` argument list) with
-    dynamic batch, heads and lengths, padded or varlen, for cross-compiling."""
+    dynamic batch, heads and lengths, padded or varlen, for cross-compiling. `seqused`: None
+    for a kernel without the seqused arguments, else (seqused_q, seqused_k) bools."""
     from cutlass import Float32, Int32
 
     heads, heads_kv = dynamic_dim(), dynamic_dim()
@@ -183,7 +192,9 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool) -> tuple:
         rows_q, rows_k = (batch, seqlen_q), (batch, seqlen_k)
         lse_shape = (batch, heads, seqlen_q)
         cu = (None, None)
+    used = () if seqused is None else fake_seqused_args(*seqused)
     return (fake_tensor(dtype, rows_q + (heads, hdim)), fake_tensor(dtype, rows_k + (heads_kv, hdim)),
             fake_tensor(dtype, rows_k + (heads_kv, hdim_v)),
             fake_tensor(dtype, rows_q + (heads, hdim_v)), fake_tensor(Float32, lse_shape, align=4),
-            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu + (fake_stream(),)
+            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu + used \
+        + (fake_stream(),)

@@ -1,5 +1,7 @@
 """Host-side launch plumbing shared by every pipeline's `api.py`: output allocation, the cases
-that need no kernel, support checks, and one compile-cached forward launch."""
+that need no kernel, support checks, one compile-cached forward launch and one backward
+sequence. A kernel class that declares `SUPPORTS_SEQUSED` takes (mSeqUsedQ, mSeqUsedK) right
+after its cu_seqlens; the others' argument lists stay without them."""
 
 import torch
 
@@ -33,15 +35,20 @@ def alloc_out_lse(q: torch.Tensor, problem):
     """O (v's head dim) and LSE (fp32, [b, h, sq] or [h, total_q]).
 
     Varlen O is zeroed: rows after the last sequence belong to no sequence and are never
-    written, but must not hold garbage for a caller that reduces over the whole tensor.
+    written, but must not hold garbage for a caller that reduces over the whole tensor. With
+    seqused_q the rows past seqused_q[b] are never written either: they get O = 0 and
+    LSE = -inf here, the outputs of a row that sees no key.
     """
-    alloc = torch.zeros if problem.varlen else torch.empty
+    alloc = torch.zeros if problem.varlen or problem.has_seqused_q else torch.empty
     out = alloc(*q.shape[:-1], problem.hdim_v, dtype=q.dtype, device=q.device)
     if problem.varlen:
-        lse = torch.empty(problem.nheads, q.shape[0], dtype=torch.float32, device=q.device)
+        lse_shape = (problem.nheads, q.shape[0])
     else:
-        lse = torch.empty(problem.batch, problem.nheads, q.shape[1], dtype=torch.float32,
-                          device=q.device)
+        lse_shape = (problem.batch, problem.nheads, q.shape[1])
+    if problem.has_seqused_q:
+        lse = torch.full(lse_shape, -float("inf"), dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     return out, lse
 
 
@@ -53,11 +60,12 @@ def has_no_work(q, k, problem) -> bool:
 
 
 def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k, tile: tuple,
-            options: str, arch: str, prepare=None):
+            options: str, arch: str, prepare=None, seqused_q=None, seqused_k=None):
     """Allocate, handle the no-work case, compile (cached) and launch one attention forward.
 
     `kernel_cls(dtype, hdim, hdim_v, variant, tile=...)` is the arch's kernel class; `prepare`
-    adapts q/k/v first (e.g. TMA-ready strides).
+    adapts q/k/v first (e.g. TMA-ready strides). `seqused_q` / `seqused_k` (int32 [batch] or
+    None) go to a kernel class with `SUPPORTS_SEQUSED` right after the cu_seqlens.
     """
     from cutlass import Int32
     import cutlass.cute as cute
@@ -69,6 +77,7 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
     if has_no_work(q, k, problem):
         lse.fill_(-float("inf"))
         return out.zero_(), lse
+    used = seqused_args(kernel_cls, problem, seqused_q, seqused_k)
     if prepare is not None:
         q, k, v = (prepare(t) for t in (q, k, v))
     variant = Variant.from_problem(problem)
@@ -76,7 +85,7 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
     key = CompileKey(name, arch, dtype, problem.hdim, problem.hdim_v, tile, variant.flags())
     scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
     args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(out),
-            to_cute_tensor(lse, 4)) + scalars + (Int32(problem.max_seqlen_q),) + cu \
+            to_cute_tensor(lse, 4)) + scalars + (Int32(problem.max_seqlen_q),) + cu + used \
         + (current_stream(),)
 
     def build():
@@ -89,14 +98,17 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
 
 def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
              cu_seqlens_k, tile: tuple, options: str, arch: str, prepare=None,
-             deterministic=None, dq_accum_align: int = 4, row_stats_align: int = 4):
+             deterministic=None, dq_accum_align: int = 4, row_stats_align: int = 4,
+             seqused_q=None, seqused_k=None):
     """(dq, dk, dv) through a backward main kernel with `AmpereBwd.__call__`'s contract:
     preprocess (Δ, LSE·log2 e), the main kernel (compile-cached), dQ's scale-and-convert.
 
     `kernel_cls(dtype, hdim, hdim_v, variant, tile=...)`; `prepare` adapts q/k/v/dout first
     (e.g. TMA-ready strides). With GQA the kernel writes fp32 dK/dV per query head and the
     group is summed here, in a fixed order. Varlen dK/dV start at zero: rows after the last
-    sequence get no gradient.
+    sequence get no gradient; so do they with seqused_k (keys past seqused_k[b]). dQ rows past
+    seqused_q[b] get no atomics and stay 0 from dQaccum's zeros. `seqused_q` / `seqused_k`
+    as in `forward`.
 
     `deterministic` is None for a kernel without that switch; a bool for one whose constructor
     takes `deterministic=` and whose call takes the dQ semaphores (`dq_semaphores`, or None)
@@ -114,15 +126,17 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
 
     if has_no_work(q, k, problem):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    used = seqused_args(kernel_cls, problem, seqused_q, seqused_k)
     delta, lse_log2 = (row_stats_buffer(lse, row_stats_align) for _ in range(2))
-    bwd_preprocess(out, dout, lse, dlse, cu_seqlens_q, problem.max_seqlen_q, delta, lse_log2)
+    bwd_preprocess(out, dout, lse, dlse, cu_seqlens_q, problem.max_seqlen_q, delta, lse_log2,
+                   seqused_q=seqused_q)
     if prepare is not None:
         q, k, v, dout = (prepare(t) for t in (q, k, v, dout))
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     group = problem.qheads_per_kvhead
     kv_lead = k.shape[:-2]
     dkv_dtype = torch.float32 if group > 1 else q.dtype
-    alloc = torch.zeros if problem.varlen else torch.empty
+    alloc = torch.zeros if problem.varlen or problem.has_seqused_k else torch.empty
     dk = alloc(*kv_lead, problem.nheads, problem.hdim, dtype=dkv_dtype, device=q.device)
     dv = alloc(*kv_lead, problem.nheads, problem.hdim_v, dtype=dkv_dtype, device=q.device)
     variant = Variant.from_problem(problem)
@@ -139,7 +153,7 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
             to_cute_tensor(lse_log2, row_stats_align), to_cute_tensor(delta, row_stats_align),
             to_cute_tensor(dq_accum, dq_accum_align), to_cute_tensor(dk, dkv_align),
             to_cute_tensor(dv, dkv_align)) + scalars \
-        + (Int32(problem.max_seqlen_k),) + cu + sem + (current_stream(),)
+        + (Int32(problem.max_seqlen_k),) + cu + used + sem + (current_stream(),)
 
     def build():
         kernel = kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant, tile=tile,
@@ -152,6 +166,22 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
         dk = dk.view(*kv_lead, problem.nheads_kv, group, problem.hdim).sum(-2).to(q.dtype)
         dv = dv.view(*kv_lead, problem.nheads_kv, group, problem.hdim_v).sum(-2).to(q.dtype)
     return dq, dk, dv
+
+
+def seqused_args(kernel_cls, problem, seqused_q, seqused_k) -> tuple:
+    """(mSeqUsedQ, mSeqUsedK) for a kernel class with `SUPPORTS_SEQUSED`, () for one without
+    (whose argument list has no such slots): that one refuses a problem that needs them."""
+    from flash_cute.jit import to_cute_tensor
+
+    given = (seqused_q is not None, seqused_k is not None)
+    if given != (problem.has_seqused_q, problem.has_seqused_k):
+        raise ValueError(f"seqused_q/seqused_k given: {given}, but the problem was validated "
+                         f"with {(problem.has_seqused_q, problem.has_seqused_k)}")
+    if not getattr(kernel_cls, "SUPPORTS_SEQUSED", False):
+        if any(given):
+            raise NotImplementedError(f"{kernel_cls.__name__} does not take seqused_q/seqused_k")
+        return ()
+    return tuple(None if t is None else to_cute_tensor(t, 4) for t in (seqused_q, seqused_k))
 
 
 def row_stats_buffer(lse: torch.Tensor, align: int) -> torch.Tensor:

@@ -12,10 +12,14 @@ registers and shared memory, so the algorithm can be checked on the CPU against
 * :func:`lse_merge` -- combining partial results over disjoint key ranges
   (split-KV / the backward's LSE bookkeeping).
 * :func:`exp2_poly` -- a software exp2 (FA4 style) to offload the MUFU unit.
+* :func:`tile_order`, :func:`schedule_makespan` -- the order in which a forward
+  launch's query tiles start, and how evenly SMs finish them (static persistent
+  round robin vs. the hardware's one CTA per tile).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Callable, Optional, Sequence, Tuple, Union
 
@@ -32,6 +36,8 @@ __all__ = [
     "block_range",
     "exp2_poly",
     "lse_merge",
+    "schedule_makespan",
+    "tile_order",
     "tiled_attention_forward",
 ]
 
@@ -286,3 +292,42 @@ def exp2_poly(x: torch.Tensor, degree: int = 3) -> torch.Tensor:
     poly = poly * f + 1.0
     bits = poly.view(torch.int32) + (j.to(torch.int32) << 23)
     return bits.view(torch.float32)
+
+
+# ---------------------------------------------------------------------------
+# Tile order and schedule
+# ---------------------------------------------------------------------------
+
+
+def tile_order(num_m_blocks: int, num_heads: int, num_batches: int, *, lpt: bool,
+               section: int = 1, persistent: bool = False, grid: int = 1) -> list:
+    """``(m_block, head, batch)`` of every tile number of a launch, in number order: the
+    kernels' own formula (:class:`flash_cute.tile_scheduler.TileOrder`). ``grid`` CTAs (a
+    persistent launch's) walk them, CTA i taking numbers i, i + grid, ...; an empty number
+    (folded persistent LPT) has m_block = num_m_blocks.
+    """
+    from .tile_scheduler import TileOrder
+
+    order = TileOrder(num_m_blocks, num_heads, num_batches, section, lpt, persistent)
+    return [order.coords(t, grid) for t in range(order.num_numbers(grid))]
+
+
+def schedule_makespan(work: Sequence[float], num_sms: int, persistent: bool) -> float:
+    """Time until the last SM is done with the tiles of ``work`` (in number order), one CTA
+    per SM.
+
+    ``persistent``: a static round robin over ``min(len(work), num_sms)`` CTAs, CTA i doing
+    numbers i, i + grid, ... Otherwise one CTA per number, which the hardware starts on
+    whichever SM frees first: a greedy list schedule, and in LPT order LPT scheduling. Only
+    the balance is modelled, not what persistence saves per tile (the next tile's loads
+    under the last one's epilogue, CTA launches).
+    """
+    if persistent:
+        loads = [0.0] * min(num_sms, len(work))
+        for t, w in enumerate(work):
+            loads[t % len(loads)] += w
+        return max(loads, default=0.0)
+    free = [0.0] * num_sms
+    for w in work:
+        heapq.heappush(free, heapq.heappop(free) + w)
+    return max(free)

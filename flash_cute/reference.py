@@ -16,6 +16,10 @@ Conventions (identical to flash-attn / ``flash_attn.cute``):
   ``causal=True`` means ``right = 0``.
 * A query row that sees no key has ``O = 0`` and ``LSE = -inf``; gradients
   through it are 0.
+* ``seqused_q`` / ``seqused_k`` (int32 ``[batch]``, either layout): sequence
+  ``b`` is only the first ``seqused[b]`` rows of its span; masks align to these
+  used lengths, query rows past them get ``O = 0`` and ``LSE = -inf``, and rows
+  past them (queries or keys) get zero gradients.
 """
 
 from __future__ import annotations
@@ -180,6 +184,47 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k):
     return varlen
 
 
+def _used_lengths(name: str, used: Optional[torch.Tensor], spans: list) -> list:
+    """The used length of each span: seqused (each entry in [0, its span]) or the span."""
+    if used is None:
+        return spans
+    if used.dim() != 1 or used.numel() != len(spans):
+        raise ValueError(f"{name} must be 1-D with one entry per sequence ({len(spans)})")
+    values = used.tolist()
+    for b, (n, span) in enumerate(zip(values, spans)):
+        if not 0 <= n <= span:
+            raise ValueError(f"{name}[{b}]={n} must be in [0, {span}]")
+    return values
+
+
+def _attention_used(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, args):
+    """Varlen attention over the used rows of each span; the span's other query rows get
+    O = 0 and LSE = -inf (built from constants, so no gradient reaches their q, k, v)."""
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    spans_q = [b - a for a, b in zip(bounds_q, bounds_q[1:])]
+    spans_k = [b - a for a, b in zip(bounds_k, bounds_k[1:])]
+    used_q = _used_lengths("seqused_q", seqused_q, spans_q)
+    used_k = _used_lengths("seqused_k", seqused_k, spans_k)
+    outs, lses = [], []
+    for b in range(len(spans_q)):
+        sq = slice(bounds_q[b], bounds_q[b] + used_q[b])
+        sk = slice(bounds_k[b], bounds_k[b] + used_k[b])
+        out, lse = _attention_dense(q[None, sq], k[None, sk], v[None, sk], *args)
+        pad = spans_q[b] - used_q[b]
+        outs += [out[0], out.new_zeros(pad, *out.shape[2:])]
+        lses += [lse[0], lse.new_full((lse.shape[1], pad), -math.inf)]
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def _padded_as_varlen(q, k, v, seqused_q, seqused_k, args):
+    """Padded inputs with seqused: each batch entry is one span of the padded length."""
+    batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    cu = lambda n: torch.arange(batch + 1, dtype=torch.int32) * n  # noqa: E731
+    out, lse = _attention_used(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu(sq), cu(sk),
+                               seqused_q, seqused_k, args)
+    return out.unflatten(0, (batch, sq)), lse.unflatten(1, (batch, sq)).transpose(0, 1)
+
+
 def attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -191,6 +236,8 @@ def attention_ref(
     softcap: float = 0.0,
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
     mode: str = "float64",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference attention; returns ``(out, lse)``. Differentiable through autograd.
@@ -207,23 +254,18 @@ def attention_ref(
 
     Shapes: ``out`` [batch, seqlen_q, nheads, hdim_v], ``lse`` [batch, nheads,
     seqlen_q]; varlen: ``out`` [total_q, nheads, hdim_v], ``lse`` [nheads, total_q].
+    ``seqused_q`` / ``seqused_k``: see the module docstring.
     """
     _mode_dtypes(mode, q.dtype)  # validates mode
     varlen = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     args = (softmax_scale, causal, window_size, softcap, mode)
-    if not varlen:
+    if varlen:
+        return _attention_used(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, args)
+    if seqused_q is None and seqused_k is None:
         return _attention_dense(q, k, v, *args)
-    outs, lses = [], []
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(bounds_q) - 1):
-        sq = slice(bounds_q[b], bounds_q[b + 1])
-        sk = slice(bounds_k[b], bounds_k[b + 1])
-        out, lse = _attention_dense(q[None, sq], k[None, sk], v[None, sk], *args)
-        outs.append(out[0])
-        lses.append(lse[0])
-    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+    return _padded_as_varlen(q, k, v, seqused_q, seqused_k, args)
 
 
 class ToleranceResult(NamedTuple):

@@ -63,6 +63,9 @@ def _flags(**kw) -> tuple:
 _SOFTMAX_ROWS = "flash_cute.score_attention:build_for_inspect"
 _AMPERE_FWD = "flash_cute.arch.ampere.fwd:build_for_inspect"
 _AMPERE_BWD = "flash_cute.arch.ampere.bwd:build_for_inspect"
+# Every switch of an ampere config, off unless the entry turns it on.
+_AMPERE_SWITCHES = {"causal": False, "local": False, "softcap": False, "varlen": False,
+                    "seqused_q": False, "seqused_k": False}
 
 
 def _ampere_fwd_configs():
@@ -72,8 +75,10 @@ def _ampere_fwd_configs():
                            ((128, 128), {"local": True, "softcap": True}),
                            ((128, 128), {"causal": True, "varlen": True}),
                            ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
-                           ((256, 256), {"causal": True})]:
-        full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
+                           ((256, 256), {"causal": True}),
+                           ((128, 128), {"causal": True, "varlen": True, "seqused_q": True,
+                                         "seqused_k": True})]:
+        full = {**_AMPERE_SWITCHES, **flags}
         out.append(KernelConfig("ampere.fwd", ("sm_80",), "bf16", d, dv, AMPERE_TILES[d],
                                 _AMPERE_FWD, _flags(**full)))
     return tuple(out)
@@ -85,8 +90,9 @@ def _ampere_bwd_configs():
                            ((128, 128), {}), ((128, 128), {"causal": True}),
                            ((128, 128), {"local": True, "softcap": True}),
                            ((128, 128), {"causal": True, "varlen": True}),
-                           ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {})]:
-        full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
+                           ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
+                           ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True})]:
+        full = {**_AMPERE_SWITCHES, **flags}
         out.append(KernelConfig("ampere.bwd", ("sm_80",), "bf16", d, dv, AMPERE_BWD_TILES[d][:3],
                                 _AMPERE_BWD, _flags(**full)))
     return tuple(out)
@@ -114,6 +120,16 @@ def _hopper_fwd_configs():
         tile = HOPPER_TILES[128]._replace(intra_wg_overlap=overlap, pingpong=pingpong)
         out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", 128, 128, tile, _HOPPER_FWD,
                                 _flags(**plain)))
+    # The persistent scheduler flipped from the table's choice (on at hdim 64 and 128): plain
+    # and causal (LPT order), varlen (tiles past a sequence skipped), and O's shared tile
+    # aliasing Q (hdim 192 and 256).
+    for (d, dv), flags in [((128, 128), {}), ((128, 128), {"causal": True}),
+                           ((128, 128), {"causal": True, "varlen": True}),
+                           ((64, 64), {"causal": True}), ((192, 192), {}),
+                           ((256, 256), {"causal": True})]:
+        tile = HOPPER_TILES[d]._replace(persistent=not HOPPER_TILES[d].persistent)
+        out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", d, dv, tile, _HOPPER_FWD,
+                                _flags(**{**plain, **flags})))
     return tuple(out)
 
 
@@ -162,9 +178,11 @@ CONFIGS = (
 _BWD_PREP = "flash_cute.bwd_prep:build_for_inspect"
 CONFIGS += (
     KernelConfig("blocks.bwd.preprocess", ARCHES, "bf16", None, 128, (64, 128), _BWD_PREP,
-                 _flags(dlse=False, varlen=False)),
+                 _flags(dlse=False, varlen=False, seqused_q=False)),
     KernelConfig("blocks.bwd.preprocess", ARCHES, "fp16", None, 64, (128, 64), _BWD_PREP,
-                 _flags(dlse=True, varlen=True)),
+                 _flags(dlse=True, varlen=True, seqused_q=False)),
+    KernelConfig("blocks.bwd.preprocess", ARCHES, "bf16", None, 128, (64, 128), _BWD_PREP,
+                 _flags(dlse=False, varlen=True, seqused_q=True)),
     KernelConfig("blocks.bwd.postprocess", ARCHES, "bf16", 128, None, (32, 128), _BWD_PREP,
                  _flags(varlen=False)),
 )

@@ -1,8 +1,9 @@
 """Per-(batch) sequence bounds and tensor views, for padded and varlen (cu_seqlens) layouts.
 
 Padded: Q [batch, seqlen, heads, d], LSE [batch, heads, seqlen]. Varlen: Q [total, heads, d] with
-cu_seqlens [batch + 1], LSE [heads, total]. Kernels ask this block for a (seqlen, d) view of one
-(batch, head) and never branch on the layout themselves.
+cu_seqlens [batch + 1], LSE [heads, total]. Either may add seqused [batch]: sequence b uses only
+the first seqused[b] rows of its span. Kernels ask this block for a (seqlen, d) view of one
+(batch, head) and its length, and never branch on the layout themselves.
 """
 
 from typing import Optional
@@ -15,21 +16,20 @@ from flash_cute.dsl_state import DslState
 
 
 class SeqInfo(DslState):
-    """Offsets and lengths of batch `batch` for Q and K/V."""
+    """Offsets and lengths of batch `batch` for Q and K/V.
+
+    `seqlen_q` / `seqlen_k` are the lengths a kernel works on: seqused[batch] when given (the
+    rows after it are padding no kernel reads or writes), else the span's length.
+    """
 
     def __init__(self, batch: Int32, seqlen_q_static, seqlen_k_static,
-                 cu_seqlens_q: Optional[cute.Tensor] = None, cu_seqlens_k: Optional[cute.Tensor] = None):
+                 cu_seqlens_q: Optional[cute.Tensor] = None, cu_seqlens_k: Optional[cute.Tensor] = None,
+                 seqused_q: Optional[cute.Tensor] = None, seqused_k: Optional[cute.Tensor] = None):
         self.varlen = cu_seqlens_q is not None
-        if cutlass.const_expr(self.varlen):
-            self.offset_q = cu_seqlens_q[batch]
-            self.seqlen_q = cu_seqlens_q[batch + 1] - self.offset_q
-            self.offset_k = cu_seqlens_k[batch]
-            self.seqlen_k = cu_seqlens_k[batch + 1] - self.offset_k
-        else:
-            self.offset_q = Int32(0)
-            self.offset_k = Int32(0)
-            self.seqlen_q = Int32(seqlen_q_static)
-            self.seqlen_k = Int32(seqlen_k_static)
+        self.offset_q, self.seqlen_q = _offset_and_length(batch, seqlen_q_static, cu_seqlens_q,
+                                                          seqused_q)
+        self.offset_k, self.seqlen_k = _offset_and_length(batch, seqlen_k_static, cu_seqlens_k,
+                                                          seqused_k)
         self.batch = batch
 
     @staticmethod
@@ -56,3 +56,14 @@ class SeqInfo(DslState):
         if cutlass.const_expr(self.varlen):
             return cute.domain_offset((self.offset_q,), mLSE[head, None])
         return mLSE[self.batch, head, None]
+
+
+def _offset_and_length(batch: Int32, seqlen_static, cu_seqlens: Optional[cute.Tensor],
+                       seqused: Optional[cute.Tensor]):
+    """(first row, used length) of one sequence of one side (Q or K/V)."""
+    offset = cu_seqlens[batch] if cutlass.const_expr(cu_seqlens is not None) else Int32(0)
+    if cutlass.const_expr(seqused is not None):
+        return offset, seqused[batch]
+    if cutlass.const_expr(cu_seqlens is not None):
+        return offset, cu_seqlens[batch + 1] - offset
+    return offset, Int32(seqlen_static)

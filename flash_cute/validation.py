@@ -6,8 +6,8 @@ surface here as a Python exception that names the argument, says what was
 expected and shows what was given -- never as a CUDA error, an illegal memory
 access, or a silently wrong result.  One exception by design: the *contents* of
 CUDA ``cu_seqlens``/``seqused`` tensors are only read with ``check_contents=True``
-(reading them costs a device sync), so a ``max_seqlen`` smaller than the longest
-sequence is the caller's promise to keep.
+(reading them costs a device sync), so ``max_seqlen`` covering the longest sequence, and
+``seqused[b]`` lying in ``[0, span of sequence b]``, are the caller's promise to keep.
 
 Exception types:
 
@@ -23,6 +23,8 @@ Layout conventions follow ``flash_attn.cute`` (flash-attn 4):
 * varlen:  q ``[total_q, nheads, hdim]``, k ``[total_k, nheads_kv, hdim]``,
   v ``[total_k, nheads_kv, hdim_v]``, lse ``[nheads, total_q]``, with int32
   ``cu_seqlens_q`` / ``cu_seqlens_k`` of shape ``[batch + 1]``.
+* either layout may add int32 ``seqused_q`` / ``seqused_k`` of shape ``[batch]``: the
+  number of leading rows of each sequence's span that are used (the rest is padding).
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class AttentionProblem:
     ``seqlen_q`` / ``seqlen_k`` are ``None`` for varlen problems; use
     ``max_seqlen_q`` / ``max_seqlen_k`` (always set) to size grids.
 
+    ``has_seqused_q`` / ``has_seqused_k``: a per-sequence used length was given
+    (``seqused_q`` / ``seqused_k``).  The tensors are run-time kernel arguments;
+    these flags are what changes the compiled kernel.
+
     The mask is normalized: ``causal=True`` always has ``window_right == 0``,
     window bounds are ``None`` when unbounded (never negative), and a
     non-causal window of ``(None, 0)`` is reported as plain causal.
@@ -77,6 +83,8 @@ class AttentionProblem:
     window_left: int | None
     window_right: int | None
     softcap: float
+    has_seqused_q: bool = False
+    has_seqused_k: bool = False
 
     @property
     def qheads_per_kvhead(self) -> int:
@@ -133,9 +141,15 @@ def validate_attention_inputs(
         cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` cumulative lengths; give both
             (varlen) or neither (padded).
         seqused_q, seqused_k: optional int32 ``[batch]`` number of tokens actually used
-            per sequence, in either layout.
+            per sequence, in either layout: sequence ``b`` uses the first ``seqused[b]``
+            rows of its span (``cu_seqlens[b]..cu_seqlens[b + 1]``, or the padded
+            length), the rest is never read.  Each value must be in ``[0, span]`` and at
+            most ``max_seqlen``; like cu_seqlens, CUDA values are only checked with
+            ``check_contents``.
         max_seqlen_q, max_seqlen_k: required for varlen; upper bounds of the per-sequence
-            lengths.  For padded inputs they may be omitted or must equal the padded length.
+            lengths the kernels use (the span lengths, or ``seqused`` where given); they
+            size the kernel grids.  For padded inputs they may be omitted or must equal
+            the padded length.
         supported_dtypes: dtypes the target kernel handles.
         supported_hdims: allowed ``(hdim, hdim_v)`` pairs; ``None`` allows any multiple
             of 8 in ``[8, 256]`` for each.
@@ -198,6 +212,8 @@ def validate_attention_inputs(
         window_left=left,
         window_right=right,
         softcap=cap,
+        has_seqused_q=seqused_q is not None,
+        has_seqused_k=seqused_k is not None,
     )
 
 
@@ -448,8 +464,9 @@ def _is_varlen(cu_seqlens_q, cu_seqlens_k) -> bool:
         missing = "cu_seqlens_k" if cu_seqlens_q is not None else "cu_seqlens_q"
         raise NotImplementedError(
             f"{given} was given without {missing}: mixing a packed (varlen) layout with a "
-            f"padded one is not supported; pass both cu_seqlens_q and cu_seqlens_k "
-            f"(for padded k with per-batch lengths use seqused_k instead)"
+            f"padded one is not supported; pass both cu_seqlens_q and cu_seqlens_k, or "
+            f"neither with padded q, k, v (per-batch lengths of a padded k, e.g. a KV "
+            f"cache, go in seqused_k)"
         )
     return cu_seqlens_q is not None
 
@@ -535,19 +552,34 @@ def _check_seqlen_contents(
         ("q", q, cu_seqlens_q, seqused_q, max_q),
         ("k", k, cu_seqlens_k, seqused_k, max_k),
     ):
-        lengths = None
-        if cu is not None:
-            lengths = _packed_lengths(
-                f"cu_seqlens_{side}", cu, x.shape[0], f"max_seqlen_{side}", max_len, force
-            )
-        elif used is not None:
-            lengths = [x.shape[1]] * used.shape[0]  # padded: every sequence holds seqlen slots
-        if used is not None and lengths is not None and _should_read(used, force):
-            _check_seqused_values(f"seqused_{side}", used.tolist(), lengths)
+        lengths, source = _used_lengths(side, x, cu, used, force)
+        if lengths is not None:
+            _check_max_covers(f"max_seqlen_{side}", max_len, lengths, source)
 
 
-def _packed_lengths(name, cu, total, max_name, max_len, force) -> list[int] | None:
-    """Check cumulative offsets; return per-sequence lengths, or None if not read."""
+def _used_lengths(side, x, cu, used, force) -> tuple[list[int] | None, str]:
+    """The per-sequence lengths the kernels use (seqused where given, else the spans) and
+    where they come from, or None when a tensor that decides them is not read."""
+    spans, source = None, ""
+    if cu is not None:
+        offsets = _packed_offsets(f"cu_seqlens_{side}", cu, x.shape[0], force)
+        if offsets is not None:
+            spans = [b - a for a, b in zip(offsets, offsets[1:])]
+            source = f"cu_seqlens_{side}={offsets}"
+    elif used is not None:
+        spans = [x.shape[1]] * used.shape[0]  # padded: every sequence holds seqlen slots
+    if used is None:
+        return spans, source
+    if not _should_read(used, force):
+        return None, ""
+    lengths = used.tolist()
+    if spans is not None:
+        _check_seqused_values(f"seqused_{side}", lengths, spans)
+    return lengths, f"seqused_{side}={lengths}"
+
+
+def _packed_offsets(name, cu, total, force) -> list[int] | None:
+    """Check cumulative offsets; return them, or None if not read."""
     if not _should_read(cu, force):
         return None
     offsets = cu.tolist()
@@ -564,15 +596,18 @@ def _packed_lengths(name, cu, total, max_name, max_len, force) -> list[int] | No
             f"{name}[-1]={offsets[-1]} exceeds the {total} tokens packed in dim 0 of the "
             f"{name[-1]} tensor; got {name}={offsets}"
         )
-    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    return offsets
+
+
+def _check_max_covers(max_name: str, max_len: int, lengths: list[int], source: str) -> None:
+    """max_seqlen sizes the grid: a longer sequence would lose its excess tokens."""
     longest = max(lengths, default=0)
     if longest > max_len:
         raise ValueError(
             f"{max_name}={max_len} is smaller than the longest sequence "
-            f"(length {longest}, batch index {lengths.index(longest)}) in {name}={offsets}; "
+            f"(length {longest}, batch index {lengths.index(longest)}) in {source}; "
             f"the kernel would skip the excess tokens"
         )
-    return lengths
 
 
 def _check_seqused_values(name: str, used: list[int], capacity: Iterable[int]) -> None:

@@ -1,7 +1,9 @@
 """The compile-time shape of an attention call: which masks, softcap and layout a kernel handles.
 
 Every arch kernel takes one `Variant`; run-time values (window sizes, softcap value, scale,
-lengths) stay kernel arguments. `flags()` is the variant's part of a CompileKey.
+lengths) stay kernel arguments. `flags()` is the variant's part of a CompileKey. `seqused_q` /
+`seqused_k` are switches because a kernel with per-sequence used lengths takes those tensors
+as extra arguments (their values stay run-time).
 """
 
 from dataclasses import dataclass
@@ -14,6 +16,8 @@ class Variant:
     window_right: bool = False
     softcap: bool = False
     varlen: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
 
     def __post_init__(self):
         # Causal is the window (left, 0): a right window on top of it means nothing.
@@ -25,18 +29,21 @@ class Variant:
         """From a validated `flash_cute.validation.AttentionProblem`."""
         return cls(causal=problem.causal, window_left=problem.window_left is not None,
                    window_right=problem.window_right is not None and not problem.causal,
-                   softcap=problem.softcap > 0, varlen=problem.varlen)
+                   softcap=problem.softcap > 0, varlen=problem.varlen,
+                   seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k)
 
     @classmethod
     def from_flags(cls, flags: dict) -> "Variant":
         """From a registry config's flags (``local`` means both window sides)."""
         local = flags.get("local", False)
         return cls(causal=flags.get("causal", False), window_left=local, window_right=local,
-                   softcap=flags.get("softcap", False), varlen=flags.get("varlen", False))
+                   softcap=flags.get("softcap", False), varlen=flags.get("varlen", False),
+                   seqused_q=flags.get("seqused_q", False), seqused_k=flags.get("seqused_k", False))
 
     def flags(self) -> tuple:
         return (("causal", self.causal), ("left", self.window_left), ("right", self.window_right),
-                ("softcap", self.softcap), ("varlen", self.varlen))
+                ("softcap", self.softcap), ("varlen", self.varlen), ("seqused_q", self.seqused_q),
+                ("seqused_k", self.seqused_k))
 
 
 def set_kernel_switches(kernel, variant: Variant) -> None:
@@ -46,6 +53,8 @@ def set_kernel_switches(kernel, variant: Variant) -> None:
     kernel.has_window_right = variant.window_right
     kernel.has_softcap = variant.softcap
     kernel.varlen = variant.varlen
+    kernel.has_seqused_q = variant.seqused_q
+    kernel.has_seqused_k = variant.seqused_k
 
 
 def kernel_head_dims(arch: str, hdim: int, hdim_v, tiles: dict, tile) -> tuple:

@@ -315,3 +315,138 @@ def test_varlen_nan_in_the_unused_tail_does_not_leak(pipeline):
     k[130:], v[130:] = float("nan"), float("inf")  # rows that belong to no sequence
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 50, 69, return_lse=True, arch=pipeline)
     _check_forward(out, lse, q, k[:130], v[:130], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
+# --------------------------------------------------------------------------- seqused
+
+# Pipelines whose kernels take seqused_q / seqused_k (their api's SUPPORTS_SEQUSED).
+SEQUSED_PIPELINES = ["ampere"]
+
+SEQUSED_CASES = [
+    # layout, spans_q, spans_k, seqused_q, seqused_k (None: not given). Odd lengths, used <
+    # span, a used length of 0, and a span longer than max_seqlen (the grid covers the used).
+    ("varlen", [37, 64, 129, 5], [50, 200, 1, 77], [30, 0, 129, 5], [50, 133, 0, 1]),
+    ("varlen", [37, 64, 129], [50, 200, 77], None, [11, 200, 0]),
+    ("varlen", [37, 64, 129], [50, 200, 77], [1, 63, 100], None),
+    ("padded", [113] * 3, [203] * 3, [113, 0, 57], [1, 203, 150]),
+    ("padded", [1] * 4, [300] * 4, None, [300, 17, 0, 129]),  # decode over a padded KV cache
+    ("padded", [113] * 2, [203] * 2, [100, 7], None),
+]
+SEQUSED_IDS = ["varlen-qk", "varlen-k", "varlen-q", "padded-qk", "padded-k-decode", "padded-q"]
+
+
+def _cu_seqlens(lengths):
+    return torch.tensor([0] + lengths, dtype=torch.int32, device="cuda").cumsum(0).to(torch.int32)
+
+
+def _unused_rows(spans, used, layout):
+    """Bool per row (varlen [total], padded [batch, seqlen]): True past the used length."""
+    used = spans if used is None else used
+    rows = torch.cat([torch.arange(span, device="cuda") >= u for span, u in zip(spans, used)])
+    return rows if layout == "varlen" else rows.view(len(spans), spans[0])
+
+
+def _seqused_inputs(layout, spans_q, spans_k, used_q, used_k, h, hk, d, dtype, seed):
+    """q, k, v with NaN in every row past seqused (rows the kernels must never read), the
+    call's keywords, the reference's keywords, and the unused-row masks of q and k."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lead_q = (sum(spans_q),) if layout == "varlen" else (len(spans_q), spans_q[0])
+    lead_k = (sum(spans_k),) if layout == "varlen" else (len(spans_k), spans_k[0])
+    make = lambda *s: torch.randn(*s, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
+    q, k, v = make(*lead_q, h, d), make(*lead_k, hk, d), make(*lead_k, hk, d)
+    unused_q = _unused_rows(spans_q, used_q, layout)
+    unused_k = _unused_rows(spans_k, used_k, layout)
+    q[unused_q], k[unused_k], v[unused_k] = float("nan"), float("nan"), float("nan")
+    used = lambda u: None if u is None else torch.tensor(u, dtype=torch.int32, device="cuda")  # noqa: E731
+    ref_kw = dict(seqused_q=used(used_q), seqused_k=used(used_k))
+    call_kw = dict(ref_kw)
+    if layout == "varlen":
+        ref_kw.update(cu_seqlens_q=_cu_seqlens(spans_q), cu_seqlens_k=_cu_seqlens(spans_k))
+        call_kw.update(cu_seqlens_q=ref_kw["cu_seqlens_q"], cu_seqlens_k=ref_kw["cu_seqlens_k"],
+                       max_seqlen_q=max(used_q or spans_q), max_seqlen_k=max(used_k or spans_k))
+    return q, k, v, call_kw, ref_kw, unused_q, unused_k
+
+
+def _lse_rows(lse, layout):
+    """LSE with the query rows first, indexable by `_unused_rows`."""
+    return lse.transpose(0, 1) if layout == "varlen" else lse.transpose(1, 2)
+
+
+@pytest.mark.parametrize("pipeline", SEQUSED_PIPELINES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout,spans_q,spans_k,used_q,used_k", SEQUSED_CASES, ids=SEQUSED_IDS)
+def test_seqused_forward_matches_float64(pipeline, causal, layout, spans_q, spans_k, used_q,
+                                         used_k, monkeypatch):
+    q, k, v, call_kw, ref_kw, unused_q, _ = _seqused_inputs(
+        layout, spans_q, spans_k, used_q, used_k, 6, 2, 128, torch.bfloat16, seed=20)
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    out, lse = flash_attn_varlen_func(q, k, v, causal=causal, return_lse=True, arch=pipeline,
+                                      **call_kw)
+    monkeypatch.undo()
+    assert out.shape == q.shape and not torch.isnan(out).any() and not torch.isnan(lse).any()
+    # Rows past seqused_q: O = 0 and LSE = -inf, like a row that sees no key.
+    assert (out[unused_q] == 0).all() and torch.isneginf(_lse_rows(lse, layout)[unused_q]).all()
+    _check_forward(out, lse, q, k, v, causal=causal, **ref_kw)
+
+
+@pytest.mark.parametrize("pipeline", SEQUSED_PIPELINES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout,spans_q,spans_k,used_q,used_k", SEQUSED_CASES, ids=SEQUSED_IDS)
+def test_seqused_backward_matches_float64(pipeline, causal, layout, spans_q, spans_k, used_q,
+                                          used_k):
+    q, k, v, call_kw, ref_kw, unused_q, unused_k = _seqused_inputs(
+        layout, spans_q, spans_k, used_q, used_k, 6, 2, 64, torch.bfloat16, seed=21)
+    dout = torch.randn_like(q)
+    dout[unused_q] = float("nan")  # the gradient of rows that are not attention outputs
+    ours = _grads(lambda a, b, c: flash_attn_varlen_func(a, b, c, causal=causal, arch=pipeline,
+                                                         **call_kw)[0], q, k, v, dout)
+    ref = _grads(lambda a, b, c: attention_ref(a, b, c, mode="float64", causal=causal,
+                                               **ref_kw)[0],
+                 q.double(), k.double(), v.double(), dout.double())
+    nat = _grads(lambda a, b, c: attention_ref(a, b, c, mode="native", causal=causal,
+                                               **ref_kw)[0], q, k, v, dout)
+    for name, g, g_ref, g_nat in zip(("dQ", "dK", "dV"), ours, ref, nat):
+        res = tolerance_check(g, g_ref, g_nat)
+        assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e} (+atol {res.atol:.1e})"
+    dq, dk, dv = ours
+    assert (dq[unused_q] == 0).all() and (dk[unused_k] == 0).all() and (dv[unused_k] == 0).all()
+
+
+@pytest.mark.parametrize("pipeline", SEQUSED_PIPELINES)
+def test_seqused_gqa_window_softcap_and_new_values_reuse_the_kernel(pipeline):
+    """Local window + softcap with GQA 4:1; new seqused values (not new flags) recompile nothing."""
+    from flash_cute.jit import compile_cache
+
+    kw = dict(window_size=(40, 7), softcap=20.0)
+    for i, (used_q, used_k) in enumerate([([113, 50], [90, 203]), ([3, 113], [203, 0])]):
+        q, k, v, call_kw, ref_kw, _, _ = _seqused_inputs(
+            "padded", [113] * 2, [203] * 2, used_q, used_k, 8, 2, 128, torch.bfloat16, seed=22)
+        out, lse = flash_attn_varlen_func(q, k, v, return_lse=True, arch=pipeline, **call_kw, **kw)
+        _check_forward(out, lse, q, k, v, **ref_kw, **kw)
+        if i == 0:
+            before = len(compile_cache)
+    assert len(compile_cache) == before
+
+
+def test_seqused_default_dispatch_and_pipelines_without_it():
+    """arch=None picks a pipeline that takes seqused; one that does not refuses before launch."""
+    import importlib
+
+    from flash_cute.interface import PIPELINES as BUILT
+
+    q, k, v, call_kw, ref_kw, _, _ = _seqused_inputs(
+        "padded", [1] * 2, [300] * 2, None, [123, 7], 4, 4, 64, torch.bfloat16, seed=23)
+    out, lse = flash_attn_varlen_func(q, k, v, causal=True, return_lse=True, **call_kw)
+    _check_forward(out, lse, q, k, v, causal=True, **ref_kw)
+    major = torch.cuda.get_device_capability()[0]
+    for name, (majors, module) in BUILT.items():
+        if major in majors and not getattr(importlib.import_module(module), "SUPPORTS_SEQUSED",
+                                           False):
+            with pytest.raises(NotImplementedError, match="seqused"):
+                flash_attn_varlen_func(q, k, v, arch=name, **call_kw)

@@ -114,6 +114,34 @@ def test_preprocess_varlen_matches_float64(lengths, tail, heads, hdim_v, dtype, 
     _check(delta[:, :used], lse_log2[:, :used], *ref)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_preprocess_seqused_reads_and_writes_only_the_used_rows(varlen):
+    """Rows past seqused_q[b] (NaN in O and dO here) are neither read nor written."""
+    from flash_cute.bwd_prep import bwd_preprocess
+
+    spans, used_q, heads, hdim_v = [77, 77, 77], [40, 0, 77], 2, 64
+    rows = torch.cat([torch.arange(s, device="cuda") < u for s, u in zip(spans, used_q)])
+    if varlen:
+        out, dout = _inputs((sum(spans), heads, hdim_v), torch.bfloat16, 3)
+        lse = _row_vector((heads, sum(spans)), 4, neg_inf_every=5)
+        cu = torch.tensor([0] + spans, device="cuda").cumsum(0).to(torch.int32)
+    else:
+        out, dout = _inputs((3, spans[0], heads, hdim_v), torch.bfloat16, 3)
+        lse = _row_vector((3, heads, spans[0]), 4, neg_inf_every=5)
+        cu, rows = None, rows.view(3, spans[0])
+    out[~rows], dout[~rows] = NAN, NAN
+    delta, lse_log2 = _poisoned_like(lse)
+    seqused = torch.tensor(used_q, dtype=torch.int32, device="cuda")
+    bwd_preprocess(out, dout, lse, None, cu, max(used_q), delta=delta, lse_log2=lse_log2,
+                   seqused_q=seqused)
+    by_row = (lambda t: t.transpose(0, 1)) if varlen else (lambda t: t.transpose(1, 2))
+    assert by_row(delta)[~rows].isnan().all() and by_row(lse_log2)[~rows].isnan().all()
+    # The used rows, as one sequence: [1, h, rows] like a padded LSE.
+    used = lambda t: by_row(t)[rows].T.unsqueeze(0)  # noqa: E731
+    ref = _reference(out[rows].unsqueeze(0), dout[rows].unsqueeze(0), used(lse), None)
+    _check(used(delta), used(lse_log2), *ref)
+
+
 def test_preprocess_empty_inputs_launch_nothing():
     from flash_cute.bwd_prep import bwd_preprocess
 

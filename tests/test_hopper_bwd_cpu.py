@@ -48,7 +48,8 @@ def test_deterministic_turns_are_0_to_count_minus_1_in_increasing_n():
 
 def _problem(**kw):
     base = dict(causal=False, window_left=None, window_right=None, softcap=0.0, varlen=False,
-                nheads=8, nheads_kv=8, hdim=128, hdim_v=128, batch=3, max_seqlen_q=1000)
+                nheads=8, nheads_kv=8, hdim=128, hdim_v=128, batch=3, max_seqlen_q=1000,
+                has_seqused_q=False, has_seqused_k=False)
     base.update(kw)
     p = SimpleNamespace(**base)
     p.qheads_per_kvhead = p.nheads // p.nheads_kv

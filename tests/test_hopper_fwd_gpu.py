@@ -1,8 +1,11 @@
-"""The Hopper forward's schedules (FA3's intra-warpgroup overlap and ping-pong, each on and off)
-against float64 by the FlashAttention rule. The default schedule runs the whole feature matrix
-in tests/test_attention_gpu.py; here every other schedule sees the cases that stress it: one
-K/V block (no loop body), many blocks, masked rows with no key, causal and local block
-skipping, varlen. Needs an H100/H200.
+"""The Hopper forward's schedules (FA3's intra-warpgroup overlap and ping-pong, each on and off;
+the persistent tile scheduler) against float64 by the FlashAttention rule. The default schedule
+runs the whole feature matrix in tests/test_attention_gpu.py; here every other schedule sees
+the cases that stress it: one K/V block (no loop body), many blocks, masked rows with no key,
+causal and local block skipping, varlen; and the persistent one many more tiles than CTAs
+(K/V ring states and ping-pong turns carried across tiles, the next tile's Q loaded under the
+epilogue, O's shared tile aliasing Q at hdim 192/256), with outputs poisoned beforehand so that
+a tile the scheduler skips shows, and bitwise against one CTA per tile. Needs an H100/H200.
 """
 
 import pytest
@@ -23,13 +26,15 @@ def _needs_sm90():
         pytest.skip("the hopper forward needs an sm90 GPU")
 
 
-def _forward(q, k, v, overlap, pingpong, cu_q=None, cu_k=None, max_q=None, max_k=None, **kw):
+def _forward(q, k, v, overlap, pingpong, cu_q=None, cu_k=None, max_q=None, max_k=None,
+             persistent=False, **kw):
     from flash_cute.arch.hopper import api
     from flash_cute.arch.hopper.config import TILES
 
     problem = validate_attention_inputs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                         max_seqlen_q=max_q, max_seqlen_k=max_k, **kw)
-    tile = TILES[q.shape[-1]]._replace(intra_wg_overlap=overlap, pingpong=pingpong)
+    tile = TILES[q.shape[-1]]._replace(intra_wg_overlap=overlap, pingpong=pingpong,
+                                       persistent=persistent)
     return api.forward(q, k, v, problem, cu_q, cu_k, tile=tile)
 
 
@@ -42,10 +47,10 @@ def _check(out, lse, q, k, v, **kw):
     assert res.ok, f"LSE: err {res.err:.3e} vs native {res.err_native:.3e}"
 
 
-def _inputs(shape_q, shape_k, seed, d=128, dtype=torch.bfloat16):
+def _inputs(shape_q, shape_k, seed, d=128, dtype=torch.bfloat16, dv=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    make = lambda *s: torch.randn(*s, d, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
-    return make(*shape_q), make(*shape_k), make(*shape_k)
+    make = lambda *s: torch.randn(*s, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
+    return make(*shape_q, d), make(*shape_k, d), make(*shape_k, dv or d)
 
 
 @pytest.mark.parametrize("overlap,pingpong", SCHEDULES)
@@ -83,3 +88,88 @@ def test_schedules_are_separate_compiled_kernels():
     for out in outs[1:]:
         # Same math, same order of additions within a row: only the schedule differs.
         assert torch.equal(out, outs[0])
+
+
+# ---------------------------------------------------------------- persistent tile scheduler
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """O and LSE start as NaN, so every row a kernel leaves unwritten fails the check (the
+    varlen cases here have no row outside a sequence, so every row must be written)."""
+    from flash_cute import launch
+
+    alloc = launch.alloc_out_lse
+
+    def poisoned(q, problem):
+        out, lse = alloc(q, problem)
+        return out.fill_(float("nan")), lse.fill_(float("nan"))
+
+    monkeypatch.setattr(launch, "alloc_out_lse", poisoned)
+
+
+def _cu(lens):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
+                        device="cuda")
+
+
+def _persistent_matches(q, k, v, overlap=True, pingpong=True, **kw):
+    """Persistent and one-CTA-per-tile outputs, checked against float64 and bitwise equal
+    (same math per tile; only which CTA runs a tile, and when, differs)."""
+    ref_kw = {n: kw[n] for n in ("causal", "window_size", "softcap") if n in kw}
+    if "cu_q" in kw:
+        ref_kw.update(cu_seqlens_q=kw["cu_q"], cu_seqlens_k=kw["cu_k"])
+    out_p, lse_p = _forward(q, k, v, overlap, pingpong, persistent=True, **kw)
+    _check(out_p, lse_p, q, k, v, **ref_kw)
+    out_1, lse_1 = _forward(q, k, v, overlap, pingpong, persistent=False, **kw)
+    assert torch.equal(out_p, out_1)
+    assert torch.equal(lse_p, lse_1)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128), (192, 192), (256, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_runs_many_tiles_per_cta(poisoned_outputs, d, dv, causal):
+    """4 x 9 heads x 9 query tiles = 324 tiles > 132 SMs, GQA 9:3, odd lengths; hdim 192/192
+    and 256 stage O in Q's shared tile, so the next tile's Q waits for the TMA store."""
+    q, k, v = _inputs((4, 1100, 9), (4, 1237, 3), seed=d + causal, d=d, dv=dv)
+    _persistent_matches(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("overlap,pingpong", SCHEDULES)
+def test_persistent_every_schedule(poisoned_outputs, overlap, pingpong):
+    """Ping-pong turns and K/V ring states carried across tiles, with and without each
+    overlap; rows that see no key (sq > sk, causal) and tiles that visit no block."""
+    q, k, v = _inputs((3, 1500, 8), (3, 413, 2), seed=11)
+    _persistent_matches(q, k, v, overlap, pingpong, causal=True)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_persistent_local_softcap(poisoned_outputs, d):
+    q, k, v = _inputs((2, 2049, 16), (2, 1999, 4), seed=13, d=d)
+    _persistent_matches(q, k, v, window_size=(300, 77), softcap=15.0)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_varlen(poisoned_outputs, d, causal):
+    """Tiles from max_seqlen_q: most sequences are shorter, so many tiles are skipped by
+    every role alike; empty and one-row sequences, 12 heads on 4 KV heads."""
+    seqlens_q = [1, 0, 513, 77, 1024, 300, 2, 129, 900, 1000, 5, 640]
+    seqlens_k = [3, 9, 700, 77, 1024, 1, 0, 300, 129, 1100, 7, 641]
+    q, k, v = _inputs((sum(seqlens_q), 12), (sum(seqlens_k), 4), seed=17 + d, d=d)
+    _persistent_matches(q, k, v, cu_q=_cu(seqlens_q), cu_k=_cu(seqlens_k),
+                        max_q=max(seqlens_q), max_k=max(seqlens_k), causal=causal)
+
+
+def test_persistent_with_fewer_tiles_than_sms(poisoned_outputs):
+    """One tile per CTA (grid = tiles): no folding, no second tile."""
+    q, k, v = _inputs((1, 300, 2), (1, 300, 1), seed=19)
+    _persistent_matches(q, k, v, causal=True)
+
+
+def test_tma_store_clips_rows_past_seqlen_q(poisoned_outputs):
+    """Padded O through the TMA store: a last tile of 5 rows must not spill into the next
+    batch's rows (checked against float64 over all of O)."""
+    q, k, v = _inputs((3, 133, 4), (3, 200, 4), seed=23)
+    out, lse = _forward(q, k, v, True, True)
+    _check(out, lse, q, k, v)

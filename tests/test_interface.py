@@ -113,6 +113,7 @@ def test_api_signature_matches_flash_attn_cute():
     assert {"softmax_scale", "causal", "window_size", "softcap", "deterministic", "return_lse"} <= set(params)
     varlen = list(inspect.signature(flash_cute.flash_attn_varlen_func).parameters)
     assert varlen[:7] == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
+    assert {"seqused_q", "seqused_k"} <= set(varlen)
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -185,12 +186,13 @@ def test_varlen_is_not_sent_to_hopper_by_default(capability):
 def test_every_compile_time_switch_is_in_the_cache_key():
     """Two variants that compile differently never share a CompileKey: every switch a kernel
     reads (set_kernel_switches) is in Variant.flags(), and distinct variants have distinct flags."""
+    import dataclasses
     import itertools
 
     from flash_cute.variant import Variant, set_kernel_switches
 
     seen = {}
-    for values in itertools.product([False, True], repeat=5):
+    for values in itertools.product([False, True], repeat=len(dataclasses.fields(Variant))):
         variant = Variant(*values)
         kernel = type("K", (), {})()
         set_kernel_switches(kernel, variant)
@@ -200,3 +202,90 @@ def test_every_compile_time_switch_is_in_the_cache_key():
     assert len(set(seen.values())) == len(seen)
     # causal + right window is the same kernel as causal alone (right = 0), and says so.
     assert Variant(causal=True, window_right=True).flags() == Variant(causal=True).flags()
+
+
+def _seqused_problems():
+    """(varlen with seqused_q, padded with seqused_k) problems, validated on the CPU."""
+    q = torch.randn(10, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    varlen = validate_attention_inputs(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6,
+                                       max_seqlen_k=6, seqused_q=torch.tensor([3, 6], dtype=torch.int32),
+                                       require_cuda=False)
+    padded = validate_attention_inputs(q[None], q[None], q[None], require_cuda=False,
+                                       seqused_k=torch.tensor([7], dtype=torch.int32))
+    return varlen, padded
+
+
+def test_seqused_goes_to_a_pipeline_that_takes_it(capability):
+    """Hopper's kernels have no seqused arguments yet: never its default, refused when forced."""
+    capability(9, 0)
+    device = torch.device("cuda")
+    for problem in _seqused_problems():
+        chosen = interface.select_pipeline(device, None, problem)
+        assert interface.missing_capability(chosen, problem) is None
+        interface.check_capabilities("ampere", problem)
+        if not getattr(hopper_api, "SUPPORTS_SEQUSED", False):
+            assert chosen == "ampere"
+            with pytest.raises(NotImplementedError, match="seqused_q/seqused_k: the hopper "
+                                                          "pipeline does not support them"):
+                interface.check_capabilities("hopper", problem)
+
+
+def test_backward_fallback_skips_a_pipeline_without_seqused(capability, monkeypatch):
+    capability(9, 0)
+    _, padded = _seqused_problems()
+    device = torch.device("cuda")
+    monkeypatch.delattr(hopper_api, "backward")
+    assert interface.select_backward_pipeline(device, "hopper", padded) == "ampere"
+    monkeypatch.delattr(ampere_api, "SUPPORTS_SEQUSED")
+    assert interface.select_backward_pipeline(device, "hopper") == "ampere"
+    with pytest.raises(NotImplementedError, match="no pipeline has a backward"):
+        interface.select_backward_pipeline(device, "hopper", padded)
+
+
+def test_seqused_changes_the_compile_keys():
+    from flash_cute import launch
+    from flash_cute.variant import Variant
+
+    varlen, padded = _seqused_problems()
+    assert ("seqused_q", True) in Variant.from_problem(varlen).flags()
+    assert ("seqused_k", False) in Variant.from_problem(varlen).flags()
+    assert ("seqused_k", True) in Variant.from_problem(padded).flags()
+    plain = validate_attention_inputs(*(torch.randn(1, 10, 2, 64, dtype=torch.bfloat16),) * 3,
+                                      require_cuda=False)
+    keys = {launch.backward_compile_key("ampere.bwd", "sm_80", "bf16", p, (64, 128, 8))
+            for p in (plain, padded)}
+    assert len(keys) == 2
+
+
+def test_seqused_rows_of_the_outputs_are_defined_before_launch():
+    """Rows past seqused_q are never written by a kernel: O = 0 and LSE = -inf from the start."""
+    from flash_cute import launch
+
+    varlen, _ = _seqused_problems()
+    q = torch.randn(10, 2, 64, dtype=torch.bfloat16)
+    out, lse = launch.alloc_out_lse(q, varlen)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    padded = validate_attention_inputs(q[None], q[None], q[None], require_cuda=False,
+                                       seqused_q=torch.tensor([3], dtype=torch.int32))
+    out, lse = launch.alloc_out_lse(q[None], padded)
+    assert lse.shape == (1, 2, 10) and torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+
+
+def test_a_kernel_without_seqused_slots_refuses_them():
+    """launch appends (mSeqUsedQ, mSeqUsedK) only for a kernel class with SUPPORTS_SEQUSED."""
+    from flash_cute import launch
+
+    class NoSeqused:
+        pass
+
+    varlen, padded = _seqused_problems()
+    plain = validate_attention_inputs(*(torch.randn(1, 10, 2, 64, dtype=torch.bfloat16),) * 3,
+                                      require_cuda=False)
+    assert launch.seqused_args(NoSeqused, plain, None, None) == ()
+    used = torch.tensor([7], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="NoSeqused does not take seqused"):
+        launch.seqused_args(NoSeqused, padded, None, used)
+    with pytest.raises(ValueError, match="problem was validated"):
+        launch.seqused_args(NoSeqused, padded, None, None)

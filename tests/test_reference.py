@@ -179,6 +179,86 @@ def test_varlen_matches_per_sequence(causal, window):
     assert torch.equal(out[rows], torch.zeros_like(out[rows])) and torch.isneginf(lse[:, rows]).all()
 
 
+def _unused_rows(spans, used):
+    """True for each row of the concatenated spans that lies past its sequence's seqused."""
+    return torch.cat([torch.arange(span) >= u for span, u in zip(spans, used)])
+
+
+@pytest.mark.parametrize("causal, window", [(False, (None, None)), (True, (None, None)), (False, (3, 1))])
+def test_varlen_seqused_equals_the_sliced_problem(causal, window):
+    """seqused keeps the first seqused[b] rows of each span: the same as packing only those
+    (masks aligned to the used lengths); the other query rows get O = 0, LSE = -inf and every
+    unused row a zero gradient."""
+    gen = torch.Generator().manual_seed(11)
+    spans_q, spans_k = [6, 4, 9, 3], [8, 5, 2, 7]
+    used_q, used_k = [5, 0, 9, 2], [8, 3, 0, 4]
+    cu = lambda n: torch.tensor([0] + n, dtype=torch.int32).cumsum(0).to(torch.int32)  # noqa: E731
+    q = _randn(gen, sum(spans_q), 4, 8).requires_grad_()
+    k = _randn(gen, sum(spans_k), 2, 8).requires_grad_()
+    v = _randn(gen, sum(spans_k), 2, 5).requires_grad_()
+    kw = dict(causal=causal, window_size=window)
+    out, lse = attention_ref(q, k, v, cu_seqlens_q=cu(spans_q), cu_seqlens_k=cu(spans_k),
+                             seqused_q=torch.tensor(used_q, dtype=torch.int32),
+                             seqused_k=torch.tensor(used_k, dtype=torch.int32), **kw)
+    keep_q, keep_k = ~_unused_rows(spans_q, used_q), ~_unused_rows(spans_k, used_k)
+    out_s, lse_s = attention_ref(q[keep_q], k[keep_k], v[keep_k], cu_seqlens_q=cu(used_q),
+                                 cu_seqlens_k=cu(used_k), **kw)
+    torch.testing.assert_close(out[keep_q], out_s, rtol=0, atol=0)
+    torch.testing.assert_close(lse[:, keep_q], lse_s, rtol=0, atol=0)
+    assert torch.equal(out[~keep_q], torch.zeros_like(out[~keep_q]))
+    assert torch.isneginf(lse[:, ~keep_q]).all()
+    (out * _randn(gen, *out.shape)).sum().backward()
+    assert torch.equal(q.grad[~keep_q], torch.zeros_like(q.grad[~keep_q]))
+    for t in (k, v):
+        assert torch.equal(t.grad[~keep_k], torch.zeros_like(t.grad[~keep_k]))
+
+
+@pytest.mark.parametrize("given", ["q", "k", "both"])
+def test_padded_seqused_equals_per_batch_slices(given):
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = _qkv(gen, 3, 7, 9, 4, 2, 8, 6)
+    used_q = [7, 2, 0] if given != "k" else [7, 7, 7]
+    used_k = [9, 1, 4] if given != "q" else [9, 9, 9]
+    kw = {}
+    if given != "k":
+        kw["seqused_q"] = torch.tensor(used_q, dtype=torch.int32)
+    if given != "q":
+        kw["seqused_k"] = torch.tensor(used_k, dtype=torch.int32)
+    out, lse = attention_ref(q, k, v, causal=True, **kw)
+    assert out.shape == (3, 7, 4, 6) and lse.shape == (3, 4, 7)
+    for b in range(3):
+        uq, uk = used_q[b], used_k[b]
+        out_b, lse_b = attention_ref(q[b:b + 1, :uq], k[b:b + 1, :uk], v[b:b + 1, :uk], causal=True)
+        torch.testing.assert_close(out[b:b + 1, :uq], out_b, rtol=0, atol=0)
+        torch.testing.assert_close(lse[b:b + 1, :, :uq], lse_b, rtol=0, atol=0)
+        assert torch.equal(out[b, uq:], torch.zeros_like(out[b, uq:]))
+        assert torch.isneginf(lse[b, :, uq:]).all()
+
+
+def test_seqused_aligns_causal_to_the_used_lengths():
+    """Query row i of a sequence with used lengths (uq, uk) sees keys j <= i + uk - uq."""
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = _qkv(gen, 1, 6, 10, 1, 1, 4, 4)
+    out, _ = attention_ref(q, k, v, causal=True, seqused_q=torch.tensor([3], dtype=torch.int32),
+                           seqused_k=torch.tensor([4], dtype=torch.int32))
+    # Row 0 sees keys 0..1 only: the same output whatever keys 2.. hold.
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 2:], v2[:, 2:] = 7.0, -3.0
+    out2, _ = attention_ref(q, k2, v2, causal=True, seqused_q=torch.tensor([3], dtype=torch.int32),
+                            seqused_k=torch.tensor([4], dtype=torch.int32))
+    torch.testing.assert_close(out[:, 0], out2[:, 0], rtol=0, atol=0)
+    assert not torch.equal(out[:, 2], out2[:, 2])
+
+
+def test_bad_seqused_raise():
+    q, k, v = torch.ones(2, 5, 2, 8), torch.ones(2, 4, 2, 8), torch.ones(2, 4, 2, 8)
+    for kw in [dict(seqused_k=torch.tensor([5, 1], dtype=torch.int32)),  # past the span
+               dict(seqused_q=torch.tensor([-1, 1], dtype=torch.int32)),
+               dict(seqused_q=torch.tensor([1, 1, 1], dtype=torch.int32))]:  # wrong batch
+        with pytest.raises(ValueError):
+            attention_ref(q, k, v, **kw)
+
+
 # --------------------------------------------------------------------------- gradients
 
 

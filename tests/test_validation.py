@@ -339,6 +339,62 @@ def test_varlen_seqused_exceeds_sequence():
         validate(q, k, v, seqused_k=torch.tensor([5, 4, 10], dtype=torch.int32), **meta)
 
 
+def test_seqused_sets_the_problem_flags():
+    q, k, v, meta = varlen_inputs()
+    p = validate(q, k, v, seqused_q=torch.tensor([3, 0, 8], dtype=torch.int32), **meta)
+    assert (p.has_seqused_q, p.has_seqused_k) == (True, False)
+    p = validate(*qkv(b=2), seqused_k=torch.tensor([1, 2], dtype=torch.int32))
+    assert (p.has_seqused_q, p.has_seqused_k, p.varlen) == (False, True, False)
+    p = validate(q, k, v, **meta)
+    assert (p.has_seqused_q, p.has_seqused_k) == (False, False)
+
+
+def test_seqused_type_shape_and_layout():
+    q, k, v, meta = varlen_inputs()
+    with pytest.raises(TypeError, match="seqused_q must be an int32 tensor, got dtype torch.int64"):
+        validate(q, k, v, seqused_q=torch.tensor([1, 2, 3]), **meta)
+    with pytest.raises(TypeError, match="seqused_k must be a torch.Tensor, got list"):
+        validate(q, k, v, seqused_k=[1, 2, 3], **meta)
+    with pytest.raises(ValueError, match=r"seqused_q must have shape \[3\] \(batch\)"):
+        validate(q, k, v, seqused_q=torch.tensor([[1, 2, 3]], dtype=torch.int32), **meta)
+    strided = torch.tensor([1, 9, 2, 9, 3, 9], dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="seqused_k must be contiguous"):
+        validate(q, k, v, seqused_k=strided, **meta)
+
+
+def test_seqused_values_are_checked_when_readable():
+    q, k, v, meta = varlen_inputs()  # q lengths (3, 5, 8)
+    with pytest.raises(ValueError, match=r"seqused_q\[2\]=9 must be in \[0, 8\]"):
+        validate(q, k, v, seqused_q=torch.tensor([3, 5, 9], dtype=torch.int32), **meta)
+    with pytest.raises(ValueError, match=r"seqused_q\[0\]=-1 must be in \[0, 3\]"):
+        validate(q, k, v, seqused_q=torch.tensor([-1, 5, 8], dtype=torch.int32), **meta)
+
+
+def test_max_seqlen_needs_to_cover_only_the_used_lengths():
+    """max_seqlen sizes the grid over the lengths the kernels use: with seqused a span may be
+    longer (e.g. a KV cache's capacity), but a used length may not."""
+    q, k, v, meta = varlen_inputs()  # k lengths (4, 4, 10)
+    meta["max_seqlen_k"] = 6
+    p = validate(q, k, v, seqused_k=torch.tensor([4, 2, 6], dtype=torch.int32), **meta)
+    assert p.max_seqlen_k == 6
+    with pytest.raises(ValueError, match=r"max_seqlen_k=6 is smaller than the longest sequence "
+                                         r"\(length 7, batch index 2\) in seqused_k="):
+        validate(q, k, v, seqused_k=torch.tensor([4, 2, 7], dtype=torch.int32), **meta)
+    with pytest.raises(ValueError, match=r"max_seqlen_k=6 is smaller than the longest sequence "
+                                         r"\(length 10, batch index 2\) in cu_seqlens_k="):
+        validate(q, k, v, **meta)
+
+
+def test_varlen_q_with_padded_kv_cache_is_refused():
+    """flash-attn also takes packed q with a padded k/v (seqused_k); flash-cute does not yet."""
+    q, _, _, meta = varlen_inputs()
+    _, k, v = qkv(b=3, sk=16, hkv=2)
+    with pytest.raises(NotImplementedError, match="cu_seqlens_q was given without cu_seqlens_k.*"
+                                                  "or neither with padded q, k, v"):
+        validate(q, k, v, cu_seqlens_q=meta["cu_seqlens_q"], max_seqlen_q=8,
+                 seqused_k=torch.tensor([3, 16, 0], dtype=torch.int32))
+
+
 # --------------------------------------------------------------------------- backward
 
 
@@ -423,6 +479,18 @@ def test_cuda_device_checks():
         validate_attention_inputs(q, k, v.cpu())
     with pytest.raises(ValueError, match="16-byte aligned"):
         validate_attention_inputs(q, misaligned(tuple(k.shape), device="cuda"), v)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_seqused_device_and_contents():
+    q, k, v = (t.cuda() for t in qkv(b=2, sk=128))
+    with pytest.raises(ValueError, match="seqused_k must be a CUDA tensor"):
+        validate_attention_inputs(q, k, v, seqused_k=torch.tensor([1, 2], dtype=torch.int32))
+    past = torch.tensor([100, 129], dtype=torch.int32, device="cuda")
+    assert validate_attention_inputs(q, k, v, seqused_k=past).has_seqused_k  # not read
+    with pytest.raises(ValueError, match=r"seqused_k\[1\]=129 must be in \[0, 128\]"):
+        validate_attention_inputs(q, k, v, seqused_k=past, check_contents=True)
 
 
 @pytest.mark.gpu

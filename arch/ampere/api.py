@@ -8,6 +8,8 @@ from .config import (BWD_TILES, COMPILE_OPTIONS, SUPPORTED_HDIMS, TILES, bwd_sme
 
 # dQ is accumulated with fp32 atomics, so its rounding depends on the order CTAs finish.
 DETERMINISTIC_BACKWARD = False
+# forward/backward take seqused_q/seqused_k (the dispatcher reads this without importing the DSL).
+SUPPORTS_SEQUSED = True
 
 
 def check_supported(problem: AttentionProblem, device=None, backward: bool = False) -> None:
@@ -22,19 +24,21 @@ def check_supported(problem: AttentionProblem, device=None, backward: bool = Fal
                                        bwd_smem_bytes(problem.hdim, problem.hdim_v), device)
 
 
-def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None, tile=None):
+def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None, tile=None,
+            seqused_q=None, seqused_k=None):
     """(out, lse) for validated inputs. `tile` overrides (tile_m, tile_n, num_warps) for
-    ablations."""
+    ablations; seqused_q/seqused_k: int32 [batch] or None, as `problem` was validated."""
     from flash_cute.jit import current_arch
 
     from .fwd import AmpereFwd
 
     return launch.forward("ampere.fwd", AmpereFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
-                          tuple(tile or TILES[problem.hdim]), COMPILE_OPTIONS, current_arch())
+                          tuple(tile or TILES[problem.hdim]), COMPILE_OPTIONS, current_arch(),
+                          seqused_q=seqused_q, seqused_k=seqused_k)
 
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
-             cu_seqlens_k=None, deterministic: bool = False):
+             cu_seqlens_k=None, deterministic: bool = False, seqused_q=None, seqused_k=None):
     """(dq, dk, dv) through `AmpereBwd` (see `flash_cute.launch.backward`)."""
     from flash_cute.jit import current_arch
 
@@ -42,4 +46,4 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
 
     return launch.backward("ampere.bwd", AmpereBwd, dout, dlse, q, k, v, out, lse, problem,
                            cu_seqlens_q, cu_seqlens_k, BWD_TILES[problem.hdim], COMPILE_OPTIONS,
-                           current_arch())
+                           current_arch(), seqused_q=seqused_q, seqused_k=seqused_k)

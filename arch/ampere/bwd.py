@@ -41,8 +41,13 @@ class AmpereBwd:
     | 2 | P = exp2(S·scale_log2 − LSE₂), dS = P ∘ (dP − Δ) [∘ (1 − tanh²)], both to smem  |
     | 3 | dV += Pᵀ dO, dK += dSᵀ Q, dQ = dS K → atomics; then cp.async Q[m+1], dO[m+1]    |
 
-    dK/dV are written per query head; the host sums them over a GQA group.
+    dK/dV are written per query head; the host sums them over a GQA group. With seqused_q /
+    seqused_k the lengths are those (`SeqInfo`): Q/dO and K/V rows past them are zero-filled on
+    load and get no dQ atomics or dK/dV stores.
     """
+
+    # `flash_cute.launch` passes (mSeqUsedQ, mSeqUsedK) after the cu_seqlens.
+    SUPPORTS_SEQUSED = True
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), tile: Optional[tuple] = None):
@@ -65,9 +70,10 @@ class AmpereBwd:
                  mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, softcap: Float32,
                  window_left: Int32, window_right: Int32, max_seqlen_k: Int32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                 mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                  stream: cuda.CUstream):
         """Q/dO/dQaccum like Q, K/V like K, dK/dV [.., nheads, d] (per query head); LSElog2 and
-        Delta like the forward's LSE (see `flash_cute.bwd_prep`)."""
+        Delta like the forward's LSE (see `flash_cute.bwd_prep`); seqused [b] or None."""
         vec = 128 // self.dtype.width
         mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mdO))
         layouts = (smem_layout(self.tile_m, self.hdim, self.num_stages),
@@ -89,7 +95,8 @@ class AmpereBwd:
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
             mQ, mK, mV, mdO, mLSElog2, mDelta, mdQaccum, mdK, mdV, softmax_scale, scale_log2,
-            scale_div_cap, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, *layouts,
+            scale_div_cap, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+            mSeqUsedK, *layouts,
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
             tiled_mma(self.dtype, self.warps_sdp), tiled_mma(self.dtype, self.warps_dkv),
@@ -102,6 +109,7 @@ class AmpereBwd:
                mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, scale_log2: Float32,
                scale_div_cap: Float32, window_left: Int32, window_right: Int32,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout, copy_qk: cute.TiledCopy, copy_v: cute.TiledCopy,
@@ -110,7 +118,8 @@ class AmpereBwd:
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
-        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK)
+        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+                      mSeqUsedK)
         if n_block * self.tile_n < seq.seqlen_k:
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)
@@ -266,8 +275,10 @@ class BwdStep(DslState):
 
 
 def build_for_inspect(cfg):
-    """Registry builder: fake padded or varlen tensors with dynamic batch, heads and lengths."""
-    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
+    """Registry builder: fake padded or varlen tensors (and seqused) with dynamic batch, heads
+    and lengths."""
+    from flash_cute.jit import (DTYPES, CompileSpec, dynamic_dim, fake_seqused_args, fake_stream,
+                                fake_tensor)
 
     dtype = DTYPES[cfg.dtype]
     kernel = AmpereBwd(dtype, cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict))
@@ -286,5 +297,6 @@ def build_for_inspect(cfg):
             fake_tensor(Float32, rows, align=4), fake_tensor(Float32, rows, align=4),
             fake_tensor(Float32, qs + (h, d), align=4), fake_tensor(dtype, ks + (h, d)),
             fake_tensor(dtype, ks + (h, dv)), Float32(0.125), Float32(1.0), Int32(0), Int32(0),
-            Int32(1)) + cu + (fake_stream(),)
+            Int32(1)) + cu + fake_seqused_args(kernel.has_seqused_q, kernel.has_seqused_k) \
+        + (fake_stream(),)
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS)

@@ -39,7 +39,13 @@ class AmpereFwd:
 
     Q stays in shared memory (ldmatrix per k-block); P goes from the S accumulator straight into
     the A operand of P V. The epilogue stages O through the Q buffer for 128-bit stores.
+
+    With seqused_q / seqused_k the lengths are those (`SeqInfo`): rows past them are zero-filled
+    on load, never stored, and the masks align to the used lengths.
     """
+
+    # `flash_cute.launch` passes (mSeqUsedQ, mSeqUsedK) after the cu_seqlens.
+    SUPPORTS_SEQUSED = True
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), tile: Optional[tuple] = None):
@@ -59,9 +65,10 @@ class AmpereFwd:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
                  window_right: Int32, max_seqlen_q: Int32, mCuSeqlensQ: Optional[cute.Tensor],
-                 mCuSeqlensK: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+                 mSeqUsedK: Optional[cute.Tensor], stream: cuda.CUstream):
         """Padded: Q [b, sq, h, d], K/V [b, sk, hk, d], LSE [b, h, sq]. Varlen: Q [tq, h, d],
-        K/V [tk, hk, d], LSE [h, tq], cu_seqlens [b + 1]."""
+        K/V [tk, hk, d], LSE [h, tq], cu_seqlens [b + 1]. Either: seqused [b] or None."""
         vec = 128 // self.dtype.width
         mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mO))
         sQ_layout = smem_layout(self.tile_m, self.hdim)
@@ -81,7 +88,8 @@ class AmpereFwd:
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
             mQ, mK, mV, mO, mLSE, scale_log2, scale_div_cap, window_left, window_right,
-            mCuSeqlensQ, mCuSeqlensK, sQ_layout, sK_layout, sV_layout, sO_layout,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, sV_layout,
+            sO_layout,
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v, cute.nvgpu.CopyUniversalOp()),
@@ -94,7 +102,8 @@ class AmpereFwd:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, scale_log2: Float32, scale_div_cap: Float32,
                window_left: Int32, window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
-               mCuSeqlensK: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
+               mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+               mSeqUsedK: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, copy_qk: cute.TiledCopy, copy_v: cute.TiledCopy,
                copy_o: cute.TiledCopy, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
@@ -104,7 +113,8 @@ class AmpereFwd:
             # Heaviest query tiles first, so the tail of the grid is short.
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
-        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK)
+        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+                      mSeqUsedK)
         if m_block * self.tile_m < seq.seqlen_q:
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)
@@ -258,10 +268,12 @@ class MmaOperands(DslState):
 
 
 def build_for_inspect(cfg):
-    """Registry builder: fake padded or varlen Q/K/V/O/LSE with dynamic batch and lengths."""
+    """Registry builder: fake padded or varlen Q/K/V/O/LSE (and seqused) with dynamic batch and
+    lengths."""
     from flash_cute.jit import DTYPES, CompileSpec, fake_forward_args
 
     kernel = AmpereFwd(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict),
                        tile=tuple(cfg.tile))
-    args = fake_forward_args(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, kernel.varlen)
+    args = fake_forward_args(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, kernel.varlen,
+                             seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS)

@@ -15,14 +15,20 @@ CONSUMER_REGISTERS = 240
 
 
 class FwdConfig(NamedTuple):
-    """A forward kernel's compile-time schedule: its tile, K/V ring depth and the two FA3
-    overlaps (each switchable so that `inspect` and `bench/hopper_fwd_ablation.py` compare
-    them; see `HopperFwd`)."""
+    """A forward kernel's compile-time schedule: its tile, K/V ring depth, the two FA3
+    overlaps and the persistent tile scheduler (each switchable so that `inspect` and
+    `bench/hopper_fwd_ablation.py` compare them; see `HopperFwd`)."""
     tile_m: int
     tile_n: int
     kv_stages: int
     intra_wg_overlap: bool = True
     pingpong: bool = True
+    # The plain-Python model (`flash_cute.models.schedule_makespan`, hdim 64-256, 512-16k
+    # keys) puts the persistent grid's makespan (causal tiles folded into heavy/light pairs)
+    # within 5 % of the hardware's own one-CTA-per-tile LPT schedule, mostly within 3 %; what
+    # it saves per tile (the next tile's loads under the epilogue) is measured in
+    # docs/perf.md. Off by default; `TILES` turns it on where it measured faster.
+    persistent: bool = False
 
 
 # hdim -> FwdConfig. tile_m is fixed at 128 (two consumer warpgroups); tile_n shrinks as the
@@ -32,9 +38,11 @@ class FwdConfig(NamedTuple):
 # consumer budget.
 # Ping-pong is on where it measured faster on the H200 (docs/perf.md, 2026-11-29, seqlen 8k):
 # hdim 256 +3 %, hdim 64 +1 %; at hdim 128 it cost 12 % causal and nothing non-causal.
-TILES = {64: FwdConfig(128, 128, 2), 96: FwdConfig(128, 128, 2),
-         128: FwdConfig(128, 128, 2, pingpong=False), 192: FwdConfig(128, 96, 2),
-         256: FwdConfig(128, 80, 2)}
+# Persistence is on where it measured faster (docs/perf.md, session 8, seqlen 2k and 8k):
+# hdim 64 +1 to +7 % (one cell -3 %), hdim 128 0 to +5 %; unmeasured at 96, 192, 256.
+TILES = {64: FwdConfig(128, 128, 2, persistent=True), 96: FwdConfig(128, 128, 2),
+         128: FwdConfig(128, 128, 2, pingpong=False, persistent=True),
+         192: FwdConfig(128, 96, 2), 256: FwdConfig(128, 80, 2)}
 
 # (hdim, hdim_v) pairs with a kernel: equal dims, and 192/128 (DeepSeek's shape).
 SUPPORTED_HDIMS = frozenset({(d, d) for d in TILES} | {(192, 128)})
@@ -44,15 +52,35 @@ SMEM_CAPACITY = 227 * 1024
 COMPILE_OPTIONS = "--opt-level 2"
 
 
-def smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
-    """Dynamic shared memory of one CTA, laid out as `HopperFwd`'s SharedStorage: the mbarriers
-    (full + empty per stage of Q, K and V) padded to the 1 KiB alignment of the swizzled tiles,
-    then Q and the K and V rings."""
+def _align(b: int) -> int:
+    return -(-b // 1024) * 1024
+
+
+def _mainloop_smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
+    """The mbarriers (full + empty per stage of Q, K and V) padded to the 1 KiB alignment of
+    the swizzled tiles, then Q and the K and V rings."""
     tile_m, tile_n, stages = tile[:3]
-    align = lambda b: -(-b // 1024) * 1024  # noqa: E731
-    barriers = 8 * (2 + 4 * stages)
-    return align(barriers) + align(tile_m * hdim * 2) + align(stages * tile_n * hdim * 2) \
-        + align(stages * tile_n * hdim_v * 2)
+    return _align(8 * (2 + 4 * stages)) + _align(tile_m * hdim * 2) \
+        + _align(stages * tile_n * hdim * 2) + _align(stages * tile_n * hdim_v * 2)
+
+
+def o_smem_tile(hdim: int, hdim_v: int, tile: tuple, varlen: bool) -> str:
+    """Where the forward's epilogue stages O for its TMA store: "own" (a tile of its own),
+    "q" (Q's tile, when an own one does not fit: hdim 192 and 256; hdim_v <= hdim, so O fits)
+    or "none" (varlen: O goes from registers to global memory with row predicates, since the
+    rows of a tile past its sequence are the next sequence's, which a TMA store would
+    overwrite)."""
+    if varlen:
+        return "none"
+    own = _mainloop_smem_bytes(hdim, hdim_v, tile) + _align(tile[0] * hdim_v * 2)
+    return "own" if own <= SMEM_CAPACITY else "q"
+
+
+def smem_bytes(hdim: int, hdim_v: int, tile: tuple, varlen: bool = False) -> int:
+    """Dynamic shared memory of one forward CTA, laid out as `HopperFwd`'s SharedStorage: the
+    main loop's barriers and tiles, then O's tile where it has one of its own."""
+    own_o = o_smem_tile(hdim, hdim_v, tile, varlen) == "own"
+    return _mainloop_smem_bytes(hdim, hdim_v, tile) + own_o * _align(tile[0] * hdim_v * 2)
 
 
 # ---------------------------------------------------------------- backward

@@ -1,10 +1,13 @@
 """FlashAttention-3 forward on sm90a: TMA + mbarrier pipelines + WGMMA, warp-specialized, with
-FA3's intra-warpgroup overlap and inter-warpgroup ping-pong, each switchable (seed 10.3.4).
+FA3's intra-warpgroup overlap and inter-warpgroup ping-pong, each switchable (seed 10.3.4), a
+persistent tile scheduler and a TMA-store epilogue.
 
-One CTA per (128-row query tile, head, batch). Warpgroup 0 produces (one warp issues every TMA
-load), warpgroups 1 and 2 consume: each owns 64 query rows and runs S = Q Kᵀ, the online
-softmax and O += P V for them. K and V flow through two mbarrier rings that share one
-producer/consumer state (stage i of the K ring and stage i of the V ring hold the same block).
+Each CTA works through (128-row query tile, head, batch) tiles in the order of
+`flash_cute.tile_scheduler` (one tile per CTA, or persistent). Warpgroup 0 produces (one warp
+issues every TMA load), warpgroups 1 and 2 consume: each owns 64 query rows of a tile and runs
+S = Q Kᵀ, the online softmax and O += P V for them. K and V flow through two mbarrier rings that
+share one producer/consumer state (stage i of the K ring and stage i of the V ring hold the same
+block); the states carry from tile to tile.
 """
 
 from typing import Optional
@@ -23,26 +26,32 @@ from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strid
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import OnlineSoftmax, apply_softcap, fold_scales, rescale_o
+from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 
 from .config import (COMPILE_OPTIONS, CONSUMER_REGISTERS, NUM_CONSUMER_WARPGROUPS, NUM_THREADS,
-                     PRODUCER_REGISTERS, SMEM_CAPACITY, TILES, FwdConfig, smem_bytes)
+                     PRODUCER_REGISTERS, SMEM_CAPACITY, TILES, FwdConfig, o_smem_tile, smem_bytes)
 from .tma import (COLS_FIRST, ROWS_FIRST, make_tma_pipelines, permute, tma_load_atom,
                   tma_partition)
 
 # Named barriers 1 and 2: the consumer warpgroups' ping-pong turns (0 is sync_threads').
 _PINGPONG_BARRIER_ID = 1
+# Named barrier 3: the 256 consumer threads around O's shared-memory tile (`OutputStore`).
+_O_TILE_BARRIER_ID = 3
+# The consumer warp that issues O's TMA store (the first of consumer warpgroup 1).
+_O_STORE_WARP = 4
 
 
 class HopperFwd:
-    """Forward kernel: O = softmax(Q Kᵀ · scale) V and LSE, one CTA per (query tile, head, batch).
+    """Forward kernel: O = softmax(Q Kᵀ · scale) V and LSE, over (query tile, head, batch) tiles.
 
-    | warpgroup | warps | registers | role                                                  |
-    |-----------|-------|-----------|-------------------------------------------------------|
-    | 0         | 0     | 24        | producer: TMA of Q once, then K[n], V[n] per block     |
-    | 0         | 1..3  | 24        | idle (setmaxnreg is warpgroup-wide, so they stay)      |
-    | 1         | 4..7  | 240       | consumer: rows 0..63 — QKᵀ, mask, softmax, PV, store   |
-    | 2         | 8..11 | 240       | consumer: rows 64..127 — same                          |
+    | warpgroup | warps | registers | role                                                    |
+    |-----------|-------|-----------|---------------------------------------------------------|
+    | 0         | 0     | 24        | producer: per tile, TMA of Q, then K[n], V[n] per block  |
+    | 0         | 1..3  | 24        | idle (setmaxnreg is warpgroup-wide, so they stay)        |
+    | 1         | 4..7  | 240       | consumer: rows 0..63 — QKᵀ, mask, softmax, PV, epilogue; |
+    |           |       |           | warp 4 also issues O's TMA store                         |
+    | 2         | 8..11 | 240       | consumer: rows 64..127 — same                            |
 
     | pipeline (PipelineTmaAsync) | stages | full barrier           | empty barrier          |
     |-----------------------------|--------|------------------------|------------------------|
@@ -53,6 +62,17 @@ class HopperFwd:
     | named barrier | threads | use                                                     |
     |---------------|---------|---------------------------------------------------------|
     | 1, 2          | 256     | ping-pong turns of consumer warpgroup 1, 2 (`GemmTurns`) |
+    | 3             | 256     | O's shared tile: free to write, then written (`OutputStore`) |
+
+    Tiles (`flash_cute.tile_scheduler`): m_block fastest, or for causal and right windows
+    heaviest first (m_block descending within L2-sized sections of heads). With ``persistent``
+    off the grid has one CTA per tile; on, min(tiles, SMs) CTAs each take every grid-th tile
+    number, and causal tiles are folded into (heavy, light) pairs so that this static round
+    robin stays balanced. Every role walks the same numbers and skips, as one, a tile with no
+    rows (varlen past its sequence, or an empty number of the folded order). The K/V ring
+    states run on from tile to tile; Q is loaded per tile and released when the consumers no
+    longer read it, so the producer loads the next tile's Q and first K/V blocks while the
+    consumers run this tile's epilogue.
 
     K/V blocks are visited right to left over `block_range` (masked blocks first). S = Q K[n]ᵀ
     runs with both operands in shared memory, O += P V[n] with P (16-bit) as the register A
@@ -62,30 +82,44 @@ class HopperFwd:
       runs while that PV is in flight, O is rescaled after it lands (`mainloop_overlapped`).
       Off: S, wait, softmax, PV, wait (`mainloop_serial`).
     * ``pingpong``: the two consumer warpgroups take turns issuing their WGMMAs, so one's
-      softmax overlaps the other's GEMMs (`GemmTurns`).
+      softmax overlaps the other's GEMMs (`GemmTurns`; the turns run on across tiles).
+    * ``persistent``: the static persistent grid above (the SM count is read from the driver
+      when the kernel is compiled, `tile_scheduler.num_sms`).
 
-    Not yet: a TMA store of O through shared memory (O is stored from registers with row
-    predicates, LSE by the quad leader), a persistent scheduler, packed GQA.
+    Epilogue (`OutputStore`): padded inputs stage O (in dtype) in a swizzled shared tile by
+    stmatrix and leave it with one TMA store per tile, which clips the rows past seqlen_q.
+    Where that tile does not fit beside Q and the K/V rings (hdim 192 and 256) it is Q's tile,
+    and Q is released only once the store has read it. Varlen: a tile's rows past its
+    sequence are the next sequence's, so O goes from registers with row predicates. LSE is
+    stored by the first thread of each row's quad. Not yet: packed GQA.
     """
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), tile: Optional[tuple] = None):
         self.dtype = dtype
         self.hdim, self.hdim_v = kernel_head_dims("sm90", hdim, hdim_v, TILES, tile)
+        set_kernel_switches(self, variant)
         config = FwdConfig(*(tile or TILES[hdim]))
         self.tile_m, self.tile_n, self.kv_stages = config[:3]
         self.intra_wg_overlap, self.pingpong = config.intra_wg_overlap, config.pingpong
+        self.persistent = config.persistent
         if self.tile_m != 64 * NUM_CONSUMER_WARPGROUPS:
             raise ValueError(f"tile_m must be {64 * NUM_CONSUMER_WARPGROUPS} (64 rows per consumer)")
         if self.tile_n % 16:
             raise ValueError("tile_n must be a multiple of 16 (the K of the P V WGMMA)")
         self.num_threads = NUM_THREADS
-        set_kernel_switches(self, variant)
+        # Longest-processing-time-first where a query tile's work grows with m_block.
+        self.lpt = self.causal or self.has_window_right
+        self.o_tile = o_smem_tile(self.hdim, self.hdim_v, self._tile, self.varlen)
+
+    @property
+    def _tile(self) -> tuple:
+        return (self.tile_m, self.tile_n, self.kv_stages)
 
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory (the kernel's SharedStorage; checked against it at compile)."""
-        return smem_bytes(self.hdim, self.hdim_v, (self.tile_m, self.tile_n, self.kv_stages))
+        return smem_bytes(self.hdim, self.hdim_v, self._tile, self.varlen)
 
     # ---------------------------------------------------------------- host side
 
@@ -100,14 +134,8 @@ class HopperFwd:
         # TMA needs 16-byte global strides; validation guarantees them, this tells the compiler.
         mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mO))
         mma_qk, mma_pv = self._tiled_mmas()
-        sQ_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.hdim), self.dtype, 1)
-        sK_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_n, self.hdim), self.dtype, self.kv_stages)
-        # V as the (hdim_v, tile_n) B operand, head dim contiguous: no transpose in shared memory.
-        sV_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.COL_MAJOR, (self.tile_m, self.hdim_v, self.tile_n), self.dtype,
-            self.kv_stages)
+        layouts = self._smem_layouts()
+        sQ_layout, sK_layout, sV_layout, sO_layout = layouts
 
         rows_first, back_rows = ROWS_FIRST[self.varlen]
         cols_first, back_cols = COLS_FIRST[self.varlen]
@@ -115,32 +143,78 @@ class HopperFwd:
         tma_k, tK = tma_load_atom(mK, rows_first, sK_layout, (self.tile_n, self.hdim))
         tma_v, tV = tma_load_atom(mV, cols_first, sV_layout, (self.hdim_v, self.tile_n))
         tQ, tK, tV = permute(tQ, back_rows), permute(tK, back_rows), permute(tV, back_cols)
+        tma_o = None
+        if cutlass.const_expr(self.o_tile != "none"):
+            tma_o, tO = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), permute(mO, rows_first),
+                cute.slice_(sO_layout, (None, None, 0)), (self.tile_m, self.hdim_v))
+            mO = permute(tO, back_rows)
 
-        stages = self.kv_stages
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-
+        SharedStorage = self._shared_storage(layouts)
         if cutlass.const_expr(SharedStorage.size_in_bytes() != self.smem_bytes
                               or self.smem_bytes > SMEM_CAPACITY):
             raise ValueError(f"shared memory: {SharedStorage.size_in_bytes()} B (estimated "
                              f"{self.smem_bytes}), capacity {SMEM_CAPACITY}")
         tx_bytes = tuple(cute.size_in_bytes(self.dtype, cute.slice_(layout, (None, None, 0)))
                          for layout in (sQ_layout, sK_layout, sV_layout))
-        batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
-        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mQ.shape[-2], batch)
+        order = self._tile_order(mQ, mK, max_seqlen_q, mCuSeqlensQ)
+        grid = launch_grid(order.num_tiles, self.persistent, num_sms(), imin=cutlass.min)
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
-            tma_q, tQ, tma_k, tK, tma_v, tV, mO, mLSE, scale_log2, scale_div_cap, window_left,
-            window_right, mCuSeqlensQ, mCuSeqlensK, sQ_layout, sK_layout, sV_layout, mma_qk,
-            mma_pv, SharedStorage, tx_bytes,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+            tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, mO, mLSE, scale_log2, scale_div_cap,
+            window_left, window_right, mCuSeqlensQ, mCuSeqlensK, order.num_m_blocks,
+            order.section, sQ_layout, sK_layout, sV_layout, sO_layout, mma_qk, mma_pv,
+            SharedStorage, tx_bytes,
+        ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
+
+    def _tile_order(self, mQ, mK, max_seqlen_q, mCuSeqlensQ) -> TileOrder:
+        """The launch's `TileOrder`. Varlen sizes the L2 sections by the mean K/V length (only
+        the section size depends on it)."""
+        batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
+        section = Int32(1)
+        if cutlass.const_expr(self.lpt):
+            seqlen_k = mK.shape[0] // batch if cutlass.const_expr(self.varlen) else mK.shape[1]
+            kv_bytes_per_key = (self.hdim + self.hdim_v) * self.dtype.width // 8
+            section = pairs_per_section(seqlen_k, kv_bytes_per_key, imax=cutlass.max)
+        return TileOrder(cute.ceil_div(max_seqlen_q, self.tile_m), mQ.shape[-2], batch, section,
+                         self.lpt, self.persistent)
+
+    def _smem_layouts(self):
+        """Q, K, V and O shared-memory layouts, each (rows, cols, stages), swizzled."""
+        shape = (self.tile_m, self.tile_n, self.hdim)
+        sQ = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, shape, self.dtype, 1)
+        sK = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, shape, self.dtype,
+                                           self.kv_stages)
+        # V as the (hdim_v, tile_n) B operand, head dim contiguous: no transpose in shared memory.
+        sV = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR,
+                                           (self.tile_m, self.hdim_v, self.tile_n), self.dtype,
+                                           self.kv_stages)
+        # O laid out as Q is (rows of hdim_v, K-major swizzle); hdim_v <= hdim, so it fits in
+        # Q's tile where it takes that one.
+        sO = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR,
+                                           (self.tile_m, self.tile_n, self.hdim_v), self.dtype, 1)
+        return sQ, sK, sV, sO
+
+    def _shared_storage(self, layouts):
+        """The CTA's shared memory, as `config.smem_bytes` sizes it."""
+        sQ_layout, sK_layout, sV_layout, sO_layout = layouts
+        stages, dtype = self.kv_stages, self.dtype
+        tile = lambda layout: cute.struct.Align[  # noqa: E731
+            cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: tile(sQ_layout)
+            sK: tile(sK_layout)
+            sV: tile(sV_layout)
+            if self.o_tile == "own":
+                sO: tile(sO_layout)
+
+        return SharedStorage
 
     def _tiled_mmas(self):
         """S = Q Kᵀ (both from shared memory, K-major) and O = P V (P from registers, V
@@ -158,17 +232,21 @@ class HopperFwd:
 
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
-               tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               scale_log2: Float32, scale_div_cap: Float32, window_left: Int32,
-               window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
-               mCuSeqlensK: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
-               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: Optional[cute.CopyAtom],
+               mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, scale_div_cap: Float32,
+               window_left: Int32, window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
+               mCuSeqlensK: Optional[cute.Tensor], num_m_blocks: Int32, section: Int32,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
+        if cutlass.const_expr(tma_o is not None):
+            if warp_idx == _O_STORE_WARP:
+                cpasync.prefetch_descriptor(tma_o)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         pipes = make_tma_pipelines(((storage.mbar_q, 1, tx_bytes[0]),
                                     (storage.mbar_k, self.kv_stages, tx_bytes[1]),
@@ -176,101 +254,139 @@ class HopperFwd:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = None
+        if cutlass.const_expr(self.o_tile == "own"):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        elif cutlass.const_expr(self.o_tile == "q"):
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        tiles = WorkTiles(self, num_m_blocks, section, mQ, mK, mCuSeqlensQ, mCuSeqlensK,
+                          window_left, window_right)
 
-        m_block, head, batch = cute.arch.block_idx()
-        if cutlass.const_expr(self.causal or self.has_window_right):
-            # Heaviest query tiles first, so the tail of the grid is short.
-            m_block = cute.arch.grid_dim()[0] - 1 - m_block
-        head_kv = head // (mQ.shape[-2] // mK.shape[-2])
-        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK)
-        # Uniform over the CTA (varlen tiles past the sequence), so no role is left waiting.
-        if m_block * self.tile_m < seq.seqlen_q:
-            win_left = window_left if cutlass.const_expr(self.has_window_left) else None
-            win_right = window_right if cutlass.const_expr(self.has_window_right) else None
-            rng = block_range(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                              self.causal, win_left, win_right, imin=cutlass.min, imax=cutlass.max)
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
-                if warp_idx == 0:
-                    self.produce(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, seq, head,
-                                 head_kv, m_block, rng)
-            else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
-                mask = AttentionMask(self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                     self.causal, win_left, win_right)
-                self.consume(mma_qk, mma_pv, sQ, sK, sV, pipes, seq, mO, mLSE, head, m_block,
-                             rng, mask, scale_log2, scale_div_cap)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                self.produce(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            tidx = cute.arch.thread_idx()[0] - 128
+            out = OutputStore(self, mma_pv, tidx, tma_o, sO, mO, mLSE,
+                              warp_idx == _O_STORE_WARP)
+            self.consume(mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
+                         scale_div_cap)
 
     @cute.jit
-    def produce(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, seq, head, head_kv,
-                m_block, rng):
-        """Warp 0 of the producer warpgroup, all 32 lanes: `producer_acquire` elects the lane
-        that arms the barrier, and the TMA copy elects its own issuing lane."""
-        pipe_q, pipe_k, pipe_v = pipes
-        gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
-        gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (None, 0))
-        gVt = cute.local_tile(permute(seq.k_view(mV, head_kv), (1, 0)),
-                              (self.hdim_v, self.tile_n), (0, None))
-        tQsQ, tQgQ = tma_partition(tma_q, sQ, gQ)
-        tKsK, tKgK = tma_partition(tma_k, sK, gK)
-        tVsV, tVgV = tma_partition(tma_v, sV, gVt)
-
+    def produce(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles):
+        """Warp 0 of the producer warpgroup, all 32 lanes, over this CTA's tiles."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
-            n_block = rng.n_block_max - 1 - i
-            pipe_k.producer_acquire(kv)
-            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv))
-            pipe_v.producer_acquire(kv)
-            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv))
-            kv.advance()
+        first = cute.arch.block_idx()[0]
+        if cutlass.const_expr(self.persistent):
+            for tile in cutlass.range(first, tiles.num_numbers, cute.arch.grid_dim()[0],
+                                      unroll=1):
+                q_state, kv = self.produce_tile(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV,
+                                                pipes, tiles, tile, q_state, kv)
+        else:
+            self.produce_tile(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles, first,
+                              q_state, kv)
 
     @cute.jit
-    def consume(self, mma_qk, mma_pv, sQ, sK, sV, pipes, seq, mO, mLSE, head, m_block, rng,
-                mask, scale_log2, scale_div_cap):
-        """One consumer warpgroup's 64 rows (thread index relative to the first consumer, so
-        the tiled MMAs place warpgroup 1 on rows 0..63 and warpgroup 2 on rows 64..127)."""
-        pipe_q = pipes[0]
-        tidx = cute.arch.thread_idx()[0] - 128
+    def produce_tile(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles,
+                     tile: Int32, q_state, kv):
+        """TMA of one tile's Q and K/V blocks: `producer_acquire` elects the lane that arms the
+        barrier, and the TMA copy elects its own issuing lane. The Q acquire waits until the
+        consumers released the last tile's Q (see `OutputStore` for when that is)."""
+        pipe_q, pipe_k, pipe_v = pipes
+        m_block, head, head_kv, seq = tiles.at(tile)
+        if tiles.in_bounds(m_block, seq):
+            rng = tiles.block_range(m_block, seq)
+            gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
+            gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (None, 0))
+            gVt = cute.local_tile(permute(seq.k_view(mV, head_kv), (1, 0)),
+                                  (self.hdim_v, self.tile_n), (0, None))
+            tQsQ, tQgQ = tma_partition(tma_q, sQ, gQ)
+            tKsK, tKgK = tma_partition(tma_k, sK, gK)
+            tVsV, tVgV = tma_partition(tma_v, sV, gVt)
+
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+            for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
+                n_block = rng.n_block_max - 1 - i
+                pipe_k.producer_acquire(kv)
+                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(kv))
+                pipe_v.producer_acquire(kv)
+                cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv))
+                kv.advance()
+        # Returned so the caller's tile loop rebinds them (the DSL carries plain locals only).
+        return q_state, kv
+
+    @cute.jit
+    def consume(self, mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
+                scale_div_cap):
+        """One consumer warpgroup's 64 rows of each of this CTA's tiles (thread index relative
+        to the first consumer, so the tiled MMAs place warpgroup 1 on rows 0..63 and
+        warpgroup 2 on rows 64..127). Ping-pong turns start once and run on across tiles: both
+        warpgroups take the same number of turns per tile."""
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
         gemms = WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, sQ, sK, sV)
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.hdim_v)),
-                                      Float32)
-        acc_o.fill(0.0)
-        softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4)
-        softmax.reset()
         coord_mn = acc_to_mn(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        scores = ScoreStep(self, softmax, mask, coord_mn, m_block, rng, scale_div_cap)
         turns = GemmTurns(self.pingpong, cute.arch.make_warp_uniform(tidx // 128))
         turns.start()
-
-        # Q is waited for even when no block is visited: its TMA must land before the CTA exits.
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_q.consumer_wait(q_state)
-        if cutlass.const_expr(self.intra_wg_overlap):
-            self.mainloop_overlapped(gemms, scores, turns, pipes, acc_o, rng)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        first = cute.arch.block_idx()[0]
+        if cutlass.const_expr(self.persistent):
+            for tile in cutlass.range(first, tiles.num_numbers, cute.arch.grid_dim()[0],
+                                      unroll=1):
+                q_state, kv = self.consume_tile(gemms, coord_mn, turns, pipes, tiles, out, tile,
+                                                q_state, kv, scale_log2, scale_div_cap)
         else:
-            self.mainloop_serial(gemms, scores, turns, pipes, acc_o, rng)
+            self.consume_tile(gemms, coord_mn, turns, pipes, tiles, out, first, q_state, kv,
+                              scale_log2, scale_div_cap)
         turns.finish()
-        pipe_q.consumer_release(q_state)
-
-        o_scale, lse = softmax.finalize()
-        rescale_o(acc_to_mn(acc_o), o_scale)
-        self.epilogue(acc_o, lse, thr_pv, seq, mO, mLSE, head, m_block)
+        out.drain()
 
     @cute.jit
-    def mainloop_serial(self, gemms, scores, turns, pipes, acc_o, rng):
+    def consume_tile(self, gemms, coord_mn, turns, pipes, tiles, out, tile: Int32, q_state, kv,
+                     scale_log2, scale_div_cap):
+        """One tile: main loop, softmax finalize, epilogue. Returns the Q and K/V states for
+        the next tile."""
+        pipe_q = pipes[0]
+        m_block, head, _, seq = tiles.at(tile)
+        if tiles.in_bounds(m_block, seq):
+            rng = tiles.block_range(m_block, seq)
+            acc_o = gemms.new_acc_o()
+            acc_o.fill(0.0)
+            softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4)
+            softmax.reset()
+            scores = ScoreStep(self, softmax, tiles.mask(seq), coord_mn, m_block, rng,
+                               scale_div_cap)
+            # Q is waited for even when no block is visited: its TMA must land before the
+            # consumers release it (and before the CTA exits).
+            pipe_q.consumer_wait(q_state)
+            if cutlass.const_expr(self.intra_wg_overlap):
+                kv = self.mainloop_overlapped(gemms, scores, turns, pipes, acc_o, rng, kv)
+            else:
+                kv = self.mainloop_serial(gemms, scores, turns, pipes, acc_o, rng, kv)
+            if cutlass.const_expr(self.o_tile != "q"):
+                # The last QKᵀ has landed: the producer may load the next tile's Q now.
+                pipe_q.consumer_release(q_state)
+            o_scale, lse = softmax.finalize()
+            rescale_o(acc_to_mn(acc_o), o_scale)
+            out.store(acc_o, lse, seq, head, m_block, pipe_q, q_state)
+            q_state.advance()
+        return q_state, kv
+
+    @cute.jit
+    def mainloop_serial(self, gemms, scores, turns, pipes, acc_o, rng, kv):
         """Per block: S = Q Kᵀ, wait, softmax, O += P V, wait (the tensor cores idle during
-        this warpgroup's softmax unless the other warpgroup fills them: `pingpong`)."""
+        this warpgroup's softmax unless the other warpgroup fills them: `pingpong`).
+        Returns the K/V state of the next tile's first block."""
         _, pipe_k, pipe_v = pipes
         acc_s = gemms.new_acc_s()
         r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
             pipe_k.consumer_wait(kv)
             turns.begin()
@@ -287,18 +403,19 @@ class HopperFwd:
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv)
             kv.advance()
+        return kv
 
     @cute.jit
-    def mainloop_overlapped(self, gemms, scores, turns, pipes, acc_o, rng):
+    def mainloop_overlapped(self, gemms, scores, turns, pipes, acc_o, rng, k_state):
         """FA3's intra-warpgroup overlap: S[n-1] = Q K[n-1]ᵀ and O += P[n] V[n] are issued
         together, so the softmax of block n-1 runs while the PV WGMMA of block n is in flight;
         O is rescaled once that PV has landed. Blocks run right to left; the first is always
-        masked (harmless where it needs none), the others where `needs_mask` says so."""
+        masked (harmless where it needs none), the others where `needs_mask` says so.
+        Returns the K/V state of the next tile's first block."""
         _, pipe_k, pipe_v = pipes
         acc_s = gemms.new_acc_s()
         r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
         n_max = rng.n_block_max
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         if n_max > rng.n_block_min:
             pipe_k.consumer_wait(k_state)
             turns.begin()
@@ -322,23 +439,168 @@ class HopperFwd:
             turns.end()
             warpgroup.wait_group(0)
             pipe_v.consumer_release(v_state)
+        # K runs one block ahead of V: after the last PV, k_state is the next free stage.
+        return k_state
+
+
+class WorkTiles(DslState):
+    """This launch's tiles (`flash_cute.tile_scheduler.TileOrder`) and, per tile, what every
+    role derives from it the same way: coordinates, sequence bounds, K/V block range, mask."""
+
+    def __init__(self, cfg: HopperFwd, num_m_blocks: Int32, section: Int32, mQ, mK,
+                 mCuSeqlensQ, mCuSeqlensK, window_left: Int32, window_right: Int32):
+        self.cfg = cfg
+        self.num_m_blocks, self.section = num_m_blocks, section
+        self.num_heads = mQ.shape[-2]
+        self.num_batches = SeqInfo.num_batches(mQ, mCuSeqlensQ)
+        self.qheads_per_kvhead = mQ.shape[-2] // mK.shape[-2]
+        # Padded extents (varlen: `SeqInfo` reads cu_seqlens instead).
+        self.seqlen_q, self.seqlen_k = mQ.shape[1], mK.shape[1]
+        self.cu_q, self.cu_k = mCuSeqlensQ, mCuSeqlensK
+        self.win_left = window_left if cfg.has_window_left else None
+        self.win_right = window_right if cfg.has_window_right else None
+
+    @property
+    def order(self) -> TileOrder:
+        return TileOrder(self.num_m_blocks, self.num_heads, self.num_batches, self.section,
+                         self.cfg.lpt, self.cfg.persistent)
+
+    @property
+    def num_numbers(self):
+        """Tile numbers the grid walks (a persistent CTA: its block index, then every
+        grid-th)."""
+        return self.order.num_numbers(cute.arch.grid_dim()[0], imin=cutlass.min,
+                                      imax=cutlass.max)
+
+    def at(self, tile: Int32):
+        """(m_block, head, head_kv, SeqInfo) of tile number `tile` (an empty number, of the
+        folded persistent order, gets an m_block past every sequence: `in_bounds` is False)."""
+        m_block, head, batch = self.order.coords(tile, cute.arch.grid_dim()[0],
+                                                 imin=cutlass.min, imax=cutlass.max)
+        seq = SeqInfo(batch, self.seqlen_q, self.seqlen_k, self.cu_q, self.cu_k)
+        return m_block, head, head // self.qheads_per_kvhead, seq
+
+    def in_bounds(self, m_block: Int32, seq: SeqInfo):
+        """Whether the tile has rows (varlen tiles past the sequence have none): uniform over
+        the CTA, so every role skips the same tiles and none is left waiting."""
+        return m_block * self.cfg.tile_m < seq.seqlen_q
+
+    def block_range(self, m_block: Int32, seq: SeqInfo):
+        cfg = self.cfg
+        return block_range(m_block, cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
+                           cfg.causal, self.win_left, self.win_right, imin=cutlass.min,
+                           imax=cutlass.max)
+
+    def mask(self, seq: SeqInfo) -> AttentionMask:
+        cfg = self.cfg
+        return AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.causal,
+                             self.win_left, self.win_right)
+
+
+class OutputStore(DslState):
+    """A consumer thread's share of the epilogue: O and LSE of one tile to global memory.
+
+    Padded (`o_tile` "own" or "q"): O, in dtype, goes into the swizzled shared tile sO by
+    stmatrix; after a fence (the TMA reads through the async proxy) and barrier 3 over the 256
+    consumer threads, warp 4 issues one TMA store of the tile, which clips rows past seqlen_q.
+    Before the next tile writes sO, warp 4 waits until that store has read it and barrier 3
+    passes again (needed when persistent; also when sO is Q's tile, where it is what makes
+    both warpgroups' last QKᵀ done with Q before O overwrites it).
+
+    sO = Q's tile (hdim 192, 256): the next tile's Q may be loaded only once the store has
+    read O out of it. So Q is released after the epilogue instead of after the main loop,
+    and warp 4, whose arrive completes the Q empty barrier with the seven others', arrives
+    only after `cp.async.bulk.wait_group.read 0` (and a warp sync, so lane 0, which arrives,
+    follows the lane that issued the store). The producer's Q acquire for the next tile
+    waits on that barrier; its K/V loads do not, so they still overlap the epilogue.
+
+    Varlen (`o_tile` "none"): rows past the sequence belong to the next sequence, which a
+    TMA store would overwrite, so O goes from registers with row predicates. LSE is always
+    stored by the first thread of each row's quad.
+    """
+
+    def __init__(self, cfg: HopperFwd, mma_pv, tidx, tma_o, sO, mO, mLSE, is_store_warp):
+        self.cfg = cfg
+        self.tma_o, self.sO, self.mO, self.mLSE = tma_o, sO, mO, mLSE
+        self.is_store_warp = is_store_warp
+        self.coord = acc_to_mn(mma_pv.get_slice(tidx).partition_C(
+            cute.make_identity_tensor((cfg.tile_m, cfg.hdim_v))))
+        if cutlass.const_expr(cfg.o_tile != "none"):
+            # O leaves the accumulator layout by stmatrix: four 8x8 blocks per instruction.
+            self.r2s_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), cfg.dtype)
+            self.thr_r2s = cute.make_tiled_copy_C(self.r2s_atom, mma_pv).get_slice(tidx)
+            self.tOsO = self.thr_r2s.partition_D(sO[None, None, 0])
+            self.barrier = pipeline.NamedBarrier(barrier_id=_O_TILE_BARRIER_ID,
+                                                 num_threads=128 * NUM_CONSUMER_WARPGROUPS)
 
     @cute.jit
-    def epilogue(self, acc_o, lse, thr_pv, seq, mO, mLSE, head, m_block):
-        """O straight from registers to global memory (rows past seqlen_q skipped; in varlen
-        they belong to the next sequence), LSE from the first thread of each row's quad."""
-        gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim_v), (m_block, 0))
-        g_lse = seq.lse_view(mLSE, head)
-        coord = acc_to_mn(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+    def store(self, acc_o: cute.Tensor, lse, seq: SeqInfo, head: Int32, m_block: Int32,
+              pipe_q, q_state):
+        """O and LSE of tile (m_block, head, seq.batch). Releases Q when sO is Q's tile."""
+        cfg = self.cfg
+        self.store_lse(lse, seq, head, m_block)
+        if cutlass.const_expr(cfg.o_tile == "none"):
+            self.store_o_rows(acc_o, seq, head, m_block)
+        else:
+            self.store_o_tma(acc_o, seq, head, m_block)
+            if cutlass.const_expr(cfg.o_tile == "q"):
+                if self.is_store_warp:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.sync_warp()
+                pipe_q.consumer_release(q_state)
+
+    @cute.jit
+    def store_lse(self, lse, seq: SeqInfo, head: Int32, m_block: Int32):
+        g_lse = seq.lse_view(self.mLSE, head)
+        valid_rows = seq.seqlen_q - m_block * self.cfg.tile_m
+        for r in cutlass.range_constexpr(cute.size(self.coord, mode=[0])):
+            row = self.coord[r, 0][0]
+            if row < valid_rows:
+                if self.coord[0, 0][1] == 0:
+                    g_lse[m_block * self.cfg.tile_m + row] = lse[r]
+
+    @cute.jit
+    def store_o_rows(self, acc_o: cute.Tensor, seq: SeqInfo, head: Int32, m_block: Int32):
+        """O straight from registers, rows past seqlen_q skipped."""
+        cfg = self.cfg
+        gO = cute.local_tile(seq.q_view(self.mO, head), (cfg.tile_m, cfg.hdim_v), (m_block, 0))
         acc_mn = acc_to_mn(acc_o)
-        valid_rows = seq.seqlen_q - m_block * self.tile_m
+        valid_rows = seq.seqlen_q - m_block * cfg.tile_m
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            row = coord[r, 0][0]
+            row = self.coord[r, 0][0]
             if row < valid_rows:
                 for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    gO[row, coord[0, c][1]] = acc_mn[r, c].to(self.dtype)
-                if coord[0, 0][1] == 0:
-                    g_lse[m_block * self.tile_m + row] = lse[r]
+                    gO[row, self.coord[0, c][1]] = acc_mn[r, c].to(cfg.dtype)
+
+    @cute.jit
+    def store_o_tma(self, acc_o: cute.Tensor, seq: SeqInfo, head: Int32, m_block: Int32):
+        cfg = self.cfg
+        r_o = cute.make_rmem_tensor_like(acc_o, cfg.dtype)
+        r_o.store(acc_o.load().to(cfg.dtype))
+        if cutlass.const_expr(cfg.persistent or cfg.o_tile == "q"):
+            if self.is_store_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self.barrier.arrive_and_wait()
+        cute.copy(self.r2s_atom, self.thr_r2s.retile(r_o), self.tOsO)
+        cute.arch.fence_view_async_shared()
+        self.barrier.arrive_and_wait()
+        if self.is_store_warp:
+            gO = cute.local_tile(seq.q_view(self.mO, head), (cfg.tile_m, cfg.hdim_v),
+                                 (m_block, 0))
+            t_s, t_g = tma_partition(self.tma_o, self.sO, gO)
+            # Unlike the loads and the reduce-add, a plain TMA store is not elected by the DSL
+            # (4.8.1's PTX has every lane issue it, whatever its docstring says).
+            with cute.arch.elect_one():
+                cute.copy(self.tma_o, t_s[None, 0], t_g)
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def drain(self):
+        """Shared memory must outlive the last TMA store's read of it."""
+        if cutlass.const_expr(self.cfg.o_tile != "none"):
+            if self.is_store_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 class WgmmaOperands(DslState):
@@ -349,14 +611,24 @@ class WgmmaOperands(DslState):
     def __init__(self, cfg: HopperFwd, mma_qk, mma_pv, thr_qk, thr_pv, sQ, sK, sV):
         self.cfg = cfg
         self.mma_qk, self.mma_pv = mma_qk, mma_pv
-        self.thr_qk = thr_qk
+        self.thr_qk, self.thr_pv = thr_qk, thr_pv
         self.tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
         self.tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         self.tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
 
     def new_acc_s(self) -> cute.Tensor:
-        return cute.make_rmem_tensor(
+        """S's accumulator, zeroed: a tile's first QKᵀ does not accumulate, but the WGMMA
+        still takes the accumulator registers as inputs, so an unset one would keep the last
+        tile's S alive through the epilogue and around the tile loop of a persistent kernel,
+        where ptxas, short of registers, then serializes every WGMMA (C7512)."""
+        acc_s = cute.make_rmem_tensor(
             self.thr_qk.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n)), Float32)
+        acc_s.fill(0.0)
+        return acc_s
+
+    def new_acc_o(self) -> cute.Tensor:
+        return cute.make_rmem_tensor(
+            self.thr_pv.partition_shape_C((self.cfg.tile_m, self.cfg.hdim_v)), Float32)
 
     @cute.jit
     def qk(self, acc_s: cute.Tensor, stage: Int32):
@@ -447,7 +719,9 @@ class GemmTurns(DslState):
     Named barrier 1 + w is warpgroup w's turn (256 threads: w's own `arrive_and_wait` plus the
     other warpgroup's `arrive` when it has issued). Warpgroup 1 hands the first turn to
     warpgroup 0; warpgroup 0 takes one extra turn at the end, so no arrive is left pending.
-    With `enabled` False every call is a no-op.
+    `start` and `finish` run once per CTA, not per tile: both warpgroups take the same number
+    of turns in every tile (the tile's K/V blocks decide it), so the alternation simply runs
+    on into the next tile. With `enabled` False every call is a no-op.
     """
 
     def __init__(self, enabled: bool, wg: Int32):
