@@ -17,7 +17,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from flash_cute.block_range import BlockRange, block_range, needs_mask
 from flash_cute.dsl_state import DslState
+from flash_cute.softmax import apply_softcap
 
 
 class AttentionMask(DslState):
@@ -52,6 +54,37 @@ class AttentionMask(DslState):
     @property
     def has_left(self) -> bool:
         return self.window_left is not None
+
+    def block_range(self, m_block: Int32) -> BlockRange:
+        """The K/V blocks query block `m_block` visits, and which of them need this mask."""
+        return block_range(m_block, self.tile_m, self.tile_n, self.seqlen_q, self.seqlen_k,
+                           self.causal, self.window_left, self.window_right,
+                           imin=cutlass.min, imax=cutlass.max)
+
+    @cute.jit
+    def prepare(
+        self,
+        acc_mn: cute.Tensor,
+        coord_mn: cute.Tensor,
+        m_block: Int32,
+        n_block: Int32,
+        softcap_scale: Optional[Float32] = None,
+        rng: Optional[BlockRange] = None,
+        masked: cutlass.Constexpr = None,
+    ):
+        """What every kernel does to a score tile before its softmax (or the backward's P):
+        softcap (`apply_softcap`, when `softcap_scale` is given; before the mask, so masked
+        entries stay -inf), then the mask where the block needs it. `masked`: True or False
+        when the caller knows, None to ask `needs_mask` at run time, with `rng` (the query
+        block's `block_range`, computed here when not given)."""
+        if cutlass.const_expr(softcap_scale is not None):
+            apply_softcap(acc_mn, softcap_scale)
+        if cutlass.const_expr(masked is None):
+            visited = self.block_range(m_block) if cutlass.const_expr(rng is None) else rng
+            if needs_mask(n_block, visited):
+                self.apply(acc_mn, coord_mn, m_block, n_block)
+        elif cutlass.const_expr(masked):
+            self.apply(acc_mn, coord_mn, m_block, n_block)
 
     @cute.jit
     def apply(

@@ -12,9 +12,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_cute.block_range import block_range, needs_mask
 from flash_cute.mask import AttentionMask
-from flash_cute.softmax import OnlineSoftmax, apply_softcap, fold_scales, rescale_o
+from flash_cute.softmax import OnlineSoftmax, fold_scales, rescale_o
 
 
 class ScoreAttentionKernel:
@@ -106,16 +105,11 @@ class ScoreAttentionKernel:
         mask = AttentionMask(
             self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal, win_left, win_right
         )
-        rng = block_range(
-            m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
-            win_left, win_right, imin=cutlass.min, imax=cutlass.max,
-        )
+        rng = mask.block_range(m_block)
         for n_block in cutlass.range(rng.n_block_max - 1, rng.n_block_min - 1, -1, unroll=1):
             self.load_scores(mS, acc_s, coord_mn, batch, m_block, n_block, seqlen_q, seqlen_k)
-            if cutlass.const_expr(self.has_softcap):
-                apply_softcap(acc_s, scale_div_cap)
-            if needs_mask(n_block, rng):
-                mask.apply(acc_s, coord_mn, m_block, n_block)
+            mask.prepare(acc_s, coord_mn, m_block, n_block,
+                         scale_div_cap if cutlass.const_expr(self.has_softcap) else None, rng)
             row_scale = softmax.online_softmax(acc_s)
             rescale_o(acc_o, row_scale)
             self.accumulate_pv(mV, acc_s, acc_o, coord_mn, batch, n_block, seqlen_k)

@@ -14,12 +14,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flash_cute.dsl_state import DslState
-from flash_cute.block_range import block_range, m_block_range, needs_mask
+from flash_cute.block_range import m_block_range
 from flash_cute.bwd_blocks import atomic_add_rows, p_and_ds, row_stats, store_acc_tile
 from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.softmax import apply_softcap, fold_scales
+from flash_cute.softmax import fold_scales
 from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import BWD_TILES, COMPILE_OPTIONS, bwd_smem_bytes
@@ -245,13 +245,8 @@ class BwdStep(DslState):
         acc_s = gemm_s.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_s.run(acc_s, stage)
         s_mn = acc_to_mn(acc_s)
-        if cutlass.const_expr(cfg.has_softcap):
-            apply_softcap(s_mn, self.scale_div_cap)
-        rng = block_range(m_block, cfg.tile_m, cfg.tile_n, self.seq.seqlen_q, self.seq.seqlen_k,
-                          cfg.causal, self.win_left, self.win_right,
-                          imin=cutlass.min, imax=cutlass.max)
-        if needs_mask(n_block, rng):
-            self.mask.apply(s_mn, self.coord_s, m_block, n_block)
+        self.mask.prepare(s_mn, self.coord_s, m_block, n_block,
+                          self.scale_div_cap if cutlass.const_expr(cfg.has_softcap) else None)
         acc_dp = gemm_dp.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_dp.run(acc_dp, stage)
         dp_mn = acc_to_mn(acc_dp)

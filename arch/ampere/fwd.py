@@ -12,12 +12,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
-from flash_cute.block_range import block_range, needs_mask
+from flash_cute.block_range import block_range
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.softmax import OnlineSoftmax, apply_softcap, fold_scales, rescale_o
+from flash_cute.softmax import OnlineSoftmax, fold_scales, rescale_o
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 
 from .config import COMPILE_OPTIONS, TILES, fwd_smem_bytes
@@ -163,10 +163,9 @@ class AmpereFwd:
                 cute.arch.cp_async_commit_group()
                 acc_s = mma.qk()
                 acc_s_mn = acc_to_mn(acc_s)
-                if cutlass.const_expr(self.has_softcap):
-                    apply_softcap(acc_s_mn, scale_div_cap)
-                if needs_mask(n_block, rng):
-                    mask.apply(acc_s_mn, coord_mn, m_block, n_block)
+                mask.prepare(acc_s_mn, coord_mn, m_block, n_block,
+                             scale_div_cap if cutlass.const_expr(self.has_softcap) else None,
+                             rng)
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()
                 if n_block > rng.n_block_min:

@@ -20,13 +20,13 @@ from cutlass.tensor_utils import LayoutEnum
 
 from flash_cute.bwd_blocks import (atomic_add_rows, dq_turn, ds_from_probs, p_and_ds, pass_turn,
                                    probs, store_acc_tile, tile_row_values, wait_turn)
-from flash_cute.block_range import block_range, m_block_range, needs_mask
+from flash_cute.block_range import m_block_range
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_strides,
                                 transpose_view)
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.softmax import apply_softcap, fold_scales
+from flash_cute.softmax import fold_scales
 from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, BWD_TILES, CONSUMER_REGISTERS,
@@ -710,14 +710,9 @@ class BwdStep(DslState):
 
     @cute.jit
     def mask_scores(self, s_mn: cute.Tensor, m_block: Int32, n_block: Int32):
-        cfg = self.cfg
-        if cutlass.const_expr(cfg.has_softcap):
-            apply_softcap(s_mn, self.scale_div_cap)
-        rng = block_range(m_block, cfg.tile_m, cfg.tile_n, self.seq.seqlen_q, self.seq.seqlen_k,
-                          cfg.causal, self.win_left, self.win_right,
-                          imin=cutlass.min, imax=cutlass.max)
-        if needs_mask(n_block, rng):
-            self.mask.apply(s_mn, self.coord_s, m_block, n_block)
+        """Softcap, then the mask where this block needs it (`AttentionMask.prepare`)."""
+        self.mask.prepare(s_mn, self.coord_s, m_block, n_block,
+                          self.scale_div_cap if cutlass.const_expr(self.cfg.has_softcap) else None)
 
     @cute.jit
     def p_barrier(self):

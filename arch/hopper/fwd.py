@@ -20,12 +20,12 @@ from cutlass import Float32, Int32, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from flash_cute.block_range import block_range, needs_mask
+from flash_cute.block_range import block_range
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.softmax import OnlineSoftmax, apply_softcap, fold_scales, rescale_o
+from flash_cute.softmax import OnlineSoftmax, fold_scales, rescale_o
 from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 
@@ -671,13 +671,9 @@ class ScoreStep(DslState):
         """`masked`: True or False when the caller knows whether the block needs the mask,
         None to decide at run time (`needs_mask`)."""
         acc_s_mn = acc_to_mn(acc_s)
-        if cutlass.const_expr(self.cfg.has_softcap):
-            apply_softcap(acc_s_mn, self.scale_div_cap)
-        if cutlass.const_expr(masked is None):
-            if needs_mask(n_block, self.rng):
-                self.mask.apply(acc_s_mn, self.coord_mn, self.m_block, n_block)
-        elif cutlass.const_expr(masked):
-            self.mask.apply(acc_s_mn, self.coord_mn, self.m_block, n_block)
+        softcap = self.scale_div_cap if cutlass.const_expr(self.cfg.has_softcap) else None
+        self.mask.prepare(acc_s_mn, self.coord_mn, self.m_block, n_block, softcap, self.rng,
+                          masked)
         return self.softmax.online_softmax(acc_s_mn, is_first=is_first)
 
 
