@@ -176,22 +176,54 @@ def fake_seqused_args(seqused_q: bool, seqused_k: bool) -> tuple:
                  for used in (seqused_q, seqused_k))
 
 
+def _fake_layout(varlen: bool):
+    """Dynamic extents of a fake launch: (Q rows, K rows, heads, kv heads, per-row vector shape
+    [b, h, sq] or [h, tq], cu_seqlens pair or (None, None)), padded or varlen."""
+    from cutlass import Int32
+
+    heads, heads_kv = dynamic_dim(), dynamic_dim()
+    if varlen:
+        rows_q, rows_k, batch1 = (dynamic_dim(),), (dynamic_dim(),), dynamic_dim()
+        cu = (fake_tensor(Int32, (batch1,), align=4), fake_tensor(Int32, (batch1,), align=4))
+        return rows_q, rows_k, heads, heads_kv, (heads, rows_q[0]), cu
+    batch, seqlen_q, seqlen_k = dynamic_dim(), dynamic_dim(), dynamic_dim()
+    return (batch, seqlen_q), (batch, seqlen_k), heads, heads_kv, (batch, heads, seqlen_q), \
+        (None, None)
+
+
+def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=None,
+                       dkv_fp32: bool = False, stats_align: int = 4, dq_align: int = 4,
+                       semaphores=None) -> tuple:
+    """Fake arguments of a backward main kernel (the `launch.backward` argument list) with
+    dynamic batch, heads and lengths, padded or varlen, for cross-compiling. The alignments
+    are those the arch's launch promises (`launch.backward`'s row_stats_align, dq_accum_align);
+    `seqused`: as in `fake_forward_args`; `semaphores`: None for a kernel without the dQ
+    semaphore argument, else whether it gets one (deterministic)."""
+    from cutlass import Float32, Int32
+
+    rows_q, rows_k, h, hk, stats, cu = _fake_layout(varlen)
+    dkv_dtype, dkv_align = (Float32, 4) if dkv_fp32 else (dtype, 16)
+    used = () if seqused is None else fake_seqused_args(*seqused)
+    sem = () if semaphores is None else (
+        fake_tensor(Int32, (dynamic_dim(), h, dynamic_dim()), align=4) if semaphores else None,)
+    return (fake_tensor(dtype, rows_q + (h, hdim)), fake_tensor(dtype, rows_k + (hk, hdim)),
+            fake_tensor(dtype, rows_k + (hk, hdim_v)), fake_tensor(dtype, rows_q + (h, hdim_v)),
+            fake_tensor(Float32, stats, align=stats_align),
+            fake_tensor(Float32, stats, align=stats_align),
+            fake_tensor(Float32, rows_q + (h, hdim), align=dq_align),
+            fake_tensor(dkv_dtype, rows_k + (h, hdim), align=dkv_align),
+            fake_tensor(dkv_dtype, rows_k + (h, hdim_v), align=dkv_align),
+            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu + used + sem \
+        + (fake_stream(),)
+
+
 def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool, seqused=None) -> tuple:
     """Fake arguments of an attention forward kernel (the `launch.forward` argument list) with
     dynamic batch, heads and lengths, padded or varlen, for cross-compiling. `seqused`: None
     for a kernel without the seqused arguments, else (seqused_q, seqused_k) bools."""
     from cutlass import Float32, Int32
 
-    heads, heads_kv = dynamic_dim(), dynamic_dim()
-    if varlen:
-        rows_q, rows_k, batch1 = (dynamic_dim(),), (dynamic_dim(),), dynamic_dim()
-        lse_shape = (heads, rows_q[0])
-        cu = (fake_tensor(Int32, (batch1,), align=4), fake_tensor(Int32, (batch1,), align=4))
-    else:
-        batch, seqlen_q, seqlen_k = dynamic_dim(), dynamic_dim(), dynamic_dim()
-        rows_q, rows_k = (batch, seqlen_q), (batch, seqlen_k)
-        lse_shape = (batch, heads, seqlen_q)
-        cu = (None, None)
+    rows_q, rows_k, heads, heads_kv, lse_shape, cu = _fake_layout(varlen)
     used = () if seqused is None else fake_seqused_args(*seqused)
     return (fake_tensor(dtype, rows_q + (heads, hdim)), fake_tensor(dtype, rows_k + (heads_kv, hdim)),
             fake_tensor(dtype, rows_k + (heads_kv, hdim_v)),

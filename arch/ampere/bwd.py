@@ -272,26 +272,10 @@ class BwdStep(DslState):
 def build_for_inspect(cfg):
     """Registry builder: fake padded or varlen tensors (and seqused) with dynamic batch, heads
     and lengths."""
-    from flash_cute.jit import (DTYPES, CompileSpec, dynamic_dim, fake_seqused_args, fake_stream,
-                                fake_tensor)
+    from flash_cute.jit import DTYPES, CompileSpec, fake_backward_args
 
     dtype = DTYPES[cfg.dtype]
     kernel = AmpereBwd(dtype, cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict))
-    h, hk = dynamic_dim(), dynamic_dim()
-    if kernel.varlen:
-        tq, tk, b1 = dynamic_dim(), dynamic_dim(), dynamic_dim()
-        qs, ks, rows = (tq,), (tk,), (h, tq)
-        cu = (fake_tensor(Int32, (b1,), align=4), fake_tensor(Int32, (b1,), align=4))
-    else:
-        b, sq, sk = dynamic_dim(), dynamic_dim(), dynamic_dim()
-        qs, ks, rows = (b, sq), (b, sk), (b, h, sq)
-        cu = (None, None)
-    d, dv = cfg.hdim, cfg.hdim_v
-    args = (fake_tensor(dtype, qs + (h, d)), fake_tensor(dtype, ks + (hk, d)),
-            fake_tensor(dtype, ks + (hk, dv)), fake_tensor(dtype, qs + (h, dv)),
-            fake_tensor(Float32, rows, align=4), fake_tensor(Float32, rows, align=4),
-            fake_tensor(Float32, qs + (h, d), align=4), fake_tensor(dtype, ks + (h, d)),
-            fake_tensor(dtype, ks + (h, dv)), Float32(0.125), Float32(1.0), Int32(0), Int32(0),
-            Int32(1)) + cu + fake_seqused_args(kernel.has_seqused_q, kernel.has_seqused_k) \
-        + (fake_stream(),)
+    args = fake_backward_args(dtype, cfg.hdim, cfg.hdim_v, kernel.varlen,
+                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS)

@@ -819,44 +819,18 @@ def registers_per_role() -> dict:
     return {"producer": PRODUCER_REGISTERS, "consumer": CONSUMER_REGISTERS}
 
 
-def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, dkv_fp32: bool = False,
-                       deterministic: bool = False):
-    """Fake arguments of a `HopperBwd` launch (`AmpereBwd`'s argument list plus the dQ
-    semaphores) with dynamic batch, heads and lengths, padded or varlen, for cross-compiling."""
-    from flash_cute.jit import dynamic_dim, fake_stream, fake_tensor
-
-    h, hk = dynamic_dim(), dynamic_dim()
-    if varlen:
-        tq, tk, b1 = dynamic_dim(), dynamic_dim(), dynamic_dim()
-        qs, ks, rows = (tq,), (tk,), (h, tq)
-        cu = (fake_tensor(Int32, (b1,), align=4), fake_tensor(Int32, (b1,), align=4))
-    else:
-        b, sq, sk = dynamic_dim(), dynamic_dim(), dynamic_dim()
-        qs, ks, rows = (b, sq), (b, sk), (b, h, sq)
-        cu = (None, None)
-    dkv_dtype, dkv_align = (Float32, 4) if dkv_fp32 else (dtype, 16)
-    sem = fake_tensor(Int32, (dynamic_dim(), h, dynamic_dim()), align=4) if deterministic \
-        else None
-    return (fake_tensor(dtype, qs + (h, hdim)), fake_tensor(dtype, ks + (hk, hdim)),
-            fake_tensor(dtype, ks + (hk, hdim_v)), fake_tensor(dtype, qs + (h, hdim_v)),
-            fake_tensor(Float32, rows, align=16), fake_tensor(Float32, rows, align=16),
-            fake_tensor(Float32, qs + (h, hdim), align=16),
-            fake_tensor(dkv_dtype, ks + (h, hdim), align=dkv_align),
-            fake_tensor(dkv_dtype, ks + (h, hdim_v), align=dkv_align),
-            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu \
-        + (sem, fake_stream())
-
-
 def build_for_inspect(cfg):
     """Registry builder: fake padded or varlen tensors with dynamic batch, heads and lengths."""
-    from flash_cute.jit import DTYPES, CompileSpec
+    from flash_cute.jit import DTYPES, CompileSpec, fake_backward_args
 
     dtype = DTYPES[cfg.dtype]
     flags = cfg.flag_dict
     kernel = HopperBwd(dtype, cfg.hdim, cfg.hdim_v, Variant.from_flags(flags),
                        tile=tuple(cfg.tile), deterministic=flags.get("deterministic", False))
+    # `api.backward` promises TMA-ready (16-byte) rows of LSE₂, Δ and dQaccum.
     args = fake_backward_args(dtype, cfg.hdim, cfg.hdim_v, kernel.varlen,
-                              flags.get("dkv_fp32", False), kernel.deterministic)
+                              dkv_fp32=flags.get("dkv_fp32", False), stats_align=16,
+                              dq_align=16, semaphores=kernel.deterministic)
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
                        options=BWD_COMPILE_OPTIONS,
                        extra={"registers_per_role": registers_per_role()})
