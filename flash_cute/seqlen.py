@@ -67,3 +67,25 @@ def _offset_and_length(batch: Int32, seqlen_static, cu_seqlens: Optional[cute.Te
     if cutlass.const_expr(cu_seqlens is not None):
         return offset, cu_seqlens[batch + 1] - offset
     return offset, Int32(seqlen_static)
+
+
+@cute.jit
+def clear_rows_past(tile: cute.Tensor, valid_rows: Int32, row_mode: cutlass.Constexpr[int],
+                    tid: Int32, num_threads: cutlass.Constexpr[int]):
+    """Zero the entries of a 2-D (shared-memory) tile whose coordinate along `row_mode` (0 or
+    1) is >= `valid_rows`, spread over `num_threads` threads (`tid` in [0, num_threads)).
+
+    A TMA zero-fills only what lies past the end of the tensor: in a varlen tile the rows
+    past a sequence hold the next sequence or the unused tail of the packed tensor, possibly
+    NaN or inf, and a probability of 0 times such a row is NaN in the GEMM. The caller makes
+    the zeros visible to the tensor cores (`fence_view_async_shared`, then a barrier)."""
+    rows = cute.size(tile, mode=[row_mode])
+    cols = cute.size(tile, mode=[1 - row_mode])
+    zero = tile.element_type(0)
+    for idx in cutlass.range(tid + valid_rows * cols, rows * cols, num_threads, unroll=1):
+        row = idx // cols
+        col = idx - row * cols
+        if cutlass.const_expr(row_mode == 0):
+            tile[row, col] = zero
+        else:
+            tile[col, row] = zero

@@ -81,6 +81,35 @@ def test_hopper_backward_varlen_with_empty_sequence(causal, hdim):
     assert (ours[1][50:67] == 0).all() and (ours[2][50:67] == 0).all()
 
 
+@pytest.mark.parametrize("hdim,causal", [(128, True), (64, False)])
+def test_hopper_varlen_backward_ignores_nan_past_the_sequences(hdim, causal):
+    """Rows of the packed tensors past cu_seqlens[-1] hold NaN/inf (q, k, v, dout): TMA loads
+    them into the last tiles, and the kernels must zero them before any GEMM multiplies a
+    probability of 0 by them. Gradients of the used rows pass the float64 rule; those of the
+    unused rows are exactly 0."""
+    seqlens_q, seqlens_k = [45, 130, 77], [61, 99, 130]
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)),  # noqa: E731
+                                   dtype=torch.int32, device="cuda")
+    cu_q, cu_k = cu(seqlens_q), cu(seqlens_k)
+    tq, tk = sum(seqlens_q), sum(seqlens_k)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    make = lambda n, h: torch.randn(n, h, hdim, device="cuda",  # noqa: E731
+                                    dtype=torch.bfloat16, generator=gen)
+    q, k, v, dout = make(tq + 50, 4), make(tk + 70, 2), make(tk + 70, 2), make(tq + 50, 4)
+    q[tq:], dout[tq:] = float("nan"), float("inf")
+    k[tk:], v[tk:] = float("nan"), float("inf")
+
+    def fn(a, b, c):
+        return flash_attn_varlen_func(a, b, c, cu_q, cu_k, max(seqlens_q), max(seqlens_k),
+                                      causal=causal, arch="hopper")[0]
+
+    grads = _autograd_grads(fn, q, k, v, dout)
+    for name, g, used in zip(("dQ", "dK", "dV"), grads, (tq, tk, tk)):
+        assert (g[used:] == 0).all(), f"{name}: rows past the sequences are not zero"
+    _check([g[:n] for g, n in zip(grads, (tq, tk, tk))], q[:tq], k[:tk], v[:tk], dout[:tq],
+           causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
 def test_hopper_backward_every_gradient_element_is_written(monkeypatch):
     """Poison torch.empty with NaN: a dK/dV row the kernel skips would stay NaN."""
     real_empty = torch.empty

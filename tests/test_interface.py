@@ -169,8 +169,8 @@ def test_ampere_refuses_tiles_larger_than_the_gpus_shared_memory(monkeypatch):
         ampere_api.check_supported(problem(256), "cuda")
 
 
-def test_varlen_is_not_sent_to_hopper_by_default(capability):
-    """Until the Hopper kernel zero-fills K/V rows past a sequence (see hopper.api.default_for)."""
+def test_varlen_is_sent_to_hopper_by_default(capability):
+    """The Hopper kernels zero the tile rows past a varlen sequence (hopper.api.default_for)."""
     capability(9, 0)
     q = torch.randn(10, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
@@ -178,7 +178,7 @@ def test_varlen_is_not_sent_to_hopper_by_default(capability):
                                        max_seqlen_k=6, require_cuda=False)
     padded = validate_attention_inputs(q[None], q[None], q[None], require_cuda=False)
     device = torch.device("cuda")
-    assert interface.select_pipeline(device, None, varlen) == "ampere"
+    assert interface.select_pipeline(device, None, varlen) == "hopper"
     assert interface.select_pipeline(device, None, padded) == "hopper"
     assert interface.select_pipeline(device, "hopper", varlen) == "hopper"
 

@@ -14,11 +14,11 @@ DETERMINISTIC_BACKWARD = True
 
 
 def default_for(problem: AttentionProblem) -> bool:
-    """Whether the dispatcher picks this pipeline on its own. Not for varlen yet: TMA reads the
-    K/V rows after a sequence (the next sequence, or the unused tail of the packed tensor) into
-    the last tile, and although P is 0 there, 0 × NaN garbage in V would still reach O. The
-    sm80 kernel zero-fills those rows. `arch="hopper"` still runs varlen here."""
-    return not problem.varlen
+    """Whether the dispatcher picks this pipeline on its own: for every problem it supports.
+    Varlen tiles that TMA loads past a sequence (the next sequence, or the unused tail of the
+    packed tensor) get those rows zeroed in shared memory before a GEMM reads them
+    (`HopperFwd.clear_v_tail`, `BwdStep.clear_tail`)."""
+    return True
 
 
 def check_supported(problem: AttentionProblem, device=None, backward: bool = False) -> None:

@@ -25,7 +25,7 @@ from flash_cute.dsl_state import DslState
 from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_strides,
                                 transpose_view)
 from flash_cute.mask import AttentionMask
-from flash_cute.seqlen import SeqInfo
+from flash_cute.seqlen import SeqInfo, clear_rows_past
 from flash_cute.softmax import fold_scales
 from flash_cute.variant import Variant, set_kernel_switches
 
@@ -38,12 +38,14 @@ from .tma import ROWS_FIRST, make_tma_pipelines, permute, tma_load_atom, tma_par
 # Named barriers (0 is sync_threads'; the pipelines use mbarriers). 1: the 256 consumer
 # threads around the shared P and dS tiles (and around a deterministic turn of dQ atomics);
 # 2, 3: one consumer warpgroup's P, when its dV reads only the P columns it wrote itself;
-# 4, 5: the dQ tile full / empty, between the 256 consumer threads and the dQ-writer warp.
+# 4, 5: the dQ tile full / empty, between the 256 consumer threads and the dQ-writer warp;
 _PDS_BARRIER_ID = 1
 _WG_P_BARRIER_ID = 2
 _DQ_FULL_BARRIER_ID = 4
 _DQ_EMPTY_BARRIER_ID = 5
 _DQ_WRITER_WARP = 1
+# 6: the 256 consumer threads, after zeroing tile rows past a varlen sequence.
+_TAIL_BARRIER_ID = 6
 
 
 class HopperBwd:
@@ -337,7 +339,7 @@ class HopperBwd:
                 tidx = cute.arch.thread_idx()[0] - 128
                 step = BwdStep(self, tidx, seq, mmas, smem, (mLSElog2, mDelta), mdQaccum, head,
                                scale_log2, scale_div_cap, win_left, win_right, order)
-                self.consume(step, pipes, m_min, m_max, n_block)
+                self.consume(step, smem, pipes, m_min, m_max, n_block)
                 self.store_dkv(step, mmas, tidx, seq, mdK, mdV, head, n_block, softmax_scale)
 
     @cute.jit
@@ -407,8 +409,8 @@ class HopperBwd:
         LSE = +inf (`tile_row_values`), so P = exp2(S·scale_log2 − inf) = 0, dS = P ∘ (dP − Δ) = ±0
         and dQ = dS K = ±0; adding ±0 changes no dQaccum value (never −0: it starts at +0),
         in any order, so determinism holds too. That needs finite values in the rows TMA
-        reads, which dK = dSᵀ Q and dV = Pᵀ dO (summing over those rows) and the Hopper
-        forward already assume (`api.default_for`)."""
+        reads: the consumers zero the Q, dO, K and V rows past the sequence first
+        (`BwdStep.clear_tail`)."""
         g_dq = cute.local_tile(seq.q_view(mdQaccum, head), (self.tile_m, self.hdim), (None, 0))
         t_s, t_g = tma_partition(tma_dq, smem.sdQ, g_dq)
         full, empty = _dq_barriers(self)
@@ -436,11 +438,14 @@ class HopperBwd:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def consume(self, step, pipes, m_min, m_max, n_block):
+    def consume(self, step, smem, pipes, m_min, m_max, n_block):
         """Both consumer warpgroups, in lockstep over the query tiles (they share P and dS)."""
         pipe_kv, pipe_q, pipe_do = pipes
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
+        if cutlass.const_expr(self.varlen):
+            step.clear_tail((smem.sK[None, None, 0], smem.sV[None, None, 0]),
+                            step.seq.seqlen_k - n_block * self.tile_n, self.tile_n)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             step.run(pipe_q, pipe_do, state, m_block, n_block)
@@ -538,6 +543,7 @@ class BwdStep(DslState):
 
         self.coord_s = self.scores_view(thr_sdp.partition_C(_score_coords(cfg)))
         self.sLSE, self.sDelta = smem.sLSE, smem.sDelta
+        self.sQ, self.sdO = smem.sQ, smem.sdO
         # Without their TMA (varlen): the (seqlen_q,) global views.
         self.g_lse, self.g_delta = (seq.lse_view(t, head) for t in stats)
         self.mask = AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.causal,
@@ -567,6 +573,32 @@ class BwdStep(DslState):
             self.coord_dq = acc_to_mn(self.thr_dq.partition_C(
                 cute.make_identity_tensor((cfg.tile_m, cfg.hdim))))
             self.g_dq = seq.q_view(mdQaccum, head)
+
+    @cute.jit
+    def clear_tail(self, tiles, valid_rows: Int32, rows: int):
+        """Varlen: zero the rows >= valid_rows of (shared-memory) tiles TMA loaded past the end
+        of a sequence (`seqlen.clear_rows_past`). Keys there have P = 0 and queries P = 0
+        (LSE₂ = +inf), but NaN or inf in those rows (the next sequence, or the unused tail of
+        the packed tensor) would still reach dP = dO Vᵀ, S = Q Kᵀ, dQ = dS K or dV = Pᵀ dO as
+        0 x NaN. Uniform over the CTA, so both warpgroups meet at the barrier."""
+        if valid_rows < rows:
+            for t in cutlass.range_constexpr(len(tiles)):
+                clear_rows_past(tiles[t], valid_rows, 0, self.tidx, self.cfg.num_consumer_threads)
+            cute.arch.fence_view_async_shared()
+            pipeline.NamedBarrier(barrier_id=_TAIL_BARRIER_ID,
+                                  num_threads=self.cfg.num_consumer_threads).arrive_and_wait()
+
+    @cute.jit
+    def clear_q_tail(self, pipe_do, state, m_block: Int32):
+        """Varlen: the query tile that ends the sequence gets its Q and dO rows past it zeroed
+        (`clear_tail`) before any GEMM reads them; dO is waited for first."""
+        cfg = self.cfg
+        if cutlass.const_expr(cfg.varlen):
+            valid = self.seq.seqlen_q - m_block * cfg.tile_m
+            if valid < cfg.tile_m:
+                pipe_do.consumer_wait(state)
+                self.clear_tail((self.sQ[None, None, state.index],
+                                 self.sdO[None, None, state.index]), valid, cfg.tile_m)
 
     @cute.jit
     def row_values(self, m_block: Int32, stage, lse: cutlass.Constexpr[bool]):
@@ -611,6 +643,7 @@ class BwdStep(DslState):
         stage = state.index
         pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
         pipe_q.consumer_wait(state)
+        self.clear_q_tail(pipe_do, state, m_block)
         acc_s = self.new_acc_s()
         gemm(self.mma_sdp, acc_s, self.tSrK, self.tSrQ, 0, stage, False)
         pipe_do.consumer_wait(state)
@@ -653,6 +686,7 @@ class BwdStep(DslState):
         # tile m-1 GEMMs (the last readers of that buffer) completed.
         pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
         pipe_q.consumer_wait(state)
+        self.clear_q_tail(pipe_do, state, m_block)
         acc_s = self.new_acc_s()
         gemm(self.mma_sdp, acc_s, self.tSrQ, self.tSrK, stage, 0, False)
         pipe_do.consumer_wait(state)

@@ -24,7 +24,7 @@ from flash_cute.block_range import block_range
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
 from flash_cute.mask import AttentionMask
-from flash_cute.seqlen import SeqInfo
+from flash_cute.seqlen import SeqInfo, clear_rows_past
 from flash_cute.softmax import OnlineSoftmax, fold_scales, rescale_o
 from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
@@ -38,6 +38,8 @@ from .tma import (COLS_FIRST, ROWS_FIRST, make_tma_pipelines, permute, tma_load_
 _PINGPONG_BARRIER_ID = 1
 # Named barrier 3: the 256 consumer threads around O's shared-memory tile (`OutputStore`).
 _O_TILE_BARRIER_ID = 3
+# Named barrier 4: the 256 consumer threads, after zeroing V rows past a varlen sequence.
+_V_TAIL_BARRIER_ID = 4
 # The consumer warp that issues O's TMA store (the first of consumer warpgroup 1).
 _O_STORE_WARP = 4
 
@@ -63,6 +65,7 @@ class HopperFwd:
     |---------------|---------|---------------------------------------------------------|
     | 1, 2          | 256     | ping-pong turns of consumer warpgroup 1, 2 (`GemmTurns`) |
     | 3             | 256     | O's shared tile: free to write, then written (`OutputStore`) |
+    | 4             | 256     | varlen: V rows past seqlen_k zeroed (`clear_v_tail`)      |
 
     Tiles (`flash_cute.tile_scheduler`): m_block fastest, or for causal and right windows
     heaviest first (m_block descending within L2-sized sections of heads). With ``persistent``
@@ -380,6 +383,23 @@ class HopperFwd:
         return q_state, kv
 
     @cute.jit
+    def clear_v_tail(self, sV, pipe_v, v_state, n_block: Int32, seqlen_k: Int32):
+        """Varlen: zero the rows of V[n_block] past seqlen_k before a PV reads them. Their P is
+        0, but they hold the next sequence or the unused tail of the packed tensor, and 0 x NaN
+        or inf there would reach O (a padded tensor ends at seqlen_k, where TMA zero-fills).
+        Only the first block visited (the last, n_block_max - 1) can reach past seqlen_k; the
+        test is uniform over the CTA, so both consumer warpgroups meet at the barrier."""
+        if cutlass.const_expr(self.varlen):
+            valid = seqlen_k - n_block * self.tile_n
+            if valid < self.tile_n:
+                pipe_v.consumer_wait(v_state)
+                clear_rows_past(sV[None, None, v_state.index], valid, 1,
+                                cute.arch.thread_idx()[0] - 128, 128 * NUM_CONSUMER_WARPGROUPS)
+                cute.arch.fence_view_async_shared()
+                pipeline.NamedBarrier(barrier_id=_V_TAIL_BARRIER_ID,
+                                      num_threads=128 * NUM_CONSUMER_WARPGROUPS).arrive_and_wait()
+
+    @cute.jit
     def mainloop_serial(self, gemms, scores, turns, pipes, acc_o, rng, kv):
         """Per block: S = Q Kᵀ, wait, softmax, O += P V, wait (the tensor cores idle during
         this warpgroup's softmax unless the other warpgroup fills them: `pingpong`).
@@ -387,6 +407,8 @@ class HopperFwd:
         _, pipe_k, pipe_v = pipes
         acc_s = gemms.new_acc_s()
         r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        if rng.n_block_max > rng.n_block_min:
+            self.clear_v_tail(gemms.sV, pipe_v, kv, rng.n_block_max - 1, scores.mask.seqlen_k)
         for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
             pipe_k.consumer_wait(kv)
             turns.begin()
@@ -417,6 +439,8 @@ class HopperFwd:
         r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
         n_max = rng.n_block_max
         if n_max > rng.n_block_min:
+            # Before the first S, while few registers are live (after it, ptxas spills).
+            self.clear_v_tail(gemms.sV, pipe_v, k_state, n_max - 1, scores.mask.seqlen_k)
             pipe_k.consumer_wait(k_state)
             turns.begin()
             gemms.qk(acc_s, k_state.index)
@@ -615,6 +639,7 @@ class WgmmaOperands(DslState):
         self.tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
         self.tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         self.tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        self.sV = sV
 
     def new_acc_s(self) -> cute.Tensor:
         """S's accumulator, zeroed: a tile's first QKᵀ does not accumulate, but the WGMMA
