@@ -109,7 +109,9 @@ def _hopper_fwd_configs():
                            ((128, 128), {"causal": True, "varlen": True}),
                            ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
                            ((256, 256), {"causal": True}), ((64, 64), {"fp16": True}),
-                           ((256, 256), {"local": True, "softcap": True, "varlen": True})]:
+                           ((256, 256), {"local": True, "softcap": True, "varlen": True}),
+                           ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True}),
+                           ((64, 64), {"varlen": True, "seqused_q": True, "seqused_k": True})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
         out.append(KernelConfig("hopper.fwd", ("sm_90a",), dtype, d, dv, HOPPER_TILES[d],
@@ -146,7 +148,9 @@ def _hopper_bwd_configs():
                            ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
                            ((128, 128), {"causal": True, "deterministic": True}),
                            ((128, 128), {"local": True, "varlen": True, "deterministic": True}),
-                           ((256, 256), {"causal": True, "deterministic": True})]:
+                           ((256, 256), {"causal": True, "deterministic": True}),
+                           ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True}),
+                           ((64, 64), {"varlen": True, "seqused_q": True, "seqused_k": True})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False,
                 "dkv_fp32": False, "deterministic": False, **flags}

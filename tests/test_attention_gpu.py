@@ -317,7 +317,7 @@ def test_varlen_nan_in_the_unused_tail_does_not_leak(pipeline):
 # --------------------------------------------------------------------------- seqused
 
 # Pipelines whose kernels take seqused_q / seqused_k (their api's SUPPORTS_SEQUSED).
-SEQUSED_PIPELINES = ["ampere"]
+SEQUSED_PIPELINES = ["ampere", "hopper"]
 
 SEQUSED_CASES = [
     # layout, spans_q, spans_k, seqused_q, seqused_k (None: not given). Odd lengths, used <

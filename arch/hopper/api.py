@@ -8,6 +8,9 @@ from flash_cute.validation import AttentionProblem
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS,
                      SUPPORTED_HDIMS, TILES, bwd_tile)
 
+# forward/backward take seqused_q/seqused_k (the dispatcher reads this without importing the DSL).
+SUPPORTS_SEQUSED = True
+
 # deterministic=True adds each query tile's dQ partials in a fixed order (a semaphore per
 # query tile, `HopperBwd`); GQA's dK/dV are summed on the host in a fixed order.
 DETERMINISTIC_BACKWARD = True
@@ -43,9 +46,10 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, tuple(reversed(strides)))
 
 
-def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None, tile=None):
-    """(out, lse) for validated inputs. `tile` overrides (tile_m, tile_n, kv_stages) for
-    ablations."""
+def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None, tile=None,
+            seqused_q=None, seqused_k=None):
+    """(out, lse) for validated inputs. `tile` overrides the `config.FwdConfig` for ablations;
+    seqused_q/seqused_k: int32 [batch] or None, as `problem` was validated."""
     from flash_cute.jit import current_arch
 
     from .fwd import HopperFwd
@@ -56,11 +60,12 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
         raise NotImplementedError(f"the hopper pipeline runs on sm_90a only, not {arch}")
     return launch.forward("hopper.fwd", HopperFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                           tuple(tile or TILES[problem.hdim]), COMPILE_OPTIONS, arch,
-                          prepare=_tma_ready)
+                          prepare=_tma_ready, seqused_q=seqused_q, seqused_k=seqused_k)
 
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
-             cu_seqlens_k=None, deterministic: bool = False, tile=None):
+             cu_seqlens_k=None, deterministic: bool = False, tile=None, seqused_q=None,
+             seqused_k=None):
     """(dq, dk, dv) through `HopperBwd` (see `flash_cute.launch.backward`); `deterministic`
     makes dQ bitwise reproducible. `tile` overrides the `config.BwdConfig` for ablations."""
     from flash_cute.jit import current_arch
@@ -76,4 +81,4 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
                            tuple(tile or bwd_tile(problem.hdim, problem.varlen)),
                            BWD_COMPILE_OPTIONS, arch, prepare=_tma_ready,
                            deterministic=bool(deterministic), dq_accum_align=16,
-                           row_stats_align=16)
+                           row_stats_align=16, seqused_q=seqused_q, seqused_k=seqused_k)

@@ -109,6 +109,9 @@ class HopperBwd:
     Not yet: a TMA store of dK/dV; LSE₂ and Δ by TMA for varlen.
     """
 
+    # `flash_cute.launch` passes (mSeqUsedQ, mSeqUsedK) after the cu_seqlens.
+    SUPPORTS_SEQUSED = True
+
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), tile: Optional[tuple] = None,
                  deterministic: bool = False):
@@ -143,11 +146,13 @@ class HopperBwd:
                  mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, softcap: Float32,
                  window_left: Int32, window_right: Int32, max_seqlen_k: Int32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                 mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                  mdQsem: Optional[cute.Tensor], stream: cuda.CUstream):
         """`AmpereBwd.__call__`'s contract: Q/dO/dQaccum like Q, K/V like K, dK/dV
         [.., nheads, d] (per query head; dtype or fp32), LSElog2 and Delta like the forward's
         LSE (see `flash_cute.bwd_prep`) with 16-byte aligned rows (`launch.row_stats_buffer`:
-        they are TMA-loaded); plus, when deterministic, zeroed int32 semaphores
+        they are TMA-loaded); seqused [b] or None; plus, when deterministic, zeroed int32
+        semaphores
         [batch, nheads, ceil(max_seqlen_q / tile_m)] (else None)."""
         vec = 128 // self.dtype.width
         # TMA needs 16-byte global strides; validation guarantees them, this tells the compiler.
@@ -193,7 +198,8 @@ class HopperBwd:
         self.kernel(
             tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_dq, tdQaccum, tma_lse, tLSE,
             tma_delta, tDelta, mdK, mdV, mdQsem, softmax_scale, scale_log2, scale_div_cap, window_left,
-            window_right, mCuSeqlensQ, mCuSeqlensK, *layouts, *mmas, SharedStorage, tx_bytes,
+            window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, *layouts, *mmas,
+            SharedStorage, tx_bytes,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def _row_stats_atom(self, t: cute.Tensor):
@@ -291,6 +297,7 @@ class HopperBwd:
                mdQsem: Optional[cute.Tensor], softmax_scale: Float32, scale_log2: Float32,
                scale_div_cap: Float32, window_left: Int32, window_right: Int32,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
@@ -314,7 +321,8 @@ class HopperBwd:
 
         n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
-        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK)
+        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+                      mSeqUsedK)
         # Uniform over the CTA (varlen tiles past the sequence), so no role is left waiting.
         if n_block * self.tile_n < seq.seqlen_k:
             win_left = window_left if cutlass.const_expr(self.has_window_left) else None
@@ -443,7 +451,7 @@ class HopperBwd:
         pipe_kv, pipe_q, pipe_do = pipes
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
-        if cutlass.const_expr(self.varlen):
+        if cutlass.const_expr(self.varlen or self.has_seqused_k):
             step.clear_tail((smem.sK[None, None, 0], smem.sV[None, None, 0]),
                             step.seq.seqlen_k - n_block * self.tile_n, self.tile_n)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
@@ -576,8 +584,8 @@ class BwdStep(DslState):
 
     @cute.jit
     def clear_tail(self, tiles, valid_rows: Int32, rows: int):
-        """Varlen: zero the rows >= valid_rows of (shared-memory) tiles TMA loaded past the end
-        of a sequence (`seqlen.clear_rows_past`). Keys there have P = 0 and queries P = 0
+        """Zero the rows >= valid_rows of (shared-memory) tiles TMA loaded past the end of a
+        varlen or seqused sequence (`seqlen.clear_rows_past`). Keys there have P = 0 and queries P = 0
         (LSE₂ = +inf), but NaN or inf in those rows (the next sequence, or the unused tail of
         the packed tensor) would still reach dP = dO Vᵀ, S = Q Kᵀ, dQ = dS K or dV = Pᵀ dO as
         0 x NaN. Uniform over the CTA, so both warpgroups meet at the barrier."""
@@ -590,10 +598,11 @@ class BwdStep(DslState):
 
     @cute.jit
     def clear_q_tail(self, pipe_do, state, m_block: Int32):
-        """Varlen: the query tile that ends the sequence gets its Q and dO rows past it zeroed
+        """Varlen or seqused_q: the query tile that ends the sequence gets its Q and dO rows
+        past it zeroed
         (`clear_tail`) before any GEMM reads them; dO is waited for first."""
         cfg = self.cfg
-        if cutlass.const_expr(cfg.varlen):
+        if cutlass.const_expr(cfg.varlen or cfg.has_seqused_q):
             valid = self.seq.seqlen_q - m_block * cfg.tile_m
             if valid < cfg.tile_m:
                 pipe_do.consumer_wait(state)
@@ -864,7 +873,8 @@ def build_for_inspect(cfg):
     # `api.backward` promises TMA-ready (16-byte) rows of LSE₂, Δ and dQaccum.
     args = fake_backward_args(dtype, cfg.hdim, cfg.hdim_v, kernel.varlen,
                               dkv_fp32=flags.get("dkv_fp32", False), stats_align=16,
-                              dq_align=16, semaphores=kernel.deterministic)
+                              dq_align=16, semaphores=kernel.deterministic,
+                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
                        options=BWD_COMPILE_OPTIONS,
                        extra={"registers_per_role": registers_per_role()})

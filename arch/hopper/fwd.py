@@ -93,9 +93,14 @@ class HopperFwd:
     stmatrix and leave it with one TMA store per tile, which clips the rows past seqlen_q.
     Where that tile does not fit beside Q and the K/V rings (hdim 192 and 256) it is Q's tile,
     and Q is released only once the store has read it. Varlen: a tile's rows past its
-    sequence are the next sequence's, so O goes from registers with row predicates. LSE is
-    stored by the first thread of each row's quad. Not yet: packed GQA.
+    sequence are the next sequence's, and with seqused_q padding rows that stay 0, so O goes
+    from registers with row predicates. LSE is stored by the first thread of each row's quad.
+    Varlen and seqused_k: V rows past seqlen_k are zeroed in shared memory (`clear_v_tail`).
+    Not yet: packed GQA.
     """
+
+    # `flash_cute.launch` passes (mSeqUsedQ, mSeqUsedK) after the cu_seqlens.
+    SUPPORTS_SEQUSED = True
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), tile: Optional[tuple] = None):
@@ -113,7 +118,14 @@ class HopperFwd:
         self.num_threads = NUM_THREADS
         # Longest-processing-time-first where a query tile's work grows with m_block.
         self.lpt = self.causal or self.has_window_right
-        self.o_tile = o_smem_tile(self.hdim, self.hdim_v, self._tile, self.varlen)
+        self.o_tile = o_smem_tile(self.hdim, self.hdim_v, self._tile, self._rows_past_sequence)
+
+    @property
+    def _rows_past_sequence(self) -> bool:
+        """Whether a query tile's rows past its sequence are rows of the output tensor that
+        must stay as they are (varlen: the next sequence's; seqused_q: padding left at 0), so
+        O cannot leave by a TMA store of the whole tile."""
+        return self.varlen or self.has_seqused_q
 
     @property
     def _tile(self) -> tuple:
@@ -122,7 +134,7 @@ class HopperFwd:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory (the kernel's SharedStorage; checked against it at compile)."""
-        return smem_bytes(self.hdim, self.hdim_v, self._tile, self.varlen)
+        return smem_bytes(self.hdim, self.hdim_v, self._tile, self._rows_past_sequence)
 
     # ---------------------------------------------------------------- host side
 
@@ -130,9 +142,10 @@ class HopperFwd:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
                  window_right: Int32, max_seqlen_q: Int32, mCuSeqlensQ: Optional[cute.Tensor],
-                 mCuSeqlensK: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+                 mSeqUsedK: Optional[cute.Tensor], stream: cuda.CUstream):
         """Padded: Q [b, sq, h, d], K/V [b, sk, hk, d], LSE [b, h, sq]. Varlen: Q [tq, h, d],
-        K/V [tk, hk, d], LSE [h, tq], cu_seqlens [b + 1]."""
+        K/V [tk, hk, d], LSE [h, tq], cu_seqlens [b + 1]. Either: seqused [b] or None."""
         vec = 128 // self.dtype.width
         # TMA needs 16-byte global strides; validation guarantees them, this tells the compiler.
         mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mO))
@@ -165,7 +178,8 @@ class HopperFwd:
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, mO, mLSE, scale_log2, scale_div_cap,
-            window_left, window_right, mCuSeqlensQ, mCuSeqlensK, order.num_m_blocks,
+            window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            order.num_m_blocks,
             order.section, sQ_layout, sK_layout, sV_layout, sO_layout, mma_qk, mma_pv,
             SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
@@ -238,7 +252,8 @@ class HopperFwd:
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: Optional[cute.CopyAtom],
                mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, scale_div_cap: Float32,
                window_left: Int32, window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
-               mCuSeqlensK: Optional[cute.Tensor], num_m_blocks: Int32, section: Int32,
+               mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+               mSeqUsedK: Optional[cute.Tensor], num_m_blocks: Int32, section: Int32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
@@ -262,8 +277,8 @@ class HopperFwd:
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         elif cutlass.const_expr(self.o_tile == "q"):
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        tiles = WorkTiles(self, num_m_blocks, section, mQ, mK, mCuSeqlensQ, mCuSeqlensK,
-                          window_left, window_right)
+        tiles = WorkTiles(self, num_m_blocks, section, mQ, mK, (mCuSeqlensQ, mCuSeqlensK),
+                          (mSeqUsedQ, mSeqUsedK), window_left, window_right)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -384,12 +399,13 @@ class HopperFwd:
 
     @cute.jit
     def clear_v_tail(self, sV, pipe_v, v_state, n_block: Int32, seqlen_k: Int32):
-        """Varlen: zero the rows of V[n_block] past seqlen_k before a PV reads them. Their P is
-        0, but they hold the next sequence or the unused tail of the packed tensor, and 0 x NaN
-        or inf there would reach O (a padded tensor ends at seqlen_k, where TMA zero-fills).
+        """Varlen or seqused_k: zero the rows of V[n_block] past seqlen_k before a PV reads
+        them. Their P is 0, but they hold the next sequence, the unused tail of the packed
+        tensor or a KV cache's unused slots, and 0 x NaN or inf there would reach O (a plain
+        padded tensor ends at seqlen_k, where TMA zero-fills).
         Only the first block visited (the last, n_block_max - 1) can reach past seqlen_k; the
         test is uniform over the CTA, so both consumer warpgroups meet at the barrier."""
-        if cutlass.const_expr(self.varlen):
+        if cutlass.const_expr(self.varlen or self.has_seqused_k):
             valid = seqlen_k - n_block * self.tile_n
             if valid < self.tile_n:
                 pipe_v.consumer_wait(v_state)
@@ -471,16 +487,17 @@ class WorkTiles(DslState):
     """This launch's tiles (`flash_cute.tile_scheduler.TileOrder`) and, per tile, what every
     role derives from it the same way: coordinates, sequence bounds, K/V block range, mask."""
 
-    def __init__(self, cfg: HopperFwd, num_m_blocks: Int32, section: Int32, mQ, mK,
-                 mCuSeqlensQ, mCuSeqlensK, window_left: Int32, window_right: Int32):
+    def __init__(self, cfg: HopperFwd, num_m_blocks: Int32, section: Int32, mQ, mK, cu_seqlens,
+                 seqused, window_left: Int32, window_right: Int32):
         self.cfg = cfg
         self.num_m_blocks, self.section = num_m_blocks, section
         self.num_heads = mQ.shape[-2]
-        self.num_batches = SeqInfo.num_batches(mQ, mCuSeqlensQ)
+        self.num_batches = SeqInfo.num_batches(mQ, cu_seqlens[0])
         self.qheads_per_kvhead = mQ.shape[-2] // mK.shape[-2]
         # Padded extents (varlen: `SeqInfo` reads cu_seqlens instead).
         self.seqlen_q, self.seqlen_k = mQ.shape[1], mK.shape[1]
-        self.cu_q, self.cu_k = mCuSeqlensQ, mCuSeqlensK
+        self.cu_q, self.cu_k = cu_seqlens
+        self.used_q, self.used_k = seqused
         self.win_left = window_left if cfg.has_window_left else None
         self.win_right = window_right if cfg.has_window_right else None
 
@@ -501,7 +518,8 @@ class WorkTiles(DslState):
         folded persistent order, gets an m_block past every sequence: `in_bounds` is False)."""
         m_block, head, batch = self.order.coords(tile, cute.arch.grid_dim()[0],
                                                  imin=cutlass.min, imax=cutlass.max)
-        seq = SeqInfo(batch, self.seqlen_q, self.seqlen_k, self.cu_q, self.cu_k)
+        seq = SeqInfo(batch, self.seqlen_q, self.seqlen_k, self.cu_q, self.cu_k, self.used_q,
+                      self.used_k)
         return m_block, head, head // self.qheads_per_kvhead, seq
 
     def in_bounds(self, m_block: Int32, seq: SeqInfo):
@@ -786,6 +804,7 @@ def build_for_inspect(cfg):
 
     kernel = HopperFwd(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict),
                        tile=tuple(cfg.tile))
-    args = fake_forward_args(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, kernel.varlen)
+    args = fake_forward_args(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, kernel.varlen,
+                             seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS,
                        extra={"registers_per_role": registers_per_role()})
