@@ -11,6 +11,10 @@ block `m_block` with in-bounds rows ``[m_lo, m_hi)``:
 * unmasked: ``[n_block_min_no_mask, n_block_max_no_mask)``, blocks whose every key lies inside
   seqlen_k and the window of every in-bounds row. Blocks visited outside it need the mask. Rows
   past seqlen_q are never stored, so they are not considered.
+
+Packed GQA (``pack`` > 1): a tile's rows are ``pack`` query heads that share one K/V head,
+interleaved (tile row r is query ``r // pack`` of head ``r % pack``), so a query block spans
+``tile_m / pack`` queries; the ranges are those of the queries its rows hold.
 """
 
 from typing import NamedTuple, Optional
@@ -32,6 +36,7 @@ def block_range(
     causal: bool = False,
     window_left: Optional[object] = None,
     window_right: Optional[object] = None,
+    pack: int = 1,
     *,
     imin=min,
     imax=max,
@@ -41,13 +46,14 @@ def block_range(
     `causal` is window_right = 0; a window side that is None is unbounded (windows are >= 0).
     The visited range is empty (``n_block_max <= n_block_min``) when no row sees a key; the
     unmasked range lies inside it and may be empty (``min_no_mask == max_no_mask``).
-    Precondition: ``m_block * tile_m < seqlen_q``.
+    `pack`: rows per query (packed GQA; see the module docstring). Precondition:
+    ``m_block * tile_m < seqlen_q * pack``.
     """
     if causal:
         window_right = 0
     offset = seqlen_k - seqlen_q
-    row_first = m_block * tile_m
-    row_last = imin(row_first + tile_m, seqlen_q) - 1
+    row_first = m_block * tile_m // pack
+    row_last = (imin(m_block * tile_m + tile_m, seqlen_q * pack) - 1) // pack
     n_blocks = (seqlen_k + tile_n - 1) // tile_n
     # Row i sees keys [lo(i), hi(i)]; both ends grow with i. Unbounded sides are clamped to
     # the key range straight away.

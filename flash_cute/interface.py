@@ -5,8 +5,9 @@ Dispatch picks the newest pipeline that is built and runs on the device; ``arch=
 (e.g. ``arch="ampere"`` runs the sm80 pipeline on a Hopper GPU, for per-arch comparison). The
 backward runs in the forward's pipeline when it has one, else in the newest pipeline with a
 backward for the device: the forward's (O, LSE) are the same in every pipeline. A pipeline
-that lacks a capability a problem needs (today: seqused_q / seqused_k, declared by a pipeline's
-``SUPPORTS_SEQUSED``) is never the default for it, and refuses it before any launch.
+that lacks a capability a problem needs (seqused_q / seqused_k, declared by a pipeline's
+``SUPPORTS_SEQUSED``; ``pack_gqa=True``, by ``SUPPORTS_PACK_GQA``) is never the default for
+it, and refuses it before any launch.
 """
 
 from typing import Optional, Tuple
@@ -56,9 +57,13 @@ def _takes_by_default(name: str, problem) -> bool:
 def missing_capability(name: str, problem) -> Optional[str]:
     """What pipeline `name` lacks to run `problem` at all (None if nothing). A generic check
     here, so a pipeline's own `check_supported` need not know every newer feature."""
+    module = _pipeline_module(name)
     uses_seqused = problem.has_seqused_q or problem.has_seqused_k
-    if uses_seqused and not getattr(_pipeline_module(name), "SUPPORTS_SEQUSED", False):
+    if uses_seqused and not getattr(module, "SUPPORTS_SEQUSED", False):
         return "seqused_q/seqused_k"
+    packs = problem.pack_gqa and problem.qheads_per_kvhead > 1
+    if packs and not getattr(module, "SUPPORTS_PACK_GQA", False):
+        return "pack_gqa=True"
     return None
 
 
@@ -67,8 +72,8 @@ def check_capabilities(name: str, problem) -> None:
     missing = missing_capability(name, problem)
     if missing is not None:
         takers = [n for n in PIPELINES if missing_capability(n, problem) is None]
-        raise NotImplementedError(f"{missing}: the {name} pipeline does not support them yet; "
-                                  f"pipelines that do: {', '.join(takers) or 'none'}")
+        raise NotImplementedError(f"{missing}: not supported by the {name} pipeline yet; "
+                                  f"pipelines that support it: {', '.join(takers) or 'none'}")
 
 
 def select_backward_pipeline(device: torch.device, forward_pipeline: str, problem=None) -> str:
@@ -141,15 +146,23 @@ def flash_attn_func(
     deterministic: bool = False,
     return_lse: bool = False,
     arch: Optional[str] = None,
+    pack_gqa: Optional[bool] = None,
 ):
     """Exact attention on [batch, seqlen, nheads, hdim] tensors; returns ``(out, lse)``.
 
     ``lse`` is [batch, nheads, seqlen_q] fp32 (natural log), ``None`` unless `return_lse` or a
     backward pass needs it. Masks are bottom-right aligned; ``window_size=(left, right)`` with
     None (or a negative int) for an unbounded side; GQA/MQA when k/v have fewer heads.
+
+    ``pack_gqa`` (GQA/MQA forward): tile the query heads that share a K/V head together, so
+    short query sequences (decode) fill a tile and K/V are read once per group. None lets the
+    pipeline decide (`flash_cute.launch.packed_heads`); True requires it (NotImplementedError
+    where the pipeline cannot: the ampere pipeline, or a group that does not divide the
+    hopper tile's 128 rows); False never packs. The result is the same either way.
     """
     problem = validate_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                        window_size=window_size, softcap=softcap)
+                                        window_size=window_size, softcap=softcap,
+                                        pack_gqa=pack_gqa)
     return _run(q, k, v, (None, None, None, None), problem, arch, deterministic, return_lse)
 
 
@@ -170,6 +183,7 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_lse: bool = False,
     arch: Optional[str] = None,
+    pack_gqa: Optional[bool] = None,
 ):
     """Attention over sequences of different lengths; returns ``(out, lse)``.
 
@@ -189,8 +203,7 @@ def flash_attn_varlen_func(
     device sync). Causal and local masks align bottom-right to the *used* lengths. Query rows
     past seqused_q[b] get out = 0 and lse = -inf, as a row that sees no key (flash-attn leaves
     them unwritten, so any value there meets its contract), and dq = 0; keys past seqused_k[b]
-    get dk = dv = 0. Only the ampere pipeline takes seqused, and the default dispatch picks it
-    for them; ``arch="hopper"`` raises NotImplementedError.
+    get dk = dv = 0. ``pack_gqa`` as in `flash_attn_func`.
 
     Not supported (NotImplementedError before any launch): packed q with padded k/v or the
     reverse (cu_seqlens for one side only).
@@ -199,7 +212,7 @@ def flash_attn_varlen_func(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
+        max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa,
     )
     return _run(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), problem, arch,
                 deterministic, return_lse)

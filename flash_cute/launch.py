@@ -59,13 +59,42 @@ def has_no_work(q, k, problem) -> bool:
             or problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0)
 
 
+def packed_heads(problem, tile_m: int) -> int:
+    """How many query heads a forward tile of `tile_m` rows packs (packed GQA; 1: none).
+
+    The heads of a group can share a tile only when their count divides `tile_m` (a tile
+    then holds whole queries). ``pack_gqa=True`` requires that; None packs varlen problems
+    (their sequences are often short) and padded ones where packing fills the tiles clearly
+    better: rows used / rows computed below 0.9x what packing gets (FlashAttention-3's rule,
+    which picks it for decode and short prompts and leaves long sequences alone).
+    """
+    group = problem.qheads_per_kvhead
+    if problem.pack_gqa is False or group == 1:
+        return 1
+    if tile_m % group:
+        if problem.pack_gqa:
+            raise NotImplementedError(
+                f"pack_gqa=True: {group} query heads per K/V head do not divide the tile's "
+                f"{tile_m} rows; pass pack_gqa=None or False")
+        return 1
+    if problem.pack_gqa or problem.varlen:
+        return group
+
+    def filled(rows):
+        return rows / (-(-rows // tile_m) * tile_m)
+
+    return group if filled(problem.max_seqlen_q) < 0.9 * filled(problem.max_seqlen_q * group) else 1
+
+
 def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k, tile: tuple,
-            options: str, arch: str, prepare=None, seqused_q=None, seqused_k=None):
+            options: str, arch: str, prepare=None, seqused_q=None, seqused_k=None,
+            pack_gqa: int = 1):
     """Allocate, handle the no-work case, compile (cached) and launch one attention forward.
 
     `kernel_cls(dtype, hdim, hdim_v, variant, tile=...)` is the arch's kernel class; `prepare`
     adapts q/k/v first (e.g. TMA-ready strides). `seqused_q` / `seqused_k` (int32 [batch] or
     None) go to a kernel class with `SUPPORTS_SEQUSED` right after the cu_seqlens.
+    `pack_gqa`: query heads per tile (`packed_heads`), for a kernel class that packs them.
     """
     from cutlass import Int32
     import cutlass.cute as cute
@@ -80,7 +109,7 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
     used = seqused_args(kernel_cls, problem, seqused_q, seqused_k)
     if prepare is not None:
         q, k, v = (prepare(t) for t in (q, k, v))
-    variant = Variant.from_problem(problem)
+    variant = Variant.from_problem(problem, pack_gqa)
     dtype = dtype_name(q.dtype)
     key = CompileKey(name, arch, dtype, problem.hdim, problem.hdim_v, tile, variant.flags())
     scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)

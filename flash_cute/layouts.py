@@ -81,3 +81,16 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
         return cute.composition(
             t, cute.make_layout((cols, rows, stages), stride=(rows, 1, rows * cols)))
     return cute.composition(t, cute.make_layout((cols, rows), stride=(rows, 1)))
+
+
+def pack_heads(t: cute.Tensor, row_mode: int, head_mode: int, pack: int) -> cute.Tensor:
+    """Packed-GQA view of `t`: each group of `pack` consecutive heads (the query heads of one
+    K/V head) folded into the row mode, so the row mode becomes (pack, rows) (row r of a
+    group is row r // pack of head r % pack, in CuTe's colexicographic order) and the head
+    mode counts groups. Works on plain tensors and on TMA coordinate tensors alike."""
+    shape, stride = list(t.shape), list(t.stride)
+    shape[row_mode] = (pack, shape[row_mode])
+    stride[row_mode] = (stride[head_mode], stride[row_mode])
+    shape[head_mode] = shape[head_mode] // pack
+    stride[head_mode] = stride[head_mode] * pack
+    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))

@@ -8,7 +8,8 @@ The block works on any arch's accumulator through two views that the arch builds
 ``acc_mn`` (a thread's scores as rows x cols) and ``coord_mn`` (the (row, col) coordinate of each
 of those elements inside the tile, from an identity tensor partitioned like the accumulator).
 Which tiles need a mask at all comes from `block_range`; this block only does the per-element
-work. Model: `flash_cute.reference.attention_mask`.
+work. Model: `flash_cute.reference.attention_mask`. With packed GQA (``pack`` > 1) tile row r
+is query ``(m_block * tile_m + r) // pack`` (see `flash_cute.block_range`).
 """
 
 from typing import Optional
@@ -38,8 +39,10 @@ class AttentionMask(DslState):
         causal: bool = False,
         window_left: Optional[Int32] = None,
         window_right: Optional[Int32] = None,
+        pack: int = 1,
     ):
         self.tile_m = tile_m
+        self.pack = pack
         self.tile_n = tile_n
         self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
@@ -58,7 +61,7 @@ class AttentionMask(DslState):
     def block_range(self, m_block: Int32) -> BlockRange:
         """The K/V blocks query block `m_block` visits, and which of them need this mask."""
         return block_range(m_block, self.tile_m, self.tile_n, self.seqlen_q, self.seqlen_k,
-                           self.causal, self.window_left, self.window_right,
+                           self.causal, self.window_left, self.window_right, self.pack,
                            imin=cutlass.min, imax=cutlass.max)
 
     @cute.jit
@@ -105,6 +108,8 @@ class AttentionMask(DslState):
         diag = self.seqlen_k - self.seqlen_q - n_offset
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             row = m_block * self.tile_m + coord_mn[r, 0][0]
+            if cutlass.const_expr(self.pack > 1):
+                row = row // self.pack
             # Visible iff left_lim <= col - col_base < right_lim.
             right_lim = seqlen_k_limit
             if cutlass.const_expr(mask_window and self.has_right):

@@ -137,21 +137,22 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, pad], dim=0)
 
 
-def _tiled_head(q, k, v, mask, *, block_m, block_n, order, scale, softcap, window):
-    """FlashAttention-2 forward for one (batch, head): q [sq, d], k [sk, d], v [sk, dv]."""
-    seqlen_q, seqlen_k = q.shape[0], k.shape[0]
+def _tiled_head(q, k, v, mask, *, block_m, block_n, order, scale, softcap, window, pack=1):
+    """FlashAttention-2 forward for one (batch, head): q [sq, d], k [sk, d], v [sk, dv]. With
+    ``pack`` > 1, q and mask hold ``pack`` heads' rows interleaved (row r is query r // pack)."""
+    rows_q, seqlen_k = q.shape[0], k.shape[0]
     n_blocks = (seqlen_k + block_n - 1) // block_n
     k, v = _pad_rows(k, n_blocks * block_n), _pad_rows(v, n_blocks * block_n)
-    mask = torch.cat([mask, mask.new_zeros(seqlen_q, n_blocks * block_n - seqlen_k)], dim=1)
+    mask = torch.cat([mask, mask.new_zeros(rows_q, n_blocks * block_n - seqlen_k)], dim=1)
     # With softcap the kernel keeps tanh(raw * scale / softcap); the remaining
     # factor, softcap, becomes the scale folded into exp2.
     exp_scale = softcap if softcap > 0 else scale
-    out = q.new_zeros(seqlen_q, v.shape[1])
-    lse = q.new_empty(seqlen_q)
-    for m_block in range((seqlen_q + block_m - 1) // block_m):
-        rows = slice(m_block * block_m, min((m_block + 1) * block_m, seqlen_q))
+    out = q.new_zeros(rows_q, v.shape[1])
+    lse = q.new_empty(rows_q)
+    for m_block in range((rows_q + block_m - 1) // block_m):
+        rows = slice(m_block * block_m, min((m_block + 1) * block_m, rows_q))
         n_min, n_max, nm_min, nm_max = block_range(
-            m_block, block_m, block_n, seqlen_q, seqlen_k, False, window[0], window[1]
+            m_block, block_m, block_n, rows_q // pack, seqlen_k, False, window[0], window[1], pack
         )
         state = OnlineSoftmax(rows.stop - rows.start, v.shape[1], exp_scale, q.dtype, q.device)
         for n_block in _block_order(range(n_min, max(n_min, n_max)), order):
@@ -179,6 +180,7 @@ def tiled_attention_forward(
     window_size: Window = (None, None),
     softcap: float = 0.0,
     dtype: torch.dtype = torch.float64,
+    pack_gqa: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Model of the tiled FlashAttention-2 forward; returns ``(out, lse)``.
 
@@ -191,6 +193,10 @@ def tiled_attention_forward(
     returning a permutation of the block list), and the mask is applied only
     to blocks outside the no-mask range. K/V rows past ``seqlen_k`` hold junk,
     so a missing bounds mask shows up as a wrong result.
+
+    ``pack_gqa``: the query heads that share a K/V head are tiled together, their rows
+    interleaved (packed row r is query r // group of head r % group), as the Hopper forward's
+    packed GQA tiles them; `block_range` and the mask then work on packed rows.
     """
     if q.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -206,12 +212,21 @@ def tiled_attention_forward(
     group = nheads // k.shape[2]
     out = q.new_zeros(batch, seqlen_q, nheads, v.shape[3])
     lse = q.new_empty(batch, nheads, seqlen_q)
+    kw = dict(block_m=block_m, block_n=block_n, order=order, scale=scale, softcap=softcap,
+              window=window)
     for b in range(batch):
+        if pack_gqa:
+            for hk in range(k.shape[2]):
+                heads = slice(hk * group, (hk + 1) * group)
+                o, l = _tiled_head(q[b, :, heads].reshape(seqlen_q * group, -1), k[b, :, hk],
+                                   v[b, :, hk], mask.repeat_interleave(group, dim=0),
+                                   pack=group, **kw)
+                out[b, :, heads] = o.view(seqlen_q, group, -1)
+                lse[b, heads] = l.view(seqlen_q, group).T
+            continue
         for h in range(nheads):
-            out[b, :, h], lse[b, h] = _tiled_head(
-                q[b, :, h], k[b, :, h // group], v[b, :, h // group], mask,
-                block_m=block_m, block_n=block_n, order=order, scale=scale, softcap=softcap, window=window,
-            )
+            out[b, :, h], lse[b, h] = _tiled_head(q[b, :, h], k[b, :, h // group],
+                                                  v[b, :, h // group], mask, **kw)
     return out, lse
 
 

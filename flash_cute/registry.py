@@ -132,6 +132,15 @@ def _hopper_fwd_configs():
         tile = HOPPER_TILES[d]._replace(persistent=not HOPPER_TILES[d].persistent)
         out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", d, dv, tile, _HOPPER_FWD,
                                 _flags(**{**plain, **flags})))
+    # Packed GQA (query heads of a K/V head in one tile): O by TMA store from its own tile or
+    # Q's, and by row stores (varlen, seqused_q).
+    for (d, dv), flags in [((128, 128), {"causal": True, "pack_gqa": 4}),
+                           ((256, 256), {"causal": True, "pack_gqa": 2}),
+                           ((64, 64), {"local": True, "softcap": True, "varlen": True,
+                                       "pack_gqa": 8}),
+                           ((128, 128), {"seqused_q": True, "seqused_k": True, "pack_gqa": 16})]:
+        out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", d, dv, HOPPER_TILES[d],
+                                _HOPPER_FWD, _flags(**{**plain, **flags})))
     return tuple(out)
 
 

@@ -20,12 +20,17 @@ class SeqInfo(DslState):
 
     `seqlen_q` / `seqlen_k` are the lengths a kernel works on: seqused[batch] when given (the
     rows after it are padding no kernel reads or writes), else the span's length.
+
+    `pack` > 1 (packed GQA): Q, O and LSE come as `flash_cute.layouts.pack_heads` views, whose
+    row mode holds `pack` rows per query; `rows_q` counts them. Lengths stay in queries.
     """
 
     def __init__(self, batch: Int32, seqlen_q_static, seqlen_k_static,
                  cu_seqlens_q: Optional[cute.Tensor] = None, cu_seqlens_k: Optional[cute.Tensor] = None,
-                 seqused_q: Optional[cute.Tensor] = None, seqused_k: Optional[cute.Tensor] = None):
+                 seqused_q: Optional[cute.Tensor] = None, seqused_k: Optional[cute.Tensor] = None,
+                 pack: int = 1):
         self.varlen = cu_seqlens_q is not None
+        self.pack = pack
         self.offset_q, self.seqlen_q = _offset_and_length(batch, seqlen_q_static, cu_seqlens_q,
                                                           seqused_q)
         self.offset_k, self.seqlen_k = _offset_and_length(batch, seqlen_k_static, cu_seqlens_k,
@@ -39,10 +44,15 @@ class SeqInfo(DslState):
             return cu_seqlens_q.shape[0] - 1
         return mQ.shape[0]
 
+    @property
+    def rows_q(self):
+        """Q rows of this sequence (seqlen_q, times `pack`)."""
+        return self.seqlen_q * self.pack if cutlass.const_expr(self.pack > 1) else self.seqlen_q
+
     def q_view(self, mQ: cute.Tensor, head) -> cute.Tensor:
-        """(seqlen_q, d) view of Q (or O, dO) for one head."""
+        """(rows_q, d) view of Q (or O, dO) for one head (packed: one group of heads)."""
         if cutlass.const_expr(self.varlen):
-            return cute.domain_offset((self.offset_q, 0), mQ[None, head, None])
+            return cute.domain_offset((self.offset_q * self.pack, 0), mQ[None, head, None])
         return mQ[self.batch, None, head, None]
 
     def k_view(self, mK: cute.Tensor, head_kv) -> cute.Tensor:
@@ -52,9 +62,9 @@ class SeqInfo(DslState):
         return mK[self.batch, None, head_kv, None]
 
     def lse_view(self, mLSE: cute.Tensor, head) -> cute.Tensor:
-        """(seqlen_q,) view of the LSE (or any per-query-row fp32 vector) for one head."""
+        """(rows_q,) view of the LSE (or any per-query-row fp32 vector) for one head."""
         if cutlass.const_expr(self.varlen):
-            return cute.domain_offset((self.offset_q,), mLSE[head, None])
+            return cute.domain_offset((self.offset_q * self.pack,), mLSE[head, None])
         return mLSE[self.batch, head, None]
 
 

@@ -65,6 +65,9 @@ class AttentionProblem:
     The mask is normalized: ``causal=True`` always has ``window_right == 0``,
     window bounds are ``None`` when unbounded (never negative), and a
     non-causal window of ``(None, 0)`` is reported as plain causal.
+
+    ``pack_gqa`` is the caller's request (None: the pipeline decides); see
+    `flash_cute.launch.packed_heads` for what a pipeline makes of it.
     """
 
     batch: int
@@ -85,6 +88,7 @@ class AttentionProblem:
     softcap: float
     has_seqused_q: bool = False
     has_seqused_k: bool = False
+    pack_gqa: bool | None = None
 
     @property
     def qheads_per_kvhead(self) -> int:
@@ -124,6 +128,7 @@ def validate_attention_inputs(
     seqused_k=None,
     max_seqlen_q=None,
     max_seqlen_k=None,
+    pack_gqa=None,
     supported_dtypes: Collection[torch.dtype] = _DEFAULT_DTYPES,
     supported_hdims: Collection[tuple[int, int]] | None = None,
     require_cuda: bool = True,
@@ -150,6 +155,9 @@ def validate_attention_inputs(
             lengths the kernels use (the span lengths, or ``seqused`` where given); they
             size the kernel grids.  For padded inputs they may be omitted or must equal
             the padded length.
+        pack_gqa: ``None`` (the pipeline decides), ``True`` or ``False``: tile the query
+            heads that share a K/V head together (packed GQA). It changes the schedule,
+            not the result.
         supported_dtypes: dtypes the target kernel handles.
         supported_hdims: allowed ``(hdim, hdim_v)`` pairs; ``None`` allows any multiple
             of 8 in ``[8, 256]`` for each.
@@ -195,6 +203,8 @@ def validate_attention_inputs(
     scale = _check_softmax_scale(softmax_scale, dims["hdim"])
     cap = _check_softcap(softcap)
     causal, left, right = _normalize_mask(causal, window_size)
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be None, True or False, got {pack_gqa!r}")
     return AttentionProblem(
         batch=batch,
         seqlen_q=None if varlen else dims["seqlen_q"],
@@ -214,6 +224,7 @@ def validate_attention_inputs(
         softcap=cap,
         has_seqused_q=seqused_q is not None,
         has_seqused_k=seqused_k is not None,
+        pack_gqa=pack_gqa,
     )
 
 

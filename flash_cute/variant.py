@@ -3,7 +3,8 @@
 Every arch kernel takes one `Variant`; run-time values (window sizes, softcap value, scale,
 lengths) stay kernel arguments. `flags()` is the variant's part of a CompileKey. `seqused_q` /
 `seqused_k` are switches because a kernel with per-sequence used lengths takes those tensors
-as extra arguments (their values stay run-time).
+as extra arguments (their values stay run-time). `pack_gqa` is the number of query heads a
+tile packs into its rows (1: none; see `flash_cute.launch.packed_heads`).
 """
 
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ class Variant:
     varlen: bool = False
     seqused_q: bool = False
     seqused_k: bool = False
+    pack_gqa: int = 1
 
     def __post_init__(self):
         # Causal is the window (left, 0): a right window on top of it means nothing.
@@ -25,12 +27,14 @@ class Variant:
             object.__setattr__(self, "window_right", False)
 
     @classmethod
-    def from_problem(cls, problem) -> "Variant":
-        """From a validated `flash_cute.validation.AttentionProblem`."""
+    def from_problem(cls, problem, pack_gqa: int = 1) -> "Variant":
+        """From a validated `flash_cute.validation.AttentionProblem` (and the pipeline's
+        decision on packing its heads)."""
         return cls(causal=problem.causal, window_left=problem.window_left is not None,
                    window_right=problem.window_right is not None and not problem.causal,
                    softcap=problem.softcap > 0, varlen=problem.varlen,
-                   seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k)
+                   seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k,
+                   pack_gqa=pack_gqa)
 
     @classmethod
     def from_flags(cls, flags: dict) -> "Variant":
@@ -38,12 +42,15 @@ class Variant:
         local = flags.get("local", False)
         return cls(causal=flags.get("causal", False), window_left=local, window_right=local,
                    softcap=flags.get("softcap", False), varlen=flags.get("varlen", False),
-                   seqused_q=flags.get("seqused_q", False), seqused_k=flags.get("seqused_k", False))
+                   seqused_q=flags.get("seqused_q", False), seqused_k=flags.get("seqused_k", False),
+                   pack_gqa=flags.get("pack_gqa", 1))
 
     def flags(self) -> tuple:
-        return (("causal", self.causal), ("left", self.window_left), ("right", self.window_right),
-                ("softcap", self.softcap), ("varlen", self.varlen), ("seqused_q", self.seqused_q),
-                ("seqused_k", self.seqused_k))
+        flags = (("causal", self.causal), ("left", self.window_left), ("right", self.window_right),
+                 ("softcap", self.softcap), ("varlen", self.varlen), ("seqused_q", self.seqused_q),
+                 ("seqused_k", self.seqused_k))
+        # Only where it packs, so unpacked kernels keep their keys.
+        return flags + ((("pack_gqa", self.pack_gqa),) if self.pack_gqa > 1 else ())
 
 
 def set_kernel_switches(kernel, variant: Variant) -> None:
@@ -55,6 +62,7 @@ def set_kernel_switches(kernel, variant: Variant) -> None:
     kernel.varlen = variant.varlen
     kernel.has_seqused_q = variant.seqused_q
     kernel.has_seqused_k = variant.seqused_k
+    kernel.pack_gqa = variant.pack_gqa
 
 
 def kernel_head_dims(arch: str, hdim: int, hdim_v, tiles: dict, tile) -> tuple:

@@ -173,3 +173,95 @@ def test_tma_store_clips_rows_past_seqlen_q(poisoned_outputs):
     q, k, v = _inputs((3, 133, 4), (3, 200, 4), seed=23)
     out, lse = _forward(q, k, v, True, True)
     _check(out, lse, q, k, v)
+
+
+# ---------------------------------------------------------------- packed GQA
+
+
+def _packed(q, k, v, **kw):
+    """flash_attn_varlen_func with pack_gqa=True on the hopper pipeline, outputs poisoned
+    with NaN (a packed row left unwritten, or written to the wrong head, shows); checks that
+    the launch compiled a packed kernel."""
+    from flash_cute.jit import compile_cache
+
+    group = q.shape[-2] // k.shape[-2]
+    out, lse = flash_attn_varlen_func(q, k, v, return_lse=True, arch="hopper", pack_gqa=True,
+                                      **kw)
+    assert any(("pack_gqa", group) in key.flags for key in compile_cache.keys())
+    return out, lse
+
+
+@pytest.mark.parametrize("d,dv,h,hk,sq,sk,kw", [
+    (128, 128, 32, 2, 1, 1000, {"causal": True}),         # decode: 16 heads fill 16 rows
+    (128, 128, 8, 2, 77, 93, {}),                         # one K/V block, partial tile
+    (128, 128, 16, 4, 300, 1000, {"causal": True}),       # many blocks, persistent
+    (128, 128, 8, 4, 1000, 300, {"causal": True}),        # rows that see no key
+    (64, 64, 16, 2, 300, 513, {"window_size": (100, 50), "softcap": 20.0}),
+    (256, 256, 4, 2, 133, 200, {"causal": True}),         # O's tile is Q's
+    (192, 128, 8, 1, 45, 301, {}),                        # MQA, hdim_v < hdim
+    (96, 96, 64, 1, 3, 129, {"causal": True}),            # a 128-row tile of 64 heads
+])
+def test_packed_gqa_matches_float64(poisoned_outputs, d, dv, h, hk, sq, sk, kw):
+    q, k, v = _inputs((2, sq, h), (2, sk, hk), seed=sq + h, d=d, dv=dv)
+    out, lse = _packed(q, k, v, **kw)
+    _check(out, lse, q, k, v, **kw)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_gqa_varlen(poisoned_outputs, causal):
+    """Packed rows of each sequence start at cu_seqlens[b] x group; empty and one-row
+    sequences; a tile's rows past its sequence are the next sequence's and stay as written."""
+    seqlens_q, seqlens_k = [1, 0, 513, 77, 300, 2, 129], [3, 9, 700, 77, 1, 0, 300]
+    q, k, v = _inputs((sum(seqlens_q), 16), (sum(seqlens_k), 4), seed=29, d=64)
+    cu_q, cu_k = _cu(seqlens_q), _cu(seqlens_k)
+    out, lse = _packed(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=513,
+                       max_seqlen_k=700, causal=causal, window_size=(200, None))
+    _check(out, lse, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal,
+           window_size=(200, None))
+
+
+@pytest.mark.parametrize("layout", ["varlen", "padded"])
+def test_packed_gqa_seqused(layout):
+    """seqused_q/seqused_k with packed rows: rows past seqused_q keep O = 0 and LSE = -inf;
+    NaN in the unused rows of q, k and v must not reach any output."""
+    spans_q, spans_k, used_q, used_k = [37, 64, 129], [50, 200, 77], [30, 0, 129], [50, 133, 1]
+    if layout == "padded":
+        spans_q, spans_k = [129] * 3, [200] * 3
+    used = lambda u: torch.tensor(u, dtype=torch.int32, device="cuda")  # noqa: E731
+    lead_q = (sum(spans_q),) if layout == "varlen" else (3, spans_q[0])
+    lead_k = (sum(spans_k),) if layout == "varlen" else (3, spans_k[0])
+    q, k, v = _inputs((*lead_q, 8), (*lead_k, 2), seed=31)
+    unused_q = torch.cat([torch.arange(s, device="cuda") >= u for s, u in zip(spans_q, used_q)])
+    unused_k = torch.cat([torch.arange(s, device="cuda") >= u for s, u in zip(spans_k, used_k)])
+    if layout == "padded":
+        unused_q, unused_k = unused_q.view(3, -1), unused_k.view(3, -1)
+    q[unused_q], k[unused_k], v[unused_k] = float("nan"), float("nan"), float("nan")
+    kw = dict(seqused_q=used(used_q), seqused_k=used(used_k), causal=True)
+    lengths = {}
+    if layout == "varlen":
+        lengths = dict(cu_seqlens_q=_cu(spans_q), cu_seqlens_k=_cu(spans_k))
+    out, lse = _packed(q, k, v, max_seqlen_q=max(used_q) if lengths else None,
+                       max_seqlen_k=max(used_k) if lengths else None, **lengths, **kw)
+    lse_rows = lse.transpose(0, 1) if layout == "varlen" else lse.transpose(1, 2)
+    assert (out[unused_q] == 0).all() and torch.isneginf(lse_rows[unused_q]).all()
+    _check(out, lse, q, k, v, **lengths, **kw)
+
+
+def test_pack_gqa_requests():
+    """None packs where it fills tiles better (decode), not for long prompts; True with a
+    group that does not divide 128 rows, or on a pipeline without packing, is refused."""
+    from flash_cute import launch
+
+    q, k, v = _inputs((1, 1, 12), (1, 64, 3), seed=37)
+    problem = validate_attention_inputs(q, k, v)
+    assert launch.packed_heads(problem, 128) == 4
+    long = validate_attention_inputs(*_inputs((1, 1024, 12), (1, 64, 3), seed=37))
+    assert launch.packed_heads(long, 128) == 1
+    q3, k3, v3 = _inputs((1, 5, 6), (1, 64, 2), seed=37)
+    with pytest.raises(NotImplementedError, match="do not divide the tile's 128 rows"):
+        flash_attn_func(q3, k3, v3, arch="hopper", pack_gqa=True)
+    with pytest.raises(NotImplementedError, match="pack_gqa=True: not supported by the ampere"):
+        flash_attn_func(q, k, v, arch="ampere", pack_gqa=True)
+    # Unpackable group with the default: runs unpacked.
+    out, lse = flash_attn_func(q3, k3, v3, arch="hopper", return_lse=True)
+    _check(out, lse, q3, k3, v3)

@@ -192,7 +192,9 @@ def test_every_compile_time_switch_is_in_the_cache_key():
     from flash_cute.variant import Variant, set_kernel_switches
 
     seen = {}
-    for values in itertools.product([False, True], repeat=len(dataclasses.fields(Variant))):
+    choices = [[1, 4] if f.type in (int, "int") else [False, True]
+               for f in dataclasses.fields(Variant)]
+    for values in itertools.product(*choices):
         variant = Variant(*values)
         kernel = type("K", (), {})()
         set_kernel_switches(kernel, variant)
@@ -216,19 +218,81 @@ def _seqused_problems():
     return varlen, padded
 
 
-def test_seqused_goes_to_a_pipeline_that_takes_it(capability):
-    """Hopper's kernels have no seqused arguments yet: never its default, refused when forced."""
+def test_seqused_goes_to_a_pipeline_that_takes_it(capability, monkeypatch):
+    """A pipeline without seqused slots is never the default for them, and refused when forced."""
     capability(9, 0)
     device = torch.device("cuda")
     for problem in _seqused_problems():
+        assert interface.select_pipeline(device, None, problem) == "hopper"
+    monkeypatch.delattr(hopper_api, "SUPPORTS_SEQUSED")
+    for problem in _seqused_problems():
         chosen = interface.select_pipeline(device, None, problem)
-        assert interface.missing_capability(chosen, problem) is None
+        assert chosen == "ampere" and interface.missing_capability(chosen, problem) is None
         interface.check_capabilities("ampere", problem)
-        if not getattr(hopper_api, "SUPPORTS_SEQUSED", False):
-            assert chosen == "ampere"
-            with pytest.raises(NotImplementedError, match="seqused_q/seqused_k: the hopper "
-                                                          "pipeline does not support them"):
-                interface.check_capabilities("hopper", problem)
+        with pytest.raises(NotImplementedError, match="seqused_q/seqused_k: not supported by "
+                                                      "the hopper pipeline yet; pipelines that "
+                                                      "support it: ampere"):
+            interface.check_capabilities("hopper", problem)
+
+
+def _gqa_problem(sq, h=8, hk=2, **kw):
+    q = torch.randn(1, sq, h, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 40, hk, 64, dtype=torch.bfloat16)
+    return validate_attention_inputs(q, k, k, require_cuda=False, **kw)
+
+
+def test_pack_gqa_request_is_validated_and_dispatched(capability):
+    """pack_gqa=True goes only to a pipeline that packs; None and False go anywhere."""
+    with pytest.raises(TypeError, match="pack_gqa must be None, True or False"):
+        _gqa_problem(3, pack_gqa=1)
+    capability(9, 0)
+    device = torch.device("cuda")
+    forced = _gqa_problem(3, pack_gqa=True)
+    assert interface.missing_capability("ampere", forced) == "pack_gqa=True"
+    assert interface.missing_capability("hopper", forced) is None
+    with pytest.raises(NotImplementedError, match="pipelines that support it: hopper"):
+        interface.check_capabilities("ampere", forced)
+    assert interface.select_pipeline(device, None, forced) == "hopper"
+    # MHA has nothing to pack: any pipeline takes pack_gqa=True.
+    assert interface.missing_capability("ampere", _gqa_problem(3, hk=8, pack_gqa=True)) is None
+    capability(8, 0)
+    for request in (None, False):
+        problem = _gqa_problem(3, pack_gqa=request)
+        assert interface.select_pipeline(device, None, problem) == "ampere"
+
+
+def test_packed_heads_decision():
+    """FlashAttention-3's rule for None (pack where it fills the tile's rows clearly better,
+    and for varlen); True needs the group to divide the tile; False and MHA never pack."""
+    from flash_cute import launch
+
+    assert launch.packed_heads(_gqa_problem(1), 128) == 4          # decode: 4 rows, not 1
+    assert launch.packed_heads(_gqa_problem(40), 128) == 4         # 160/256 vs 40/128
+    assert launch.packed_heads(_gqa_problem(100), 128) == 1        # 400/512 = 100/128
+    assert launch.packed_heads(_gqa_problem(128), 128) == 1        # full tiles either way
+    assert launch.packed_heads(_gqa_problem(1000), 128) == 1       # 1000/1024 vs 4000/4096
+    assert launch.packed_heads(_gqa_problem(1, pack_gqa=False), 128) == 1
+    assert launch.packed_heads(_gqa_problem(1000, pack_gqa=True), 128) == 4
+    assert launch.packed_heads(_gqa_problem(1, hk=8), 128) == 1
+    assert launch.packed_heads(_gqa_problem(1, h=6, hk=2), 128) == 1
+    with pytest.raises(NotImplementedError, match="3 query heads per K/V head do not divide"):
+        launch.packed_heads(_gqa_problem(1, h=6, hk=2, pack_gqa=True), 128)
+    q = torch.randn(10, 8, 64, dtype=torch.bfloat16)
+    k = torch.randn(10, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    varlen = validate_attention_inputs(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                       max_seqlen_q=6, max_seqlen_k=6, require_cuda=False)
+    assert launch.packed_heads(varlen, 128) == 4
+
+
+def test_packing_is_part_of_the_compile_key_only_where_it_packs():
+    from flash_cute.variant import Variant
+
+    problem = _gqa_problem(1)
+    assert Variant.from_problem(problem).flags() == Variant().flags()
+    packed = Variant.from_problem(problem, 4)
+    assert ("pack_gqa", 4) in packed.flags()
+    assert Variant.from_flags(dict(packed.flags())) == packed
 
 
 def test_backward_fallback_skips_a_pipeline_without_seqused(capability, monkeypatch):

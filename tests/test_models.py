@@ -96,13 +96,16 @@ def _visible_padded(sq, sk, bn, causal, window):
     return mask
 
 
-def _check_block_range(bm, bn, sq, sk, causal, left, right):
-    mask = _visible_padded(sq, sk, bn, causal, (left, right))
+def _check_block_range(bm, bn, sq, sk, causal, left, right, pack=1):
+    """Against the mask; `pack` > 1: rows of `pack` heads interleaved (packed GQA)."""
+    mask = _visible_padded(sq, sk, bn, causal, (left, right)).repeat_interleave(pack, dim=0)
     n_blocks = mask.shape[1] // bn
-    for m_block in range(-(-sq // bm)):
+    for m_block in range(-(-sq * pack // bm)):
         rows = mask[m_block * bm : (m_block + 1) * bm]  # in-bounds rows only
-        n_min, n_max, nm_min, nm_max = block_range(m_block, bm, bn, sq, sk, causal, left, right)
-        cfg = (bm, bn, sq, sk, causal, left, right, m_block, (n_min, n_max, nm_min, nm_max))
+        n_min, n_max, nm_min, nm_max = block_range(m_block, bm, bn, sq, sk, causal, left, right,
+                                                   pack)
+        cfg = (bm, bn, sq, sk, causal, left, right, pack, m_block,
+               (n_min, n_max, nm_min, nm_max))
         assert 0 <= n_min <= n_blocks and 0 <= n_max <= n_blocks, cfg
         any_visible = [bool(rows[:, n * bn : (n + 1) * bn].any()) for n in range(n_blocks)]
         all_visible = [bool(rows[:, n * bn : (n + 1) * bn].all()) for n in range(n_blocks)]
@@ -151,6 +154,8 @@ def test_block_range_bruteforce(seed):
         left = None if randint(0, 2) == 0 else randint(0, 8)
         right = None if randint(0, 2) == 0 else randint(0, 8)
         _check_block_range(bm, bn, sq, sk, causal, left, right)
+        pack = randint(2, 4)
+        _check_block_range(pack * randint(1, 3), bn, sq, sk, causal, left, right, pack)
 
 
 def test_block_range_edge_configs():
@@ -237,6 +242,28 @@ def test_tiled_matches_reference(bm, bn, sq, sk, h, h_kv, causal, window, softca
     out, lse = tiled_attention_forward(q, k, v, block_m=bm, block_n=bn, order=order, **kw)
     out_ref, lse_ref = attention_ref(q, k, v, **kw)
     assert out.shape == out_ref.shape and lse.shape == lse_ref.shape
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-10)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    finite = torch.isfinite(lse_ref)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "bm, bn, sq, sk, h, h_kv, causal, window, softcap",
+    [
+        (8, 4, 13, 17, 8, 2, True, (None, None), 0.0),
+        (6, 5, 11, 23, 6, 2, False, (4, 2), 0.0),
+        (4, 3, 9, 7, 4, 1, True, (3, None), 2.5),
+        (16, 8, 5, 19, 8, 1, False, (None, 0), 0.0),
+    ],
+)
+def test_tiled_packed_gqa_matches_reference(bm, bn, sq, sk, h, h_kv, causal, window, softcap):
+    """Packed GQA tiles (rows of a K/V head's query heads interleaved) give the reference."""
+    gen = torch.Generator().manual_seed(sq * 100 + sk)
+    q, k, v = _randn(gen, 2, sq, h, 8), _randn(gen, 2, sk, h_kv, 8), _randn(gen, 2, sk, h_kv, 6)
+    kw = dict(softmax_scale=0.4, causal=causal, window_size=window, softcap=softcap)
+    out, lse = tiled_attention_forward(q, k, v, block_m=bm, block_n=bn, pack_gqa=True, **kw)
+    out_ref, lse_ref = attention_ref(q, k, v, **kw)
     torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-10)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
     finite = torch.isfinite(lse_ref)

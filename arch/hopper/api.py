@@ -6,10 +6,13 @@ from flash_cute import launch
 from flash_cute.validation import AttentionProblem
 
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS,
-                     SUPPORTED_HDIMS, TILES, bwd_tile)
+                     SUPPORTED_HDIMS, TILES, FwdConfig, bwd_tile)
 
 # forward/backward take seqused_q/seqused_k (the dispatcher reads this without importing the DSL).
 SUPPORTS_SEQUSED = True
+# The forward packs a K/V head's query heads into one tile (`launch.packed_heads`); the
+# backward runs unpacked (its outputs do not depend on how the forward tiled).
+SUPPORTS_PACK_GQA = True
 
 # deterministic=True adds each query tile's dQ partials in a fixed order (a semaphore per
 # query tile, `HopperBwd`); GQA's dK/dV are summed on the host in a fixed order.
@@ -25,8 +28,10 @@ def default_for(problem: AttentionProblem) -> bool:
 
 
 def check_supported(problem: AttentionProblem, device=None, backward: bool = False) -> None:
-    """Head dims with a kernel (the tiles are sized for the H100/H200's 227 KiB)."""
+    """Head dims with a kernel (the tiles are sized for the H100/H200's 227 KiB), and a
+    group that divides the tile when pack_gqa=True."""
     launch.check_head_dims("hopper", problem, SUPPORTED_HDIMS)
+    launch.packed_heads(problem, FwdConfig(*TILES[problem.hdim]).tile_m)
     if backward:
         launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
 
@@ -58,9 +63,11 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
     if arch != "sm_90a":
         # WGMMA and setmaxnreg exist on sm_90a only; newer GPUs run their own pipeline.
         raise NotImplementedError(f"the hopper pipeline runs on sm_90a only, not {arch}")
+    tile = tuple(tile or TILES[problem.hdim])
     return launch.forward("hopper.fwd", HopperFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
-                          tuple(tile or TILES[problem.hdim]), COMPILE_OPTIONS, arch,
-                          prepare=_tma_ready, seqused_q=seqused_q, seqused_k=seqused_k)
+                          tile, COMPILE_OPTIONS, arch, prepare=_tma_ready, seqused_q=seqused_q,
+                          seqused_k=seqused_k,
+                          pack_gqa=launch.packed_heads(problem, FwdConfig(*tile).tile_m))
 
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,

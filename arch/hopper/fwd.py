@@ -2,8 +2,9 @@
 FA3's intra-warpgroup overlap and inter-warpgroup ping-pong, each switchable (seed 10.3.4), a
 persistent tile scheduler and a TMA-store epilogue.
 
-Each CTA works through (128-row query tile, head, batch) tiles in the order of
-`flash_cute.tile_scheduler` (one tile per CTA, or persistent). Warpgroup 0 produces (one warp
+Each CTA works through (128-row query tile, head, batch) tiles (packed GQA: the query heads of
+one K/V head share a tile) in the order of `flash_cute.tile_scheduler` (one tile per CTA, or
+persistent). Warpgroup 0 produces (one warp
 issues every TMA load), warpgroups 1 and 2 consume: each owns 64 query rows of a tile and runs
 S = Q Kᵀ, the online softmax and O += P V for them. K and V flow through two mbarrier rings that
 share one producer/consumer state (stage i of the K ring and stage i of the V ring hold the same
@@ -22,7 +23,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from flash_cute.block_range import block_range
 from flash_cute.dsl_state import DslState
-from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
+from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo, clear_rows_past
 from flash_cute.softmax import OnlineSoftmax, fold_scales, rescale_o
@@ -31,8 +32,8 @@ from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 
 from .config import (COMPILE_OPTIONS, CONSUMER_REGISTERS, NUM_CONSUMER_WARPGROUPS, NUM_THREADS,
                      PRODUCER_REGISTERS, SMEM_CAPACITY, TILES, FwdConfig, o_smem_tile, smem_bytes)
-from .tma import (COLS_FIRST, ROWS_FIRST, make_tma_pipelines, permute, tma_load_atom,
-                  tma_partition)
+from .tma import (COLS_FIRST, ROWS_FIRST, make_tma_pipelines, packed_tma_atom, permute,
+                  tma_load_atom, tma_partition)
 
 # Named barriers 1 and 2: the consumer warpgroups' ping-pong turns (0 is sync_threads').
 _PINGPONG_BARRIER_ID = 1
@@ -96,7 +97,13 @@ class HopperFwd:
     sequence are the next sequence's, and with seqused_q padding rows that stay 0, so O goes
     from registers with row predicates. LSE is stored by the first thread of each row's quad.
     Varlen and seqused_k: V rows past seqlen_k are zeroed in shared memory (`clear_v_tail`).
-    Not yet: packed GQA.
+
+    Packed GQA (``pack_gqa`` = g > 1, g dividing tile_m): a tile holds the g query heads of
+    one K/V head, rows interleaved (tile row r is query (m_block * tile_m + r) // g of head
+    r % g), so the tiles run over (packed query tile, K/V head, batch) and each K/V block is
+    loaded once for the group. Q and O move by TMA over a (heads, rows) box
+    (`tma.packed_tma_atom`), LSE and row-stored O through `layouts.pack_heads` views, and the
+    block range and mask see queries, not rows (their ``pack``).
     """
 
     # `flash_cute.launch` passes (mSeqUsedQ, mSeqUsedK) after the cu_seqlens.
@@ -115,6 +122,8 @@ class HopperFwd:
             raise ValueError(f"tile_m must be {64 * NUM_CONSUMER_WARPGROUPS} (64 rows per consumer)")
         if self.tile_n % 16:
             raise ValueError("tile_n must be a multiple of 16 (the K of the P V WGMMA)")
+        if self.tile_m % self.pack_gqa:
+            raise ValueError(f"pack_gqa {self.pack_gqa} must divide tile_m {self.tile_m}")
         self.num_threads = NUM_THREADS
         # Longest-processing-time-first where a query tile's work grows with m_block.
         self.lpt = self.causal or self.has_window_right
@@ -155,16 +164,29 @@ class HopperFwd:
 
         rows_first, back_rows = ROWS_FIRST[self.varlen]
         cols_first, back_cols = COLS_FIRST[self.varlen]
-        tma_q, tQ = tma_load_atom(mQ, rows_first, sQ_layout, (self.tile_m, self.hdim))
+        num_heads = mQ.shape[-2] // self.pack_gqa
         tma_k, tK = tma_load_atom(mK, rows_first, sK_layout, (self.tile_n, self.hdim))
         tma_v, tV = tma_load_atom(mV, cols_first, sV_layout, (self.hdim_v, self.tile_n))
-        tQ, tK, tV = permute(tQ, back_rows), permute(tK, back_rows), permute(tV, back_cols)
+        tK, tV = permute(tK, back_rows), permute(tV, back_cols)
         tma_o = None
-        if cutlass.const_expr(self.o_tile != "none"):
-            tma_o, tO = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), permute(mO, rows_first),
-                cute.slice_(sO_layout, (None, None, 0)), (self.tile_m, self.hdim_v))
-            mO = permute(tO, back_rows)
+        if cutlass.const_expr(self.pack_gqa > 1):
+            tma_q, tQ = packed_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ, self.varlen,
+                                        sQ_layout, (self.tile_m, self.hdim), self.pack_gqa)
+            row_mode = 2 - self.varlen
+            mLSE = pack_heads(mLSE, row_mode, row_mode - 1, self.pack_gqa)
+            if cutlass.const_expr(self.o_tile != "none"):
+                tma_o, mO = packed_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, self.varlen,
+                                            sO_layout, (self.tile_m, self.hdim_v), self.pack_gqa)
+            else:
+                mO = pack_heads(mO, 1 - self.varlen, 2 - self.varlen, self.pack_gqa)
+        else:
+            tma_q, tQ = tma_load_atom(mQ, rows_first, sQ_layout, (self.tile_m, self.hdim))
+            tQ = permute(tQ, back_rows)
+            if cutlass.const_expr(self.o_tile != "none"):
+                tma_o, tO = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), permute(mO, rows_first),
+                    cute.slice_(sO_layout, (None, None, 0)), (self.tile_m, self.hdim_v))
+                mO = permute(tO, back_rows)
 
         SharedStorage = self._shared_storage(layouts)
         if cutlass.const_expr(SharedStorage.size_in_bytes() != self.smem_bytes
@@ -173,29 +195,28 @@ class HopperFwd:
                              f"{self.smem_bytes}), capacity {SMEM_CAPACITY}")
         tx_bytes = tuple(cute.size_in_bytes(self.dtype, cute.slice_(layout, (None, None, 0)))
                          for layout in (sQ_layout, sK_layout, sV_layout))
-        order = self._tile_order(mQ, mK, max_seqlen_q, mCuSeqlensQ)
+        order = self._tile_order(mQ, mK, num_heads, max_seqlen_q, mCuSeqlensQ)
         grid = launch_grid(order.num_tiles, self.persistent, num_sms(), imin=cutlass.min)
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, mO, mLSE, scale_log2, scale_div_cap,
             window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            order.num_m_blocks,
-            order.section, sQ_layout, sK_layout, sV_layout, sO_layout, mma_qk, mma_pv,
+            order.num_m_blocks, order.section, num_heads, mQ.shape[1 - self.varlen], sQ_layout, sK_layout, sV_layout, sO_layout, mma_qk, mma_pv,
             SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
-    def _tile_order(self, mQ, mK, max_seqlen_q, mCuSeqlensQ) -> TileOrder:
-        """The launch's `TileOrder`. Varlen sizes the L2 sections by the mean K/V length (only
-        the section size depends on it)."""
+    def _tile_order(self, mQ, mK, num_heads, max_seqlen_q, mCuSeqlensQ) -> TileOrder:
+        """The launch's `TileOrder` over (query tile, head (packed: K/V head), batch). Varlen
+        sizes the L2 sections by the mean K/V length (only the section size depends on it)."""
         batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
         section = Int32(1)
         if cutlass.const_expr(self.lpt):
             seqlen_k = mK.shape[0] // batch if cutlass.const_expr(self.varlen) else mK.shape[1]
             kv_bytes_per_key = (self.hdim + self.hdim_v) * self.dtype.width // 8
             section = pairs_per_section(seqlen_k, kv_bytes_per_key, imax=cutlass.max)
-        return TileOrder(cute.ceil_div(max_seqlen_q, self.tile_m), mQ.shape[-2], batch, section,
-                         self.lpt, self.persistent)
+        return TileOrder(cute.ceil_div(max_seqlen_q * self.pack_gqa, self.tile_m), num_heads,
+                         batch, section, self.lpt, self.persistent)
 
     def _smem_layouts(self):
         """Q, K, V and O shared-memory layouts, each (rows, cols, stages), swizzled."""
@@ -254,7 +275,7 @@ class HopperFwd:
                window_left: Int32, window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], num_m_blocks: Int32, section: Int32,
-               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               num_heads: Int32, seqlen_q: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
@@ -277,8 +298,9 @@ class HopperFwd:
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         elif cutlass.const_expr(self.o_tile == "q"):
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        tiles = WorkTiles(self, num_m_blocks, section, mQ, mK, (mCuSeqlensQ, mCuSeqlensK),
-                          (mSeqUsedQ, mSeqUsedK), window_left, window_right)
+        tiles = WorkTiles(self, num_m_blocks, section, num_heads, seqlen_q, mQ, mK,
+                          (mCuSeqlensQ, mCuSeqlensK), (mSeqUsedQ, mSeqUsedK), window_left,
+                          window_right)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
@@ -487,15 +509,18 @@ class WorkTiles(DslState):
     """This launch's tiles (`flash_cute.tile_scheduler.TileOrder`) and, per tile, what every
     role derives from it the same way: coordinates, sequence bounds, K/V block range, mask."""
 
-    def __init__(self, cfg: HopperFwd, num_m_blocks: Int32, section: Int32, mQ, mK, cu_seqlens,
-                 seqused, window_left: Int32, window_right: Int32):
+    def __init__(self, cfg: HopperFwd, num_m_blocks: Int32, section: Int32, num_heads: Int32,
+                 seqlen_q: Int32, mQ, mK, cu_seqlens, seqused, window_left: Int32,
+                 window_right: Int32):
+        """`num_heads`: heads of the tile order (packed GQA: K/V heads); `seqlen_q`: Q's
+        padded length (varlen: unused, `SeqInfo` reads cu_seqlens)."""
         self.cfg = cfg
         self.num_m_blocks, self.section = num_m_blocks, section
-        self.num_heads = mQ.shape[-2]
+        self.num_heads = num_heads
         self.num_batches = SeqInfo.num_batches(mQ, cu_seqlens[0])
-        self.qheads_per_kvhead = mQ.shape[-2] // mK.shape[-2]
-        # Padded extents (varlen: `SeqInfo` reads cu_seqlens instead).
-        self.seqlen_q, self.seqlen_k = mQ.shape[1], mK.shape[1]
+        # Packed, a tile's head is its K/V head.
+        self.qheads_per_kvhead = 1 if cfg.pack_gqa > 1 else num_heads // mK.shape[-2]
+        self.seqlen_q, self.seqlen_k = seqlen_q, mK.shape[1]
         self.cu_q, self.cu_k = cu_seqlens
         self.used_q, self.used_k = seqused
         self.win_left = window_left if cfg.has_window_left else None
@@ -519,24 +544,24 @@ class WorkTiles(DslState):
         m_block, head, batch = self.order.coords(tile, cute.arch.grid_dim()[0],
                                                  imin=cutlass.min, imax=cutlass.max)
         seq = SeqInfo(batch, self.seqlen_q, self.seqlen_k, self.cu_q, self.cu_k, self.used_q,
-                      self.used_k)
+                      self.used_k, self.cfg.pack_gqa)
         return m_block, head, head // self.qheads_per_kvhead, seq
 
     def in_bounds(self, m_block: Int32, seq: SeqInfo):
         """Whether the tile has rows (varlen tiles past the sequence have none): uniform over
         the CTA, so every role skips the same tiles and none is left waiting."""
-        return m_block * self.cfg.tile_m < seq.seqlen_q
+        return m_block * self.cfg.tile_m < seq.rows_q
 
     def block_range(self, m_block: Int32, seq: SeqInfo):
         cfg = self.cfg
         return block_range(m_block, cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
-                           cfg.causal, self.win_left, self.win_right, imin=cutlass.min,
-                           imax=cutlass.max)
+                           cfg.causal, self.win_left, self.win_right, cfg.pack_gqa,
+                           imin=cutlass.min, imax=cutlass.max)
 
     def mask(self, seq: SeqInfo) -> AttentionMask:
         cfg = self.cfg
         return AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.causal,
-                             self.win_left, self.win_right)
+                             self.win_left, self.win_right, cfg.pack_gqa)
 
 
 class OutputStore(DslState):
@@ -595,7 +620,7 @@ class OutputStore(DslState):
     @cute.jit
     def store_lse(self, lse, seq: SeqInfo, head: Int32, m_block: Int32):
         g_lse = seq.lse_view(self.mLSE, head)
-        valid_rows = seq.seqlen_q - m_block * self.cfg.tile_m
+        valid_rows = seq.rows_q - m_block * self.cfg.tile_m
         for r in cutlass.range_constexpr(cute.size(self.coord, mode=[0])):
             row = self.coord[r, 0][0]
             if row < valid_rows:
@@ -608,7 +633,7 @@ class OutputStore(DslState):
         cfg = self.cfg
         gO = cute.local_tile(seq.q_view(self.mO, head), (cfg.tile_m, cfg.hdim_v), (m_block, 0))
         acc_mn = acc_to_mn(acc_o)
-        valid_rows = seq.seqlen_q - m_block * cfg.tile_m
+        valid_rows = seq.rows_q - m_block * cfg.tile_m
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             row = self.coord[r, 0][0]
             if row < valid_rows:

@@ -5,6 +5,8 @@ import cutlass.cute as cute
 from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync
 
+from flash_cute.layouts import pack_heads
+
 from .config import NUM_CONSUMER_WARPGROUPS
 
 # Mode orders that put (rows, cols) first, as TMA tiles the leading modes of a tensor, and
@@ -26,6 +28,29 @@ def tma_load_atom(t: cute.Tensor, order, staged_layout, tile):
     return cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileG2SOp(), permute(t, order),
         cute.slice_(staged_layout, (None, None, 0)), tile)
+
+
+def packed_tma_atom(op, t: cute.Tensor, varlen: bool, staged_layout, tile, pack: int):
+    """TMA atom over Q or O with `pack` heads folded into the rows (packed GQA), and its
+    coordinate tensor as `flash_cute.layouts.pack_heads` lays it out: padded (b, (pack, s),
+    h / pack, d), varlen ((pack, t), h / pack, d).
+
+    The descriptor is built over ((h, s), d[, b]), heads and rows as one mode tiled
+    (pack, rows / pack): a box of `pack` heads by rows / pack queries, four dimensions like
+    the unpacked one (the packed tensor itself would need five)."""
+    order = (1, 0, 2) if varlen else (2, 1, 3, 0)
+    grouped = cute.group_modes(permute(t, order), 0, 2)
+    atom, coords = cpasync.make_tiled_tma_atom(
+        op, grouped, cute.slice_(staged_layout, (None, None, 0)),
+        ((pack, tile[0] // pack), tile[1]))
+    # coords: ((h, s), d[, b]) -> the caller's order, then the heads folded into the rows.
+    (heads, rows), (head_step, row_step) = coords.shape[0], coords.stride[0]
+    shape, stride = (rows, heads, coords.shape[1]), (row_step, head_step, coords.stride[1])
+    if not varlen:
+        shape, stride = (coords.shape[2],) + shape, (coords.stride[2],) + stride
+    unpacked = cute.make_tensor(coords.iterator, cute.make_layout(shape, stride=stride))
+    row, head = (0, 1) if varlen else (1, 2)
+    return atom, pack_heads(unpacked, row, head, pack)
 
 
 def tma_partition(atom, s: cute.Tensor, g: cute.Tensor, rank: int = 2):
