@@ -41,11 +41,14 @@ def label(cfg: FwdConfig) -> str:
 
 
 def default_configs(base: FwdConfig) -> list:
-    """The table's schedule, it with persistence flipped, and each overlap on and off."""
+    """The table's schedule, it with persistence flipped (a 192-row tile runs persistent
+    only: without, 128 rows), and each overlap on and off."""
     overlaps = [base._replace(intra_wg_overlap=o, pingpong=pp)
                 for o, pp in ((True, True), (True, False), (False, True), (False, False))]
-    return [base, base._replace(persistent=not base.persistent)] \
-        + [c for c in overlaps if c != base]
+    flipped = base._replace(persistent=not base.persistent)
+    if not flipped.persistent and flipped.tile_m > 128:
+        flipped = flipped._replace(tile_m=128)
+    return [base, flipped] + [c for c in overlaps if c != base]
 
 
 def peers(q, k, v, causal):

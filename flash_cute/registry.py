@@ -13,6 +13,7 @@ from flash_cute.arch.ampere.config import TILES as AMPERE_TILES
 from flash_cute.arch.hopper.config import BWD_TILES as HOPPER_BWD_TILES
 from flash_cute.arch.hopper.config import bwd_tile as hopper_bwd_tile
 from flash_cute.arch.hopper.config import TILES as HOPPER_TILES
+from flash_cute.arch.hopper.config import fwd_tile as hopper_fwd_tile
 
 ARCHES = ("sm_80", "sm_90a", "sm_100a")
 
@@ -122,13 +123,17 @@ def _hopper_fwd_configs():
         tile = HOPPER_TILES[128]._replace(intra_wg_overlap=overlap, pingpong=pingpong)
         out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", 128, 128, tile, _HOPPER_FWD,
                                 _flags(**plain)))
-    # The persistent scheduler flipped from the table's choice (on at hdim 64 and 128): plain
+    # hdim 64's 192-row tile (three consumer warpgroups) against two warpgroups' 128 rows.
+    out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", 64, 64,
+                            HOPPER_TILES[64]._replace(tile_m=128), _HOPPER_FWD,
+                            _flags(**{**plain, "causal": True})))
+    # The persistent scheduler flipped from the table's choice (on at hdim 128; hdim 64's
+    # 192-row tile runs persistent only, and its 128-row one is persistent above): plain
     # and causal (LPT order), varlen (tiles past a sequence skipped), and O's shared tile
     # aliasing Q (hdim 192 and 256).
     for (d, dv), flags in [((128, 128), {}), ((128, 128), {"causal": True}),
                            ((128, 128), {"causal": True, "varlen": True}),
-                           ((64, 64), {"causal": True}), ((192, 192), {}),
-                           ((256, 256), {"causal": True})]:
+                           ((192, 192), {}), ((256, 256), {"causal": True})]:
         tile = HOPPER_TILES[d]._replace(persistent=not HOPPER_TILES[d].persistent)
         out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", d, dv, tile, _HOPPER_FWD,
                                 _flags(**{**plain, **flags})))
@@ -139,8 +144,10 @@ def _hopper_fwd_configs():
                            ((64, 64), {"local": True, "softcap": True, "varlen": True,
                                        "pack_gqa": 8}),
                            ((128, 128), {"seqused_q": True, "seqused_k": True, "pack_gqa": 16})]:
-        out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", d, dv, HOPPER_TILES[d],
-                                _HOPPER_FWD, _flags(**{**plain, **flags})))
+        row_stores = flags.get("varlen", False) or flags.get("seqused_q", False)
+        out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", d, dv,
+                                hopper_fwd_tile(d, flags["pack_gqa"], row_stores), _HOPPER_FWD,
+                                _flags(**{**plain, **flags})))
     return tuple(out)
 
 

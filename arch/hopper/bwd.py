@@ -316,7 +316,8 @@ class HopperBwd:
         # dO and Δ.
         pipes = make_tma_pipelines(((storage.mbar_kv, 1, tx_bytes[0]),
                                     (storage.mbar_q, self.q_stages, tx_bytes[1]),
-                                    (storage.mbar_do, self.q_stages, tx_bytes[2])))
+                                    (storage.mbar_do, self.q_stages, tx_bytes[2])),
+                                   4 * NUM_CONSUMER_WARPGROUPS)
         smem = SmemTiles(self, storage, layouts)
 
         n_block, head, batch = cute.arch.block_idx()

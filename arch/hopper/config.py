@@ -2,16 +2,18 @@
 
 from typing import NamedTuple
 
-# Warpgroups: one producer (TMA) and two consumers, each consumer owning 64 query rows of a
-# 128-row tile (WGMMA's M is 64 per warpgroup).
+# Warpgroups: one producer (TMA) and consumers that each own 64 query rows of a tile (WGMMA's
+# M is 64 per warpgroup): two for the backward and a 128-row forward tile, three for a 192-row
+# forward tile.
 NUM_CONSUMER_WARPGROUPS = 2
 NUM_THREADS = 128 * (1 + NUM_CONSUMER_WARPGROUPS)
-# setmaxnreg budgets (multiples of 8), as FA3 and the CUTLASS Hopper FMHA use: ptxas gives a
-# 384-thread CTA 168 registers per thread at launch (65536 / 384, rounded down to 8), and
-# 128 * 24 + 256 * 240 = 128 * (24 + 2 * 240) = 384 * 168, so the producer's registers go
-# exactly to the consumers.
-PRODUCER_REGISTERS = 24
-CONSUMER_REGISTERS = 240
+# setmaxnreg budgets (multiples of 8) by the number of consumer warpgroups, as FA3 and the
+# CUTLASS Hopper FMHA use: every register the CTA gets at launch goes to a role. Two
+# consumers: ptxas gives a 384-thread CTA 168 registers per thread (65536 / 384, rounded down
+# to 8), and 128 * 24 + 256 * 240 = 384 * 168. Three: 512 threads at 128, and
+# 128 * 32 + 384 * 160 = 512 * 128.
+ROLE_REGISTERS = {2: (24, 240), 3: (32, 160)}
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = ROLE_REGISTERS[NUM_CONSUMER_WARPGROUPS]
 
 
 class FwdConfig(NamedTuple):
@@ -31,7 +33,7 @@ class FwdConfig(NamedTuple):
     persistent: bool = False
 
 
-# hdim -> FwdConfig. tile_m is fixed at 128 (two consumer warpgroups); tile_n shrinks as the
+# hdim -> FwdConfig. tile_m is 128 (two consumer warpgroups) or 192 (three); tile_n shrinks as the
 # head dim grows so that Q + 2 stages of K and V stay inside the H200's 227 KiB of shared memory
 # (hdim 256: 64 + 2 * 40 + 2 * 40 KiB = 224 KiB) and the O accumulator (hdim_v / 2 registers
 # per thread), S (tile_n / 2) and, with the overlap, P (tile_n / 4) fit the 240-register
@@ -40,9 +42,28 @@ class FwdConfig(NamedTuple):
 # hdim 256 +3 %, hdim 64 +1 %; at hdim 128 it cost 12 % causal and nothing non-causal.
 # Persistence is on where it measured faster (docs/perf.md, session 8, seqlen 2k and 8k):
 # hdim 64 +1 to +7 % (one cell -3 %), hdim 128 0 to +5 %; unmeasured at 96, 192, 256.
-TILES = {64: FwdConfig(128, 128, 2, persistent=True), 96: FwdConfig(128, 128, 2),
+# hdim 64 takes 192-row tiles (three consumer warpgroups at 160 registers, FA4's choice):
+# +2 to +13 % over 128 rows (docs/perf.md, session 9). Not at hdim 96: its P and O do not fit
+# 160 registers (ptxas spills and serializes the WGMMAs). Without persistence ptxas spills
+# 408 B at 192 rows (118 TFLOP/s), so `HopperFwd` takes 192 rows persistent only.
+TILES = {64: FwdConfig(192, 128, 2, persistent=True), 96: FwdConfig(128, 128, 2),
          128: FwdConfig(128, 128, 2, pingpong=False, persistent=True),
          192: FwdConfig(128, 96, 2), 256: FwdConfig(128, 80, 2)}
+
+# Packed GQA packs groups that divide 128 rows (every head dim has a 128-row schedule).
+PACK_ROWS = 128
+
+
+def fwd_tile(hdim: int, pack: int = 1, row_stores: bool = False) -> FwdConfig:
+    """The forward schedule of a head dim for a packing of `pack` heads per tile. A 192-row
+    tile takes 128 rows instead where `pack` does not divide 192, or where packed O leaves by
+    row stores (`row_stores`: varlen or seqused_q): at 160 registers ptxas then hoists the
+    packed rows' addresses out of the main loop and spills them (64 to 176 B)."""
+    tile = TILES[hdim]
+    if pack > 1 and tile.tile_m > PACK_ROWS and (tile.tile_m % pack or row_stores):
+        return tile._replace(tile_m=PACK_ROWS)
+    return tile
+
 
 # (hdim, hdim_v) pairs with a kernel: equal dims, and 192/128 (DeepSeek's shape).
 SUPPORTED_HDIMS = frozenset({(d, d) for d in TILES} | {(192, 128)})

@@ -2,10 +2,10 @@
 FA3's intra-warpgroup overlap and inter-warpgroup ping-pong, each switchable (seed 10.3.4), a
 persistent tile scheduler and a TMA-store epilogue.
 
-Each CTA works through (128-row query tile, head, batch) tiles (packed GQA: the query heads of
-one K/V head share a tile) in the order of `flash_cute.tile_scheduler` (one tile per CTA, or
-persistent). Warpgroup 0 produces (one warp
-issues every TMA load), warpgroups 1 and 2 consume: each owns 64 query rows of a tile and runs
+Each CTA works through (query tile of 128 or 192 rows, head, batch) tiles (packed GQA: the
+query heads of one K/V head share a tile) in the order of `flash_cute.tile_scheduler` (one
+tile per CTA, or persistent). Warpgroup 0 produces (one warp issues every TMA load); the
+others (two, or three for 192 rows) consume: each owns 64 query rows of a tile and runs
 S = Q Kᵀ, the online softmax and O += P V for them. K and V flow through two mbarrier rings that
 share one producer/consumer state (stage i of the K ring and stage i of the V ring hold the same
 block); the states carry from tile to tile.
@@ -30,17 +30,17 @@ from flash_cute.softmax import OnlineSoftmax, fold_scales, rescale_o
 from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 
-from .config import (COMPILE_OPTIONS, CONSUMER_REGISTERS, NUM_CONSUMER_WARPGROUPS, NUM_THREADS,
-                     PRODUCER_REGISTERS, SMEM_CAPACITY, TILES, FwdConfig, o_smem_tile, smem_bytes)
+from .config import (COMPILE_OPTIONS, ROLE_REGISTERS, SMEM_CAPACITY, TILES, FwdConfig,
+                     o_smem_tile, smem_bytes)
 from .tma import (COLS_FIRST, ROWS_FIRST, make_tma_pipelines, packed_tma_atom, permute,
                   tma_load_atom, tma_partition)
 
-# Named barriers 1 and 2: the consumer warpgroups' ping-pong turns (0 is sync_threads').
+# Named barriers 1 to 3: the consumer warpgroups' ping-pong turns (0 is sync_threads').
 _PINGPONG_BARRIER_ID = 1
-# Named barrier 3: the 256 consumer threads around O's shared-memory tile (`OutputStore`).
-_O_TILE_BARRIER_ID = 3
-# Named barrier 4: the 256 consumer threads, after zeroing V rows past a varlen sequence.
-_V_TAIL_BARRIER_ID = 4
+# Named barrier 4: the consumer threads around O's shared-memory tile (`OutputStore`).
+_O_TILE_BARRIER_ID = 4
+# Named barrier 5: the consumer threads, after zeroing V rows past a varlen sequence.
+_V_TAIL_BARRIER_ID = 5
 # The consumer warp that issues O's TMA store (the first of consumer warpgroup 1).
 _O_STORE_WARP = 4
 
@@ -50,23 +50,27 @@ class HopperFwd:
 
     | warpgroup | warps | registers | role                                                    |
     |-----------|-------|-----------|---------------------------------------------------------|
-    | 0         | 0     | 24        | producer: per tile, TMA of Q, then K[n], V[n] per block  |
-    | 0         | 1..3  | 24        | idle (setmaxnreg is warpgroup-wide, so they stay)        |
-    | 1         | 4..7  | 240       | consumer: rows 0..63 — QKᵀ, mask, softmax, PV, epilogue; |
+    | 0         | 0     | 24 (32)   | producer: per tile, TMA of Q, then K[n], V[n] per block  |
+    | 0         | 1..3  | 24 (32)   | idle (setmaxnreg is warpgroup-wide, so they stay)        |
+    | 1         | 4..7  | 240 (160) | consumer: rows 0..63 — QKᵀ, mask, softmax, PV, epilogue; |
     |           |       |           | warp 4 also issues O's TMA store                         |
-    | 2         | 8..11 | 240       | consumer: rows 64..127 — same                            |
+    | 2         | 8..11 | 240 (160) | consumer: rows 64..127 — same                            |
+    | (3)       | 12..15| (160)     | consumer: rows 128..191 of a 192-row tile — same         |
+
+    Registers in parentheses: a 192-row tile (`config.ROLE_REGISTERS`: all 65536 registers
+    go to the roles either way).
 
     | pipeline (PipelineTmaAsync) | stages | full barrier           | empty barrier          |
     |-----------------------------|--------|------------------------|------------------------|
-    | Q                           | 1      | TMA bytes of the Q tile | 8 consumer warps      |
-    | K                           | 2      | TMA bytes of a K tile  | 8 consumer warps       |
-    | V                           | 2      | TMA bytes of a V tile  | 8 consumer warps       |
+    | Q                           | 1      | TMA bytes of the Q tile | 4 per consumer warpgroup |
+    | K                           | 2      | TMA bytes of a K tile  | 4 per consumer warpgroup |
+    | V                           | 2      | TMA bytes of a V tile  | 4 per consumer warpgroup |
 
     | named barrier | threads | use                                                     |
     |---------------|---------|---------------------------------------------------------|
-    | 1, 2          | 256     | ping-pong turns of consumer warpgroup 1, 2 (`GemmTurns`) |
-    | 3             | 256     | O's shared tile: free to write, then written (`OutputStore`) |
-    | 4             | 256     | varlen: V rows past seqlen_k zeroed (`clear_v_tail`)      |
+    | 1, 2 (, 3)    | 256     | ping-pong turns of consumer warpgroup 1, 2 (, 3) (`GemmTurns`) |
+    | 4             | 128 x consumer warpgroups | O's shared tile: free to write, then written (`OutputStore`) |
+    | 5             | 128 x consumer warpgroups | varlen: V rows past seqlen_k zeroed (`clear_v_tail`) |
 
     Tiles (`flash_cute.tile_scheduler`): m_block fastest, or for causal and right windows
     heaviest first (m_block descending within L2-sized sections of heads). With ``persistent``
@@ -118,13 +122,19 @@ class HopperFwd:
         self.tile_m, self.tile_n, self.kv_stages = config[:3]
         self.intra_wg_overlap, self.pingpong = config.intra_wg_overlap, config.pingpong
         self.persistent = config.persistent
-        if self.tile_m != 64 * NUM_CONSUMER_WARPGROUPS:
-            raise ValueError(f"tile_m must be {64 * NUM_CONSUMER_WARPGROUPS} (64 rows per consumer)")
+        self.num_wg = self.tile_m // 64
+        if self.tile_m % 64 or self.num_wg not in ROLE_REGISTERS:
+            raise ValueError(f"tile_m must be 64 x {sorted(ROLE_REGISTERS)} (64 rows per "
+                             f"consumer warpgroup), got {self.tile_m}")
+        self.producer_registers, self.consumer_registers = ROLE_REGISTERS[self.num_wg]
+        if self.num_wg == 3 and not self.persistent:
+            raise ValueError("192-row tiles run persistent only (one CTA per tile spills 408 B "
+                             "at 160 registers)")
         if self.tile_n % 16:
             raise ValueError("tile_n must be a multiple of 16 (the K of the P V WGMMA)")
         if self.tile_m % self.pack_gqa:
             raise ValueError(f"pack_gqa {self.pack_gqa} must divide tile_m {self.tile_m}")
-        self.num_threads = NUM_THREADS
+        self.num_threads = 128 * (1 + self.num_wg)
         # Longest-processing-time-first where a query tile's work grows with m_block.
         self.lpt = self.causal or self.has_window_right
         self.o_tile = o_smem_tile(self.hdim, self.hdim_v, self._tile, self._rows_past_sequence)
@@ -257,7 +267,7 @@ class HopperFwd:
     def _tiled_mmas(self):
         """S = Q Kᵀ (both from shared memory, K-major) and O = P V (P from registers, V
         MN-major); one 64-row WGMMA atom per consumer warpgroup."""
-        atoms = (NUM_CONSUMER_WARPGROUPS, 1, 1)
+        atoms = (self.num_wg, 1, 1)
         mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, atoms,
             (64, self.tile_n))
@@ -289,7 +299,8 @@ class HopperFwd:
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         pipes = make_tma_pipelines(((storage.mbar_q, 1, tx_bytes[0]),
                                     (storage.mbar_k, self.kv_stages, tx_bytes[1]),
-                                    (storage.mbar_v, self.kv_stages, tx_bytes[2])))
+                                    (storage.mbar_v, self.kv_stages, tx_bytes[2])),
+                                   4 * self.num_wg)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
@@ -303,11 +314,11 @@ class HopperFwd:
                           window_right)
 
         if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
                 self.produce(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+            cute.arch.setmaxregister_increase(self.consumer_registers)
             tidx = cute.arch.thread_idx()[0] - 128
             out = OutputStore(self, mma_pv, tidx, tma_o, sO, mO, mLSE,
                               warp_idx == _O_STORE_WARP)
@@ -372,7 +383,7 @@ class HopperFwd:
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
         gemms = WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, sQ, sK, sV)
         coord_mn = acc_to_mn(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        turns = GemmTurns(self.pingpong, cute.arch.make_warp_uniform(tidx // 128))
+        turns = GemmTurns(self.pingpong, cute.arch.make_warp_uniform(tidx // 128), self.num_wg)
         turns.start()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -432,10 +443,10 @@ class HopperFwd:
             if valid < self.tile_n:
                 pipe_v.consumer_wait(v_state)
                 clear_rows_past(sV[None, None, v_state.index], valid, 1,
-                                cute.arch.thread_idx()[0] - 128, 128 * NUM_CONSUMER_WARPGROUPS)
+                                cute.arch.thread_idx()[0] - 128, 128 * self.num_wg)
                 cute.arch.fence_view_async_shared()
                 pipeline.NamedBarrier(barrier_id=_V_TAIL_BARRIER_ID,
-                                      num_threads=128 * NUM_CONSUMER_WARPGROUPS).arrive_and_wait()
+                                      num_threads=128 * self.num_wg).arrive_and_wait()
 
     @cute.jit
     def mainloop_serial(self, gemms, scores, turns, pipes, acc_o, rng, kv):
@@ -599,7 +610,7 @@ class OutputStore(DslState):
             self.thr_r2s = cute.make_tiled_copy_C(self.r2s_atom, mma_pv).get_slice(tidx)
             self.tOsO = self.thr_r2s.partition_D(sO[None, None, 0])
             self.barrier = pipeline.NamedBarrier(barrier_id=_O_TILE_BARRIER_ID,
-                                                 num_threads=128 * NUM_CONSUMER_WARPGROUPS)
+                                                 num_threads=128 * cfg.num_wg)
 
     @cute.jit
     def store(self, acc_o: cute.Tensor, lse, seq: SeqInfo, head: Int32, m_block: Int32,
@@ -777,19 +788,21 @@ class OverlappedStep(DslState):
 
 
 class GemmTurns(DslState):
-    """Inter-warpgroup ping-pong (FA3): the two consumer warpgroups take turns issuing their
-    WGMMAs, so one's softmax runs while the other's GEMMs hold the tensor cores.
+    """Inter-warpgroup ping-pong (FA3): the consumer warpgroups take turns issuing their
+    WGMMAs, in a ring 0, 1, ..., n-1, 0, ..., so one's softmax runs while another's GEMMs hold
+    the tensor cores.
 
     Named barrier 1 + w is warpgroup w's turn (256 threads: w's own `arrive_and_wait` plus the
-    other warpgroup's `arrive` when it has issued). Warpgroup 1 hands the first turn to
-    warpgroup 0; warpgroup 0 takes one extra turn at the end, so no arrive is left pending.
-    `start` and `finish` run once per CTA, not per tile: both warpgroups take the same number
-    of turns in every tile (the tile's K/V blocks decide it), so the alternation simply runs
-    on into the next tile. With `enabled` False every call is a no-op.
+    `arrive` of the warpgroup before it in the ring, once that one has issued). The last
+    warpgroup hands the first turn to warpgroup 0; warpgroup 0 takes one extra turn at the
+    end, so no arrive is left pending. `start` and `finish` run once per CTA, not per tile:
+    every warpgroup takes the same number of turns in every tile (the tile's K/V blocks decide
+    it), so the ring simply runs on into the next tile. With `enabled` False every call is a
+    no-op.
     """
 
-    def __init__(self, enabled: bool, wg: Int32):
-        self.enabled, self.wg = enabled, wg
+    def __init__(self, enabled: bool, wg: Int32, num_wg: int):
+        self.enabled, self.wg, self.num_wg = enabled, wg, num_wg
 
     def _bar(self, wg):
         return pipeline.NamedBarrier(barrier_id=_PINGPONG_BARRIER_ID + wg, num_threads=256)
@@ -797,7 +810,7 @@ class GemmTurns(DslState):
     @cute.jit
     def start(self):
         if cutlass.const_expr(self.enabled):
-            if self.wg == 1:
+            if self.wg == self.num_wg - 1:
                 self._bar(0).arrive()
 
     @cute.jit
@@ -808,7 +821,8 @@ class GemmTurns(DslState):
     @cute.jit
     def end(self):
         if cutlass.const_expr(self.enabled):
-            self._bar(1 - self.wg).arrive()
+            nxt = self.wg + 1
+            self._bar(nxt if nxt < self.num_wg else 0).arrive()
 
     @cute.jit
     def finish(self):
@@ -817,10 +831,10 @@ class GemmTurns(DslState):
                 self._bar(0).arrive_and_wait()
 
 
-def registers_per_role() -> dict:
+def registers_per_role(kernel: HopperFwd) -> dict:
     """setmaxnreg budgets of each role, for `inspect` (the cubin reports only the launch-time
-    register count, which ptxas caps at 65536 / 384 threads)."""
-    return {"producer": PRODUCER_REGISTERS, "consumer": CONSUMER_REGISTERS}
+    register count, which ptxas caps at 65536 / threads)."""
+    return {"producer": kernel.producer_registers, "consumer": kernel.consumer_registers}
 
 
 def build_for_inspect(cfg):
@@ -832,4 +846,4 @@ def build_for_inspect(cfg):
     args = fake_forward_args(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, kernel.varlen,
                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS,
-                       extra={"registers_per_role": registers_per_role()})
+                       extra={"registers_per_role": registers_per_role(kernel)})

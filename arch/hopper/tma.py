@@ -7,7 +7,6 @@ from cutlass.cute.nvgpu import cpasync
 
 from flash_cute.layouts import pack_heads
 
-from .config import NUM_CONSUMER_WARPGROUPS
 
 # Mode orders that put (rows, cols) first, as TMA tiles the leading modes of a tensor, and
 # their inverses that give the kernel back the caller's order (so `SeqInfo` views apply).
@@ -60,14 +59,14 @@ def tma_partition(atom, s: cute.Tensor, g: cute.Tensor, rank: int = 2):
                                  cute.group_modes(g, 0, rank))
 
 
-def make_tma_pipelines(specs):
+def make_tma_pipelines(specs, consumer_warps: int):
     """One `PipelineTmaAsync` per (barrier storage, stages, TMA bytes per stage). The empty
     barriers count one arrive per consumer warp (PipelineTmaAsync releases from lane 0 of each
     warp), the full ones one producer arrive plus the stage's bytes. Every thread of the CTA
     calls this: the barriers are initialized by warp 0 and made visible to all (and to the
     async proxy) before anyone waits on them."""
     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-    consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * NUM_CONSUMER_WARPGROUPS)
+    consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps)
     pipes = tuple(pipeline.PipelineTmaAsync.create(
         num_stages=stages, producer_group=producer, consumer_group=consumers, tx_count=tx,
         barrier_storage=bars.data_ptr(), defer_sync=True) for bars, stages, tx in specs)
