@@ -33,7 +33,8 @@ def row_stats(coord_mn: cute.Tensor, m_block: Int32, tile_m: int, seqlen_q: Int3
 
 @cute.jit
 def tile_row_values(coord_mn: cute.Tensor, valid_rows: Int32, t_rows: cute.Tensor, outside,
-                    clamp: cutlass.Constexpr[bool] = False):
+                    clamp: cutlass.Constexpr[bool] = False, shares: cutlass.Constexpr[int] = 1,
+                    share: Int32 = 0):
     """A thread's rows of a per-row vector of a query tile already in memory (e.g. LSE₂ or Δ,
     TMA-loaded to shared memory), indexed by the tile's own rows, of which the first
     `valid_rows` belong to the sequence; the other rows get `outside`.
@@ -43,11 +44,17 @@ def tile_row_values(coord_mn: cute.Tensor, valid_rows: Int32, t_rows: cute.Tenso
     P = exp2(−inf) = 0 or dS = P ∘ (dP − Δ) = 0. `clamp`: the index is clamped to the last
     valid row, for a tile in global memory whose rows past the sequence may not exist (the
     value read is then discarded).
+
+    `shares` > 1: only the thread's rows ``[share · n, (share + 1) · n)`` (n = rows / shares),
+    for threads that hold the same rows and split the values among themselves (`share` may
+    be a run-time value).
     """
-    num_rows = cute.size(coord_mn, mode=[0])
+    num_rows = cute.size(coord_mn, mode=[0]) // shares
     vals = cute.make_rmem_tensor(num_rows, Float32)
     for r in cutlass.range_constexpr(num_rows):
         row = coord_mn[r, 0][0]
+        if cutlass.const_expr(shares > 1):
+            row = coord_mn[share * num_rows + r, 0][0]
         idx = cutlass.min(row, valid_rows - 1) if clamp else row
         vals[r] = t_rows[idx] if row < valid_rows else Float32(outside)
     return vals

@@ -130,20 +130,27 @@ def test_hopper_backward_every_gradient_element_is_written(monkeypatch):
     _check(grads, q, k, v, dout, window_size=(20, 0))
 
 
-@pytest.mark.parametrize("swap_sdp", [True, False])
-@pytest.mark.parametrize("hdim,kw", [(128, {"causal": True}), (64, {"softcap": 15.0}),
-                                     (128, {"window_size": (70, 9)})])
-def test_hopper_backward_both_score_layouts(swap_sdp, hdim, kw):
+_SCHEDULE_CASES = [(128, {"causal": True}), (64, {"softcap": 15.0}),
+                   (128, {"window_size": (70, 9)})]
+
+
+@pytest.mark.parametrize("tile,hdim,kw", [
+    *[((64, 128, 2, swap), hdim, kw) for swap in (True, False) for hdim, kw in _SCHEDULE_CASES],
+    # 128 query rows (hdim 64 only): transposed scores with shuffled LSE₂/Δ.
+    ((128, 128, 2, True), 64, {"causal": True}), ((128, 128, 2, True), 64, {"softcap": 15.0}),
+    ((128, 128, 2, True), 64, {"window_size": (70, 9)}),
+])
+def test_hopper_backward_every_schedule(tile, hdim, kw):
     """S/dP computed transposed (P and dS kept in registers for dV and dK) or not (P and dS
-    through shared memory): both schedules of a 64 x 128 tile pass the float64 rule."""
+    through shared memory), with 64 or 128 query rows: every schedule passes the float64 rule
+    (301 queries: a partial last tile of each size)."""
     from flash_cute.arch.hopper.api import backward
     from flash_cute.arch.hopper.config import BwdConfig
 
-    q, k, v, dout = _inputs(2, 301, 413, 4, 2, hdim, hdim, torch.bfloat16, seed=hdim + swap_sdp)
+    q, k, v, dout = _inputs(2, 301, 413, 4, 2, hdim, hdim, torch.bfloat16, seed=hdim + tile[0])
     problem = validate_attention_inputs(q, k, v, **kw)
     out, lse = flash_attn_func(q, k, v, return_lse=True, arch="hopper", **kw)
-    grads = backward(dout, None, q, k, v, out, lse, problem,
-                     tile=BwdConfig(64, 128, 2, swap_sdp))
+    grads = backward(dout, None, q, k, v, out, lse, problem, tile=BwdConfig(*tile))
     _check(grads, q, k, v, dout, **kw)
 
 

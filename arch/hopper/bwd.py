@@ -88,11 +88,14 @@ class HopperBwd:
 
     With `swap_sdp` (`config.BwdConfig`; tile_n 128 only, the default at hdim 64) steps 1-4
     run transposed: each warpgroup computes Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for its own 64 keys,
-    so Pᵀ and dSᵀ sit
-    in its registers in the layout of the A operand of dV += Pᵀ dO and dK += dSᵀ Q (register-A
-    WGMMAs; no P tile, no P barrier), and only dSᵀ goes to shared memory, where dQ reads it as
-    the MN-major dS. A thread then holds 16 query columns instead of 2 rows, so LSE₂ and Δ are
-    read from shared memory just before their use.
+    so Pᵀ and dSᵀ sit in its registers in the layout of the A operand of dV += Pᵀ dO and
+    dK += dSᵀ Q (register-A WGMMAs; no P tile, no P barrier), and only dSᵀ goes to shared
+    memory, where dQ reads it as the MN-major dS. A thread then holds 16 query columns
+    instead of 2 rows, so LSE₂ and Δ are read from shared memory just before their use.
+    With 128 query rows (hdim 64's default; swap_sdp only) a thread holds 32 query columns:
+    each statistic is kept one eighth per lane and fetched by shuffles (`ShuffledRows`), dS
+    is computed before dV is issued (so fp32 P, dP and the 16-bit P are never all live), and
+    dQ splits its 128 rows over the two warpgroups.
 
     The dQ writer, per tile: wait until the TMA has read the previous tile, arrive empty,
     [deterministic: wait for its turn], wait full, TMA reduce-add of the tile into dQaccum
@@ -133,6 +136,8 @@ class HopperBwd:
         # LSE₂ and Δ tiles by TMA; varlen reads them from global memory (a TMA of the
         # [h, tq] vectors faulted with an illegal instruction on the H200, not yet understood).
         self.stats_tma = not self.varlen
+        # 32 query columns per thread (swap_sdp, 128 rows): statistics shared by shuffles.
+        self.shuffle_stats = self.swap_sdp and self.tile_m == 128
 
     @property
     def smem_bytes(self) -> int:
@@ -247,7 +252,7 @@ class HopperBwd:
         tile's atom is sized for a warpgroup's half of its columns: a warp's 64-bit stores of
         accumulator pairs then cover every bank, and the TMA reads the same swizzle."""
         dkv_m, dkv_n = self.splits["dkv"]
-        dq_n = self.splits["dq"][1]
+        dq_m, dq_n = self.splits["dq"]
 
         def layout(rows, cols, stages, major_size, dtype=self.dtype):
             kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_size)
@@ -255,7 +260,8 @@ class HopperBwd:
             return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
         # swap_sdp: dSᵀ (keys x queries, as computed), read by dQ as the MN-major dS.
-        pds = (layout(self.tile_n, self.tile_m, self.pds_stages, self.tile_m) if self.swap_sdp
+        pds = (layout(self.tile_n, self.tile_m, self.pds_stages, self.tile_m // dq_m)
+               if self.swap_sdp
                else layout(self.tile_m, self.tile_n, self.pds_stages, self.tile_n // dkv_m))
         return (layout(self.tile_m, self.hdim, self.q_stages, self.hdim // dkv_n),
                 layout(self.tile_m, self.hdim_v, self.q_stages, self.hdim_v // dkv_n),
@@ -469,6 +475,28 @@ def _dq_barriers(cfg: HopperBwd):
             pipeline.NamedBarrier(barrier_id=_DQ_EMPTY_BARRIER_ID, num_threads=n))
 
 
+class ShuffledRows:
+    """A thread's query columns of LSE₂ or Δ under swap_sdp with 128 query rows, kept one
+    eighth per thread (FA3's shuffled statistics): in WGMMA's accumulator a column depends
+    only on the lane's position in its quad (lane % 4) and the register, so the 8 lanes of a
+    warp with the same lane % 4 hold the same 32 columns. Lane 4k + q keeps columns
+    [4k, 4k + 4) of them, and ``[r]`` fetches column r from lane 4 (r // 4) + q by a warp
+    shuffle: 4 registers per statistic instead of 32, which is what keeps the WGMMAs of the
+    128 x 128 tile in flight (with 32, ptxas spills and serializes them).
+    Lives only within straight-line code of one query tile."""
+
+    SHARES = 8
+    QUADS_PER_WARP = 4
+
+    def __init__(self, vals: cute.Tensor, quad):
+        self.vals, self.quad = vals, quad
+        self.per_lane = cute.size(vals)
+
+    def __getitem__(self, r: int):
+        src = (r // self.per_lane) * self.QUADS_PER_WARP + self.quad
+        return cute.arch.shuffle_sync(self.vals[r % self.per_lane], src)
+
+
 class SmemTiles(DslState):
     """The shared-memory tensors of one CTA, each (rows, cols, stages)."""
 
@@ -614,15 +642,23 @@ class BwdStep(DslState):
     def row_values(self, m_block: Int32, stage, lse: cutlass.Constexpr[bool]):
         """This thread's query rows of LSE₂ (+inf outside the sequence) or Δ (0 outside) of
         tile `m_block` (`tile_row_values`): from shared memory, or without their TMA from
-        global memory, clamped to the sequence's last row."""
+        global memory, clamped to the sequence's last row. With `shuffle_stats`, a
+        `ShuffledRows` of them."""
         cfg = self.cfg
         outside = Float32.inf if lse else Float32(0.0)
         valid_rows = self.seq.seqlen_q - m_block * cfg.tile_m
+        clamp = not cfg.stats_tma
         if cutlass.const_expr(cfg.stats_tma):
             t = (self.sLSE if lse else self.sDelta)[None, stage]
-            return tile_row_values(self.coord_s, valid_rows, t, outside)
-        t = cute.local_tile(self.g_lse if lse else self.g_delta, (cfg.tile_m,), (m_block,))
-        return tile_row_values(self.coord_s, valid_rows, t, outside, clamp=True)
+        else:
+            t = cute.local_tile(self.g_lse if lse else self.g_delta, (cfg.tile_m,), (m_block,))
+        if cutlass.const_expr(cfg.shuffle_stats):
+            lane = cute.arch.lane_idx()
+            share = lane // ShuffledRows.QUADS_PER_WARP
+            vals = tile_row_values(self.coord_s, valid_rows, t, outside, clamp,
+                                   ShuffledRows.SHARES, share)
+            return ShuffledRows(vals, lane % 4)
+        return tile_row_values(self.coord_s, valid_rows, t, outside, clamp)
 
     @cute.jit
     def row_stats(self, m_block: Int32, stage):
@@ -666,14 +702,24 @@ class BwdStep(DslState):
         self.mask_scores(s_qk, m_block, n_block)
         # A thread holds 16 queries' columns here, not 2 rows: LSE₂ and Δ are each read just
         # before their use, so that both are never live at once.
-        if cutlass.const_expr(cfg.has_softcap):
-            lse, delta = self.row_stats(m_block, stage)
-            p_and_ds(s_qk, dp_qk, lse, delta, self.scale_log2, True)
+        # 128 query rows: dS before dV is issued, so that the fp32 P, dP and the 16-bit P
+        # that dV reads from registers are never all live (with them, ptxas spills and
+        # serializes the WGMMAs); dV then overlaps only dK and dQ.
+        ds_first = cfg.has_softcap or cfg.tile_m == 128
+        if cutlass.const_expr(ds_first):
+            if cutlass.const_expr(not cfg.has_softcap):
+                warpgroup.wait_group(0)
+                probs(s_qk, self.row_values(m_block, stage, True), self.scale_log2)
+                ds_from_probs(s_qk, dp_qk, self.row_values(m_block, stage, False))
+            else:
+                lse, delta = self.row_stats(m_block, stage)
+                p_and_ds(s_qk, dp_qk, lse, delta, self.scale_log2, True)
+            r_p = self.to_dtype(acc_s)
+            gemm_rs(self.mma_dv, self.acc_dv, acc_to_operand_a(r_p), self.tdVrdOt, stage)
         else:
             probs(s_qk, self.row_values(m_block, stage, True), self.scale_log2)
-        r_p = self.to_dtype(acc_s)
-        gemm_rs(self.mma_dv, self.acc_dv, acc_to_operand_a(r_p), self.tdVrdOt, stage)
-        if cutlass.const_expr(not cfg.has_softcap):
+            r_p = self.to_dtype(acc_s)
+            gemm_rs(self.mma_dv, self.acc_dv, acc_to_operand_a(r_p), self.tdVrdOt, stage)
             warpgroup.wait_group(1)  # dP; dV still runs
             ds_from_probs(s_qk, dp_qk, self.row_values(m_block, stage, False))
         r_ds = self.to_dtype(acc_dp)

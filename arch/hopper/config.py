@@ -127,16 +127,19 @@ class BwdConfig(NamedTuple):
 # with P and dS double-buffered; what else fits is `bwd_smem_plan`'s).
 # swap_sdp where it measured faster on the H200 (docs/perf.md, 2026-11-29): hdim 64 +2-5 %;
 # at hdim 128 it was 0-6 % slower, so P stays in shared memory there (and at 96, unmeasured).
-BWD_TILES = {64: BwdConfig(64, 128, 2, True), 96: BwdConfig(64, 128, 2),
+# hdim 64 takes 128 query rows (FA3's 128 x 128; swap_sdp with shuffled LSE₂/Δ): +4 to +7 %
+# over 64 rows (docs/perf.md, session 9).
+BWD_TILES = {64: BwdConfig(128, 128, 2, True), 96: BwdConfig(64, 128, 2),
              128: BwdConfig(64, 128, 2), 192: BwdConfig(64, 64, 2),
              256: BwdConfig(64, 64, 2)}
 
 def bwd_tile(hdim: int, varlen: bool = False) -> BwdConfig:
-    """The backward schedule of a head dim. Varlen keeps P in shared memory: it reads LSE₂ and
-    Δ from global memory (`HopperBwd.stats_tma`), and with swap_sdp a thread's 16 query
-    columns of them (and their addresses) spill."""
+    """The backward schedule of a head dim. Varlen at 64 query rows keeps P in shared memory:
+    it reads LSE₂ and Δ from global memory (`HopperBwd.stats_tma`), and with swap_sdp a
+    thread's 16 query columns of them (and their addresses) spill; at 128 rows they are
+    shared by shuffles (`bwd.ShuffledRows`) and fit."""
     tile = BWD_TILES[hdim]
-    return tile._replace(swap_sdp=False) if varlen else tile
+    return tile._replace(swap_sdp=False) if varlen and tile.tile_m == 64 else tile
 
 
 BWD_SUPPORTED_HDIMS = frozenset({(d, d) for d in BWD_TILES} | {(192, 128)})
@@ -144,16 +147,23 @@ BWD_SUPPORTED_HDIMS = frozenset({(d, d) for d in BWD_TILES} | {(192, 128)})
 
 def bwd_mma_splits(tile: tuple) -> dict:
     """How the two consumer warpgroups split each GEMM's (M, N) (WGMMA's M is 64 per
-    warpgroup): S/dP (tile_m x tile_n) and dQ (tile_m x hdim) split N, as tile_m is 64; dK/dV
-    (tile_n x hdim) split M when tile_n is 128, else N. With swap_sdp, Sᵀ/dPᵀ
-    (tile_n x tile_m) split M: each warpgroup's keys are then its dK/dV rows."""
+    warpgroup): S/dP (tile_m x tile_n) split N, as tile_m is then 64; dQ (tile_m x hdim) N
+    at 64 query rows, M at 128; dK/dV (tile_n x hdim) split M when tile_n is 128, else N.
+    With swap_sdp, Sᵀ/dPᵀ (tile_n x tile_m) split M: each warpgroup's keys are then its dK/dV
+    rows."""
     cfg = BwdConfig(*tile)
-    if cfg.tile_m != 64 or cfg.tile_n not in (64, 128):
-        raise ValueError(f"backward tile must be 64 x (64 | 128), got {cfg.tile_m} x {cfg.tile_n}")
+    if (cfg.tile_m, cfg.tile_n) not in ((64, 64), (64, 128), (128, 128)):
+        raise ValueError(f"backward tile must be 64 x (64 | 128) or 128 x 128, got "
+                         f"{cfg.tile_m} x {cfg.tile_n}")
     if cfg.swap_sdp and cfg.tile_n != 128:
         raise ValueError("swap_sdp needs tile_n = 128 (64 keys per consumer warpgroup)")
+    if cfg.tile_m == 128 and not cfg.swap_sdp:
+        raise ValueError("a 128-row query tile needs swap_sdp (S and P would not fit 240 "
+                         "registers beside dK and dV)")
     dkv = (2, 1) if cfg.tile_n == 128 else (1, 2)
-    return {"sdp": (2, 1) if cfg.swap_sdp else (1, 2), "dq": (1, 2), "dkv": dkv}
+    # 128 query rows: dQ splits its rows, 64 per warpgroup, like the forward's O.
+    dq = (2, 1) if cfg.tile_m == 128 else (1, 2)
+    return {"sdp": (2, 1) if cfg.swap_sdp else (1, 2), "dq": dq, "dkv": dkv}
 
 
 class BwdSmemPlan(NamedTuple):
