@@ -174,7 +174,6 @@ class HopperFwd:
 
         rows_first, back_rows = ROWS_FIRST[self.varlen]
         cols_first, back_cols = COLS_FIRST[self.varlen]
-        num_heads = mQ.shape[-2] // self.pack_gqa
         tma_k, tK = tma_load_atom(mK, rows_first, sK_layout, (self.tile_n, self.hdim))
         tma_v, tV = tma_load_atom(mV, cols_first, sV_layout, (self.hdim_v, self.tile_n))
         tK, tV = permute(tK, back_rows), permute(tV, back_cols)
@@ -205,27 +204,28 @@ class HopperFwd:
                              f"{self.smem_bytes}), capacity {SMEM_CAPACITY}")
         tx_bytes = tuple(cute.size_in_bytes(self.dtype, cute.slice_(layout, (None, None, 0)))
                          for layout in (sQ_layout, sK_layout, sV_layout))
-        order = self._tile_order(mQ, mK, num_heads, max_seqlen_q, mCuSeqlensQ)
+        order = self._tile_order(tQ, mK, max_seqlen_q, mCuSeqlensQ)
         grid = launch_grid(order.num_tiles, self.persistent, num_sms(), imin=cutlass.min)
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, mO, mLSE, scale_log2, scale_div_cap,
             window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            order.num_m_blocks, order.section, num_heads, mQ.shape[1 - self.varlen], sQ_layout, sK_layout, sV_layout, sO_layout, mma_qk, mma_pv,
+            order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout, sO_layout, mma_qk, mma_pv,
             SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
-    def _tile_order(self, mQ, mK, num_heads, max_seqlen_q, mCuSeqlensQ) -> TileOrder:
-        """The launch's `TileOrder` over (query tile, head (packed: K/V head), batch). Varlen
-        sizes the L2 sections by the mean K/V length (only the section size depends on it)."""
-        batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
+    def _tile_order(self, tQ, mK, max_seqlen_q, mCuSeqlensQ) -> TileOrder:
+        """The launch's `TileOrder` over (query tile, head, batch), from Q's TMA coordinates
+        (packed GQA: their heads are the K/V heads). Varlen sizes the L2 sections by the mean
+        K/V length (only the section size depends on it)."""
+        batch = SeqInfo.num_batches(tQ, mCuSeqlensQ)
         section = Int32(1)
         if cutlass.const_expr(self.lpt):
             seqlen_k = mK.shape[0] // batch if cutlass.const_expr(self.varlen) else mK.shape[1]
             kv_bytes_per_key = (self.hdim + self.hdim_v) * self.dtype.width // 8
             section = pairs_per_section(seqlen_k, kv_bytes_per_key, imax=cutlass.max)
-        return TileOrder(cute.ceil_div(max_seqlen_q * self.pack_gqa, self.tile_m), num_heads,
+        return TileOrder(cute.ceil_div(max_seqlen_q * self.pack_gqa, self.tile_m), tQ.shape[-2],
                          batch, section, self.lpt, self.persistent)
 
     def _smem_layouts(self):
@@ -285,7 +285,7 @@ class HopperFwd:
                window_left: Int32, window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], num_m_blocks: Int32, section: Int32,
-               num_heads: Int32, seqlen_q: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
@@ -309,9 +309,8 @@ class HopperFwd:
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         elif cutlass.const_expr(self.o_tile == "q"):
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        tiles = WorkTiles(self, num_m_blocks, section, num_heads, seqlen_q, mQ, mK,
-                          (mCuSeqlensQ, mCuSeqlensK), (mSeqUsedQ, mSeqUsedK), window_left,
-                          window_right)
+        tiles = WorkTiles(self, num_m_blocks, section, mQ, mK, (mCuSeqlensQ, mCuSeqlensK),
+                          (mSeqUsedQ, mSeqUsedK), window_left, window_right)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_registers)
@@ -520,18 +519,20 @@ class WorkTiles(DslState):
     """This launch's tiles (`flash_cute.tile_scheduler.TileOrder`) and, per tile, what every
     role derives from it the same way: coordinates, sequence bounds, K/V block range, mask."""
 
-    def __init__(self, cfg: HopperFwd, num_m_blocks: Int32, section: Int32, num_heads: Int32,
-                 seqlen_q: Int32, mQ, mK, cu_seqlens, seqused, window_left: Int32,
-                 window_right: Int32):
-        """`num_heads`: heads of the tile order (packed GQA: K/V heads); `seqlen_q`: Q's
-        padded length (varlen: unused, `SeqInfo` reads cu_seqlens)."""
+    def __init__(self, cfg: HopperFwd, num_m_blocks: Int32, section: Int32, mQ, mK, cu_seqlens,
+                 seqused, window_left: Int32, window_right: Int32):
+        """`mQ`: Q's TMA coordinate tensor, whose head mode counts the heads of the tile
+        order (packed GQA: K/V heads, rows (pack, seqlen))."""
         self.cfg = cfg
         self.num_m_blocks, self.section = num_m_blocks, section
-        self.num_heads = num_heads
+        self.num_heads = mQ.shape[-2]
         self.num_batches = SeqInfo.num_batches(mQ, cu_seqlens[0])
         # Packed, a tile's head is its K/V head.
-        self.qheads_per_kvhead = 1 if cfg.pack_gqa > 1 else num_heads // mK.shape[-2]
-        self.seqlen_q, self.seqlen_k = seqlen_q, mK.shape[1]
+        self.qheads_per_kvhead = 1 if cfg.pack_gqa > 1 else mQ.shape[-2] // mK.shape[-2]
+        # Padded extents (varlen: `SeqInfo` reads cu_seqlens instead).
+        self.seqlen_q, self.seqlen_k = mQ.shape[1], mK.shape[1]
+        if cutlass.const_expr(cfg.pack_gqa > 1 and not cfg.varlen):
+            self.seqlen_q = mQ.shape[1][1]
         self.cu_q, self.cu_k = cu_seqlens
         self.used_q, self.used_k = seqused
         self.win_left = window_left if cfg.has_window_left else None
@@ -821,8 +822,11 @@ class GemmTurns(DslState):
     @cute.jit
     def end(self):
         if cutlass.const_expr(self.enabled):
-            nxt = self.wg + 1
-            self._bar(nxt if nxt < self.num_wg else 0).arrive()
+            if cutlass.const_expr(self.num_wg == 2):
+                self._bar(1 - self.wg).arrive()
+            else:
+                nxt = self.wg + 1
+                self._bar(nxt if nxt < self.num_wg else 0).arrive()
 
     @cute.jit
     def finish(self):
