@@ -18,7 +18,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute.arch.hopper import api
-from flash_cute.arch.hopper.config import TILES, FwdConfig
+from flash_cute.arch.hopper.config import TILES, FwdConfig, with_switches
 from flash_cute.validation import validate_attention_inputs
 
 
@@ -45,10 +45,8 @@ def default_configs(base: FwdConfig) -> list:
     only: without, 128 rows), and each overlap on and off."""
     overlaps = [base._replace(intra_wg_overlap=o, pingpong=pp)
                 for o, pp in ((True, True), (True, False), (False, True), (False, False))]
-    flipped = base._replace(persistent=not base.persistent)
-    if not flipped.persistent and flipped.tile_m > 128:
-        flipped = flipped._replace(tile_m=128)
-    return [base, flipped] + [c for c in overlaps if c != base]
+    return [base, with_switches(base, persistent=not base.persistent)] \
+        + [c for c in overlaps if c != base]
 
 
 def peers(q, k, v, causal):

@@ -49,12 +49,15 @@ def tile_row_values(coord_mn: cute.Tensor, valid_rows: Int32, t_rows: cute.Tenso
     for threads that hold the same rows and split the values among themselves (`share` may
     be a run-time value).
     """
+    if cutlass.const_expr(cute.size(coord_mn, mode=[0]) % shares):
+        raise ValueError(f"{shares} shares do not divide {cute.size(coord_mn, mode=[0])} rows")
     num_rows = cute.size(coord_mn, mode=[0]) // shares
     vals = cute.make_rmem_tensor(num_rows, Float32)
     for r in cutlass.range_constexpr(num_rows):
-        row = coord_mn[r, 0][0]
         if cutlass.const_expr(shares > 1):
             row = coord_mn[share * num_rows + r, 0][0]
+        else:
+            row = coord_mn[r, 0][0]
         idx = cutlass.min(row, valid_rows - 1) if clamp else row
         vals[r] = t_rows[idx] if row < valid_rows else Float32(outside)
     return vals

@@ -39,9 +39,13 @@ def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=No
             raise ValueError(f"arch={arch!r} runs on compute capability {majors[0]}.x to "
                              f"{majors[-1]}.x; {torch.cuda.get_device_name(device)} is {major}.x")
         return arch
-    for name in DEFAULT_ORDER:
-        if major in PIPELINES[name][0] and _takes_by_default(name, problem):
+    runs_here = [name for name in DEFAULT_ORDER if major in PIPELINES[name][0]]
+    for name in runs_here:
+        if _takes_by_default(name, problem):
             return name
+    if runs_here and problem is not None:
+        # Pipelines run here but lack what the problem asks for: say what.
+        check_capabilities(runs_here[0], problem)
     raise NotImplementedError(f"no pipeline runs on compute capability {major}.x")
 
 

@@ -59,14 +59,15 @@ def has_no_work(q, k, problem) -> bool:
             or problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0)
 
 
-def packed_heads(problem, tile_m: int) -> int:
+def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
     """How many query heads a forward tile of `tile_m` rows packs (packed GQA; 1: none).
 
     The heads of a group can share a tile only when their count divides `tile_m` (a tile
-    then holds whole queries). ``pack_gqa=True`` requires that; None packs varlen problems
-    (their sequences are often short) and padded ones where packing fills the tiles clearly
-    better: rows used / rows computed below 0.9x what packing gets (FlashAttention-3's rule,
-    which picks it for decode and short prompts and leaves long sequences alone).
+    then holds whole queries). ``pack_gqa=True`` requires that; None packs where packing
+    fills tiles of `fill_rows` rows (default `tile_m`) clearly better: rows used / rows
+    computed below 0.9x what packing gets, with max_seqlen_q queries (FlashAttention-3's rule
+    without its varlen exception: it picks packing for decode and short prompts and leaves
+    long sequences, varlen or not, alone).
     """
     group = problem.qheads_per_kvhead
     if problem.pack_gqa is False or group == 1:
@@ -77,11 +78,12 @@ def packed_heads(problem, tile_m: int) -> int:
                 f"pack_gqa=True: {group} query heads per K/V head do not divide the tile's "
                 f"{tile_m} rows; pass pack_gqa=None or False")
         return 1
-    if problem.pack_gqa or problem.varlen:
+    if problem.pack_gqa:
         return group
+    fill_rows = fill_rows or tile_m
 
     def filled(rows):
-        return rows / (-(-rows // tile_m) * tile_m)
+        return rows / (-(-rows // fill_rows) * fill_rows)
 
     return group if filled(problem.max_seqlen_q) < 0.9 * filled(problem.max_seqlen_q * group) else 1
 

@@ -123,10 +123,12 @@ def _hopper_fwd_configs():
         tile = HOPPER_TILES[128]._replace(intra_wg_overlap=overlap, pingpong=pingpong)
         out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", 128, 128, tile, _HOPPER_FWD,
                                 _flags(**plain)))
-    # hdim 64's 192-row tile (three consumer warpgroups) against two warpgroups' 128 rows.
-    out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", 64, 64,
-                            HOPPER_TILES[64]._replace(tile_m=128), _HOPPER_FWD,
-                            _flags(**{**plain, "causal": True})))
+    # hdim 64's 192-row tile (three consumer warpgroups) against two warpgroups' 128 rows,
+    # and with the ring of turns off, then the serial main loop (two turns per block).
+    for tile in (HOPPER_TILES[64]._replace(tile_m=128), HOPPER_TILES[64]._replace(pingpong=False),
+                 HOPPER_TILES[64]._replace(intra_wg_overlap=False)):
+        out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", 64, 64, tile, _HOPPER_FWD,
+                                _flags(**{**plain, "causal": True})))
     # The persistent scheduler flipped from the table's choice (on at hdim 128; hdim 64's
     # 192-row tile runs persistent only, and its 128-row one is persistent above): plain
     # and causal (LPT order), varlen (tiles past a sequence skipped), and O's shared tile
@@ -144,9 +146,10 @@ def _hopper_fwd_configs():
                            ((64, 64), {"local": True, "softcap": True, "varlen": True,
                                        "pack_gqa": 8}),
                            ((128, 128), {"seqused_q": True, "seqused_k": True, "pack_gqa": 16})]:
-        row_stores = flags.get("varlen", False) or flags.get("seqused_q", False)
+        rows_past_sequence = flags.get("varlen", False) or flags.get("seqused_q", False)
         out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", d, dv,
-                                hopper_fwd_tile(d, flags["pack_gqa"], row_stores), _HOPPER_FWD,
+                                hopper_fwd_tile(d, flags["pack_gqa"], rows_past_sequence),
+                                _HOPPER_FWD,
                                 _flags(**{**plain, **flags})))
     return tuple(out)
 

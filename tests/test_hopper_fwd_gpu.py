@@ -27,12 +27,11 @@ def _needs_sm90():
 
 
 def _tile(d, overlap, pingpong, persistent):
-    """The head dim's schedule with the switches set; a 192-row tile runs persistent only, so
-    without persistence it takes 128 rows."""
-    from flash_cute.arch.hopper.config import TILES
+    """The head dim's schedule with the switches set (`config.with_switches`)."""
+    from flash_cute.arch.hopper.config import TILES, with_switches
 
-    tile = TILES[d]._replace(intra_wg_overlap=overlap, pingpong=pingpong, persistent=persistent)
-    return tile if persistent or tile.tile_m == 128 else tile._replace(tile_m=128)
+    return with_switches(TILES[d], intra_wg_overlap=overlap, pingpong=pingpong,
+                         persistent=persistent)
 
 
 def _forward(q, k, v, overlap, pingpong, cu_q=None, cu_k=None, max_q=None, max_k=None,
@@ -147,10 +146,12 @@ def test_persistent_runs_many_tiles_per_cta(poisoned_outputs, d, dv, causal):
 
 
 @pytest.mark.parametrize("overlap,pingpong", SCHEDULES)
-def test_persistent_every_schedule(poisoned_outputs, overlap, pingpong):
+@pytest.mark.parametrize("d", [64, 128])
+def test_persistent_every_schedule(poisoned_outputs, d, overlap, pingpong):
     """Ping-pong turns and K/V ring states carried across tiles, with and without each
-    overlap; rows that see no key (sq > sk, causal) and tiles that visit no block."""
-    q, k, v = _inputs((3, 1500, 8), (3, 413, 2), seed=11)
+    overlap; rows that see no key (sq > sk, causal) and tiles that visit no block. hdim 64:
+    192-row tiles, the ring of turns over three warpgroups."""
+    q, k, v = _inputs((3, 1500, 8), (3, 413, 2), seed=11, d=d)
     _persistent_matches(q, k, v, overlap, pingpong, causal=True)
 
 
@@ -189,16 +190,23 @@ def test_tma_store_clips_rows_past_seqlen_q(poisoned_outputs):
 # ---------------------------------------------------------------- packed GQA
 
 
-def _packed(q, k, v, **kw):
-    """flash_attn_varlen_func with pack_gqa=True on the hopper pipeline, outputs poisoned
-    with NaN (a packed row left unwritten, or written to the wrong head, shows); checks that
-    the launch compiled a packed kernel."""
-    from flash_cute.jit import compile_cache
+def _packed(monkeypatch, q, k, v, **kw):
+    """flash_attn_varlen_func with pack_gqa=True on the hopper pipeline; checks that this
+    launch packed the whole group into its tiles."""
+    from flash_cute import launch
 
-    group = q.shape[-2] // k.shape[-2]
+    seen = []
+    real = launch.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("pack_gqa"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "forward", spy)
     out, lse = flash_attn_varlen_func(q, k, v, return_lse=True, arch="hopper", pack_gqa=True,
                                       **kw)
-    assert any(("pack_gqa", group) in key.flags for key in compile_cache.keys())
+    monkeypatch.setattr(launch, "forward", real)
+    assert seen == [q.shape[-2] // k.shape[-2]], seen
     return out, lse
 
 
@@ -212,27 +220,30 @@ def _packed(q, k, v, **kw):
     (192, 128, 8, 1, 45, 301, {}),                        # MQA, hdim_v < hdim
     (96, 96, 64, 1, 3, 129, {"causal": True}),            # a 128-row tile of 64 heads
 ])
-def test_packed_gqa_matches_float64(poisoned_outputs, d, dv, h, hk, sq, sk, kw):
+def test_packed_gqa_matches_float64(poisoned_outputs, monkeypatch, d, dv, h, hk, sq, sk, kw):
+    """Outputs poisoned with NaN: a packed row left unwritten, or written to another head's
+    place, shows."""
     q, k, v = _inputs((2, sq, h), (2, sk, hk), seed=sq + h, d=d, dv=dv)
-    out, lse = _packed(q, k, v, **kw)
+    out, lse = _packed(monkeypatch, q, k, v, **kw)
     _check(out, lse, q, k, v, **kw)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_packed_gqa_varlen(poisoned_outputs, causal):
+def test_packed_gqa_varlen(poisoned_outputs, monkeypatch, causal):
     """Packed rows of each sequence start at cu_seqlens[b] x group; empty and one-row
     sequences; a tile's rows past its sequence are the next sequence's and stay as written."""
     seqlens_q, seqlens_k = [1, 0, 513, 77, 300, 2, 129], [3, 9, 700, 77, 1, 0, 300]
     q, k, v = _inputs((sum(seqlens_q), 16), (sum(seqlens_k), 4), seed=29, d=64)
     cu_q, cu_k = _cu(seqlens_q), _cu(seqlens_k)
-    out, lse = _packed(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=513,
-                       max_seqlen_k=700, causal=causal, window_size=(200, None))
+    out, lse = _packed(monkeypatch, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                       max_seqlen_q=513, max_seqlen_k=700, causal=causal,
+                       window_size=(200, None))
     _check(out, lse, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal,
            window_size=(200, None))
 
 
 @pytest.mark.parametrize("layout", ["varlen", "padded"])
-def test_packed_gqa_seqused(layout):
+def test_packed_gqa_seqused(monkeypatch, layout):
     """seqused_q/seqused_k with packed rows: rows past seqused_q keep O = 0 and LSE = -inf;
     NaN in the unused rows of q, k and v must not reach any output."""
     spans_q, spans_k, used_q, used_k = [37, 64, 129], [50, 200, 77], [30, 0, 129], [50, 133, 1]
@@ -251,7 +262,7 @@ def test_packed_gqa_seqused(layout):
     lengths = {}
     if layout == "varlen":
         lengths = dict(cu_seqlens_q=_cu(spans_q), cu_seqlens_k=_cu(spans_k))
-    out, lse = _packed(q, k, v, max_seqlen_q=max(used_q) if lengths else None,
+    out, lse = _packed(monkeypatch, q, k, v, max_seqlen_q=max(used_q) if lengths else None,
                        max_seqlen_k=max(used_k) if lengths else None, **lengths, **kw)
     lse_rows = lse.transpose(0, 1) if layout == "varlen" else lse.transpose(1, 2)
     assert (out[unused_q] == 0).all() and torch.isneginf(lse_rows[unused_q]).all()

@@ -259,16 +259,21 @@ def test_pack_gqa_request_is_validated_and_dispatched(capability):
     for request in (None, False):
         problem = _gqa_problem(3, pack_gqa=request)
         assert interface.select_pipeline(device, None, problem) == "ampere"
+    # No pipeline here packs: the refusal names the request, not the device.
+    with pytest.raises(NotImplementedError, match="pack_gqa=True: not supported by the ampere"):
+        interface.select_pipeline(device, None, forced)
 
 
 def test_packed_heads_decision():
     """FlashAttention-3's rule for None (pack where it fills the tile's rows clearly better,
-    and for varlen); True needs the group to divide the tile; False and MHA never pack."""
+    varlen by its max_seqlen_q); True needs the group to divide the tile; False and MHA never
+    pack."""
     from flash_cute import launch
 
     assert launch.packed_heads(_gqa_problem(1), 128) == 4          # decode: 4 rows, not 1
     assert launch.packed_heads(_gqa_problem(40), 128) == 4         # 160/256 vs 40/128
     assert launch.packed_heads(_gqa_problem(100), 128) == 1        # 400/512 = 100/128
+    assert launch.packed_heads(_gqa_problem(100), 128, 192) == 4   # 400/576 vs 100/192
     assert launch.packed_heads(_gqa_problem(128), 128) == 1        # full tiles either way
     assert launch.packed_heads(_gqa_problem(1000), 128) == 1       # 1000/1024 vs 4000/4096
     assert launch.packed_heads(_gqa_problem(1, pack_gqa=False), 128) == 1
@@ -282,7 +287,10 @@ def test_packed_heads_decision():
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     varlen = validate_attention_inputs(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                        max_seqlen_q=6, max_seqlen_k=6, require_cuda=False)
-    assert launch.packed_heads(varlen, 128) == 4
+    assert launch.packed_heads(varlen, 128) == 4                   # max_seqlen_q 6: decode-like
+    long = validate_attention_inputs(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                     max_seqlen_q=1000, max_seqlen_k=6, require_cuda=False)
+    assert launch.packed_heads(long, 128) == 1                     # varlen is not packed as such
 
 
 def test_packing_is_part_of_the_compile_key_only_where_it_packs():

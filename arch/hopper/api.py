@@ -6,7 +6,7 @@ from flash_cute import launch
 from flash_cute.validation import AttentionProblem
 
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, PACK_ROWS,
-                     SUPPORTED_HDIMS, bwd_tile, fwd_tile)
+                     SUPPORTED_HDIMS, TILES, bwd_tile, fwd_tile)
 
 # forward/backward take seqused_q/seqused_k (the dispatcher reads this without importing the DSL).
 SUPPORTS_SEQUSED = True
@@ -31,6 +31,7 @@ def check_supported(problem: AttentionProblem, device=None, backward: bool = Fal
     """Head dims with a kernel (the tiles are sized for the H100/H200's 227 KiB), and a
     group that divides the tile when pack_gqa=True."""
     launch.check_head_dims("hopper", problem, SUPPORTED_HDIMS)
+    # Raises for pack_gqa=True with a group that does not divide the tile.
     launch.packed_heads(problem, PACK_ROWS)
     if backward:
         launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
@@ -63,7 +64,7 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
     if arch != "sm_90a":
         # WGMMA and setmaxnreg exist on sm_90a only; newer GPUs run their own pipeline.
         raise NotImplementedError(f"the hopper pipeline runs on sm_90a only, not {arch}")
-    pack = launch.packed_heads(problem, PACK_ROWS)
+    pack = launch.packed_heads(problem, PACK_ROWS, TILES[problem.hdim].tile_m)
     tile = tuple(tile or fwd_tile(problem.hdim, pack, problem.varlen or problem.has_seqused_q))
     return launch.forward("hopper.fwd", HopperFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                           tile, COMPILE_OPTIONS, arch, prepare=_tma_ready, seqused_q=seqused_q,

@@ -29,10 +29,9 @@ from flash_cute.seqlen import SeqInfo, clear_rows_past
 from flash_cute.softmax import fold_scales
 from flash_cute.variant import Variant, set_kernel_switches
 
-from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, BWD_TILES, CONSUMER_REGISTERS,
-                     BwdConfig,
-                     NUM_CONSUMER_WARPGROUPS, NUM_THREADS, PRODUCER_REGISTERS, SMEM_CAPACITY,
-                     bwd_mma_splits, bwd_smem_plan)
+from .config import (BWD_COMPILE_OPTIONS, BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS,
+                     BWD_NUM_THREADS, BWD_PRODUCER_REGISTERS, BWD_SUPPORTED_HDIMS, BWD_TILES,
+                     SMEM_CAPACITY, BwdConfig, bwd_mma_splits, bwd_smem_plan)
 from .tma import ROWS_FIRST, make_tma_pipelines, permute, tma_load_atom, tma_partition
 
 # Named barriers (0 is sync_threads'; the pipelines use mbarriers). 1: the 256 consumer
@@ -129,8 +128,8 @@ class HopperBwd:
         self.splits = bwd_mma_splits(config)
         self.plan = bwd_smem_plan(hdim, hdim_v, config)
         self.pds_stages, self.dq_tma = self.plan.pds_stages, self.plan.dq_tma
-        self.num_threads = NUM_THREADS
-        self.num_consumer_threads = 128 * NUM_CONSUMER_WARPGROUPS
+        self.num_threads = BWD_NUM_THREADS
+        self.num_consumer_threads = 128 * BWD_CONSUMER_WARPGROUPS
         self.deterministic = deterministic
         set_kernel_switches(self, variant)
         # LSE₂ and Δ tiles by TMA; varlen reads them from global memory (a TMA of the
@@ -323,7 +322,7 @@ class HopperBwd:
         pipes = make_tma_pipelines(((storage.mbar_kv, 1, tx_bytes[0]),
                                     (storage.mbar_q, self.q_stages, tx_bytes[1]),
                                     (storage.mbar_do, self.q_stages, tx_bytes[2])),
-                                   4 * NUM_CONSUMER_WARPGROUPS)
+                                   4 * BWD_CONSUMER_WARPGROUPS)
         smem = SmemTiles(self, storage, layouts)
 
         n_block, head, batch = cute.arch.block_idx()
@@ -341,7 +340,7 @@ class HopperBwd:
             if cutlass.const_expr(self.deterministic):
                 order = DqOrder(self, mdQsem, seq, head, n_block, win_left, win_right)
             if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+                cute.arch.setmaxregister_decrease(BWD_PRODUCER_REGISTERS)
                 if warp_idx == 0:
                     self.produce((tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta),
                                  (mQ, mdO, mK, mV, mLSElog2, mDelta), smem, pipes, seq, head,
@@ -350,7 +349,7 @@ class HopperBwd:
                     if warp_idx == _DQ_WRITER_WARP:
                         self.write_dq(tma_dq, mdQaccum, smem, seq, head, order, m_min, m_max)
             else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
+                cute.arch.setmaxregister_increase(BWD_CONSUMER_REGISTERS)
                 tidx = cute.arch.thread_idx()[0] - 128
                 step = BwdStep(self, tidx, seq, mmas, smem, (mLSElog2, mDelta), mdQaccum, head,
                                scale_log2, scale_div_cap, win_left, win_right, order)
@@ -485,15 +484,15 @@ class ShuffledRows:
     128 x 128 tile in flight (with 32, ptxas spills and serializes them).
     Lives only within straight-line code of one query tile."""
 
-    SHARES = 8
-    QUADS_PER_WARP = 4
+    LANES_PER_QUAD = 4
+    SHARES = 32 // LANES_PER_QUAD  # the quads of a warp
 
-    def __init__(self, vals: cute.Tensor, quad):
-        self.vals, self.quad = vals, quad
+    def __init__(self, vals: cute.Tensor, pos_in_quad):
+        self.vals, self.pos_in_quad = vals, pos_in_quad
         self.per_lane = cute.size(vals)
 
     def __getitem__(self, r: int):
-        src = (r // self.per_lane) * self.QUADS_PER_WARP + self.quad
+        src = (r // self.per_lane) * self.LANES_PER_QUAD + self.pos_in_quad
         return cute.arch.shuffle_sync(self.vals[r % self.per_lane], src)
 
 
@@ -654,10 +653,10 @@ class BwdStep(DslState):
             t = cute.local_tile(self.g_lse if lse else self.g_delta, (cfg.tile_m,), (m_block,))
         if cutlass.const_expr(cfg.shuffle_stats):
             lane = cute.arch.lane_idx()
-            share = lane // ShuffledRows.QUADS_PER_WARP
+            quad_size = ShuffledRows.LANES_PER_QUAD
             vals = tile_row_values(self.coord_s, valid_rows, t, outside, clamp,
-                                   ShuffledRows.SHARES, share)
-            return ShuffledRows(vals, lane % 4)
+                                   ShuffledRows.SHARES, lane // quad_size)
+            return ShuffledRows(vals, lane % quad_size)
         return tile_row_values(self.coord_s, valid_rows, t, outside, clamp)
 
     @cute.jit
@@ -700,8 +699,8 @@ class BwdStep(DslState):
             self.pds_barrier.arrive_and_wait()
         warpgroup.wait_group(0 if cutlass.const_expr(cfg.has_softcap) else 1)
         self.mask_scores(s_qk, m_block, n_block)
-        # A thread holds 16 queries' columns here, not 2 rows: LSE₂ and Δ are each read just
-        # before their use, so that both are never live at once.
+        # A thread holds 16 (or, at 128 rows, 32) queries' columns here, not 2 rows: LSE₂ and
+        # Δ are each read just before their use, so that both are never live at once.
         # 128 query rows: dS before dV is issued, so that the fp32 P, dP and the 16-bit P
         # that dV reads from registers are never all live (with them, ptxas spills and
         # serializes the WGMMAs); dV then overlaps only dK and dQ.
@@ -906,7 +905,7 @@ def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cut
 
 def registers_per_role() -> dict:
     """setmaxnreg budgets of each role, for `inspect`."""
-    return {"producer": PRODUCER_REGISTERS, "consumer": CONSUMER_REGISTERS}
+    return {"producer": BWD_PRODUCER_REGISTERS, "consumer": BWD_CONSUMER_REGISTERS}
 
 
 def build_for_inspect(cfg):

@@ -4,16 +4,16 @@ from typing import NamedTuple
 
 # Warpgroups: one producer (TMA) and consumers that each own 64 query rows of a tile (WGMMA's
 # M is 64 per warpgroup): two for the backward and a 128-row forward tile, three for a 192-row
-# forward tile.
-NUM_CONSUMER_WARPGROUPS = 2
-NUM_THREADS = 128 * (1 + NUM_CONSUMER_WARPGROUPS)
+# forward tile (`HopperFwd` derives its own from its tile).
+BWD_CONSUMER_WARPGROUPS = 2
+BWD_NUM_THREADS = 128 * (1 + BWD_CONSUMER_WARPGROUPS)
 # setmaxnreg budgets (multiples of 8) by the number of consumer warpgroups, as FA3 and the
 # CUTLASS Hopper FMHA use: every register the CTA gets at launch goes to a role. Two
 # consumers: ptxas gives a 384-thread CTA 168 registers per thread (65536 / 384, rounded down
 # to 8), and 128 * 24 + 256 * 240 = 384 * 168. Three: 512 threads at 128, and
 # 128 * 32 + 384 * 160 = 512 * 128.
 ROLE_REGISTERS = {2: (24, 240), 3: (32, 160)}
-PRODUCER_REGISTERS, CONSUMER_REGISTERS = ROLE_REGISTERS[NUM_CONSUMER_WARPGROUPS]
+BWD_PRODUCER_REGISTERS, BWD_CONSUMER_REGISTERS = ROLE_REGISTERS[BWD_CONSUMER_WARPGROUPS]
 
 
 class FwdConfig(NamedTuple):
@@ -50,17 +50,27 @@ TILES = {64: FwdConfig(192, 128, 2, persistent=True), 96: FwdConfig(128, 128, 2)
          128: FwdConfig(128, 128, 2, pingpong=False, persistent=True),
          192: FwdConfig(128, 96, 2), 256: FwdConfig(128, 80, 2)}
 
+def with_switches(tile: FwdConfig, **switches) -> FwdConfig:
+    """`tile` with some `FwdConfig` switches changed (for ablations and tests); a 192-row
+    tile without persistence takes 128 rows (`HopperFwd` runs 192 rows persistent only)."""
+    tile = tile._replace(**switches)
+    if not tile.persistent and tile.tile_m > 128:
+        return tile._replace(tile_m=128)
+    return tile
+
+
 # Packed GQA packs groups that divide 128 rows (every head dim has a 128-row schedule).
 PACK_ROWS = 128
 
 
-def fwd_tile(hdim: int, pack: int = 1, row_stores: bool = False) -> FwdConfig:
+def fwd_tile(hdim: int, pack: int = 1, rows_past_sequence: bool = False) -> FwdConfig:
     """The forward schedule of a head dim for a packing of `pack` heads per tile. A 192-row
     tile takes 128 rows instead where `pack` does not divide 192, or where packed O leaves by
-    row stores (`row_stores`: varlen or seqused_q): at 160 registers ptxas then hoists the
-    packed rows' addresses out of the main loop and spills them (64 to 176 B)."""
+    row stores (`rows_past_sequence`: varlen or seqused_q, see `o_smem_tile`): at 160
+    registers ptxas then hoists the packed rows' addresses out of the main loop and spills
+    them (64 to 176 B)."""
     tile = TILES[hdim]
-    if pack > 1 and tile.tile_m > PACK_ROWS and (tile.tile_m % pack or row_stores):
+    if pack > 1 and tile.tile_m > PACK_ROWS and (tile.tile_m % pack or rows_past_sequence):
         return tile._replace(tile_m=PACK_ROWS)
     return tile
 
@@ -85,22 +95,22 @@ def _mainloop_smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
         + _align(stages * tile_n * hdim * 2) + _align(stages * tile_n * hdim_v * 2)
 
 
-def o_smem_tile(hdim: int, hdim_v: int, tile: tuple, varlen: bool) -> str:
+def o_smem_tile(hdim: int, hdim_v: int, tile: tuple, rows_past_sequence: bool) -> str:
     """Where the forward's epilogue stages O for its TMA store: "own" (a tile of its own),
     "q" (Q's tile, when an own one does not fit: hdim 192 and 256; hdim_v <= hdim, so O fits)
-    or "none" (varlen: O goes from registers to global memory with row predicates, since the
-    rows of a tile past its sequence are the next sequence's, which a TMA store would
-    overwrite)."""
-    if varlen:
+    or "none" (`rows_past_sequence`, varlen or seqused_q: O goes from registers to global
+    memory with row predicates, since the rows of a tile past its sequence are the next
+    sequence's or padding that stays 0, which a TMA store would overwrite)."""
+    if rows_past_sequence:
         return "none"
     own = _mainloop_smem_bytes(hdim, hdim_v, tile) + _align(tile[0] * hdim_v * 2)
     return "own" if own <= SMEM_CAPACITY else "q"
 
 
-def smem_bytes(hdim: int, hdim_v: int, tile: tuple, varlen: bool = False) -> int:
+def smem_bytes(hdim: int, hdim_v: int, tile: tuple, rows_past_sequence: bool = False) -> int:
     """Dynamic shared memory of one forward CTA, laid out as `HopperFwd`'s SharedStorage: the
     main loop's barriers and tiles, then O's tile where it has one of its own."""
-    own_o = o_smem_tile(hdim, hdim_v, tile, varlen) == "own"
+    own_o = o_smem_tile(hdim, hdim_v, tile, rows_past_sequence) == "own"
     return _mainloop_smem_bytes(hdim, hdim_v, tile) + own_o * _align(tile[0] * hdim_v * 2)
 
 

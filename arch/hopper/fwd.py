@@ -376,9 +376,9 @@ class HopperFwd:
     def consume(self, mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
                 scale_div_cap):
         """One consumer warpgroup's 64 rows of each of this CTA's tiles (thread index relative
-        to the first consumer, so the tiled MMAs place warpgroup 1 on rows 0..63 and
-        warpgroup 2 on rows 64..127). Ping-pong turns start once and run on across tiles: both
-        warpgroups take the same number of turns per tile."""
+        to the first consumer, so the tiled MMAs place warpgroup 1 on rows 0..63, warpgroup 2
+        on rows 64..127 and so on). Ping-pong turns start once and run on across tiles: every
+        warpgroup takes the same number of turns per tile."""
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
         gemms = WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, sQ, sK, sV)
         coord_mn = acc_to_mn(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
@@ -436,7 +436,7 @@ class HopperFwd:
         tensor or a KV cache's unused slots, and 0 x NaN or inf there would reach O (a plain
         padded tensor ends at seqlen_k, where TMA zero-fills).
         Only the first block visited (the last, n_block_max - 1) can reach past seqlen_k; the
-        test is uniform over the CTA, so both consumer warpgroups meet at the barrier."""
+        test is uniform over the CTA, so every consumer warpgroup meets at the barrier."""
         if cutlass.const_expr(self.varlen or self.has_seqused_k):
             valid = seqlen_k - n_block * self.tile_n
             if valid < self.tile_n:
@@ -580,22 +580,22 @@ class OutputStore(DslState):
     """A consumer thread's share of the epilogue: O and LSE of one tile to global memory.
 
     Padded (`o_tile` "own" or "q"): O, in dtype, goes into the swizzled shared tile sO by
-    stmatrix; after a fence (the TMA reads through the async proxy) and barrier 3 over the 256
+    stmatrix; after a fence (the TMA reads through the async proxy) and barrier 4 over the
     consumer threads, warp 4 issues one TMA store of the tile, which clips rows past seqlen_q.
-    Before the next tile writes sO, warp 4 waits until that store has read it and barrier 3
+    Before the next tile writes sO, warp 4 waits until that store has read it and barrier 4
     passes again (needed when persistent; also when sO is Q's tile, where it is what makes
-    both warpgroups' last QKᵀ done with Q before O overwrites it).
+    every warpgroup's last QKᵀ done with Q before O overwrites it).
 
     sO = Q's tile (hdim 192, 256): the next tile's Q may be loaded only once the store has
     read O out of it. So Q is released after the epilogue instead of after the main loop,
-    and warp 4, whose arrive completes the Q empty barrier with the seven others', arrives
-    only after `cp.async.bulk.wait_group.read 0` (and a warp sync, so lane 0, which arrives,
-    follows the lane that issued the store). The producer's Q acquire for the next tile
+    and warp 4, whose arrive completes the Q empty barrier with the other consumer warps',
+    arrives only after `cp.async.bulk.wait_group.read 0` (and a warp sync, so lane 0, which
+    arrives, follows the lane that issued the store). The producer's Q acquire for the next tile
     waits on that barrier; its K/V loads do not, so they still overlap the epilogue.
 
-    Varlen (`o_tile` "none"): rows past the sequence belong to the next sequence, which a
-    TMA store would overwrite, so O goes from registers with row predicates. LSE is always
-    stored by the first thread of each row's quad.
+    Varlen or seqused_q (`o_tile` "none"): rows past the sequence belong to the next sequence
+    or are padding that stays 0, which a TMA store would overwrite, so O goes from registers
+    with row predicates. LSE is always stored by the first thread of each row's quad.
     """
 
     def __init__(self, cfg: HopperFwd, mma_pv, tidx, tma_o, sO, mO, mLSE, is_store_warp):
