@@ -10,7 +10,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, pipeline
 
 from flash_cute.dsl_state import DslState
 
@@ -88,7 +88,7 @@ def clear_rows_past(tile: cute.Tensor, valid_rows: Int32, row_mode: cutlass.Cons
     A TMA zero-fills only what lies past the end of the tensor: in a varlen tile the rows
     past a sequence hold the next sequence or the unused tail of the packed tensor, possibly
     NaN or inf, and a probability of 0 times such a row is NaN in the GEMM. The caller makes
-    the zeros visible to the tensor cores (`fence_view_async_shared`, then a barrier)."""
+    the zeros visible to the tensor cores (`clear_tails` does both)."""
     rows = cute.size(tile, mode=[row_mode])
     cols = cute.size(tile, mode=[1 - row_mode])
     zero = tile.element_type(0)
@@ -99,3 +99,15 @@ def clear_rows_past(tile: cute.Tensor, valid_rows: Int32, row_mode: cutlass.Cons
             tile[row, col] = zero
         else:
             tile[col, row] = zero
+
+
+@cute.jit
+def clear_tails(tiles: tuple, valid_rows: Int32, row_mode: cutlass.Constexpr[int], tid: Int32,
+                num_threads: cutlass.Constexpr[int], barrier_id: cutlass.Constexpr[int]):
+    """`clear_rows_past` on each of `tiles`, then what makes the zeros visible to the tensor
+    cores: a fence to the async proxy and named barrier `barrier_id` over the `num_threads`
+    threads (every one of which must call this)."""
+    for t in cutlass.range_constexpr(len(tiles)):
+        clear_rows_past(tiles[t], valid_rows, row_mode, tid, num_threads)
+    cute.arch.fence_view_async_shared()
+    pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=num_threads).arrive_and_wait()

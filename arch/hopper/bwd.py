@@ -25,7 +25,7 @@ from flash_cute.dsl_state import DslState
 from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_strides,
                                 transpose_view)
 from flash_cute.mask import AttentionMask
-from flash_cute.seqlen import SeqInfo, clear_rows_past
+from flash_cute.seqlen import SeqInfo, clear_tails
 from flash_cute.softmax import fold_scales
 from flash_cute.variant import Variant, set_kernel_switches
 
@@ -613,16 +613,13 @@ class BwdStep(DslState):
     @cute.jit
     def clear_tail(self, tiles, valid_rows: Int32, rows: int):
         """Zero the rows >= valid_rows of (shared-memory) tiles TMA loaded past the end of a
-        varlen or seqused sequence (`seqlen.clear_rows_past`). Keys there have P = 0 and queries P = 0
-        (LSE₂ = +inf), but NaN or inf in those rows (the next sequence, or the unused tail of
+        varlen or seqused sequence (`seqlen.clear_tails`). Keys there have P = 0 and queries
+        P = 0 (LSE₂ = +inf), but NaN or inf in those rows (the next sequence, or the unused tail of
         the packed tensor) would still reach dP = dO Vᵀ, S = Q Kᵀ, dQ = dS K or dV = Pᵀ dO as
-        0 x NaN. Uniform over the CTA, so both warpgroups meet at the barrier."""
+        0 x NaN. Uniform over the CTA, so both warpgroups meet at its barrier."""
         if valid_rows < rows:
-            for t in cutlass.range_constexpr(len(tiles)):
-                clear_rows_past(tiles[t], valid_rows, 0, self.tidx, self.cfg.num_consumer_threads)
-            cute.arch.fence_view_async_shared()
-            pipeline.NamedBarrier(barrier_id=_TAIL_BARRIER_ID,
-                                  num_threads=self.cfg.num_consumer_threads).arrive_and_wait()
+            clear_tails(tiles, valid_rows, 0, self.tidx, self.cfg.num_consumer_threads,
+                        _TAIL_BARRIER_ID)
 
     @cute.jit
     def clear_q_tail(self, pipe_do, state, m_block: Int32):

@@ -25,7 +25,7 @@ from flash_cute.block_range import block_range
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
-from flash_cute.seqlen import SeqInfo, clear_rows_past
+from flash_cute.seqlen import SeqInfo, clear_tails
 from flash_cute.softmax import OnlineSoftmax, fold_scales, rescale_o
 from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
@@ -177,25 +177,7 @@ class HopperFwd:
         tma_k, tK = tma_load_atom(mK, rows_first, sK_layout, (self.tile_n, self.hdim))
         tma_v, tV = tma_load_atom(mV, cols_first, sV_layout, (self.hdim_v, self.tile_n))
         tK, tV = permute(tK, back_rows), permute(tV, back_cols)
-        tma_o = None
-        if cutlass.const_expr(self.pack_gqa > 1):
-            tma_q, tQ = packed_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ, self.varlen,
-                                        sQ_layout, (self.tile_m, self.hdim), self.pack_gqa)
-            row_mode = 2 - self.varlen
-            mLSE = pack_heads(mLSE, row_mode, row_mode - 1, self.pack_gqa)
-            if cutlass.const_expr(self.o_tile != "none"):
-                tma_o, mO = packed_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, self.varlen,
-                                            sO_layout, (self.tile_m, self.hdim_v), self.pack_gqa)
-            else:
-                mO = pack_heads(mO, 1 - self.varlen, 2 - self.varlen, self.pack_gqa)
-        else:
-            tma_q, tQ = tma_load_atom(mQ, rows_first, sQ_layout, (self.tile_m, self.hdim))
-            tQ = permute(tQ, back_rows)
-            if cutlass.const_expr(self.o_tile != "none"):
-                tma_o, tO = cpasync.make_tiled_tma_atom(
-                    cpasync.CopyBulkTensorTileS2GOp(), permute(mO, rows_first),
-                    cute.slice_(sO_layout, (None, None, 0)), (self.tile_m, self.hdim_v))
-                mO = permute(tO, back_rows)
+        tma_q, tQ, tma_o, mO, mLSE = self._q_o_lse(mQ, mO, mLSE, sQ_layout, sO_layout)
 
         SharedStorage = self._shared_storage(layouts)
         if cutlass.const_expr(SharedStorage.size_in_bytes() != self.smem_bytes
@@ -210,10 +192,35 @@ class HopperFwd:
         self.kernel(
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, mO, mLSE, scale_log2, scale_div_cap,
             window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout, sO_layout, mma_qk, mma_pv,
-            SharedStorage, tx_bytes,
+            order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout, sO_layout,
+            mma_qk, mma_pv, SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
+
+    def _q_o_lse(self, mQ, mO, mLSE, sQ_layout, sO_layout):
+        """Q's TMA atom and coordinates; O's TMA store atom and coordinates (None and the
+        plain tensor where O leaves by row stores, `o_tile` "none"); LSE. With packed GQA all
+        three as their packed views (`tma.packed_tma_atom`, `layouts.pack_heads`)."""
+        rows_first, back_rows = ROWS_FIRST[self.varlen]
+        tma_o = None
+        if cutlass.const_expr(self.pack_gqa > 1):
+            tma_q, tQ = packed_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ, self.varlen,
+                                        sQ_layout, (self.tile_m, self.hdim), self.pack_gqa)
+            row_mode = 2 - self.varlen
+            mLSE = pack_heads(mLSE, row_mode, row_mode - 1, self.pack_gqa)
+            if cutlass.const_expr(self.o_tile != "none"):
+                tma_o, mO = packed_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, self.varlen,
+                                            sO_layout, (self.tile_m, self.hdim_v), self.pack_gqa)
+            else:
+                mO = pack_heads(mO, 1 - self.varlen, 2 - self.varlen, self.pack_gqa)
+            return tma_q, tQ, tma_o, mO, mLSE
+        tma_q, tQ = tma_load_atom(mQ, rows_first, sQ_layout, (self.tile_m, self.hdim))
+        if cutlass.const_expr(self.o_tile != "none"):
+            tma_o, tO = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), permute(mO, rows_first),
+                cute.slice_(sO_layout, (None, None, 0)), (self.tile_m, self.hdim_v))
+            mO = permute(tO, back_rows)
+        return tma_q, permute(tQ, back_rows), tma_o, mO, mLSE
 
     def _tile_order(self, tQ, mK, max_seqlen_q, mCuSeqlensQ) -> TileOrder:
         """The launch's `TileOrder` over (query tile, head, batch), from Q's TMA coordinates
@@ -441,11 +448,9 @@ class HopperFwd:
             valid = seqlen_k - n_block * self.tile_n
             if valid < self.tile_n:
                 pipe_v.consumer_wait(v_state)
-                clear_rows_past(sV[None, None, v_state.index], valid, 1,
-                                cute.arch.thread_idx()[0] - 128, 128 * self.num_wg)
-                cute.arch.fence_view_async_shared()
-                pipeline.NamedBarrier(barrier_id=_V_TAIL_BARRIER_ID,
-                                      num_threads=128 * self.num_wg).arrive_and_wait()
+                clear_tails((sV[None, None, v_state.index],), valid, 1,
+                            cute.arch.thread_idx()[0] - 128, 128 * self.num_wg,
+                            _V_TAIL_BARRIER_ID)
 
     @cute.jit
     def mainloop_serial(self, gemms, scores, turns, pipes, acc_o, rng, kv):
