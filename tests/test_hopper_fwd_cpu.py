@@ -1,0 +1,62 @@
+"""CPU checks of the Hopper forward's host-side choices: the schedule per head dim and packing
+(`config.fwd_tile`, `config.with_switches`), the register split per number of consumer
+warpgroups, and what `HopperFwd` refuses before any compile."""
+
+import pytest
+
+from flash_cute.arch.hopper.config import (PACK_ROWS, ROLE_REGISTERS, SMEM_CAPACITY,
+                                           SUPPORTED_HDIMS, TILES, FwdConfig, fwd_tile,
+                                           smem_bytes, with_switches)
+
+
+@pytest.mark.parametrize("consumers", sorted(ROLE_REGISTERS))
+def test_role_registers_give_the_launch_budget_to_the_roles(consumers):
+    """setmaxnreg moves registers, it does not create them: the producer's 128 threads and the
+    consumers' together hold what the CTA gets at launch (65536 / threads, rounded down to 8)."""
+    producer, consumer = ROLE_REGISTERS[consumers]
+    threads = 128 * (1 + consumers)
+    at_launch = 65536 // threads // 8 * 8
+    assert producer % 8 == 0 and consumer % 8 == 0
+    assert 128 * producer + 128 * consumers * consumer == threads * at_launch
+
+
+@pytest.mark.parametrize("hdim,hdim_v", sorted(SUPPORTED_HDIMS))
+@pytest.mark.parametrize("rows_past_sequence", [False, True])
+def test_every_schedule_fits_shared_memory(hdim, hdim_v, rows_past_sequence):
+    for pack in (1, 2, 8, PACK_ROWS):
+        tile = fwd_tile(hdim, pack, rows_past_sequence)
+        assert tile.tile_m % pack == 0 or pack == 1
+        assert smem_bytes(hdim, hdim_v, tile, rows_past_sequence) <= SMEM_CAPACITY
+
+
+def test_fwd_tile_keeps_192_rows_only_where_they_compile_without_spills():
+    assert TILES[64].tile_m == 192 and TILES[64].persistent
+    assert fwd_tile(64) == TILES[64]
+    assert fwd_tile(64, 8) == TILES[64]                        # padded packed: O by TMA
+    assert fwd_tile(64, 8, rows_past_sequence=True).tile_m == 128
+    assert fwd_tile(64, PACK_ROWS).tile_m == 128               # 128 heads do not divide 192
+    assert fwd_tile(128, 8, rows_past_sequence=True) == TILES[128]
+
+
+def test_with_switches_runs_192_rows_persistent_only():
+    base = TILES[64]
+    assert with_switches(base, pingpong=False) == base._replace(pingpong=False)
+    assert with_switches(base, persistent=False) == base._replace(tile_m=128, persistent=False)
+    assert with_switches(TILES[128], persistent=False).tile_m == 128
+
+
+def test_hopper_fwd_refuses_schedules_it_cannot_run():
+    from cutlass import BFloat16
+
+    from flash_cute.arch.hopper.fwd import HopperFwd
+    from flash_cute.variant import Variant
+
+    with pytest.raises(ValueError, match="192-row tiles run persistent only"):
+        HopperFwd(BFloat16, 64, tile=FwdConfig(192, 128, 2, persistent=False))
+    with pytest.raises(ValueError, match="tile_m must be 64 x"):
+        HopperFwd(BFloat16, 64, tile=FwdConfig(256, 128, 2, persistent=True))
+    with pytest.raises(ValueError, match="pack_gqa 3 must divide tile_m 128"):
+        HopperFwd(BFloat16, 128, variant=Variant(pack_gqa=3))
+    kernel = HopperFwd(BFloat16, 64)
+    assert (kernel.num_wg, kernel.num_threads) == (3, 512)
+    assert (kernel.producer_registers, kernel.consumer_registers) == ROLE_REGISTERS[3]
