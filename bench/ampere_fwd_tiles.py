@@ -12,6 +12,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute.arch.ampere import api
+from flash_cute.bench import markdown_table
 from flash_cute.validation import validate_attention_inputs
 
 CANDIDATES = {
@@ -49,10 +50,9 @@ def main():
                     ms = triton.testing.do_bench(fn, return_mode="median")
                     rows.append((hdim, seqlen, causal, "x".join(map(str, tile)), flops / ms / 1e9, err))
                     print(rows[-1], flush=True)
-    print("\n| hdim | seqlen | causal | config | TFLOP/s | max err vs sdpa |")
-    print("|---:|---:|---:|---|---:|---:|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {int(r[2])} | {r[3]} | {r[4]:.1f} | {r[5]:.1e} |")
+    header = ["hdim", "seqlen", "causal", "config", "TFLOP/s", "max err vs sdpa"]
+    print("\n" + markdown_table(header, [[str(r[0]), str(r[1]), str(int(r[2])), r[3],
+                                           f"{r[4]:.1f}", f"{r[5]:.1e}"] for r in rows]))
 
 
 if __name__ == "__main__":

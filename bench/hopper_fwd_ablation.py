@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute.arch.hopper import api
 from flash_cute.arch.hopper.config import TILES, FwdConfig, with_switches
+from flash_cute.bench import markdown_table
 from flash_cute.validation import validate_attention_inputs
 
 
@@ -97,10 +98,8 @@ def main():
                     ms = triton.testing.do_bench(fn, return_mode="median")
                     rows.append((*cell, label(cfg), flops / ms / 1e9, f"{err:.1e}"))
                 print("\n".join(map(str, rows[-3 - len(configs):])), flush=True)
-    print("\n| hdim | seqlen | causal | provider | fwd TFLOP/s | max err vs sdpa_flash |")
-    print("|---:|---:|---:|---|---:|---:|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]} |")
+    header = ["hdim", "seqlen", "causal", "provider", "fwd TFLOP/s", "max err vs sdpa_flash"]
+    print("\n" + markdown_table(header, [[*map(str, r[:4]), f"{r[4]:.1f}", r[5]] for r in rows]))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute import flash_attn_func
+from flash_cute.bench import markdown_table
 from flash_cute.validation import validate_attention_inputs
 
 
@@ -94,10 +95,8 @@ def main():
                     rows.append((*cell, label, flops / ms / 1e9, f"{err:.1e}"))
                 for r in rows[-4 - len(tiles):]:
                     print(r, flush=True)
-    print("\n| hdim | seqlen | causal | provider | bwd TFLOP/s | rel. err vs sdpa_flash |")
-    print("|---:|---:|---:|---|---:|---:|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]} |")
+    header = ["hdim", "seqlen", "causal", "provider", "bwd TFLOP/s", "rel. err vs sdpa_flash"]
+    print("\n" + markdown_table(header, [[*map(str, r[:4]), f"{r[4]:.1f}", r[5]] for r in rows]))
 
 
 if __name__ == "__main__":

@@ -283,7 +283,7 @@ def format_table(results: Sequence[dict], providers: Sequence[str] | None = None
             line.append(f"{ratio:.2f}x" if ratio is not None else "-")
         body.append(line)
     parts = [format_header(env), ""] if env else []
-    parts.append(_markdown(header, body))
+    parts.append(markdown_table(header, body))
     parts.append("")
     parts.append(f"Values are TFLOP/s. WRONG: max |out - reference| > {WRONG_TOL:g}, or for bwd "
                  f"a gradient off by more than {WRONG_TOL:g} of its largest entry "
@@ -292,7 +292,9 @@ def format_table(results: Sequence[dict], providers: Sequence[str] | None = None
     return "\n".join(parts)
 
 
-def _markdown(header: list[str], body: list[list[str]]) -> str:
+def markdown_table(header: list[str], body: list[list[str]]) -> str:
+    """A Markdown table, columns padded and right-aligned (also for the ablation scripts in
+    bench/)."""
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     def fmt(cells: list[str]) -> str:
         return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"

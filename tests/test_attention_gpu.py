@@ -14,6 +14,8 @@ import torch
 from flash_cute import flash_attn_func, flash_attn_varlen_func
 from flash_cute.reference import attention_ref, tolerance_check
 
+from attention_checks import check_forward
+
 pytestmark = pytest.mark.gpu
 
 PIPELINES = ["ampere", "hopper"]  # pipelines with a forward
@@ -24,16 +26,6 @@ def _inputs(batch, sq, sk, h, hk, d, dv, dtype, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     make = lambda *s: torch.randn(*s, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
     return make(batch, sq, h, d), make(batch, sk, hk, d), make(batch, sk, hk, dv)
-
-
-def _check_forward(out, lse, q, k, v, **kw):
-    out_ref, lse_ref = attention_ref(q, k, v, mode="float64", **kw)
-    out_nat, lse_nat = attention_ref(q, k, v, mode="native", **kw)
-    res = tolerance_check(out, out_ref, out_nat)
-    assert res.ok, f"O: err {res.err:.3e} vs native {res.err_native:.3e} (+atol {res.atol:.1e})"
-    # LSE sees only QKᵀ rounding; allow the same rule with an fp32-sized atol.
-    res = tolerance_check(lse, lse_ref, lse_nat, atol=1e-4)
-    assert res.ok, f"LSE: err {res.err:.3e} vs native {res.err_native:.3e}"
 
 
 # (hdim, hdim_v, causal, window, softcap, dtype): each line is one compiled kernel.
@@ -74,7 +66,7 @@ def test_forward_matches_float64(pipeline, hdim, hdim_v, causal, window, softcap
     kw = dict(causal=causal, window_size=window, softcap=softcap)
     out, lse = flash_attn_func(q, k, v, return_lse=True, arch=pipeline, **kw)
     assert out.shape == (batch, sq, h, hdim_v) and lse.shape == (batch, h, sq)
-    _check_forward(out, lse, q, k, v, **kw)
+    check_forward(out, lse, q, k, v, **kw)
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
@@ -82,7 +74,7 @@ def test_forward_long_gqa_8_to_1_with_scale(pipeline):
     q, k, v = _inputs(2, 1537, 2049, 16, 2, 128, 128, torch.bfloat16, seed=1)
     out, lse = flash_attn_func(q, k, v, softmax_scale=0.05, causal=True, return_lse=True,
                                arch=pipeline)
-    _check_forward(out, lse, q, k, v, softmax_scale=0.05, causal=True)
+    check_forward(out, lse, q, k, v, softmax_scale=0.05, causal=True)
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
@@ -108,7 +100,7 @@ def test_varlen_with_empty_sequence(pipeline, causal, hdim):
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k),
                                       causal=causal, return_lse=True, arch=pipeline)
     assert out.shape == q.shape and lse.shape == (6, sum(seqlens_q))
-    _check_forward(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    check_forward(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
@@ -125,7 +117,7 @@ def test_every_output_element_is_written(pipeline, monkeypatch):
     out, lse = flash_attn_func(q, k, v, return_lse=True, arch=pipeline)
     monkeypatch.undo()
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    _check_forward(out, lse, q, k, v)
+    check_forward(out, lse, q, k, v)
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
@@ -138,7 +130,7 @@ def test_new_lengths_reuse_the_compiled_kernel(pipeline):
     for sq, sk, b in [(777, 555, 3), (64, 4096, 1)]:
         q, k, v = _inputs(b, sq, sk, 2, 2, 64, 64, torch.bfloat16, seed=sq)
         out, lse = flash_attn_func(q, k, v, return_lse=True, arch=pipeline)
-        _check_forward(out, lse, q, k, v)
+        check_forward(out, lse, q, k, v)
     assert len(compile_cache) == before
 
 
@@ -247,7 +239,7 @@ def test_default_dispatch_forward_and_backward():
     """arch=None: the newest forward for the GPU, and a backward from a pipeline that has one."""
     q, k, v = _inputs(2, 333, 517, 8, 2, 128, 128, torch.bfloat16, seed=16)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
-    _check_forward(out, lse, q, k, v, causal=True)
+    check_forward(out, lse, q, k, v, causal=True)
     dout = torch.randn_like(out)
     ours = _grads(lambda a, b, c: flash_attn_func(a, b, c, causal=True)[0], q, k, v, dout)
     ref = _grads(lambda a, b, c: attention_ref(a, b, c, mode="float64", causal=True)[0],
@@ -311,7 +303,7 @@ def test_varlen_nan_in_the_unused_tail_does_not_leak(pipeline):
     v = torch.randn(200, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
     k[130:], v[130:] = float("nan"), float("inf")  # rows that belong to no sequence
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 50, 69, return_lse=True, arch=pipeline)
-    _check_forward(out, lse, q, k[:130], v[:130], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    check_forward(out, lse, q, k[:130], v[:130], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
 # --------------------------------------------------------------------------- seqused
@@ -389,7 +381,7 @@ def test_seqused_forward_matches_float64(pipeline, causal, layout, spans_q, span
     assert out.shape == q.shape and not torch.isnan(out).any() and not torch.isnan(lse).any()
     # Rows past seqused_q: O = 0 and LSE = -inf, like a row that sees no key.
     assert (out[unused_q] == 0).all() and torch.isneginf(_lse_rows(lse, layout)[unused_q]).all()
-    _check_forward(out, lse, q, k, v, causal=causal, **ref_kw)
+    check_forward(out, lse, q, k, v, causal=causal, **ref_kw)
 
 
 @pytest.mark.parametrize("pipeline", SEQUSED_PIPELINES)
@@ -425,7 +417,7 @@ def test_seqused_gqa_window_softcap_and_new_values_reuse_the_kernel(pipeline):
         q, k, v, call_kw, ref_kw, _, _ = _seqused_inputs(
             "padded", [113] * 2, [203] * 2, used_q, used_k, 8, 2, 128, torch.bfloat16, seed=22)
         out, lse = flash_attn_varlen_func(q, k, v, return_lse=True, arch=pipeline, **call_kw, **kw)
-        _check_forward(out, lse, q, k, v, **ref_kw, **kw)
+        check_forward(out, lse, q, k, v, **ref_kw, **kw)
         if i == 0:
             before = len(compile_cache)
     assert len(compile_cache) == before
@@ -440,7 +432,7 @@ def test_seqused_default_dispatch_and_pipelines_without_it():
     q, k, v, call_kw, ref_kw, _, _ = _seqused_inputs(
         "padded", [1] * 2, [300] * 2, None, [123, 7], 4, 4, 64, torch.bfloat16, seed=23)
     out, lse = flash_attn_varlen_func(q, k, v, causal=True, return_lse=True, **call_kw)
-    _check_forward(out, lse, q, k, v, causal=True, **ref_kw)
+    check_forward(out, lse, q, k, v, causal=True, **ref_kw)
     major = torch.cuda.get_device_capability()[0]
     for name, (majors, module) in BUILT.items():
         if major in majors and not getattr(importlib.import_module(module), "SUPPORTS_SEQUSED",

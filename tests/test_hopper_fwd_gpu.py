@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-from flash_cute.reference import attention_ref, tolerance_check
 from flash_cute.validation import validate_attention_inputs
+
+from attention_checks import check_forward
 
 pytestmark = pytest.mark.gpu
 
@@ -44,15 +45,6 @@ def _forward(q, k, v, overlap, pingpong, cu_q=None, cu_k=None, max_q=None, max_k
     return api.forward(q, k, v, problem, cu_q, cu_k, tile=tile)
 
 
-def _check(out, lse, q, k, v, **kw):
-    out_ref, lse_ref = attention_ref(q, k, v, mode="float64", **kw)
-    out_nat, lse_nat = attention_ref(q, k, v, mode="native", **kw)
-    res = tolerance_check(out, out_ref, out_nat)
-    assert res.ok, f"O: err {res.err:.3e} vs native {res.err_native:.3e} (+atol {res.atol:.1e})"
-    res = tolerance_check(lse, lse_ref, lse_nat, atol=1e-4)
-    assert res.ok, f"LSE: err {res.err:.3e} vs native {res.err_native:.3e}"
-
-
 def _inputs(shape_q, shape_k, seed, d=128, dtype=torch.bfloat16, dv=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     make = lambda *s: torch.randn(*s, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
@@ -69,7 +61,7 @@ def _inputs(shape_q, shape_k, seed, d=128, dtype=torch.bfloat16, dv=None):
 def test_every_schedule_matches_float64(overlap, pingpong, sq, sk, kw):
     q, k, v = _inputs((2, sq, 4), (2, sk, 2), seed=sq + sk)
     out, lse = _forward(q, k, v, overlap, pingpong, **kw)
-    _check(out, lse, q, k, v, **kw)
+    check_forward(out, lse, q, k, v, **kw)
 
 
 @pytest.mark.parametrize("overlap,pingpong", SCHEDULES)
@@ -81,7 +73,7 @@ def test_every_schedule_handles_varlen(overlap, pingpong):
     q, k, v = _inputs((sum(seqlens_q), 6), (sum(seqlens_k), 2), seed=3)
     out, lse = _forward(q, k, v, overlap, pingpong, cu_q, cu_k, max(seqlens_q), max(seqlens_k),
                         causal=True)
-    _check(out, lse, q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    check_forward(out, lse, q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
 def test_schedules_are_separate_compiled_kernels():
@@ -127,9 +119,9 @@ def _persistent_matches(q, k, v, overlap=True, pingpong=True, **kw):
     if "cu_q" in kw:
         ref_kw.update(cu_seqlens_q=kw["cu_q"], cu_seqlens_k=kw["cu_k"])
     out_p, lse_p = _forward(q, k, v, overlap, pingpong, persistent=True, **kw)
-    _check(out_p, lse_p, q, k, v, **ref_kw)
+    check_forward(out_p, lse_p, q, k, v, **ref_kw)
     out_1, lse_1 = _forward(q, k, v, overlap, pingpong, persistent=False, **kw)
-    _check(out_1, lse_1, q, k, v, **ref_kw)
+    check_forward(out_1, lse_1, q, k, v, **ref_kw)
     d = q.shape[-1]
     if _tile(d, overlap, pingpong, True).tile_m == _tile(d, overlap, pingpong, False).tile_m:
         assert torch.equal(out_p, out_1)
@@ -184,7 +176,7 @@ def test_tma_store_clips_rows_past_seqlen_q(poisoned_outputs):
     batch's rows (checked against float64 over all of O)."""
     q, k, v = _inputs((3, 133, 4), (3, 200, 4), seed=23)
     out, lse = _forward(q, k, v, True, True)
-    _check(out, lse, q, k, v)
+    check_forward(out, lse, q, k, v)
 
 
 # ---------------------------------------------------------------- packed GQA
@@ -225,7 +217,7 @@ def test_packed_gqa_matches_float64(poisoned_outputs, monkeypatch, d, dv, h, hk,
     place, shows."""
     q, k, v = _inputs((2, sq, h), (2, sk, hk), seed=sq + h, d=d, dv=dv)
     out, lse = _packed(monkeypatch, q, k, v, **kw)
-    _check(out, lse, q, k, v, **kw)
+    check_forward(out, lse, q, k, v, **kw)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -238,7 +230,7 @@ def test_packed_gqa_varlen(poisoned_outputs, monkeypatch, causal):
     out, lse = _packed(monkeypatch, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                        max_seqlen_q=513, max_seqlen_k=700, causal=causal,
                        window_size=(200, None))
-    _check(out, lse, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal,
+    check_forward(out, lse, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal,
            window_size=(200, None))
 
 
@@ -266,7 +258,7 @@ def test_packed_gqa_seqused(monkeypatch, layout):
                        max_seqlen_k=max(used_k) if lengths else None, **lengths, **kw)
     lse_rows = lse.transpose(0, 1) if layout == "varlen" else lse.transpose(1, 2)
     assert (out[unused_q] == 0).all() and torch.isneginf(lse_rows[unused_q]).all()
-    _check(out, lse, q, k, v, **lengths, **kw)
+    check_forward(out, lse, q, k, v, **lengths, **kw)
 
 
 def test_pack_gqa_requests():
@@ -286,4 +278,4 @@ def test_pack_gqa_requests():
         flash_attn_func(q, k, v, arch="ampere", pack_gqa=True)
     # Unpackable group with the default: runs unpacked.
     out, lse = flash_attn_func(q3, k3, v3, arch="hopper", return_lse=True)
-    _check(out, lse, q3, k3, v3)
+    check_forward(out, lse, q3, k3, v3)

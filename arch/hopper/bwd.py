@@ -32,7 +32,8 @@ from flash_cute.variant import Variant, set_kernel_switches
 from .config import (BWD_COMPILE_OPTIONS, BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS,
                      BWD_NUM_THREADS, BWD_PRODUCER_REGISTERS, BWD_SUPPORTED_HDIMS, BWD_TILES,
                      SMEM_CAPACITY, BwdConfig, bwd_mma_splits, bwd_smem_plan)
-from .tma import ROWS_FIRST, make_tma_pipelines, permute, tma_load_atom, tma_partition
+from .tma import (ROWS_FIRST, make_tma_pipelines, permute, smem_tile, tma_load_atom,
+                  tma_partition)
 
 # Named barriers (0 is sync_threads'; the pipelines use mbarriers). 1: the 256 consumer
 # threads around the shared P and dS tiles (and around a deterministic turn of dQ atomics);
@@ -218,8 +219,6 @@ class HopperBwd:
         """The CTA's shared memory, as `config.bwd_smem_plan` sizes it."""
         sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout = layouts
         stages, dtype = self.q_stages, self.dtype
-        tile = lambda t, layout: cute.struct.Align[  # noqa: E731
-            cute.struct.MemRange[t, cute.cosize(layout)], 1024]
 
         @cute.struct
         class SharedStorage:
@@ -228,15 +227,15 @@ class HopperBwd:
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
-            sQ: tile(dtype, sQ_layout)
-            sdO: tile(dtype, sdO_layout)
-            sK: tile(dtype, sK_layout)
-            sV: tile(dtype, sV_layout)
+            sQ: smem_tile(dtype, sQ_layout)
+            sdO: smem_tile(dtype, sdO_layout)
+            sK: smem_tile(dtype, sK_layout)
+            sV: smem_tile(dtype, sV_layout)
             if not self.swap_sdp:
-                sP: tile(dtype, sPdS_layout)
-            sdS: tile(dtype, sPdS_layout)
+                sP: smem_tile(dtype, sPdS_layout)
+            sdS: smem_tile(dtype, sPdS_layout)
             if self.dq_tma:
-                sdQ: tile(Float32, sdQ_layout)
+                sdQ: smem_tile(Float32, sdQ_layout)
 
         return SharedStorage
 
@@ -678,19 +677,34 @@ class BwdStep(DslState):
             self.run_smem_p(pipe_q, pipe_do, state, m_block, n_block)
 
     @cute.jit
+    def issue_s_dp(self, pipe_q, pipe_do, state, m_block: Int32):
+        """Step 1: wait for Q[m] (zeroing its rows past the sequence), issue S = Q Kᵀ; wait
+        for dO[m], issue dP = dO Vᵀ (with swap_sdp Sᵀ = K Qᵀ and dPᵀ = V dOᵀ). Neither is
+        waited for; returns their accumulators."""
+        stage = state.index
+        pipe_q.consumer_wait(state)
+        self.clear_q_tail(pipe_do, state, m_block)
+        acc_s = self.new_acc_s()
+        if cutlass.const_expr(self.cfg.swap_sdp):
+            gemm(self.mma_sdp, acc_s, self.tSrK, self.tSrQ, 0, stage, False)
+        else:
+            gemm(self.mma_sdp, acc_s, self.tSrQ, self.tSrK, stage, 0, False)
+        pipe_do.consumer_wait(state)
+        acc_dp = self.new_acc_s()
+        if cutlass.const_expr(self.cfg.swap_sdp):
+            gemm(self.mma_sdp, acc_dp, self.tdPrV, self.tdPrdO, 0, stage, False)
+        else:
+            gemm(self.mma_sdp, acc_dp, self.tdPrdO, self.tdPrV, stage, 0, False)
+        return acc_s, acc_dp
+
+    @cute.jit
     def run_swapped(self, pipe_q, pipe_do, state, m_block: Int32, n_block: Int32):
         """swap_sdp: Sᵀ and dPᵀ per warpgroup's 64 keys; dV += Pᵀ dO and dK += dSᵀ Q with A
         from registers; only dSᵀ goes to shared memory, for dQ."""
         cfg = self.cfg
         stage = state.index
         pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
-        pipe_q.consumer_wait(state)
-        self.clear_q_tail(pipe_do, state, m_block)
-        acc_s = self.new_acc_s()
-        gemm(self.mma_sdp, acc_s, self.tSrK, self.tSrQ, 0, stage, False)
-        pipe_do.consumer_wait(state)
-        acc_dp = self.new_acc_s()
-        gemm(self.mma_sdp, acc_dp, self.tdPrV, self.tdPrdO, 0, stage, False)
+        acc_s, acc_dp = self.issue_s_dp(pipe_q, pipe_do, state, m_block)
         s_qk, dp_qk = self.scores_view(acc_s), self.scores_view(acc_dp)
         if cutlass.const_expr(cfg.pds_stages == 1):
             self.pds_barrier.arrive_and_wait()
@@ -737,13 +751,7 @@ class BwdStep(DslState):
         # tile m+1's only after the dS barrier of tile m, which the other reaches after its
         # tile m-1 GEMMs (the last readers of that buffer) completed.
         pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
-        pipe_q.consumer_wait(state)
-        self.clear_q_tail(pipe_do, state, m_block)
-        acc_s = self.new_acc_s()
-        gemm(self.mma_sdp, acc_s, self.tSrQ, self.tSrK, stage, 0, False)
-        pipe_do.consumer_wait(state)
-        acc_dp = self.new_acc_s()
-        gemm(self.mma_sdp, acc_dp, self.tdPrdO, self.tdPrV, stage, 0, False)
+        acc_s, acc_dp = self.issue_s_dp(pipe_q, pipe_do, state, m_block)
         lse, delta = self.row_stats(m_block, stage)
         s_mn, dp_mn = acc_to_mn(acc_s), acc_to_mn(acc_dp)
         if cutlass.const_expr(cfg.pds_stages == 1):

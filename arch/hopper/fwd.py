@@ -33,7 +33,7 @@ from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 from .config import (COMPILE_OPTIONS, ROLE_REGISTERS, SMEM_CAPACITY, TILES, FwdConfig,
                      o_smem_tile, smem_bytes)
 from .tma import (COLS_FIRST, ROWS_FIRST, make_tma_pipelines, packed_tma_atom, permute,
-                  tma_load_atom, tma_partition)
+                  smem_tile, tma_load_atom, tma_partition)
 
 # Named barriers 1 to 3: the consumer warpgroups' ping-pong turns (0 is sync_threads').
 _PINGPONG_BARRIER_ID = 1
@@ -255,19 +255,17 @@ class HopperFwd:
         """The CTA's shared memory, as `config.smem_bytes` sizes it."""
         sQ_layout, sK_layout, sV_layout, sO_layout = layouts
         stages, dtype = self.kv_stages, self.dtype
-        tile = lambda layout: cute.struct.Align[  # noqa: E731
-            cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
 
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: tile(sQ_layout)
-            sK: tile(sK_layout)
-            sV: tile(sV_layout)
+            sQ: smem_tile(dtype, sQ_layout)
+            sK: smem_tile(dtype, sK_layout)
+            sV: smem_tile(dtype, sV_layout)
             if self.o_tile == "own":
-                sO: tile(sO_layout)
+                sO: smem_tile(dtype, sO_layout)
 
         return SharedStorage
 

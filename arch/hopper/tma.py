@@ -17,6 +17,12 @@ ROWS_FIRST = {False: ((1, 3, 2, 0), (3, 0, 2, 1)), True: ((0, 2, 1), (0, 2, 1))}
 COLS_FIRST = {False: ((3, 1, 2, 0), (3, 1, 2, 0)), True: ((2, 0, 1), (1, 2, 0))}
 
 
+def smem_tile(dtype, layout):
+    """A `cute.struct` field for one (staged) swizzled shared-memory tile of `layout`, 1 KiB
+    aligned: the period of a 128-byte swizzle, which TMA boxes and WGMMA descriptors assume."""
+    return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+
+
 def permute(t: cute.Tensor, order) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(order)))
 
