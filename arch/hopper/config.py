@@ -38,8 +38,9 @@ class FwdConfig(NamedTuple):
 # (hdim 256: 64 + 2 * 40 + 2 * 40 KiB = 224 KiB) and the O accumulator (hdim_v / 2 registers
 # per thread), S (tile_n / 2) and, with the overlap, P (tile_n / 4) fit the 240-register
 # consumer budget.
-# Ping-pong is on where it measured faster on the H200 (docs/perf.md, 2026-11-29, seqlen 8k):
-# hdim 256 +3 %, hdim 64 +1 %; at hdim 128 it cost 12 % causal and nothing non-causal.
+# Ping-pong is on where it measured faster on the H200 (docs/perf.md): hdim 256 +3 %, hdim 64
+# +1 % (session 7); hdim 128 +1 to +7 % causal and level non-causal once the masked blocks got
+# loops of their own (session 10; in session 7 it had cost 12 % causal).
 # Persistence is on where it measured faster (docs/perf.md, session 8, seqlen 2k and 8k):
 # hdim 64 +1 to +7 % (one cell -3 %), hdim 128 0 to +5 %; unmeasured at 96, 192, 256.
 # hdim 64 takes 192-row tiles (three consumer warpgroups at 160 registers, FA4's choice):
@@ -47,7 +48,7 @@ class FwdConfig(NamedTuple):
 # 160 registers (ptxas spills and serializes the WGMMAs). Without persistence ptxas spills
 # 408 B at 192 rows (118 TFLOP/s), so `HopperFwd` takes 192 rows persistent only.
 TILES = {64: FwdConfig(192, 128, 2, persistent=True), 96: FwdConfig(128, 128, 2),
-         128: FwdConfig(128, 128, 2, pingpong=False, persistent=True),
+         128: FwdConfig(128, 128, 2, persistent=True),
          192: FwdConfig(128, 96, 2), 256: FwdConfig(128, 80, 2)}
 
 def with_switches(tile: FwdConfig, **switches) -> FwdConfig:

@@ -503,11 +503,7 @@ class HopperFwd:
             v_state = k_state.clone()
             k_state.advance()
             step = OverlappedStep(gemms, scores, turns, pipe_k, pipe_v, acc_s, r_p, acc_o)
-            # One loop with a run-time mask test: with the blocks split into masked and
-            # unmasked loops (FA4's layout), ptxas finds too few registers to keep the WGMMAs
-            # of the several loop bodies in flight and serializes every WGMMA of the kernel.
-            for i in cutlass.range(n_max - 1 - rng.n_block_min, unroll=1):
-                k_state, v_state = step.run(k_state, v_state, n_max - 2 - i, None)
+            k_state, v_state = self.overlapped_blocks(step, rng, k_state, v_state)
             pipe_v.consumer_wait(v_state)
             turns.begin()
             gemms.pv(r_p, acc_o, v_state.index)
@@ -516,6 +512,37 @@ class HopperFwd:
             pipe_v.consumer_release(v_state)
         # K runs one block ahead of V: after the last PV, k_state is the next free stage.
         return k_state
+
+    @cute.jit
+    def overlapped_blocks(self, step, rng, k_state, v_state):
+        """The blocks after the first, right to left. Without a window only the first block
+        can need the mask, so one loop runs them all unmasked. With one, the masked blocks get
+        loops of their own where registers allow: a run-time mask test inside the loop splits
+        its body, and ptxas then waits for the PV WGMMA at the top of the softmax instead of
+        under it (15 % of the warps' stall samples at hdim 128, docs/perf.md). The masked loops
+        drain the PV before their softmax: with both loop bodies keeping a WGMMA in flight
+        ptxas runs out of registers and serializes every WGMMA of the kernel. At 192 rows
+        (160 registers) even that spills, so one loop tests at run time there."""
+        rest = rng.n_block_max - 1
+        if cutlass.const_expr(not (self.causal or self.has_window_left or self.has_window_right)):
+            for i in cutlass.range(rest - rng.n_block_min, unroll=1):
+                k_state, v_state = step.run(k_state, v_state, rest - 1 - i, False)
+        elif cutlass.const_expr(self.num_wg > 2):
+            for i in cutlass.range(rest - rng.n_block_min, unroll=1):
+                k_state, v_state = step.run(k_state, v_state, rest - 1 - i, None)
+        else:
+            unmasked_end = cutlass.min(rng.n_block_max_no_mask, rest)
+            unmasked_begin = cutlass.min(rng.n_block_min_no_mask, rest)
+            if cutlass.const_expr(self.causal or self.has_window_right):
+                for i in cutlass.range(rest - unmasked_end, unroll=1):
+                    k_state, v_state = step.run(k_state, v_state, rest - 1 - i, True, True)
+            for i in cutlass.range(unmasked_end - unmasked_begin, unroll=1):
+                k_state, v_state = step.run(k_state, v_state, unmasked_end - 1 - i, False)
+            if cutlass.const_expr(self.has_window_left):
+                for i in cutlass.range(unmasked_begin - rng.n_block_min, unroll=1):
+                    k_state, v_state = step.run(k_state, v_state, unmasked_begin - 1 - i, True,
+                                                True)
+        return k_state, v_state
 
 
 class WorkTiles(DslState):
@@ -770,15 +797,17 @@ class OverlappedStep(DslState):
         self.acc_s, self.r_p, self.acc_o = acc_s, r_p, acc_o
 
     @cute.jit
-    def run(self, k_state, v_state, n_block: Int32, masked: cutlass.Constexpr):
+    def run(self, k_state, v_state, n_block: Int32, masked: cutlass.Constexpr,
+            drain: cutlass.Constexpr = False):
         self.pipe_k.consumer_wait(k_state)
         self.turns.begin()
         self.gemms.qk(self.acc_s, k_state.index)
         self.pipe_v.consumer_wait(v_state)
         self.gemms.pv(self.r_p, self.acc_o, v_state.index)
         self.turns.end()
-        # Groups complete in issue order: one left in flight means S has landed.
-        warpgroup.wait_group(1)
+        # Groups complete in issue order: one left in flight means S has landed. `drain`
+        # waits for the PV too (see `HopperFwd.overlapped_blocks`).
+        warpgroup.wait_group(0 if drain else 1)
         self.pipe_k.consumer_release(k_state)
         row_scale = self.scores.to_p(self.acc_s, n_block, False, masked)
         warpgroup.wait_group(0)
