@@ -34,6 +34,7 @@ from .config import (BWD_COMPILE_OPTIONS, BWD_CONSUMER_REGISTERS, BWD_CONSUMER_W
                      SMEM_CAPACITY, BwdConfig, bwd_mma_splits, bwd_smem_plan)
 from .tma import (ROWS_FIRST, make_tma_pipelines, permute, smem_tile, tma_load_atom,
                   tma_partition)
+from .wgmma import wgmma_slice
 
 # Named barriers (0 is sync_threads'; the pipelines use mbarriers). 1: the 256 consumer
 # threads around the shared P and dS tiles (and around a deterministic turn of dQ atomics);
@@ -552,22 +553,32 @@ class BwdStep(DslState):
         thr_sdp, thr_dk = mma_sdp.get_slice(tidx), mma_dk.get_slice(tidx)
         thr_dv, thr_dq = mma_dv.get_slice(tidx), mma_dq.get_slice(tidx)
         self.thr_sdp, self.thr_dq = thr_sdp, thr_dq
-        frag_a = lambda thr, s: thr.make_fragment_A(thr.partition_A(s))  # noqa: E731
-        frag_b = lambda thr, s: thr.make_fragment_B(thr.partition_B(s))  # noqa: E731
+        # Consumer warpgroup 0 or 1, warp-uniform: shared-memory operands are partitioned at
+        # the warpgroup's slice (`wgmma_slice`), barrier ids live in uniform registers.
+        wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
+
+        def frag_a(mma, s):
+            w = wgmma_slice(mma, wg)
+            return w.make_fragment_A(w.partition_A(s))
+
+        def frag_b(mma, s):
+            w = wgmma_slice(mma, wg)
+            return w.make_fragment_B(w.partition_B(s))
+
         if cutlass.const_expr(cfg.swap_sdp):
             # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ; Pᵀ and dSᵀ stay in registers as dV's and dK's A.
-            self.tSrK, self.tSrQ = frag_a(thr_sdp, smem.sK), frag_b(thr_sdp, smem.sQ)
-            self.tdPrV, self.tdPrdO = frag_a(thr_sdp, smem.sV), frag_b(thr_sdp, smem.sdO)
-            self.tdQrdS = frag_a(thr_dq, transpose_view(smem.sdS))
+            self.tSrK, self.tSrQ = frag_a(mma_sdp, smem.sK), frag_b(mma_sdp, smem.sQ)
+            self.tdPrV, self.tdPrdO = frag_a(mma_sdp, smem.sV), frag_b(mma_sdp, smem.sdO)
+            self.tdQrdS = frag_a(mma_dq, transpose_view(smem.sdS))
         else:
-            self.tSrQ, self.tSrK = frag_a(thr_sdp, smem.sQ), frag_b(thr_sdp, smem.sK)
-            self.tdPrdO, self.tdPrV = frag_a(thr_sdp, smem.sdO), frag_b(thr_sdp, smem.sV)
-            self.tdVrPt = frag_a(thr_dv, transpose_view(smem.sP))
-            self.tdKrdSt = frag_a(thr_dk, transpose_view(smem.sdS))
-            self.tdQrdS = frag_a(thr_dq, smem.sdS)
-        self.tdVrdOt = frag_b(thr_dv, transpose_view(smem.sdO))
-        self.tdKrQt = frag_b(thr_dk, transpose_view(smem.sQ))
-        self.tdQrKt = frag_b(thr_dq, transpose_view(smem.sK))
+            self.tSrQ, self.tSrK = frag_a(mma_sdp, smem.sQ), frag_b(mma_sdp, smem.sK)
+            self.tdPrdO, self.tdPrV = frag_a(mma_sdp, smem.sdO), frag_b(mma_sdp, smem.sV)
+            self.tdVrPt = frag_a(mma_dv, transpose_view(smem.sP))
+            self.tdKrdSt = frag_a(mma_dk, transpose_view(smem.sdS))
+            self.tdQrdS = frag_a(mma_dq, smem.sdS)
+        self.tdVrdOt = frag_b(mma_dv, transpose_view(smem.sdO))
+        self.tdKrQt = frag_b(mma_dk, transpose_view(smem.sQ))
+        self.tdQrKt = frag_b(mma_dq, transpose_view(smem.sK))
 
         self.acc_dk = cute.make_rmem_tensor(thr_dk.partition_shape_C((cfg.tile_n, cfg.hdim)),
                                             Float32)
@@ -592,9 +603,7 @@ class BwdStep(DslState):
         self.tdSsdS = self.thr_r2s.partition_D(smem.sdS)
         self.pds_barrier = pipeline.NamedBarrier(barrier_id=_PDS_BARRIER_ID,
                                                  num_threads=cfg.num_consumer_threads)
-        # Consumer warpgroup 0 or 1, warp-uniform so that the id can live in a uniform register.
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        self.wg_p_barrier_id = _WG_P_BARRIER_ID + warp // 4 - 1
+        self.wg_p_barrier_id = _WG_P_BARRIER_ID + wg
         self._init_dq(cfg, tidx, seq, mma_dq, smem, mdQaccum, head)
 
     def _init_dq(self, cfg, tidx, seq, mma_dq, smem, mdQaccum, head):

@@ -34,6 +34,7 @@ from .config import (COMPILE_OPTIONS, ROLE_REGISTERS, SMEM_CAPACITY, TILES, FwdC
                      o_smem_tile, smem_bytes)
 from .tma import (COLS_FIRST, ROWS_FIRST, make_tma_pipelines, packed_tma_atom, permute,
                   smem_tile, tma_load_atom, tma_partition)
+from .wgmma import wgmma_slice
 
 # Named barriers 1 to 3: the consumer warpgroups' ping-pong turns (0 is sync_threads').
 _PINGPONG_BARRIER_ID = 1
@@ -385,9 +386,10 @@ class HopperFwd:
         on rows 64..127 and so on). Ping-pong turns start once and run on across tiles: every
         warpgroup takes the same number of turns per tile."""
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
-        gemms = WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, sQ, sK, sV)
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        gemms = WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV)
         coord_mn = acc_to_mn(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        turns = GemmTurns(self.pingpong, cute.arch.make_warp_uniform(tidx // 128), self.num_wg)
+        turns = GemmTurns(self.pingpong, wg, self.num_wg)
         turns.start()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -717,13 +719,14 @@ class WgmmaOperands(DslState):
     P (registers) and V[stage] (descriptor) for O. Built once per consumer thread. Each call
     issues and commits one group; the caller waits (`warpgroup.wait_group`)."""
 
-    def __init__(self, cfg: HopperFwd, mma_qk, mma_pv, thr_qk, thr_pv, sQ, sK, sV):
+    def __init__(self, cfg: HopperFwd, mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV):
         self.cfg = cfg
         self.mma_qk, self.mma_pv = mma_qk, mma_pv
         self.thr_qk, self.thr_pv = thr_qk, thr_pv
-        self.tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        self.tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        self.tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        wg_qk, wg_pv = wgmma_slice(mma_qk, wg), wgmma_slice(mma_pv, wg)
+        self.tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        self.tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        self.tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
         self.sV = sV
 
     def new_acc_s(self) -> cute.Tensor:

@@ -1,0 +1,19 @@
+"""WGMMA helpers shared by the Hopper kernels."""
+
+import cutlass.cute as cute
+from cutlass import Int32
+
+WARPGROUP_THREADS = 128
+
+
+def wgmma_slice(tiled_mma: cute.TiledMma, wg: Int32):
+    """The slice of `tiled_mma` that partitions a warpgroup's shared-memory operands.
+
+    Every thread of a warpgroup gets the same A/B partition, so it is taken at the
+    warpgroup's first thread from `wg`, a warp-uniform warpgroup index
+    (`cute.arch.make_warp_uniform`). Sliced at the thread index instead, the operand addresses
+    depend on a per-thread register, and ptxas builds every WGMMA descriptor in vector
+    registers and moves it to uniform ones (R2UR): at hdim 128 that was 17 M R2UR and 14 M
+    IMAD per forward and 134 M and 154 M per backward (docs/perf.md, session 10).
+    Accumulators are still partitioned per thread (`get_slice(tidx)`)."""
+    return tiled_mma.get_slice(wg * WARPGROUP_THREADS)
