@@ -39,6 +39,32 @@ def opcode_counts(sass: str) -> dict:
     return counts
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_BRANCH_TARGET = re.compile(r"\bBRA\b.*?\((\.L_x_\d+)\)")
+
+
+def loop_bodies(sass: str) -> list:
+    """The loops of a disassembly, innermost first: for each backward branch (a ``BRA`` to a
+    label above it), the instructions from the label to the branch, as text without the
+    address. Nested loops appear once each, the outer ones holding the inner ones."""
+    instructions, labels = [], {}
+    for line in sass.splitlines():
+        label = _SASS_LABEL.match(line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        instr = _SASS_LINE.search(line)
+        if instr:
+            instructions.append(instr.group(2))
+    loops = set()
+    for end, text in enumerate(instructions):
+        target = _BRANCH_TARGET.search(text)
+        if target and labels.get(target.group(1), end + 1) <= end:
+            loops.add((labels[target.group(1)], end))
+    return [instructions[a:b + 1] for a, b in sorted(loops, key=lambda ab: ab[1] - ab[0])]
+
+
 @dataclass
 class KernelResources:
     name: str

@@ -1,6 +1,7 @@
 """Cross-compiling every registered kernel for its archs on the CPU, and reading the results."""
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 from flash_cute.registry import ARCHES, CONFIGS, registered_configs
-from flash_cute.sass import _sval_attrs, opcode_counts
+from flash_cute.sass import _sval_attrs, loop_bodies, opcode_counts
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +229,73 @@ def test_hopper_bwd_waits_for_each_gemm_only_where_it_is_needed():
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 3
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
     assert sass.count("WARPGROUP.ARRIVE") == 5
+
+
+_PV_WGMMA = re.compile(r"HGMMA\.\S+ R\d+, R\d+, gdesc")  # A (P) from registers
+
+
+def _inner_loops(sass: str, issues: str) -> list:
+    """Innermost loops that run exp2 and issue a WGMMA matching `issues`."""
+    loops = [b for b in loop_bodies(sass)
+             if any("MUFU.EX2" in x for x in b) and any(re.search(issues, x) for x in b)]
+    return [b for b in loops if not any(len(o) < len(b) and _contains(b, o) for o in loops)]
+
+
+def _contains(outer: list, inner: list) -> bool:
+    return any(outer[i:i + len(inner)] == inner for i in range(len(outer) - len(inner) + 1))
+
+
+def _hopper_config(kernel: str, hdim: int, **flags):
+    return next(c for c in registered_configs(kernel)
+                if c.hdim == hdim and c.hdim_v == hdim and c.dtype == "bf16"
+                and {k: v for k, v in c.flag_dict.items() if v} == flags)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_fwd_softmax_runs_under_the_pv_wgmma(causal):
+    """The loop over blocks that need no mask waits for the PV WGMMA inside the softmax (after
+    some of its exp2s), not before it, and builds no WGMMA descriptor in vector registers
+    (R2UR): docs/perf.md, session 10. Causal also has loops for its masked blocks."""
+    from flash_cute.xcompile import compile_for_arch
+
+    cfg = _hopper_config("hopper.fwd", 128, **({"causal": True} if causal else {}))
+    masking = re.compile(r"FSEL R\d+, R\d+, -INF")
+    loops = [b for b in _inner_loops(compile_for_arch(cfg, "sm_90a").sass, _PV_WGMMA.pattern)
+             if not any(masking.search(x) for x in b)]
+    assert len(loops) == 1, [len(b) for b in loops]
+    body = loops[0]
+    exp2 = [i for i, x in enumerate(body) if "MUFU.EX2" in x]
+    wait_pv = [i for i, x in enumerate(body) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in x]
+    assert len(wait_pv) == 1 and sum(i < wait_pv[0] for i in exp2) >= 8, (wait_pv, exp2[:12])
+    assert not any(x.startswith("R2UR") for x in body)
+
+
+def test_hopper_bwd_builds_wgmma_descriptors_in_uniform_registers():
+    """Shared-memory operands partitioned per warpgroup (`wgmma.wgmma_slice`): no R2UR in the
+    query-tile loop (there were 64 per iteration at hdim 128, docs/perf.md session 10)."""
+    from flash_cute.xcompile import compile_for_arch
+
+    sass = compile_for_arch(_hopper_config("hopper.bwd", 128), "sm_90a").sass
+    loops = _inner_loops(sass, r"HGMMA")
+    assert loops and all(not any(x.startswith("R2UR") for x in b) for b in loops)
+
+
+def test_loop_bodies_finds_backward_branches():
+    sass = """
+        /*0000*/                   MOV R1, R2 ;
+        .L_x_1:
+        /*0010*/                   IADD3 R1, R1, 0x1, RZ ;
+        .L_x_2:
+        /*0020*/                   MUFU.EX2 R3, R1 ;
+        /*0030*/              @P0 BRA `(.L_x_2) ;
+        /*0040*/              @P1 BRA `(.L_x_1) ;
+        /*0050*/                   BRA `(.L_x_3) ;
+        .L_x_3:
+        /*0060*/                   EXIT ;
+    """
+    inner, outer = loop_bodies(sass)
+    assert inner == ["MUFU.EX2 R3, R1", "@P0 BRA `(.L_x_2)"]
+    assert outer[0] == "IADD3 R1, R1, 0x1, RZ" and outer[-1] == "@P1 BRA `(.L_x_1)"
 
 
 def test_hopper_pipeline_has_a_backward():
