@@ -25,8 +25,7 @@ def one_round(batch, seqlen, nheads, hdim, causal, arch, calls):
     q, k, v = (torch.randn(batch, seqlen, nheads, hdim, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
-    out = flash_attn_func(q, k, v, causal=causal, arch=arch)
-    out = out[0] if isinstance(out, tuple) else out
+    out, _ = flash_attn_func(q, k, v, causal=causal, arch=arch)
 
     def grads():
         return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)

@@ -64,6 +64,17 @@ def test_every_schedule_matches_float64(overlap, pingpong, sq, sk, kw):
     check_forward(out, lse, q, k, v, **kw)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [(None, 40), (90, None), (250, 0), (0, 0)])
+def test_masked_and_unmasked_block_loops(d, window):
+    """`HopperFwd.overlapped_blocks`: blocks masked by a right window, unmasked blocks, blocks
+    masked by a left window, each in its own loop at 128 rows (hdim 128), or one loop that
+    tests at run time at 192 rows (hdim 64); one-sided windows and a diagonal-only one."""
+    q, k, v = _inputs((2, 700, 4), (2, 900, 2), seed=sum(w or 0 for w in window) + d, d=d)
+    out, lse = _forward(q, k, v, True, True, window_size=window)
+    check_forward(out, lse, q, k, v, window_size=window)
+
+
 @pytest.mark.parametrize("overlap,pingpong", SCHEDULES)
 def test_every_schedule_handles_varlen(overlap, pingpong):
     seqlens_q, seqlens_k = [37, 0, 129, 1, 300], [50, 17, 0, 1, 257]

@@ -39,8 +39,8 @@ class FwdConfig(NamedTuple):
 # per thread), S (tile_n / 2) and, with the overlap, P (tile_n / 4) fit the 240-register
 # consumer budget.
 # Ping-pong is on where it measured faster on the H200 (docs/perf.md): hdim 256 +3 %, hdim 64
-# +1 % (session 7); hdim 128 +1 to +7 % causal and level non-causal once the masked blocks got
-# loops of their own (session 10; in session 7 it had cost 12 % causal).
+# +1 % (session 7); hdim 128, once the masked blocks got loops of their own, +0.8 to +7.1 %
+# causal and −0.9 to +8.0 % non-causal (session 10; in session 7 it had cost 12 % causal).
 # Persistence is on where it measured faster (docs/perf.md, session 8, seqlen 2k and 8k):
 # hdim 64 +1 to +7 % (one cell -3 %), hdim 128 0 to +5 %; unmeasured at 96, 192, 256.
 # hdim 64 takes 192-row tiles (three consumer warpgroups at 160 registers, FA4's choice):

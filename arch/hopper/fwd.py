@@ -34,7 +34,7 @@ from .config import (COMPILE_OPTIONS, ROLE_REGISTERS, SMEM_CAPACITY, TILES, FwdC
                      o_smem_tile, smem_bytes)
 from .tma import (COLS_FIRST, ROWS_FIRST, make_tma_pipelines, packed_tma_atom, permute,
                   smem_tile, tma_load_atom, tma_partition)
-from .wgmma import wgmma_slice
+from .wgmma import WARPGROUP_THREADS, wgmma_slice
 
 # Named barriers 1 to 3: the consumer warpgroups' ping-pong turns (0 is sync_threads').
 _PINGPONG_BARRIER_ID = 1
@@ -386,7 +386,7 @@ class HopperFwd:
         on rows 64..127 and so on). Ping-pong turns start once and run on across tiles: every
         warpgroup takes the same number of turns per tile."""
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
-        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         gemms = WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV)
         coord_mn = acc_to_mn(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
         turns = GemmTurns(self.pingpong, wg, self.num_wg)
@@ -485,7 +485,7 @@ class HopperFwd:
         """FA3's intra-warpgroup overlap: S[n-1] = Q K[n-1]ᵀ and O += P[n] V[n] are issued
         together, so the softmax of block n-1 runs while the PV WGMMA of block n is in flight;
         O is rescaled once that PV has landed. Blocks run right to left; the first is always
-        masked (harmless where it needs none), the others where `needs_mask` says so.
+        masked (harmless where it needs none), the others as `overlapped_blocks` arranges.
         Returns the K/V state of the next tile's first block."""
         _, pipe_k, pipe_v = pipes
         acc_s = gemms.new_acc_s()
@@ -537,13 +537,14 @@ class HopperFwd:
             unmasked_begin = cutlass.min(rng.n_block_min_no_mask, rest)
             if cutlass.const_expr(self.causal or self.has_window_right):
                 for i in cutlass.range(rest - unmasked_end, unroll=1):
-                    k_state, v_state = step.run(k_state, v_state, rest - 1 - i, True, True)
+                    k_state, v_state = step.run(k_state, v_state, rest - 1 - i, masked=True,
+                                                drain=True)
             for i in cutlass.range(unmasked_end - unmasked_begin, unroll=1):
                 k_state, v_state = step.run(k_state, v_state, unmasked_end - 1 - i, False)
             if cutlass.const_expr(self.has_window_left):
                 for i in cutlass.range(unmasked_begin - rng.n_block_min, unroll=1):
-                    k_state, v_state = step.run(k_state, v_state, unmasked_begin - 1 - i, True,
-                                                True)
+                    k_state, v_state = step.run(k_state, v_state, unmasked_begin - 1 - i,
+                                                masked=True, drain=True)
         return k_state, v_state
 
 
@@ -813,7 +814,8 @@ class OverlappedStep(DslState):
         warpgroup.wait_group(0 if drain else 1)
         self.pipe_k.consumer_release(k_state)
         row_scale = self.scores.to_p(self.acc_s, n_block, False, masked)
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(not drain):
+            warpgroup.wait_group(0)
         self.pipe_v.consumer_release(v_state)
         rescale_o(acc_to_mn(self.acc_o), row_scale)
         self.r_p.store(self.acc_s.load().to(self.r_p.element_type))
