@@ -10,7 +10,10 @@ block `m_block` with in-bounds rows ``[m_lo, m_hi)``:
 * visited: ``[n_block_min, n_block_max)``, the tightest range holding every visible key;
 * unmasked: ``[n_block_min_no_mask, n_block_max_no_mask)``, blocks whose every key lies inside
   seqlen_k and the window of every in-bounds row. Blocks visited outside it need the mask. Rows
-  past seqlen_q are never stored, so they are not considered.
+  past seqlen_q are never stored, so they are not considered;
+* runs (`block_runs`): the visited blocks after the first, walked right to left, as a masked,
+  an unmasked and a masked run, so that a kernel can give each its own loop with no run-time
+  mask test.
 
 Packed GQA (``pack`` > 1): a tile's rows are ``pack`` query heads that share one K/V head,
 interleaved (tile row r is query ``r // pack`` of head ``r % pack``), so a query block spans
@@ -75,6 +78,23 @@ def block_range(
     n_min_no_mask = imin(imax(nm_min, n_min), n_max)
     n_max_no_mask = imax(imin(nm_max, n_max), n_min_no_mask)
     return BlockRange(n_min, n_max, n_min_no_mask, n_max_no_mask)
+
+
+class BlockRuns(NamedTuple):
+    """The visited blocks after the first (``n_block_max - 1``, which a kernel visits first
+    and may always mask), split into three runs that a right-to-left walk meets in turn:
+    ``[unmasked_end, end)`` masked (the right side of a window), ``[unmasked_begin,
+    unmasked_end)`` unmasked, ``[n_block_min, unmasked_begin)`` masked (the left side). Any
+    run may be empty; without a window both masked runs are."""
+    end: object
+    unmasked_end: object
+    unmasked_begin: object
+
+
+def block_runs(rng: BlockRange, *, imin=min) -> BlockRuns:
+    """`BlockRuns` of a non-empty visited range (`imin` as in `block_range`)."""
+    end = rng.n_block_max - 1
+    return BlockRuns(end, imin(rng.n_block_max_no_mask, end), imin(rng.n_block_min_no_mask, end))
 
 
 def needs_mask(n_block, rng: BlockRange):

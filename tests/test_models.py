@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from flash_cute.block_range import BlockRange, block_runs
 from flash_cute.models import (
     EXP2_POLY_COEFFS,
     EXP2_POLY_MAX_REL_ERR,
@@ -121,6 +122,20 @@ def _check_block_range(bm, bn, sq, sk, causal, left, right, pack=1):
         assert n_min <= nm_min <= nm_max <= max(n_min, n_max), cfg
         for n in visited:
             assert (nm_min <= n < nm_max) == all_visible[n], cfg
+        if visited:
+            _check_block_runs(block_runs(BlockRange(n_min, n_max, nm_min, nm_max)), n_min,
+                              all_visible, causal or left is not None or right is not None, cfg)
+
+
+def _check_block_runs(runs, n_min, all_visible, windowed, cfg):
+    """`block_runs`: the blocks after the first in three ordered runs, masked where they
+    need it, and no masked run without a window (the forward then runs them unmasked)."""
+    end, unmasked_end, unmasked_begin = runs
+    assert n_min <= unmasked_begin <= unmasked_end <= end, (cfg, runs)
+    for n in range(n_min, end):
+        assert all_visible[n] == (unmasked_begin <= n < unmasked_end), (cfg, runs, n)
+    if not windowed:
+        assert unmasked_begin == n_min and unmasked_end == end, (cfg, runs)
 
 
 def test_block_range_hand_examples():

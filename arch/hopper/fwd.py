@@ -21,7 +21,7 @@ from cutlass import Float32, Int32, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from flash_cute.block_range import block_range
+from flash_cute.block_range import block_range, block_runs
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
@@ -517,33 +517,32 @@ class HopperFwd:
 
     @cute.jit
     def overlapped_blocks(self, step, rng, k_state, v_state):
-        """The blocks after the first, right to left. Without a window only the first block
-        can need the mask, so one loop runs them all unmasked. With one, the masked blocks get
-        loops of their own where registers allow: a run-time mask test inside the loop splits
-        its body, and ptxas then waits for the PV WGMMA at the top of the softmax instead of
-        under it (15 % of the warps' stall samples at hdim 128, docs/perf.md). The masked loops
-        drain the PV before their softmax: with both loop bodies keeping a WGMMA in flight
-        ptxas runs out of registers and serializes every WGMMA of the kernel. At 192 rows
-        (160 registers) even that spills, so one loop tests at run time there."""
-        rest = rng.n_block_max - 1
+        """The blocks after the first, right to left, in the runs of `block_runs`. Without a
+        window only the first block can need the mask, so one loop runs them all unmasked.
+        With one, the masked runs get loops of their own where registers allow: a run-time
+        mask test inside the loop splits its body, and ptxas then waits for the PV WGMMA at
+        the top of the softmax instead of under it (15 % of the warps' stall samples at hdim
+        128, docs/perf.md). The masked loops drain the PV before their softmax: with both loop
+        bodies keeping a WGMMA in flight ptxas runs out of registers and serializes every
+        WGMMA of the kernel. At 192 rows (160 registers) even that spills, so one loop tests
+        at run time there."""
+        runs = block_runs(rng, imin=cutlass.min)
         if cutlass.const_expr(not (self.causal or self.has_window_left or self.has_window_right)):
-            for i in cutlass.range(rest - rng.n_block_min, unroll=1):
-                k_state, v_state = step.run(k_state, v_state, rest - 1 - i, False)
+            for i in cutlass.range(runs.end - rng.n_block_min, unroll=1):
+                k_state, v_state = step.run(k_state, v_state, runs.end - 1 - i, False)
         elif cutlass.const_expr(self.num_wg > 2):
-            for i in cutlass.range(rest - rng.n_block_min, unroll=1):
-                k_state, v_state = step.run(k_state, v_state, rest - 1 - i, None)
+            for i in cutlass.range(runs.end - rng.n_block_min, unroll=1):
+                k_state, v_state = step.run(k_state, v_state, runs.end - 1 - i, None)
         else:
-            unmasked_end = cutlass.min(rng.n_block_max_no_mask, rest)
-            unmasked_begin = cutlass.min(rng.n_block_min_no_mask, rest)
             if cutlass.const_expr(self.causal or self.has_window_right):
-                for i in cutlass.range(rest - unmasked_end, unroll=1):
-                    k_state, v_state = step.run(k_state, v_state, rest - 1 - i, masked=True,
+                for i in cutlass.range(runs.end - runs.unmasked_end, unroll=1):
+                    k_state, v_state = step.run(k_state, v_state, runs.end - 1 - i, masked=True,
                                                 drain=True)
-            for i in cutlass.range(unmasked_end - unmasked_begin, unroll=1):
-                k_state, v_state = step.run(k_state, v_state, unmasked_end - 1 - i, False)
+            for i in cutlass.range(runs.unmasked_end - runs.unmasked_begin, unroll=1):
+                k_state, v_state = step.run(k_state, v_state, runs.unmasked_end - 1 - i, False)
             if cutlass.const_expr(self.has_window_left):
-                for i in cutlass.range(unmasked_begin - rng.n_block_min, unroll=1):
-                    k_state, v_state = step.run(k_state, v_state, unmasked_begin - 1 - i,
+                for i in cutlass.range(runs.unmasked_begin - rng.n_block_min, unroll=1):
+                    k_state, v_state = step.run(k_state, v_state, runs.unmasked_begin - 1 - i,
                                                 masked=True, drain=True)
         return k_state, v_state
 
