@@ -527,12 +527,11 @@ class HopperFwd:
         WGMMA of the kernel. At 192 rows (160 registers) even that spills, so one loop tests
         at run time there."""
         runs = block_runs(rng, imin=cutlass.min)
-        if cutlass.const_expr(not (self.causal or self.has_window_left or self.has_window_right)):
+        windowed = self.causal or self.has_window_left or self.has_window_right
+        if cutlass.const_expr(not windowed or self.num_wg > 2):
+            masked = None if windowed else False
             for i in cutlass.range(runs.end - rng.n_block_min, unroll=1):
-                k_state, v_state = step.run(k_state, v_state, runs.end - 1 - i, False)
-        elif cutlass.const_expr(self.num_wg > 2):
-            for i in cutlass.range(runs.end - rng.n_block_min, unroll=1):
-                k_state, v_state = step.run(k_state, v_state, runs.end - 1 - i, None)
+                k_state, v_state = step.run(k_state, v_state, runs.end - 1 - i, masked)
         else:
             if cutlass.const_expr(self.causal or self.has_window_right):
                 for i in cutlass.range(runs.end - runs.unmasked_end, unroll=1):
