@@ -186,7 +186,26 @@ def _hopper_bwd_configs():
     out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 64, 64,
                             HOPPER_BWD_TILES[64]._replace(tile_m=64), _HOPPER_BWD,
                             _flags(**{**plain, "causal": True})))
+    # dQ by fp32 atomics (two Q/dO stages at hdim 256 leave no room for the dQ tile), plain
+    # and deterministic, against the default single stage with the TMA reduce-add.
+    for det in (False, True):
+        out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 256, 256,
+                                HOPPER_BWD_TILES[256]._replace(q_stages=2), _HOPPER_BWD,
+                                _flags(**{**plain, "causal": det, "deterministic": det})))
     return tuple(out)
+
+
+_HOPPER_DQ_POST = "flash_cute.arch.hopper.dq_accum:build_postprocess_for_inspect"
+
+
+def _hopper_dq_postprocess_configs():
+    """The postprocess of the Hopper backward's fragment-order dQaccum, per default tile."""
+    return tuple(KernelConfig("hopper.bwd.dq_postprocess", ("sm_90a",), dtype, d, None,
+                              (HOPPER_BWD_TILES[d].tile_m, d), _HOPPER_DQ_POST,
+                              _flags(varlen=varlen))
+                 for d, dtype, varlen in [(64, "bf16", False), (96, "bf16", False),
+                                          (128, "bf16", False), (128, "fp16", True),
+                                          (192, "bf16", False), (256, "bf16", True)])
 
 
 _LSE_MERGE = "flash_cute.lse_merge:build_for_inspect"
@@ -200,7 +219,7 @@ CONFIGS = (
                  _flags(causal=False, local=True, softcap=False)),
     KernelConfig("blocks.lse_merge", ARCHES, "bf16", 128, 128, (4, 128), _LSE_MERGE),
 ) + _ampere_fwd_configs() + _ampere_bwd_configs() + _hopper_fwd_configs() \
-    + _hopper_bwd_configs()
+    + _hopper_bwd_configs() + _hopper_dq_postprocess_configs()
 
 _BWD_PREP = "flash_cute.bwd_prep:build_for_inspect"
 CONFIGS += (

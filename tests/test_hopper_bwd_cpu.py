@@ -15,11 +15,40 @@ from flash_cute.launch import backward_compile_key, dq_semaphores
 
 
 @pytest.mark.parametrize("hdim,hdim_v", sorted(BWD_SUPPORTED_HDIMS))
-def test_bwd_smem_plan_fits_and_keeps_dq_out_of_atomics_below_hdim_256(hdim, hdim_v):
+def test_bwd_smem_plan_fits_and_keeps_dq_out_of_atomics(hdim, hdim_v):
     plan = bwd_smem_plan(hdim, hdim_v, BWD_TILES[hdim])
     assert plan.smem_bytes <= SMEM_CAPACITY
-    assert plan.dq_tma == (hdim < 256)
+    assert plan.dq_tma
     assert plan.pds_stages == BWD_TILES[hdim][2]
+
+
+def test_bwd_smem_plan_falls_back_to_atomics_where_the_dq_tile_does_not_fit():
+    plan = bwd_smem_plan(256, 256, BWD_TILES[256]._replace(q_stages=2))
+    assert not plan.dq_tma and plan.smem_bytes <= SMEM_CAPACITY
+
+
+def test_varlen_dq_accum_tiles_of_different_sequences_never_overlap():
+    """Every query tile of every sequence (lengths 0 to a few tiles, any packing) gets its
+    own fragment-order dQaccum tile inside the allocation, so a tile's rows past its sequence
+    (added as ±0) never land in another sequence's tile."""
+    from flash_cute.arch.hopper.dq_accum import accum_shape, varlen_first_tile
+
+    rng = random.Random(5)
+    for _ in range(500):
+        tm = rng.choice([64, 128])
+        lens = [rng.choice([0, 1, tm - 1, tm, tm + 1, rng.randint(0, 4 * tm)])
+                for _ in range(rng.randint(1, 6))]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        total_q = cu[-1] + rng.choice([0, 0, 3])
+        blocks = accum_shape(len(lens), 0, 1, tm, 64, total_q=total_q)[0]
+        owner = {}
+        for b, n in enumerate(lens):
+            for m in range(-(-n // tm)):
+                idx = varlen_first_tile(cu[b], b, tm) + m
+                assert 0 <= idx < blocks and idx not in owner, (lens, tm, b, m, owner.get(idx))
+                owner[idx] = b
 
 
 def _n_blocks_that_visit(m, tm, tn, sq, sk, causal, left, right):

@@ -184,10 +184,12 @@ def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
         assert 2 * ops.get("WARPGROUP.DEPBAR", 0) <= ops["HGMMA"], (e["config"], ops)
 
 
-def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_tma_dq_reduce(inspected):
-    """dQ leaves through a TMA reduce-add of a shared-memory tile wherever that tile fits
-    (`bwd_smem_plan`; every hdim but 256), else through fp32 atomics; a deterministic kernel
-    adds one int32 semaphore increment."""
+def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce(inspected):
+    """dQ leaves through one bulk reduce-add of a shared-memory tile, written by 128-bit
+    stores in fragment order (`dq_accum`), wherever that tile fits
+    (`bwd_smem_plan`; every default schedule), else through fp32 atomics (registered: hdim 256
+    with two Q/dO stages, plain and deterministic); a deterministic kernel adds one int32
+    semaphore increment."""
     from flash_cute.arch.hopper.config import bwd_smem_plan
 
     entries = [e for e in inspected if e["kernel"] == "hopper.bwd"]
@@ -195,6 +197,7 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_tma_dq_reduce(
     hdims = {(e["config"]["hdim"], e["config"]["hdim_v"]) for e in entries}
     assert hdims >= {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
     assert any(e["config"]["deterministic"] for e in entries)
+    atomic_configs = 0
     for e in entries:
         ops, cfg = e["sass"], e["config"]
         assert ops.get("HGMMA", 0) > 0, "S, dP, dV, dK and dQ must run on WGMMA"
@@ -204,10 +207,14 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_tma_dq_reduce(
         semaphore = 1 if cfg["deterministic"] else 0
         atomics = ops.get("REDG", 0) + ops.get("ATOMG", 0) - semaphore
         if bwd_smem_plan(cfg["hdim"], cfg["hdim_v"], tuple(cfg["tile"])).dq_tma:
-            assert ops.get("UTMAREDG", 0) > 0, "dQ is added by a TMA reduce"
-            assert atomics == 0, "no fp32 atomics where the TMA reduce adds dQ"
+            assert ops.get("UBLKRED", 0) == 1, "dQ is added by one bulk reduce per tile"
+            if not (cfg["varlen"] or cfg.get("seqused_k")):  # those also zero tile tails
+                per_thread = cfg["tile"][0] * cfg["hdim"] // 256
+                assert ops.get("STS", 0) == per_thread // 4, "dQ: one 128-bit store per 4"
+            assert atomics == 0, "no fp32 atomics where the bulk reduce adds dQ"
         else:
-            assert ops.get("UTMAREDG", 0) == 0 and atomics > 0, "dQ is added by fp32 atomics"
+            assert ops.get("UBLKRED", 0) == 0 and atomics > 0, "dQ is added by fp32 atomics"
+            atomic_configs += 1
         assert ops.get("HMMA", 0) == 0 and ops.get("LDGSTS", 0) == 0
         assert ops.get("MUFU.EX2", 0) > 0
         assert e["spill_bytes"] == 0, e
@@ -216,6 +223,7 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_tma_dq_reduce(
         # When ptxas cannot keep WGMMAs in flight (C7512, e.g. too few registers) it waits
         # after every one of them: as many DEPBARs as HGMMAs. The kernel waits per GEMM.
         assert 2 * ops.get("WARPGROUP.DEPBAR", 0) <= ops["HGMMA"], (e["config"], ops)
+    assert atomic_configs == 2, "the atomic dQ path is cross-compiled, plain and deterministic"
 
 
 def test_hopper_bwd_waits_for_each_gemm_only_where_it_is_needed():

@@ -6,7 +6,8 @@ from flash_cute import launch
 from flash_cute.validation import AttentionProblem
 
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, PACK_ROWS,
-                     SUPPORTED_HDIMS, TILES, bwd_tile, fwd_tile)
+                     SUPPORTED_HDIMS, TILES, BwdConfig, bwd_mma_splits, bwd_smem_plan, bwd_tile,
+                     fwd_tile)
 
 # forward/backward take seqused_q/seqused_k (the dispatcher reads this without importing the DSL).
 SUPPORTS_SEQUSED = True
@@ -79,14 +80,18 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
     from flash_cute.jit import current_arch
 
     from .bwd import HopperBwd
+    from .dq_accum import TiledDqAccum
 
     arch = current_arch()
     if arch != "sm_90a":
         raise NotImplementedError(f"the hopper backward runs on sm_90a only, not {arch}")
     launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
+    tile = BwdConfig(*(tile or bwd_tile(problem.hdim, problem.varlen)))
+    accum = None
+    if bwd_smem_plan(problem.hdim, problem.hdim_v, tile).dq_tma:
+        accum = TiledDqAccum(tile.tile_m, bwd_mma_splits(tile)["dq"])
     return launch.backward("hopper.bwd", HopperBwd, dout, dlse, q, k, v, out, lse, problem,
-                           cu_seqlens_q, cu_seqlens_k,
-                           tuple(tile or bwd_tile(problem.hdim, problem.varlen)),
-                           BWD_COMPILE_OPTIONS, arch, prepare=_tma_ready,
-                           deterministic=bool(deterministic), dq_accum_align=16,
-                           row_stats_align=16, seqused_q=seqused_q, seqused_k=seqused_k)
+                           cu_seqlens_q, cu_seqlens_k, tuple(tile), BWD_COMPILE_OPTIONS, arch,
+                           prepare=_tma_ready, deterministic=bool(deterministic),
+                           dq_accum_align=16, row_stats_align=16, seqused_q=seqused_q,
+                           seqused_k=seqused_k, dq_accum=accum)

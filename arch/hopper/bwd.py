@@ -32,6 +32,7 @@ from flash_cute.variant import Variant, set_kernel_switches
 from .config import (BWD_COMPILE_OPTIONS, BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS,
                      BWD_NUM_THREADS, BWD_PRODUCER_REGISTERS, BWD_SUPPORTED_HDIMS, BWD_TILES,
                      SMEM_CAPACITY, BwdConfig, bwd_mma_splits, bwd_smem_plan)
+from .dq_accum import DQ_THREADS, as_vectors, reduce_add_tile, thread_view
 from .tma import (ROWS_FIRST, make_tma_pipelines, permute, smem_tile, tma_load_atom,
                   tma_partition)
 from .wgmma import wgmma_slice
@@ -69,8 +70,8 @@ class HopperBwd:
     | dQ tile (named barriers)    | 1          | consumers: 4 (full)      | dQ writer: 5 (empty)  |
 
     `config.bwd_smem_plan` picks pds_stages (q_stages where it fits, else 1) and dq_tma (the
-    fp32 dQ tile in shared memory; without it, hdim 256, the consumers add dQ with fp32
-    atomics and warp 1 idles).
+    fp32 dQ tile in shared memory; without it, e.g. hdim 256 with two Q/dO stages, the
+    consumers add dQ with fp32 atomics and warp 1 idles).
 
     Per query tile m the consumers (WGMMA; how the two warpgroups split each GEMM is
     `config.bwd_mma_splits`; a GEMM is issued and committed, and waited for only where its
@@ -179,14 +180,9 @@ class HopperBwd:
         if cutlass.const_expr(self.stats_tma):
             tma_lse, tLSE = self._row_stats_atom(mLSElog2)
             tma_delta, tDelta = self._row_stats_atom(mDelta)
-        tma_dq, tdQaccum = None, mdQaccum
         if cutlass.const_expr(self.dq_tma):
-            # fp32 rows of hdim elements: 16-byte strides for the same reason.
-            tma_dq, tdQaccum = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(),
-                permute(assume_aligned_strides(mdQaccum, 4), order),
-                cute.slice_(sdQ_layout, (None, None, 0)), (self.tile_m, self.hdim))
-            tdQaccum = permute(tdQaccum, back)
+            # Fragment-order tiles (`dq_accum`), each 16-byte aligned for the bulk reduce-add.
+            mdQaccum = assume_aligned_strides(mdQaccum, 4)
 
         SharedStorage = self._shared_storage(layouts)
         if cutlass.const_expr(SharedStorage.size_in_bytes() != self.smem_bytes
@@ -202,7 +198,7 @@ class HopperBwd:
         grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
-            tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_dq, tdQaccum, tma_lse, tLSE,
+            tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, mdQaccum, tma_lse, tLSE,
             tma_delta, tDelta, mdK, mdV, mdQsem, softmax_scale, scale_log2, scale_div_cap, window_left,
             window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, *layouts, *mmas,
             SharedStorage, tx_bytes,
@@ -266,7 +262,7 @@ class HopperBwd:
                 layout(self.tile_m, self.hdim_v, self.q_stages, self.hdim_v // dkv_n),
                 layout(self.tile_n, self.hdim, 1, self.hdim // dq_n),
                 layout(self.tile_n, self.hdim_v, 1, self.hdim_v), pds,
-                layout(self.tile_m, self.hdim, 1, self.hdim // dq_n, Float32))
+                cute.make_layout(self.tile_m * self.hdim))
 
     def _tiled_mmas(self):
         """(S/dP, dK, dV, dQ) WGMMAs, every operand from shared memory.
@@ -296,7 +292,7 @@ class HopperBwd:
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom,
                mdO: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom,
-               mV: cute.Tensor, tma_dq: Optional[cute.CopyAtom], mdQaccum: cute.Tensor,
+               mV: cute.Tensor, mdQaccum: cute.Tensor,
                tma_lse: cute.CopyAtom, mLSElog2: cute.Tensor, tma_delta: cute.CopyAtom,
                mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mdQsem: Optional[cute.Tensor], softmax_scale: Float32, scale_log2: Float32,
@@ -305,7 +301,7 @@ class HopperBwd:
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+               sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.Layout,
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
@@ -347,7 +343,7 @@ class HopperBwd:
                                  head_kv, n_block, m_min, m_max)
                 if cutlass.const_expr(self.dq_tma):
                     if warp_idx == _DQ_WRITER_WARP:
-                        self.write_dq(tma_dq, mdQaccum, smem, seq, head, order, m_min, m_max)
+                        self.write_dq(mdQaccum, smem, seq, head, order, m_min, m_max)
             else:
                 cute.arch.setmaxregister_increase(BWD_CONSUMER_REGISTERS)
                 tidx = cute.arch.thread_idx()[0] - 128
@@ -412,21 +408,17 @@ class HopperBwd:
             state.advance()
 
     @cute.jit
-    def write_dq(self, tma_dq, mdQaccum, smem, seq, head, order, m_min, m_max):
-        """Warp 1, all 32 lanes: the TMA reduce-add of each query tile's dQ partial from the
-        shared dQ tile into dQaccum (the copy elects its issuing lane; bulk groups are that
-        lane's, and every lane waits on its own).
+    def write_dq(self, mdQaccum, smem, seq, head, order, m_min, m_max):
+        """Warp 1: the bulk reduce-add of each query tile's dQ partial from the shared dQ tile
+        into its dQaccum tile (`dq_accum`; one lane issues it, bulk groups are that lane's,
+        and every lane waits on its own).
 
-        Padded inputs: the rows of a tile past seqlen_q lie outside the tensor, and TMA clips
-        them. Varlen: they are the next sequence's rows (TMA clips only at the end of the
-        packed tensor) and get this tile's rows added. Those rows are exactly ±0: they have
-        LSE = +inf (`tile_row_values`), so P = exp2(S·scale_log2 − inf) = 0, dS = P ∘ (dP − Δ) = ±0
-        and dQ = dS K = ±0; adding ±0 changes no dQaccum value (never −0: it starts at +0),
-        in any order, so determinism holds too. That needs finite values in the rows TMA
-        reads: the consumers zero the Q, dO, K and V rows past the sequence first
-        (`BwdStep.clear_tail`)."""
-        g_dq = cute.local_tile(seq.q_view(mdQaccum, head), (self.tile_m, self.hdim), (None, 0))
-        t_s, t_g = tma_partition(tma_dq, smem.sdQ, g_dq)
+        The rows of a tile past seqlen_q are added too, into this sequence's own tile. They
+        are exactly ±0: they have LSE = +inf (`tile_row_values`), so P = exp2(S·scale_log2 −
+        inf) = 0, dS = P ∘ (dP − Δ) = ±0 and dQ = dS K = ±0; adding ±0 changes no dQaccum
+        value (never −0: it starts at +0), in any order, so determinism holds too. That
+        needs finite values in the rows TMA reads: the consumers zero the Q, dO, K and V rows
+        past the sequence first (`BwdStep.clear_tail`)."""
         full, empty = _dq_barriers(self)
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             if cutlass.const_expr(not self.deterministic):
@@ -439,7 +431,7 @@ class HopperBwd:
                 # through the async one.
                 cute.arch.fence_proxy("async.global")
             full.arrive_and_wait()
-            cute.copy(tma_dq, t_s[None, 0], t_g[None, m_block])
+            reduce_add_tile(mdQaccum, smem.sdQ, seq, head, m_block, self.tile_m, self.hdim)
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
                 # The add must be done in global memory, not just read, before the next
@@ -508,7 +500,7 @@ class SmemTiles(DslState):
         self.sV = get(storage.sV, sV_layout)
         self.sP = None if cfg.swap_sdp else get(storage.sP, sPdS_layout)
         self.sdS = get(storage.sdS, sPdS_layout)
-        self.sdQ = get(storage.sdQ, sdQ_layout) if cfg.dq_tma else None
+        self.sdQ = storage.sdQ.get_tensor(sdQ_layout) if cfg.dq_tma else None
         stats = cute.make_layout((cfg.tile_m, cfg.q_stages))
         self.sLSE = storage.sLSE.get_tensor(stats)
         self.sDelta = storage.sDelta.get_tensor(stats)
@@ -607,12 +599,9 @@ class BwdStep(DslState):
         self._init_dq(cfg, tidx, seq, mma_dq, smem, mdQaccum, head)
 
     def _init_dq(self, cfg, tidx, seq, mma_dq, smem, mdQaccum, head):
-        """dQ's way out: the shared dQ tile (fp32 pairs, 64-bit stores) or atomics."""
+        """dQ's way out: the shared fragment-order dQ tile (`dq_accum`) or atomics."""
         if cutlass.const_expr(cfg.dq_tma):
-            self.r2s_dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
-                                                   num_bits_per_copy=64)
-            self.thr_r2s_dq = cute.make_tiled_copy_C(self.r2s_dq_atom, mma_dq).get_slice(tidx)
-            self.tdQsdQ = self.thr_r2s_dq.partition_D(smem.sdQ[None, None, 0])
+            self.tdQsdQ = thread_view(smem.sdQ, tidx, cfg.tile_m * cfg.hdim // DQ_THREADS)
         else:
             self.coord_dq = acc_to_mn(self.thr_dq.partition_C(
                 cute.make_identity_tensor((cfg.tile_m, cfg.hdim))))
@@ -848,7 +837,7 @@ class BwdStep(DslState):
         """dQ partial into the shared dQ tile, once the dQ writer's TMA has read the last one."""
         full, empty = _dq_barriers(self.cfg)
         empty.arrive_and_wait()
-        cute.copy(self.r2s_dq_atom, self.thr_r2s_dq.retile(acc_dq), self.tdQsdQ)
+        cute.autovec_copy(as_vectors(acc_dq), self.tdQsdQ)
         # The TMA reads the tile through the async proxy.
         cute.arch.fence_view_async_shared()
         full.arrive()
@@ -924,7 +913,7 @@ def registers_per_role() -> dict:
 
 def build_for_inspect(cfg):
     """Registry builder: fake padded or varlen tensors with dynamic batch, heads and lengths."""
-    from flash_cute.jit import DTYPES, CompileSpec, fake_backward_args
+    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_backward_args, fake_tensor
 
     dtype = DTYPES[cfg.dtype]
     flags = cfg.flag_dict
@@ -935,6 +924,12 @@ def build_for_inspect(cfg):
                               dkv_fp32=flags.get("dkv_fp32", False), stats_align=16,
                               dq_align=16, semaphores=kernel.deterministic,
                               seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
+    if kernel.dq_tma:
+        # dQaccum in fragment-order tiles (`dq_accum.accum_shape`).
+        lead = (dynamic_dim(),) if kernel.varlen else (dynamic_dim(), dynamic_dim())
+        heads = args[0].shape[-2]
+        args = args[:6] + (fake_tensor(Float32, lead + (heads, cfg.tile[0] * cfg.hdim)),) \
+            + args[7:]
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
                        options=BWD_COMPILE_OPTIONS,
                        extra={"registers_per_role": registers_per_role()})

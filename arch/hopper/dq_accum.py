@@ -1,0 +1,214 @@
+"""The Hopper backward's fp32 dQ accumulator in fragment order, and its postprocess.
+
+A query tile's dQ partial leaves the consumers' registers for one shared-memory tile and is
+added to global memory by one bulk reduce-add (`cp.reduce.async.bulk .add.f32`) of the whole
+tile, so the tile is kept in the order the WGMMA accumulator fragments have, in shared and in
+global memory (FA3/FA4 do the same): element i of consumer thread t sits at
+
+    (i // 4) * 4 * DQ_THREADS + 4 * t + i % 4
+
+of its tile's tile_m * hdim floats, so each thread's four consecutive values are one 128-bit
+store and a warp's store covers 512 contiguous bytes (no bank conflicts). The layout it
+replaced (rows like Q, a 128-byte swizzled tile for a TMA tensor reduce) took 16 64-bit stores
+per thread at twice the ideal wavefronts; dropping those stores alone sped the hdim-128
+backward up 17 % (docs/perf.md, session 11).
+
+dQaccum is [b, ceil(sq / tile_m), h, tile_m * hdim] (varlen: [total_q // tile_m + b, h,
+tile_m * hdim], sequence b's tiles starting at cu_seqlens_q[b] // tile_m + b, so tiles of
+different sequences never share a block), zero-filled. `HopperDqPostprocess` maps each
+thread's fragment back to rows and columns through the same tiled MMA and writes
+dQ = dQaccum · scale in the input dtype, like q.
+"""
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode
+from cutlass.experimental.primitives.nvvm_wrapper import (CpReduceOp, CpReduceType,
+                                                          cp_reduce_async_bulk_global_shared_cta)
+
+from flash_cute.layouts import assume_aligned_strides
+from flash_cute.seqlen import SeqInfo
+
+from .config import BWD_CONSUMER_WARPGROUPS
+
+DQ_THREADS = 128 * BWD_CONSUMER_WARPGROUPS
+_VEC = 4
+
+
+def dq_tiled_mma(dtype, tile_m: int, hdim: int, split: tuple) -> cute.TiledMma:
+    """dQ = dS K's WGMMA (split: the consumer warpgroups' (M, N) atom layout). The operands'
+    major modes do not change the accumulator's fragment, which is all the postprocess uses."""
+    wg_m, wg_n = split
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (wg_m, wg_n, 1),
+        (64, hdim // wg_n))
+
+
+def thread_view(tile: cute.Tensor, tidx, per_thread: int) -> cute.Tensor:
+    """Consumer thread `tidx`'s (4, per_thread / 4) slots of a flat fragment-order tile."""
+    layout = cute.make_layout((_VEC, per_thread // _VEC, DQ_THREADS),
+                              stride=(1, _VEC * DQ_THREADS, _VEC))
+    return cute.make_tensor(tile.iterator, layout)[None, None, tidx]
+
+
+def as_vectors(acc: cute.Tensor) -> cute.Tensor:
+    """An accumulator fragment in register order as (4, size / 4)."""
+    return cute.make_tensor(acc.iterator, cute.make_layout((_VEC, cute.size(acc) // _VEC)))
+
+
+def varlen_first_tile(first_row, batch, tile_m: int):
+    """Index of sequence `batch`'s first dQaccum tile (varlen), its first row being
+    cu_seqlens_q[batch]: the tiles of different sequences never overlap and all lie below
+    `accum_shape`'s total_q // tile_m + batch (tests/test_hopper_bwd_cpu.py checks both)."""
+    return first_row // tile_m + batch
+
+
+def tile_of(mdQaccum: cute.Tensor, seq: SeqInfo, head, m_block, tile_m: int) -> cute.Tensor:
+    """The flat fp32 tile of query tile `m_block` of one head of one sequence."""
+    if cutlass.const_expr(seq.varlen):
+        return mdQaccum[varlen_first_tile(seq.offset_q, seq.batch, tile_m) + m_block, head,
+                        None]
+    return mdQaccum[seq.batch, m_block, head, None]
+
+
+@cute.jit
+def reduce_add_tile(mdQaccum: cute.Tensor, sdQ: cute.Tensor, seq: SeqInfo, head,
+                    m_block: Int32, tile_m: cutlass.Constexpr[int], hdim: cutlass.Constexpr[int]):
+    """One lane: the bulk reduce-add of the shared tile into its dQaccum tile (bulk_group
+    completion: commit and wait as for a TMA store)."""
+    g = tile_of(mdQaccum, seq, head, m_block, tile_m)
+    with cute.arch.elect_one():
+        cp_reduce_async_bulk_global_shared_cta(g.iterator, sdQ.iterator, tile_m * hdim * 4,
+                                               op=CpReduceOp.ADD, type=CpReduceType.F32)
+
+
+def accum_shape(batch: int, seqlen_q: int, nheads: int, tile_m: int, hdim: int,
+                total_q: Optional[int] = None) -> tuple:
+    """dQaccum's shape: padded, or varlen when `total_q` is given (its batch is then the
+    number of sequences)."""
+    if total_q is not None:
+        return (total_q // tile_m + batch, nheads, tile_m * hdim)
+    return (batch, -(-seqlen_q // tile_m), nheads, tile_m * hdim)
+
+
+class HopperDqPostprocess:
+    """dQ = dQaccum · scale in the input dtype, from the fragment-order tiles.
+
+    | warps | role                                                                          |
+    |-------|-------------------------------------------------------------------------------|
+    | 0-7   | thread t: its fragment of one query tile (128-bit loads, as the backward's    |
+    |       | consumer thread t stored it), scaled, converted, stored at the rows and       |
+    |       | columns the dQ WGMMA's accumulator gives it; rows past the sequence skipped   |
+
+    One CTA per (query tile, head, batch); every row of every sequence is written (tiles no
+    K/V tile reached, e.g. past seqused_q, hold zeros)."""
+
+    def __init__(self, dtype, hdim: int, tile_m: int, split: tuple, varlen: bool):
+        self.dtype, self.hdim, self.tile_m, self.split = dtype, hdim, tile_m, split
+        self.varlen = varlen
+        self.per_thread = tile_m * hdim // DQ_THREADS
+
+    @cute.jit
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32,
+                 mCuSeqlensQ: Optional[cute.Tensor], max_seqlen_q: Int32,
+                 stream: cuda.CUstream):
+        """mdQaccum as `accum_shape`; mdQ like q; cu_seqlens_q [b + 1] when varlen."""
+        mdQaccum = assume_aligned_strides(mdQaccum, _VEC)
+        batch = SeqInfo.num_batches(mdQ, mCuSeqlensQ)
+        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mdQ.shape[-2], batch)
+        mma = dq_tiled_mma(self.dtype, self.tile_m, self.hdim, self.split)
+        self.kernel(mdQaccum, mdQ, scale, mCuSeqlensQ, mma).launch(
+            grid=grid, block=[DQ_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32,
+               mCuSeqlensQ: Optional[cute.Tensor], mma: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seq = SeqInfo(batch, mdQ.shape[1], mdQ.shape[1], mCuSeqlensQ)
+        valid_rows = seq.seqlen_q - m_block * self.tile_m
+        if valid_rows > 0:
+            tile = (self.tile_m, self.hdim)
+            acc = cute.make_rmem_tensor(mma.get_slice(tidx).partition_shape_C(tile), Float32)
+            src = tile_of(mdQaccum, seq, head, m_block, self.tile_m)
+            cute.autovec_copy(thread_view(src, tidx, self.per_thread), as_vectors(acc))
+            out = cute.make_rmem_tensor_like(acc, self.dtype)
+            out.store((acc.load() * scale).to(self.dtype))
+            thr = mma.get_slice(tidx)
+            g = cute.local_tile(seq.q_view(mdQ, head), tile, (m_block, 0))
+            t_g = thr.partition_C(g)
+            t_c = thr.partition_C(cute.make_identity_tensor(tile))
+            for i in cutlass.range_constexpr(cute.size(out)):
+                if t_c[i][0] < valid_rows:
+                    t_g[i] = out[i]
+
+
+def build_postprocess_for_inspect(cfg):
+    """Registry builder for ``hopper.bwd.dq_postprocess``: fake padded or varlen tensors."""
+    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
+
+    from .config import BWD_TILES, bwd_mma_splits
+
+    dtype = DTYPES[cfg.dtype]
+    varlen = cfg.flag_dict["varlen"]
+    tile = BWD_TILES[cfg.hdim]
+    kernel = HopperDqPostprocess(dtype, cfg.hdim, tile.tile_m, bwd_mma_splits(tile)["dq"],
+                                 varlen)
+    heads = dynamic_dim()
+    chunk = tile.tile_m * cfg.hdim
+    if varlen:
+        accum = fake_tensor(Float32, (dynamic_dim(), heads, chunk))
+        dq = fake_tensor(dtype, (dynamic_dim(), heads, cfg.hdim))
+        cu = fake_tensor(Int32, (dynamic_dim(),), align=4)
+    else:
+        batch = dynamic_dim()
+        accum = fake_tensor(Float32, (batch, dynamic_dim(), heads, chunk))
+        dq = fake_tensor(dtype, (batch, dynamic_dim(), heads, cfg.hdim))
+        cu = None
+    return CompileSpec(kernel, (accum, dq, Float32(0.125), cu, Int32(1), fake_stream()))
+
+
+class TiledDqAccum:
+    """`launch.backward`'s dQaccum for the Hopper kernels with the shared dQ tile: allocates
+    the fragment-order tiles and turns them into dQ (`HopperDqPostprocess`)."""
+
+    def __init__(self, tile_m: int, split: tuple):
+        self.tile_m, self.split = tile_m, split
+
+    def alloc(self, q, problem):
+        import torch
+
+        if problem.varlen:
+            shape = accum_shape(problem.batch, 0, problem.nheads, self.tile_m, problem.hdim,
+                                total_q=q.shape[0])
+        else:
+            shape = accum_shape(q.shape[0], q.shape[1], problem.nheads, self.tile_m,
+                                problem.hdim)
+        return torch.zeros(shape, dtype=torch.float32, device=q.device)
+
+    def finish(self, dq_accum, q, problem, cu_seqlens_q):
+        """dQ shaped like q (varlen rows outside every sequence: 0)."""
+        import torch
+
+        from flash_cute.jit import (DTYPES, CompileKey, compile_cache, current_arch,
+                                    current_stream, to_cute_tensor)
+        from flash_cute.launch import dtype_name
+
+        dq = (torch.zeros_like if problem.varlen else torch.empty_like)(q)
+        if dq.numel() == 0:
+            return dq
+        name = dtype_name(q.dtype)
+        kernel = HopperDqPostprocess(DTYPES[name], problem.hdim, self.tile_m, self.split,
+                                     problem.varlen)
+        key = CompileKey("hopper.bwd.dq_postprocess", current_arch(), name, problem.hdim,
+                         None, (self.tile_m, *self.split), (("varlen", problem.varlen),))
+        cu = None if cu_seqlens_q is None else to_cute_tensor(cu_seqlens_q, 4)
+        args = (to_cute_tensor(dq_accum, 16), to_cute_tensor(dq), Float32(problem.softmax_scale),
+                cu, Int32(problem.max_seqlen_q), current_stream())
+        compile_cache.get(key, lambda: cute.compile(kernel, *args))(*args)
+        return dq
