@@ -1,7 +1,7 @@
 """Spread of one backward cell's time, within a process and across fresh allocations.
 
     python bench/bwd_spread.py [--hdim 128] [--seqlen 2048] [--causal 1] [--rounds 6]
-                               [--calls 20] [--arch auto]
+                               [--calls 20] [--arch hopper]
 
 Some cells (the 2k causal backward) have measured up to 2x apart between runs of the same
 code (docs/perf.md, session 10). This separates the candidates: each round allocates new
@@ -50,7 +50,7 @@ def main():
     p.add_argument("--causal", type=int, default=1)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--arch", default="auto")
+    p.add_argument("--arch", default=None, help="pipeline (default: the library's choice)")
     args = p.parse_args()
     batch, nheads = 16384 // args.seqlen, 2048 // args.hdim
     flops = attention_flops(batch, nheads, args.seqlen, args.seqlen, args.hdim,
