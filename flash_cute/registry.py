@@ -187,7 +187,7 @@ def _hopper_bwd_configs():
                             HOPPER_BWD_TILES[64]._replace(tile_m=64), _HOPPER_BWD,
                             _flags(**{**plain, "causal": True})))
     # dQ by fp32 atomics (two Q/dO stages at hdim 256 leave no room for the dQ tile), plain
-    # and deterministic, against the default single stage with the TMA reduce-add.
+    # and deterministic, against the default single stage with the bulk reduce-add.
     for det in (False, True):
         out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 256, 256,
                                 HOPPER_BWD_TILES[256]._replace(q_stages=2), _HOPPER_BWD,

@@ -4,8 +4,9 @@ pipelines + WGMMA, warp-specialized, the GEMMs running under the pointwise work.
 Parallel over K/V tiles, like `arch.ampere.bwd`: a CTA keeps dK and dV of its tile_n keys in
 registers while it walks the query tiles that see them (`m_block_range`), recomputing
 P = exp2(S · scale_log2 − LSE · log2 e). dQ gets a partial sum from every K/V tile, added into
-dQaccum (fp32, laid out like Q) by a TMA reduce-add of a shared-memory tile, or by fp32 atomics
-where that tile does not fit (`config.bwd_smem_plan`); `bwd_postprocess` scales and converts it.
+dQaccum (fp32) by one bulk reduce-add of a shared-memory tile kept in the WGMMA fragment order
+(`dq_accum`; `HopperDqPostprocess` scales and converts it), or, where that tile does not fit
+(`config.bwd_smem_plan`), by fp32 atomics into a dQaccum laid out like Q (`bwd_postprocess`).
 """
 
 from typing import Optional
@@ -56,7 +57,7 @@ class HopperBwd:
     | warpgroup | warps | registers | role                                                     |
     |-----------|-------|-----------|----------------------------------------------------------|
     | 0         | 0     | 24        | producer: TMA of K, V once, then Q, dO, LSE₂, Δ per tile  |
-    | 0         | 1     | 24        | dQ writer (dq_tma): TMA reduce-add of each dQ tile        |
+    | 0         | 1     | 24        | dQ writer (dq_tma): bulk reduce-add of each dQ tile       |
     | 0         | 2, 3  | 24        | idle (setmaxnreg is warpgroup-wide, so they stay)         |
     | 1, 2      | 4..11 | 240       | consumers: S, dP, P, dS, dV, dK, dQ (split below), store  |
 
@@ -99,8 +100,8 @@ class HopperBwd:
     is computed before dV is issued (so fp32 P, dP and the 16-bit P are never all live), and
     dQ splits its 128 rows over the two warpgroups.
 
-    The dQ writer, per tile: wait until the TMA has read the previous tile, arrive empty,
-    [deterministic: wait for its turn], wait full, TMA reduce-add of the tile into dQaccum
+    The dQ writer, per tile: wait until the bulk add has read the previous tile, arrive empty,
+    [deterministic: wait for its turn], wait full, bulk reduce-add of the tile into dQaccum
     [deterministic: wait for the add to complete, pass the turn].
 
     Then dK *= softmax_scale and dK, dV rows < seqlen_k go from registers to global memory,
@@ -237,15 +238,14 @@ class HopperBwd:
         return SharedStorage
 
     def _smem_layouts(self):
-        """(Q, dO, K, V, P/dS, dQ) shared-memory layouts, each (rows, cols, stages), K-major
-        (cols contiguous) and swizzled.
+        """(Q, dO, K, V, P/dS, dQ) shared-memory layouts: the 16-bit tiles (rows, cols, stages),
+        K-major (cols contiguous) and swizzled, then the flat dQ tile.
 
         Each 16-bit tile is also read transposed (Qᵀ, dOᵀ as dK/dV's B, Kᵀ as dQ's B, Pᵀ, dSᵀ
         as dK/dV's A), i.e. MN-major, where a warpgroup's operand may be half the tile's
         columns. A swizzle atom may not straddle that half, so each atom is sized for the
         narrowest transposed use (FA3's trick to keep one copy of each tile). The fp32 dQ
-        tile's atom is sized for a warpgroup's half of its columns: a warp's 64-bit stores of
-        accumulator pairs then cover every bank, and the TMA reads the same swizzle."""
+        tile is flat, in the accumulators' fragment order (`dq_accum`)."""
         dkv_m, dkv_n = self.splits["dkv"]
         dq_m, dq_n = self.splits["dq"]
 

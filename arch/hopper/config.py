@@ -140,7 +140,7 @@ class BwdConfig(NamedTuple):
 # at hdim 128 it was 0-6 % slower, so P stays in shared memory there (and at 96, unmeasured).
 # hdim 64 takes 128 query rows (FA3's 128 x 128; swap_sdp with shuffled LSE₂/Δ): +4 to +7 %
 # over 64 rows (docs/perf.md, session 9). hdim 256 streams one Q/dO stage, which frees the
-# 64 KiB of the fp32 dQ tile: one TMA reduce-add per query tile instead of 64 fp32 atomics per
+# 64 KiB of the fp32 dQ tile: one bulk reduce-add per query tile instead of 64 fp32 atomics per
 # thread, 1.6-2.0x the two-stage ring with atomics (docs/perf.md, session 11).
 BWD_TILES = {64: BwdConfig(128, 128, 2, True), 96: BwdConfig(64, 128, 2),
              128: BwdConfig(64, 128, 2), 192: BwdConfig(64, 64, 2),
@@ -185,7 +185,7 @@ class BwdSmemPlan(NamedTuple):
     pds_stages: P and dS tiles (1, or q_stages: then tile m uses stage m's index, and a warpgroup
     writing P of tile m+1 cannot overwrite what the other is still reading for tile m); with
     swap_sdp there is no P tile.
-    dq_tma: a tile_m x hdim fp32 dQ tile, added to dQaccum by a TMA reduce-add; without it
+    dq_tma: a tile_m x hdim fp32 dQ tile, added to dQaccum by a bulk reduce-add; without it
     the consumers add dQ with fp32 atomics (hdim 256 with two Q/dO stages: 64 KiB more does
     not fit)."""
     pds_stages: int
