@@ -156,12 +156,13 @@ class HopperBwd:
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                  mdQsem: Optional[cute.Tensor], stream: cuda.CUstream):
-        """`AmpereBwd.__call__`'s contract: Q/dO/dQaccum like Q, K/V like K, dK/dV
-        [.., nheads, d] (per query head; dtype or fp32), LSElog2 and Delta like the forward's
-        LSE (see `flash_cute.bwd_prep`) with 16-byte aligned rows (`launch.row_stats_buffer`:
-        they are TMA-loaded); seqused [b] or None; plus, when deterministic, zeroed int32
-        semaphores
-        [batch, nheads, ceil(max_seqlen_q / tile_m)] (else None)."""
+        """`AmpereBwd.__call__`'s contract: Q/dO like Q, K/V like K, dK/dV [.., nheads, d]
+        (per query head; dtype or fp32), LSElog2 and Delta like the forward's LSE (see
+        `flash_cute.bwd_prep`) with 16-byte aligned rows (`launch.row_stats_buffer`: they are
+        TMA-loaded); seqused [b] or None; plus, when deterministic, zeroed int32 semaphores
+        [batch, nheads, ceil(max_seqlen_q / tile_m)] (else None). dQaccum, zeroed: with the
+        shared dQ tile (`dq_tma`) the fragment-order tiles of `dq_accum.accum_shape`, else
+        like Q."""
         vec = 128 // self.dtype.width
         # TMA needs 16-byte global strides; validation guarantees them, this tells the compiler.
         mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mdO))
