@@ -10,8 +10,8 @@ global memory (FA3/FA4 do the same): element i of consumer thread t sits at
 of its tile's tile_m * hdim floats, so each thread's four consecutive values are one 128-bit
 store and a warp's store covers 512 contiguous bytes (no bank conflicts). The layout it
 replaced (rows like Q, a 128-byte swizzled tile for a TMA tensor reduce) took 16 64-bit stores
-per thread at twice the ideal wavefronts; dropping those stores alone sped the hdim-128
-backward up 17 % (docs/perf.md, session 11).
+per thread at twice the ideal wavefronts; this one is 1-2 % faster at hdim 128, although
+dropping the stores altogether gains 17 % (docs/perf.md, session 11).
 
 dQaccum is [b, ceil(sq / tile_m), h, tile_m * hdim] (varlen: [total_q // tile_m + b, h,
 tile_m * hdim], sequence b's tiles starting at cu_seqlens_q[b] // tile_m + b, so tiles of
