@@ -130,7 +130,7 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
 def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
              cu_seqlens_k, tile: tuple, options: str, arch: str, prepare=None,
              deterministic=None, dq_accum_align: int = 4, row_stats_align: int = 4,
-             seqused_q=None, seqused_k=None, dq_accum=None):
+             seqused_q=None, seqused_k=None, dq_layout=None):
     """(dq, dk, dv) through a backward main kernel with `AmpereBwd.__call__`'s contract:
     preprocess (Δ, LSE·log2 e), the main kernel (compile-cached), dQ's scale-and-convert.
 
@@ -146,7 +146,7 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
     before the stream. `dq_accum_align`: the byte alignment the kernel may assume of dQaccum
     (a fresh allocation; 16 for a TMA). `row_stats_align`: the same for Δ and LSE·log2 e,
     whose rows (one per head) are then padded so every row starts that aligned (a TMA needs
-    16-byte strides). `dq_accum`: None for dQaccum laid out like q (then `bwd_postprocess`),
+    16-byte strides). `dq_layout`: None for dQaccum laid out like q (then `bwd_postprocess`),
     else an object whose `alloc(q, problem)` makes the kernel's own dQaccum and whose
     `finish(dq_accum, q, problem, cu_seqlens_q)` returns dQ (e.g. the Hopper kernel's
     fragment-order tiles, `arch.hopper.dq_accum.TiledDqAccum`).
@@ -166,9 +166,8 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
                    seqused_q=seqused_q)
     if prepare is not None:
         q, k, v, dout = (prepare(t) for t in (q, k, v, dout))
-    accum = dq_accum
-    dq_accum = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if accum is None
-                else accum.alloc(q, problem))
+    dq_accum = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_layout is None
+                else dq_layout.alloc(q, problem))
     group = problem.qheads_per_kvhead
     kv_lead = k.shape[:-2]
     dkv_dtype = torch.float32 if group > 1 else q.dtype
@@ -197,8 +196,8 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
         return cute.compile(kernel, *args, options=options)
 
     compile_cache.get(key, build)(*args)
-    dq = (bwd_postprocess(dq_accum, problem.softmax_scale, q.dtype) if accum is None
-          else accum.finish(dq_accum, q, problem, cu_seqlens_q))
+    dq = (bwd_postprocess(dq_accum, problem.softmax_scale, q.dtype) if dq_layout is None
+          else dq_layout.finish(dq_accum, q, problem, cu_seqlens_q))
     if group > 1:
         dk = dk.view(*kv_lead, problem.nheads_kv, group, problem.hdim).sum(-2).to(q.dtype)
         dv = dv.view(*kv_lead, problem.nheads_kv, group, problem.hdim_v).sum(-2).to(q.dtype)

@@ -87,11 +87,11 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
         raise NotImplementedError(f"the hopper backward runs on sm_90a only, not {arch}")
     launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
     tile = BwdConfig(*(tile or bwd_tile(problem.hdim, problem.varlen)))
-    accum = None
+    dq_layout = None
     if bwd_smem_plan(problem.hdim, problem.hdim_v, tile).dq_tma:
-        accum = TiledDqAccum(tile.tile_m, bwd_mma_splits(tile)["dq"])
+        dq_layout = TiledDqAccum(tile.tile_m, bwd_mma_splits(tile)["dq"])
     return launch.backward("hopper.bwd", HopperBwd, dout, dlse, q, k, v, out, lse, problem,
                            cu_seqlens_q, cu_seqlens_k, tuple(tile), BWD_COMPILE_OPTIONS, arch,
                            prepare=_tma_ready, deterministic=bool(deterministic),
                            dq_accum_align=16, row_stats_align=16, seqused_q=seqused_q,
-                           seqused_k=seqused_k, dq_accum=accum)
+                           seqused_k=seqused_k, dq_layout=dq_layout)

@@ -203,12 +203,16 @@ class TiledDqAccum:
         if dq.numel() == 0:
             return dq
         name = dtype_name(q.dtype)
-        kernel = HopperDqPostprocess(DTYPES[name], problem.hdim, self.tile_m, self.split,
-                                     problem.varlen)
         key = CompileKey("hopper.bwd.dq_postprocess", current_arch(), name, problem.hdim,
                          None, (self.tile_m, *self.split), (("varlen", problem.varlen),))
         cu = None if cu_seqlens_q is None else to_cute_tensor(cu_seqlens_q, 4)
         args = (to_cute_tensor(dq_accum, 16), to_cute_tensor(dq), Float32(problem.softmax_scale),
                 cu, Int32(problem.max_seqlen_q), current_stream())
-        compile_cache.get(key, lambda: cute.compile(kernel, *args))(*args)
+
+        def build():
+            kernel = HopperDqPostprocess(DTYPES[name], problem.hdim, self.tile_m, self.split,
+                                         problem.varlen)
+            return cute.compile(kernel, *args)
+
+        compile_cache.get(key, build)(*args)
         return dq
