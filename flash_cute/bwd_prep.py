@@ -272,9 +272,9 @@ def _longest_sequence(cu_seqlens) -> int:
 
 def _vector_arg(t):
     """An fp32/int32 per-row vector (scalar loads: 4-byte alignment), or None."""
-    from flash_cute.jit import to_cute_tensor
+    from flash_cute.jit import tensor_arg
 
-    return None if t is None else to_cute_tensor(t, 4)
+    return tensor_arg(t, 4)
 
 
 def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=None,
@@ -290,8 +290,7 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
     """
     import torch
 
-    from flash_cute.jit import (DTYPES, CompileKey, compile_cache, current_arch, current_stream,
-                                to_cute_tensor)
+    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_arch, launch_kernel
 
     varlen = cu_seqlens_q is not None
     if delta is None:
@@ -308,10 +307,10 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
     key = CompileKey("blocks.bwd.preprocess", current_arch(), dtype, None, hdim_v,
                      (kernel.tile_m, hdim_v), (("dlse", kernel.has_dlse), ("varlen", varlen),
                                                ("seqused_q", kernel.has_seqused)))
-    args = (to_cute_tensor(out), to_cute_tensor(dout), _vector_arg(lse), _vector_arg(dlse),
+    args = (TensorArg(out), TensorArg(dout), _vector_arg(lse), _vector_arg(dlse),
             _vector_arg(delta), _vector_arg(lse_log2), _vector_arg(cu_seqlens_q),
-            _vector_arg(seqused_q), Int32(max_seqlen_q), current_stream())
-    compile_cache.get(key, lambda: cute.compile(kernel, *args))(*args)
+            _vector_arg(seqused_q), Int32(max_seqlen_q))
+    launch_kernel(key, lambda: kernel, args)
     return delta, lse_log2
 
 
@@ -324,8 +323,7 @@ def bwd_postprocess(dq_accum, scale: float, dtype, out=None):
     """
     import torch
 
-    from flash_cute.jit import (DTYPES, CompileKey, compile_cache, current_arch, current_stream,
-                                to_cute_tensor)
+    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_arch, launch_kernel
 
     if out is None:
         out = torch.empty(dq_accum.shape, dtype=dtype, device=dq_accum.device)
@@ -335,6 +333,5 @@ def bwd_postprocess(dq_accum, scale: float, dtype, out=None):
     kernel = BwdPostprocessKernel(DTYPES[name], hdim, varlen)
     key = CompileKey("blocks.bwd.postprocess", current_arch(), name, hdim, None,
                      (kernel.tile_m, hdim), (("varlen", varlen),))
-    args = (to_cute_tensor(dq_accum), to_cute_tensor(out), Float32(scale), current_stream())
-    compile_cache.get(key, lambda: cute.compile(kernel, *args))(*args)
+    launch_kernel(key, lambda: kernel, (TensorArg(dq_accum), TensorArg(out), Float32(scale)))
     return out

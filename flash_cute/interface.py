@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from flash_cute.device import capability_of
 from flash_cute.validation import (AttentionProblem, validate_attention_inputs,
                                    validate_backward_inputs)
 
@@ -29,7 +30,7 @@ DEFAULT_ORDER = ("hopper", "ampere")
 def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=None) -> str:
     """The pipeline to run on `device`: `arch` if given (and able to run there), else the newest
     that takes `problem` by default (a pipeline's `default_for(problem)`, when it has one)."""
-    major = torch.cuda.get_device_capability(device)[0]
+    major = capability_of(device)[0]
     if arch is not None:
         if arch not in PIPELINES:
             built = ", ".join(sorted(PIPELINES))
@@ -85,7 +86,7 @@ def select_backward_pipeline(device: torch.device, forward_pipeline: str, proble
     can run `problem`, when given)."""
     if hasattr(_pipeline_module(forward_pipeline), "backward"):
         return forward_pipeline
-    major = torch.cuda.get_device_capability(device)[0]
+    major = capability_of(device)[0]
     for name in DEFAULT_ORDER:
         if (major in PIPELINES[name][0] and hasattr(_pipeline_module(name), "backward")
                 and (problem is None or missing_capability(name, problem) is None)):

@@ -1,4 +1,5 @@
-"""JIT layer: the compile cache, fake tensors for compiling without a GPU, and artifacts.
+"""JIT layer: the compile cache, TVM-FFI launches, fake tensors for compiling without a GPU,
+and artifacts.
 
 The cache key holds only what changes the generated code: kernel, arch, dtype, head dims, flags,
 tile config and a variant hash (score/mask mods). Batch and sequence lengths are never in it:
@@ -10,7 +11,7 @@ import hashlib
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -76,7 +77,9 @@ def current_arch() -> str:
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU and CUTE_DSL_ARCH is unset: name an arch to cross-compile")
-    major, minor = torch.cuda.get_device_capability()
+    from flash_cute.device import device_capability
+
+    major, minor = device_capability(torch.cuda.current_device())
     return {8: "sm_80", 9: "sm_90a", 10: "sm_100a"}.get(major, f"sm_{major}{minor}")
 
 
@@ -87,7 +90,7 @@ def dynamic_dim(divisibility: int = 1):
 
 def fake_tensor(dtype, shape, align: int = 16):
     """Fake tensor with a unit last stride and dynamic other strides, for compiling without a
-    GPU. It is typed exactly like `to_cute_tensor` of a real tensor, so what cross-compiles
+    GPU. `launch_kernel` compiles against the same fake tensors, so what cross-compiles
     here is what compiles at run time (nothing is known about the strides' divisibility)."""
     strides = tuple(cute.sym_int64() for _ in shape[:-1]) + (1,)
     return cute.runtime.make_fake_tensor(dtype, shape, strides, assumed_align=align)
@@ -140,19 +143,66 @@ def compile_with_artifacts(spec: CompileSpec) -> Artifacts:
     return Artifacts(ptx=art.PTX or "", cubin=art.CUBIN, sass=art.SASS)
 
 
-def to_cute_tensor(t, align: int = 16):
-    """A torch CUDA tensor as a CuTe tensor with dynamic shape and strides (unit stride last)."""
-    from cutlass.cute.runtime import from_dlpack
+class TensorArg(NamedTuple):
+    """A torch tensor argument of `launch_kernel`, with the byte alignment the kernel may
+    assume of its data and of every stride but the unit last one."""
+    tensor: object
+    align: int = 16
 
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+def tensor_arg(t, align: int = 16):
+    return None if t is None else TensorArg(t, align)
 
 
-def current_stream():
-    """The current torch CUDA stream as a driver stream handle."""
-    import cuda.bindings.driver as cuda
-    import torch
+_TORCH_TO_DSL = None
 
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+def _dsl_dtype(torch_dtype):
+    global _TORCH_TO_DSL
+    if _TORCH_TO_DSL is None:
+        import torch
+
+        _TORCH_TO_DSL = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+                         torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
+    return _TORCH_TO_DSL[torch_dtype]
+
+
+def _spec(arg):
+    """What `cute.compile` sees of a launch argument: a fake tensor with every extent and
+    stride dynamic (unit last stride), the DSL scalar itself, or None."""
+    if isinstance(arg, TensorArg):
+        shape = tuple(dynamic_dim() for _ in arg.tensor.shape)
+        return fake_tensor(_dsl_dtype(arg.tensor.dtype), shape, align=arg.align)
+    return arg
+
+
+def _value(arg):
+    """What the compiled TVM-FFI function takes for it: the torch tensor (detached: DLPack
+    refuses a tensor that requires grad, as autograd's inputs do), a Python number."""
+    if isinstance(arg, TensorArg):
+        t = arg.tensor
+        return t.detach() if t.requires_grad else t
+    return arg if arg is None else arg.value
+
+
+def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args: tuple,
+                  options: str = ""):
+    """Launch a kernel class instance's `__call__` on the current torch stream, compiling it
+    once per `key` through TVM-FFI (`--enable-tvm-ffi`): it is compiled against fake tensors
+    (dynamic shapes and strides, `TensorArg.align`) and the stream the call finds current,
+    then called with the torch tensors and Python numbers themselves, which skips the DLPack
+    conversion and argument adaptation of a `JitExecutor` call (bench/launch_overhead.py).
+    `args`: the call's arguments before its stream, each a `TensorArg`, a DSL scalar
+    (Float32(x), Int32(n)) or None; `key` must tell apart everything that changes their specs
+    (dtypes, ranks, which are None)."""
+
+    def build():
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        spec = tuple(_spec(a) for a in args) + (stream,)
+        return cute.compile(make_kernel(), *spec,
+                            options=f"{options} --enable-tvm-ffi".strip())
+
+    compile_cache.get(key, build)(*(_value(a) for a in args))
 
 
 def attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k):
@@ -163,7 +213,7 @@ def attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k):
     scalars = (Float32(problem.softmax_scale),
                Float32(problem.softcap if problem.softcap > 0 else 1.0),
                Int32(problem.window_left or 0), Int32(problem.window_right or 0))
-    cu = (to_cute_tensor(cu_seqlens_q, 4), to_cute_tensor(cu_seqlens_k, 4)) if problem.varlen \
+    cu = (TensorArg(cu_seqlens_q, 4), TensorArg(cu_seqlens_k, 4)) if problem.varlen \
         else (None, None)
     return scalars, cu
 

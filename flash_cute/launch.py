@@ -99,10 +99,9 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
     `pack_gqa`: query heads per tile (`packed_heads`), for a kernel class that packs them.
     """
     from cutlass import Int32
-    import cutlass.cute as cute
 
-    from flash_cute.jit import (DTYPES, CompileKey, attention_runtime_args, compile_cache,
-                                current_stream, to_cute_tensor)
+    from flash_cute.jit import (DTYPES, CompileKey, TensorArg, attention_runtime_args,
+                                launch_kernel)
 
     out, lse = alloc_out_lse(q, problem)
     if has_no_work(q, k, problem):
@@ -115,15 +114,10 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
     dtype = dtype_name(q.dtype)
     key = CompileKey(name, arch, dtype, problem.hdim, problem.hdim_v, tile, variant.flags())
     scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
-    args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(out),
-            to_cute_tensor(lse, 4)) + scalars + (Int32(problem.max_seqlen_q),) + cu + used \
-        + (current_stream(),)
-
-    def build():
-        kernel = kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant, tile=tile)
-        return cute.compile(kernel, *args, options=options)
-
-    compile_cache.get(key, build)(*args)
+    args = (TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(out), TensorArg(lse, 4)) \
+        + scalars + (Int32(problem.max_seqlen_q),) + cu + used
+    launch_kernel(key, lambda: kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant,
+                                          tile=tile), args, options)
     return out, lse
 
 
@@ -152,11 +146,9 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
     fragment-order tiles, `arch.hopper.dq_accum.TiledDqAccum`).
     """
     from cutlass import Int32
-    import cutlass.cute as cute
 
     from flash_cute.bwd_prep import bwd_postprocess, bwd_preprocess
-    from flash_cute.jit import (DTYPES, attention_runtime_args, compile_cache, current_stream,
-                                to_cute_tensor)
+    from flash_cute.jit import DTYPES, TensorArg, attention_runtime_args, launch_kernel
 
     if has_no_work(q, k, problem):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -182,20 +174,14 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
     kernel_kw, sem = {}, ()
     if deterministic is not None:
         kernel_kw = {"deterministic": deterministic}
-        sem = (to_cute_tensor(dq_semaphores(problem, tile[0], q.device), 4)
+        sem = (TensorArg(dq_semaphores(problem, tile[0], q.device), 4)
                if deterministic else None,)
-    args = (to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(dout),
-            to_cute_tensor(lse_log2, row_stats_align), to_cute_tensor(delta, row_stats_align),
-            to_cute_tensor(dq_accum, dq_accum_align), to_cute_tensor(dk, dkv_align),
-            to_cute_tensor(dv, dkv_align)) + scalars \
-        + (Int32(problem.max_seqlen_k),) + cu + used + sem + (current_stream(),)
-
-    def build():
-        kernel = kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant, tile=tile,
-                            **kernel_kw)
-        return cute.compile(kernel, *args, options=options)
-
-    compile_cache.get(key, build)(*args)
+    args = (TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(dout),
+            TensorArg(lse_log2, row_stats_align), TensorArg(delta, row_stats_align),
+            TensorArg(dq_accum, dq_accum_align), TensorArg(dk, dkv_align),
+            TensorArg(dv, dkv_align)) + scalars + (Int32(problem.max_seqlen_k),) + cu + used + sem
+    launch_kernel(key, lambda: kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant,
+                                          tile=tile, **kernel_kw), args, options)
     dq = (bwd_postprocess(dq_accum, problem.softmax_scale, q.dtype) if dq_layout is None
           else dq_layout.finish(dq_accum, q, problem, cu_seqlens_q))
     if group > 1:
@@ -207,7 +193,7 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
 def seqused_args(kernel_cls, problem, seqused_q, seqused_k) -> tuple:
     """(mSeqUsedQ, mSeqUsedK) for a kernel class with `SUPPORTS_SEQUSED`, () for one without
     (whose argument list has no such slots): that one refuses a problem that needs them."""
-    from flash_cute.jit import to_cute_tensor
+    from flash_cute.jit import tensor_arg
 
     given = (seqused_q is not None, seqused_k is not None)
     if given != (problem.has_seqused_q, problem.has_seqused_k):
@@ -217,7 +203,7 @@ def seqused_args(kernel_cls, problem, seqused_q, seqused_k) -> tuple:
         if any(given):
             raise NotImplementedError(f"{kernel_cls.__name__} does not take seqused_q/seqused_k")
         return ()
-    return tuple(None if t is None else to_cute_tensor(t, 4) for t in (seqused_q, seqused_k))
+    return tuple(tensor_arg(t, 4) for t in (seqused_q, seqused_k))
 
 
 def row_stats_buffer(lse: torch.Tensor, align: int) -> torch.Tensor:

@@ -113,7 +113,7 @@ def lse_merge(o_parts, lse_parts, out_dtype=None, out=None, lse=None):
     """
     import torch
 
-    from flash_cute.jit import CompileKey, compile_cache, current_arch, current_stream, to_cute_tensor
+    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_arch, launch_kernel
     from flash_cute.launch import dtype_name
 
     out_dtype = out_dtype or torch.bfloat16
@@ -125,13 +125,6 @@ def lse_merge(o_parts, lse_parts, out_dtype=None, out=None, lse=None):
     dtype = dtype_name(out_dtype)
     key = CompileKey("blocks.lse_merge", current_arch(), dtype, hdim, hdim,
                      (LseMergeKernel.rows_per_cta, hdim))
-    args = (to_cute_tensor(o_parts), to_cute_tensor(lse_parts, 4), to_cute_tensor(out),
-            to_cute_tensor(lse, 4), current_stream())
-
-    def build():
-        from flash_cute.jit import DTYPES
-
-        return cute.compile(LseMergeKernel(DTYPES[dtype], hdim), *args)
-
-    compile_cache.get(key, build)(*args)
+    args = (TensorArg(o_parts), TensorArg(lse_parts, 4), TensorArg(out), TensorArg(lse, 4))
+    launch_kernel(key, lambda: LseMergeKernel(DTYPES[dtype], hdim), args)
     return out, lse

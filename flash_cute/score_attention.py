@@ -180,7 +180,7 @@ def score_attention(scores, v, softmax_scale: float, causal: bool = False,
     """
     import torch
 
-    from flash_cute.jit import CompileKey, compile_cache, current_arch, current_stream, to_cute_tensor
+    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_arch, launch_kernel
     from flash_cute.launch import dtype_name
 
     left, right = window_size
@@ -194,16 +194,10 @@ def score_attention(scores, v, softmax_scale: float, causal: bool = False,
              ("softcap", softcap > 0))
     key = CompileKey("blocks.softmax_rows", current_arch(), dtype, None, v.shape[2],
                      (ScoreAttentionKernel.tile_m, ScoreAttentionKernel.tile_n), flags)
-    args = (to_cute_tensor(scores, 4), to_cute_tensor(v), to_cute_tensor(out), to_cute_tensor(lse, 4),
+    args = (TensorArg(scores, 4), TensorArg(v), TensorArg(out), TensorArg(lse, 4),
             Float32(softmax_scale), Float32(softcap if softcap > 0 else 1.0),
-            Int32(left or 0), Int32(right or 0), current_stream())
-
-    def build():
-        from flash_cute.jit import DTYPES
-
-        kernel = ScoreAttentionKernel(DTYPES[dtype], v.shape[2], causal, left is not None,
-                                      right is not None, softcap > 0)
-        return cute.compile(kernel, *args)
-
-    compile_cache.get(key, build)(*args)
+            Int32(left or 0), Int32(right or 0))
+    launch_kernel(key, lambda: ScoreAttentionKernel(DTYPES[dtype], v.shape[2], causal,
+                                                    left is not None, right is not None,
+                                                    softcap > 0), args)
     return out, lse

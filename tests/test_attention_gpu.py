@@ -439,3 +439,30 @@ def test_seqused_default_dispatch_and_pipelines_without_it():
                                            False):
             with pytest.raises(NotImplementedError, match="seqused"):
                 flash_attn_varlen_func(q, k, v, arch=name, **call_kw)
+
+
+@pytest.mark.parametrize("arch", BWD_PIPELINES)
+def test_forward_and_backward_run_on_the_current_stream_and_replay_in_a_cuda_graph(arch):
+    """Kernels are launched on torch's current stream (the stream TVM-FFI finds current): a
+    forward + backward captured into a CUDA graph (capture refuses a launch on any other
+    stream) replays to the eager results, on inputs refilled after the capture."""
+    q, k, v = (t.requires_grad_() for t in _inputs(2, 131, 131, 4, 2, 64, 64, torch.bfloat16,
+                                                   seed=41))
+    dout = torch.randn_like(q)
+
+    def step():
+        out, _ = flash_attn_func(q, k, v, causal=True, arch=arch)
+        return (out,) + torch.autograd.grad(out, (q, k, v), dout)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for t in (q, k, v, dout):
+            t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, step()):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

@@ -13,7 +13,7 @@ from flash_cute.validation import validate_attention_inputs
 @pytest.fixture
 def capability(monkeypatch):
     def set_cap(major, minor=0):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, minor))
+        monkeypatch.setattr(interface, "capability_of", lambda device: (major, minor))
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"fake sm_{major}{minor}")
     return set_cap
 

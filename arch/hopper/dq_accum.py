@@ -195,8 +195,8 @@ class TiledDqAccum:
         """dQ shaped like q (varlen rows outside every sequence: 0)."""
         import torch
 
-        from flash_cute.jit import (DTYPES, CompileKey, compile_cache, current_arch,
-                                    current_stream, to_cute_tensor)
+        from flash_cute.jit import (DTYPES, CompileKey, TensorArg, current_arch, launch_kernel,
+                                    tensor_arg)
         from flash_cute.launch import dtype_name
 
         dq = (torch.zeros_like if problem.varlen else torch.empty_like)(q)
@@ -205,14 +205,8 @@ class TiledDqAccum:
         name = dtype_name(q.dtype)
         key = CompileKey("hopper.bwd.dq_postprocess", current_arch(), name, problem.hdim,
                          None, (self.tile_m, *self.split), (("varlen", problem.varlen),))
-        cu = None if cu_seqlens_q is None else to_cute_tensor(cu_seqlens_q, 4)
-        args = (to_cute_tensor(dq_accum, 16), to_cute_tensor(dq), Float32(problem.softmax_scale),
-                cu, Int32(problem.max_seqlen_q), current_stream())
-
-        def build():
-            kernel = HopperDqPostprocess(DTYPES[name], problem.hdim, self.tile_m, self.split,
-                                         problem.varlen)
-            return cute.compile(kernel, *args)
-
-        compile_cache.get(key, build)(*args)
+        args = (TensorArg(dq_accum), TensorArg(dq), Float32(problem.softmax_scale),
+                tensor_arg(cu_seqlens_q, 4), Int32(problem.max_seqlen_q))
+        launch_kernel(key, lambda: HopperDqPostprocess(DTYPES[name], problem.hdim, self.tile_m,
+                                                       self.split, problem.varlen), args)
         return dq
