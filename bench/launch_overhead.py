@@ -5,9 +5,9 @@
 
 Short sequences are bound by the host: at seqlen 512 (batch 32) the forward ran at the same
 ~260 us per call whatever the head dim or mask (docs/perf.md, session 11). This times
-`flash_attn_func` forward and forward + backward on a 1 x 128 x 1 x 64 problem, calls
-back to back without synchronizing (the GPU work is a few microseconds, so the wall time
-per call is the host's), and with `--profile N` prints the N functions with the most
+`flash_attn_func` forward and forward + backward on a 1 x 128 x 1 x 64 problem (and FA4's,
+when flash_attn.cute imports), calls back to back without synchronizing (the GPU work is a
+few microseconds, so the wall time per call is the host's), and with `--profile N` prints the N functions with the most
 cumulative time in a profiled run of the forward (`--profile-call fwd_bwd`: of both).
 """
 
@@ -52,9 +52,25 @@ def main():
         out, _ = flash_attn_func(q, k, v, causal=True, **kw)
         torch.autograd.grad(out, (q, k, v), dout)
 
-    print(f"| call | host us per call |\n|---|---:|\n"
-          f"| forward | {per_call_us(fwd, args.calls):.1f} |\n"
-          f"| forward + backward | {per_call_us(fwd_bwd, args.calls):.1f} |")
+    rows = [("flash_cute", "forward", fwd), ("flash_cute", "forward + backward", fwd_bwd)]
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except ImportError:
+        fa4 = None
+    if fa4 is not None:
+        def fa4_fwd():
+            with torch.no_grad():
+                fa4(q, k, v, causal=True)
+
+        def fa4_fwd_bwd():
+            out = fa4(q, k, v, causal=True)
+            out = out[0] if isinstance(out, tuple) else out
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        rows += [("fa4", "forward", fa4_fwd), ("fa4", "forward + backward", fa4_fwd_bwd)]
+    print("| library | call | host us per call |\n|---|---|---:|")
+    for lib, call, fn in rows:
+        print(f"| {lib} | {call} | {per_call_us(fn, args.calls):.1f} |")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

@@ -309,7 +309,7 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
                                                ("seqused_q", kernel.has_seqused)))
     args = (TensorArg(out), TensorArg(dout), _vector_arg(lse), _vector_arg(dlse),
             _vector_arg(delta), _vector_arg(lse_log2), _vector_arg(cu_seqlens_q),
-            _vector_arg(seqused_q), Int32(max_seqlen_q))
+            _vector_arg(seqused_q), int(max_seqlen_q))
     launch_kernel(key, lambda: kernel, args)
     return delta, lse_log2
 
@@ -333,5 +333,5 @@ def bwd_postprocess(dq_accum, scale: float, dtype, out=None):
     kernel = BwdPostprocessKernel(DTYPES[name], hdim, varlen)
     key = CompileKey("blocks.bwd.postprocess", current_arch(), name, hdim, None,
                      (kernel.tile_m, hdim), (("varlen", varlen),))
-    launch_kernel(key, lambda: kernel, (TensorArg(dq_accum), TensorArg(out), Float32(scale)))
+    launch_kernel(key, lambda: kernel, (TensorArg(dq_accum), TensorArg(out), float(scale)))
     return out

@@ -10,7 +10,8 @@ that lacks a capability a problem needs (seqused_q / seqused_k, declared by a pi
 it, and refuses it before any launch.
 """
 
-from typing import Optional, Tuple
+from importlib import import_module
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -94,10 +95,14 @@ def select_backward_pipeline(device: torch.device, forward_pipeline: str, proble
     raise NotImplementedError(f"no pipeline has a backward for compute capability {major}.x")
 
 
-def _pipeline_module(name: str):
-    from importlib import import_module
+_MODULES = {}
 
-    return import_module(PIPELINES[name][1])
+
+def _pipeline_module(name: str):
+    module = _MODULES.get(name)
+    if module is None:
+        module = _MODULES[name] = import_module(PIPELINES[name][1])
+    return module
 
 
 class _FlashAttnFunc(torch.autograd.Function):
@@ -118,7 +123,11 @@ class _FlashAttnFunc(torch.autograd.Function):
         dout = _kernel_ready(torch.zeros_like(out) if dout is None else dout)
         # dlse is None unless the loss used the LSE (grads are not materialized).
         dlse = None if dlse is None else dlse.contiguous()
-        validate_backward_inputs(dout, q, k, v, out, lse, ctx.problem)
+        key = _call_key((dout, q, k, v, out, lse), ())
+        key = None if key is None else (key, ctx.problem)
+        if key is None or key not in _CHECKED_BACKWARDS:
+            validate_backward_inputs(dout, q, k, v, out, lse, ctx.problem)
+            _CHECKED_BACKWARDS.put(key, True)
         with torch.cuda.device(q.device):
             dq, dk, dv = _pipeline_module(ctx.pipeline).backward(
                 dout, dlse, q, k, v, out, lse, ctx.problem, cu_seqlens_q, cu_seqlens_k,
@@ -165,10 +174,15 @@ def flash_attn_func(
     where the pipeline cannot: the ampere pipeline, or a group that does not divide the
     hopper tile's 128 rows); False never packs. The result is the same either way.
     """
-    problem = validate_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                        window_size=window_size, softcap=softcap,
-                                        pack_gqa=pack_gqa)
-    return _run(q, k, v, (None, None, None, None), problem, arch, deterministic, return_lse)
+    def validate():
+        return validate_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                         window_size=window_size, softcap=softcap,
+                                         pack_gqa=pack_gqa)
+
+    options = ("padded", softmax_scale, causal, window_size, softcap, deterministic, arch,
+               pack_gqa)
+    return _run(q, k, v, (None, None, None, None), validate, options, arch, deterministic,
+                return_lse)
 
 
 def flash_attn_varlen_func(
@@ -213,18 +227,88 @@ def flash_attn_varlen_func(
     Not supported (NotImplementedError before any launch): packed q with padded k/v or the
     reverse (cu_seqlens for one side only).
     """
-    problem = validate_attention_inputs(
-        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa,
-    )
-    return _run(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), problem, arch,
-                deterministic, return_lse)
+    def validate():
+        return validate_attention_inputs(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa,
+        )
+
+    options = ("varlen", max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+               softcap, deterministic, arch, pack_gqa)
+    return _run(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), validate, options,
+                arch, deterministic, return_lse)
 
 
-def _run(q, k, v, lengths: tuple, problem, arch, deterministic, return_lse):
-    """`lengths`: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), each a tensor or None."""
+class _Plan(NamedTuple):
+    """What validation and dispatch decide for a call: the problem and the pipelines."""
+    problem: AttentionProblem
+    pipeline: str
+    bwd_pipeline: Optional[str]  # None when no gradient is needed
+
+
+class _BoundedCache(dict):
+    """A dict that forgets its oldest entry beyond `size` entries; `put(None, ...)` is a no-op
+    (a call without a key is not cached)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def put(self, key, value):
+        if key is None:
+            return
+        if len(self) >= self.size:
+            del self[next(iter(self))]
+        self[key] = value
+
+
+# Calls already validated and dispatched, by `_call_key`: a repeated call skips validation,
+# pipeline selection and the support checks, which are a third of a short call's host time
+# (bench/launch_overhead.py). Each key holds everything those read.
+_PLANS = _BoundedCache(256)
+_CHECKED_BACKWARDS = _BoundedCache(256)
+
+
+class _Uncached(Exception):
+    pass
+
+
+def _signature(t):
+    """What validation and dispatch read of a tensor argument (it never reads values of CUDA
+    tensors): dtype, device, shape, strides, address modulo 16 bytes, requires_grad. A tensor
+    subclass (e.g. FakeTensor under torch.compile) or a non-tensor gets no key."""
+    if t is None:
+        return None
+    if type(t) is not torch.Tensor:
+        raise _Uncached
+    return t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16, t.requires_grad
+
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _plain(value):
+    """`value` with its type, for a key (True and 1 validate differently but compare equal);
+    tuples element by element. Anything else (a tensor, a list) gets no key."""
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    if type(value) not in _PLAIN:
+        raise _Uncached
+    return type(value), value
+
+
+def _call_key(tensors: tuple, options) -> Optional[tuple]:
+    """A key of a call's tensors and other arguments (`_signature`, `_plain`), or None (then
+    the call is validated every time)."""
+    try:
+        return (tuple(_signature(t) for t in tensors), _plain(options), torch.is_grad_enabled())
+    except _Uncached:
+        return None
+
+
+def _make_plan(q, k, v, problem, arch, deterministic) -> _Plan:
     pipeline = select_pipeline(q.device, arch, problem)
     check_capabilities(pipeline, problem)
     _pipeline_module(pipeline).check_supported(problem, q.device)
@@ -238,8 +322,20 @@ def _run(q, k, v, lengths: tuple, problem, arch, deterministic, return_lse):
         if deterministic and not bwd_module.DETERMINISTIC_BACKWARD:
             raise NotImplementedError(f"deterministic=True: the {bwd_pipeline} pipeline's backward "
                                       "adds dQ with atomics and is not deterministic")
+    return _Plan(problem, pipeline, bwd_pipeline)
+
+
+def _run(q, k, v, lengths: tuple, validate, options: tuple, arch, deterministic, return_lse):
+    """`lengths`: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), each a tensor or None;
+    `validate()` returns the call's `AttentionProblem` or raises; `options`: the call's other
+    arguments, for the plan's key."""
+    key = _call_key((q, k, v) + lengths, options)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _make_plan(q, k, v, validate(), arch, deterministic)
+        _PLANS.put(key, plan)
     # Kernels launch on the current device and stream: make that q's device.
     with torch.cuda.device(q.device):
-        out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, problem, pipeline, bwd_pipeline,
-                                        deterministic)
-    return out, (lse if (return_lse or needs_grad) else None)
+        out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, plan.problem, plan.pipeline,
+                                        plan.bwd_pipeline, deterministic)
+    return out, (lse if (return_lse or plan.bwd_pipeline is not None) else None)

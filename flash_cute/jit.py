@@ -7,6 +7,7 @@ kernels take them as dynamic shapes, so a new length reuses the compiled kernel.
 ``cute.compile`` is not thread-safe, so compiles are serialized by a lock.
 """
 
+import functools
 import hashlib
 import os
 import threading
@@ -75,11 +76,16 @@ def current_arch() -> str:
         return env
     import torch
 
-    if not torch.cuda.is_available():
+    if not (torch.cuda.is_initialized() or torch.cuda.is_available()):
         raise RuntimeError("no CUDA GPU and CUTE_DSL_ARCH is unset: name an arch to cross-compile")
+    return _arch_label(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_label(device_index: int) -> str:
     from flash_cute.device import device_capability
 
-    major, minor = device_capability(torch.cuda.current_device())
+    major, minor = device_capability(device_index)
     return {8: "sm_80", 9: "sm_90a", 10: "sm_100a"}.get(major, f"sm_{major}{minor}")
 
 
@@ -169,20 +175,22 @@ def _dsl_dtype(torch_dtype):
 
 def _spec(arg):
     """What `cute.compile` sees of a launch argument: a fake tensor with every extent and
-    stride dynamic (unit last stride), the DSL scalar itself, or None."""
+    stride dynamic (unit last stride), Float32 for a float, Int32 for an int, or None."""
     if isinstance(arg, TensorArg):
         shape = tuple(dynamic_dim() for _ in arg.tensor.shape)
         return fake_tensor(_dsl_dtype(arg.tensor.dtype), shape, align=arg.align)
-    return arg
+    if isinstance(arg, bool) or not isinstance(arg, (int, float, type(None))):
+        raise TypeError(f"launch argument {arg!r}: expected a TensorArg, float, int or None")
+    return arg if arg is None else (cutlass.Float32 if isinstance(arg, float) else cutlass.Int32)(arg)
 
 
 def _value(arg):
     """What the compiled TVM-FFI function takes for it: the torch tensor (detached: DLPack
-    refuses a tensor that requires grad, as autograd's inputs do), a Python number."""
-    if isinstance(arg, TensorArg):
+    refuses a tensor that requires grad, as autograd's inputs do), or the number itself."""
+    if type(arg) is TensorArg:
         t = arg.tensor
         return t.detach() if t.requires_grad else t
-    return arg if arg is None else arg.value
+    return arg
 
 
 def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args: tuple,
@@ -192,9 +200,9 @@ def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args: tu
     (dynamic shapes and strides, `TensorArg.align`) and the stream the call finds current,
     then called with the torch tensors and Python numbers themselves, which skips the DLPack
     conversion and argument adaptation of a `JitExecutor` call (bench/launch_overhead.py).
-    `args`: the call's arguments before its stream, each a `TensorArg`, a DSL scalar
-    (Float32(x), Int32(n)) or None; `key` must tell apart everything that changes their specs
-    (dtypes, ranks, which are None)."""
+    `args`: the call's arguments before its stream, each a `TensorArg`, a Python float (a
+    Float32 parameter), int (Int32) or None; `key` must tell apart everything that changes
+    their specs (dtypes, ranks, which are None, int against float)."""
 
     def build():
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -208,11 +216,8 @@ def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args: tu
 def attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k):
     """An attention kernel's arguments after its tensors, for a validated `AttentionProblem`:
     (scale, softcap, window left, window right) and the cu_seqlens (None when padded)."""
-    from cutlass import Float32, Int32
-
-    scalars = (Float32(problem.softmax_scale),
-               Float32(problem.softcap if problem.softcap > 0 else 1.0),
-               Int32(problem.window_left or 0), Int32(problem.window_right or 0))
+    scalars = (problem.softmax_scale, problem.softcap if problem.softcap > 0 else 1.0,
+               problem.window_left or 0, problem.window_right or 0)
     cu = (TensorArg(cu_seqlens_q, 4), TensorArg(cu_seqlens_k, 4)) if problem.varlen \
         else (None, None)
     return scalars, cu

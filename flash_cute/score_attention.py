@@ -195,8 +195,8 @@ def score_attention(scores, v, softmax_scale: float, causal: bool = False,
     key = CompileKey("blocks.softmax_rows", current_arch(), dtype, None, v.shape[2],
                      (ScoreAttentionKernel.tile_m, ScoreAttentionKernel.tile_n), flags)
     args = (TensorArg(scores, 4), TensorArg(v), TensorArg(out), TensorArg(lse, 4),
-            Float32(softmax_scale), Float32(softcap if softcap > 0 else 1.0),
-            Int32(left or 0), Int32(right or 0))
+            float(softmax_scale), float(softcap if softcap > 0 else 1.0),
+            int(left or 0), int(right or 0))
     launch_kernel(key, lambda: ScoreAttentionKernel(DTYPES[dtype], v.shape[2], causal,
                                                     left is not None, right is not None,
                                                     softcap > 0), args)

@@ -456,7 +456,10 @@ def _address(t: torch.Tensor) -> int:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    # Imported lazily: FakeTensor only matters under torch.compile tracing.
+    # A plain tensor is never fake; the import (FakeTensor only matters under torch.compile
+    # tracing) is left to the tensor subclasses.
+    if type(t) is torch.Tensor:
+        return False
     try:
         from torch._subclasses.fake_tensor import FakeTensor
     except ImportError:

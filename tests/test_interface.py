@@ -361,3 +361,61 @@ def test_a_kernel_without_seqused_slots_refuses_them():
         launch.seqused_args(NoSeqused, padded, None, used)
     with pytest.raises(ValueError, match="problem was validated"):
         launch.seqused_args(NoSeqused, padded, None, None)
+
+
+def test_call_key_holds_everything_validation_reads():
+    q = torch.randn(2, 16, 4, 64, dtype=torch.bfloat16)
+    base = interface._call_key((q, q, q), ("padded", None, True))
+    assert base == interface._call_key((q.clone(), q, q), ("padded", None, True))
+    variants = [
+        ((q.transpose(1, 2), q, q), ("padded", None, True)),  # strides
+        ((q.half(), q, q), ("padded", None, True)),  # dtype
+        ((q[:, :15], q, q), ("padded", None, True)),  # shape
+        ((torch.randn(q.numel() + 4, dtype=q.dtype)[4:].view(q.shape), q, q),
+         ("padded", None, True)),  # address 8 bytes past a 16-byte boundary
+        ((q.clone().requires_grad_(), q, q), ("padded", None, True)),
+        ((q, q, q), ("padded", None, 1)),  # 1 == True, but validation tells them apart
+        ((q, q, q), ("padded", 0.125, True)),
+    ]
+    keys = [interface._call_key(t, o) for t, o in variants]
+    assert None not in keys and base not in keys and len(set(keys)) == len(keys)
+    with torch.no_grad():
+        assert interface._call_key((q, q, q), ("padded", None, True)) != base
+    # No key (validated on every call): tensor subclasses, unhashable or unusual options.
+    assert interface._call_key((torch.nn.Parameter(q), q, q), ()) is None
+    assert interface._call_key((q, q, q), ("padded", [None, 0])) is None
+    assert interface._call_key((q, q, q), ("padded", torch.tensor(0.1))) is None
+
+
+def test_a_repeated_call_is_validated_once(capability, monkeypatch):
+    """The plan cache skips validation and dispatch for a call it has seen, and only then."""
+    import contextlib
+
+    capability(9, 0)
+    validated, launched = [], []
+
+    def validate(*args, **kw):
+        validated.append(kw["causal"])
+        return validate_attention_inputs(*args, **kw, require_cuda=False)
+
+    def apply(q, k, v, *lengths_and_plan):
+        problem, pipeline = lengths_and_plan[4:6]
+        launched.append((problem.causal, pipeline))
+        return q, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(interface, "validate_attention_inputs", validate)
+    monkeypatch.setattr(interface._FlashAttnFunc, "apply", apply)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(interface, "_PLANS", interface._BoundedCache(2))
+    q = torch.randn(1, 33, 2, 64, dtype=torch.bfloat16)
+    for causal in (False, False, True, False, True):
+        flash_cute.flash_attn_func(q, q, q, causal=causal)
+    assert validated == [False, True]
+    assert launched == [(c, "hopper") for c in (False, False, True, False, True)]
+    # Bad input is still refused after a good call of the same shape.
+    with pytest.raises(ValueError, match="last"):
+        flash_cute.flash_attn_func(q, q, q.transpose(-1, -2).contiguous().transpose(-1, -2))
+    # The cache forgets its oldest entry beyond its size.
+    flash_cute.flash_attn_func(q, q, q, softcap=5.0)
+    flash_cute.flash_attn_func(q, q, q, causal=False)
+    assert validated == [False, True, False, False, False]
