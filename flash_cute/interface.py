@@ -10,6 +10,8 @@ that lacks a capability a problem needs (seqused_q / seqused_k, declared by a pi
 it, and refuses it before any launch.
 """
 
+import threading
+from collections import OrderedDict
 from importlib import import_module
 from typing import NamedTuple, Optional, Tuple
 
@@ -125,14 +127,28 @@ class _FlashAttnFunc(torch.autograd.Function):
         dlse = None if dlse is None else dlse.contiguous()
         key = _call_key((dout, q, k, v, out, lse), ())
         key = None if key is None else (key, ctx.problem)
-        if key is None or key not in _CHECKED_BACKWARDS:
+        if _CHECKED_BACKWARDS.get(key) is None:
             validate_backward_inputs(dout, q, k, v, out, lse, ctx.problem)
             _CHECKED_BACKWARDS.put(key, True)
         with torch.cuda.device(q.device):
             dq, dk, dv = _pipeline_module(ctx.pipeline).backward(
                 dout, dlse, q, k, v, out, lse, ctx.problem, cu_seqlens_q, cu_seqlens_k,
                 ctx.deterministic, **_seqused_kwargs(seqused_q, seqused_k))
-        return (dq, dk, dv) + (None,) * 8
+        return _not_differentiable(dq, dk, dv) + (None,) * 8
+
+
+def _not_differentiable(*grads) -> tuple:
+    """The gradients, which under create_graph=True raise when differentiated again: the
+    backward kernels have no derivative of their own, and gradients that merely came back
+    without a graph would make a second-order term (a gradient penalty) silently zero.
+    `once_differentiable` does this only when the incoming gradients require grad, which
+    they seldom do; here it depends on the saved inputs, as SDPA's flash backward does."""
+    if not torch.is_grad_enabled():
+        return grads
+    err = torch._C._functions.DelayedError(
+        b"flash-cute's attention backward is not differentiable (no second-order gradients)",
+        len(grads))
+    return err(*(g.detach().requires_grad_() for g in grads))
 
 
 def _seqused_kwargs(seqused_q, seqused_k) -> dict:
@@ -248,20 +264,40 @@ class _Plan(NamedTuple):
     bwd_pipeline: Optional[str]  # None when no gradient is needed
 
 
-class _BoundedCache(dict):
-    """A dict that forgets its oldest entry beyond `size` entries; `put(None, ...)` is a no-op
-    (a call without a key is not cached)."""
+class _BoundedCache:
+    """At most `size` entries, the least recently used forgotten first; safe to use from
+    several threads (DataParallel, the autograd engine's one thread per device, a threaded
+    server). A None key (a call without one) is never stored or found."""
 
     def __init__(self, size: int):
-        super().__init__()
         self.size = size
+        self._entries = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        if key is None:
+            return None
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
 
     def put(self, key, value):
         if key is None:
             return
-        if len(self) >= self.size:
-            del self[next(iter(self))]
-        self[key] = value
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def __len__(self):
+        return len(self._entries)
+
+    def clear(self):
+        with self._lock:
+            self._entries.clear()
 
 
 # Calls already validated and dispatched, by `_call_key`: a repeated call skips validation,
@@ -306,6 +342,9 @@ def _call_key(tensors: tuple, options) -> Optional[tuple]:
         return (tuple(_signature(t) for t in tensors), _plain(options), torch.is_grad_enabled())
     except _Uncached:
         return None
+    except RuntimeError:
+        # A tensor without storage (sparse, ...): validation says what is wrong with it.
+        return None
 
 
 def _make_plan(q, k, v, problem, arch, deterministic) -> _Plan:
@@ -330,7 +369,7 @@ def _run(q, k, v, lengths: tuple, validate, options: tuple, arch, deterministic,
     `validate()` returns the call's `AttentionProblem` or raises; `options`: the call's other
     arguments, for the plan's key."""
     key = _call_key((q, k, v) + lengths, options)
-    plan = _PLANS.get(key) if key is not None else None
+    plan = _PLANS.get(key)
     if plan is None:
         plan = _make_plan(q, k, v, validate(), arch, deterministic)
         _PLANS.put(key, plan)

@@ -151,7 +151,8 @@ def compile_with_artifacts(spec: CompileSpec) -> Artifacts:
 
 class TensorArg(NamedTuple):
     """A torch tensor argument of `launch_kernel`, with the byte alignment the kernel may
-    assume of its data and of every stride but the unit last one."""
+    assume of its data pointer (strides are compiled with no divisibility; a kernel that
+    needs one asserts it, `layouts.assume_aligned_strides`)."""
     tensor: object
     align: int = 16
 
@@ -216,8 +217,10 @@ def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args: tu
 def attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k):
     """An attention kernel's arguments after its tensors, for a validated `AttentionProblem`:
     (scale, softcap, window left, window right) and the cu_seqlens (None when padded)."""
-    scalars = (problem.softmax_scale, problem.softcap if problem.softcap > 0 else 1.0,
-               problem.window_left or 0, problem.window_right or 0)
+    # Cast: a float or int slot is fixed by the first compile of each key.
+    scalars = (float(problem.softmax_scale),
+               float(problem.softcap) if problem.softcap > 0 else 1.0,
+               int(problem.window_left or 0), int(problem.window_right or 0))
     cu = (TensorArg(cu_seqlens_q, 4), TensorArg(cu_seqlens_k, 4)) if problem.varlen \
         else (None, None)
     return scalars, cu

@@ -113,7 +113,7 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
     key = CompileKey(name, arch, dtype, problem.hdim, problem.hdim_v, tile, variant.flags())
     scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
     args = (TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(out), TensorArg(lse, 4)) \
-        + scalars + (problem.max_seqlen_q,) + cu + used
+        + scalars + (int(problem.max_seqlen_q),) + cu + used
     launch_kernel(key, lambda: kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant,
                                           tile=tile), args, options)
     return out, lse
@@ -175,7 +175,7 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
     args = (TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(dout),
             TensorArg(lse_log2, row_stats_align), TensorArg(delta, row_stats_align),
             TensorArg(dq_accum, dq_accum_align), TensorArg(dk, dkv_align),
-            TensorArg(dv, dkv_align)) + scalars + (problem.max_seqlen_k,) + cu + used + sem
+            TensorArg(dv, dkv_align)) + scalars + (int(problem.max_seqlen_k),) + cu + used + sem
     launch_kernel(key, lambda: kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant,
                                           tile=tile, **kernel_kw), args, options)
     dq = (bwd_postprocess(dq_accum, problem.softmax_scale, q.dtype) if dq_layout is None

@@ -272,10 +272,15 @@ def validate_backward_inputs(
 
 
 def _check_tensor_args(**tensors) -> None:
-    """Reject non-tensor arguments up front so later checks can use tensor methods."""
+    """Reject non-tensor arguments up front so later checks can use tensor methods, and
+    lazily negated views (`torch._neg_view`, e.g. from some conjugate/negate paths): their
+    storage holds the un-negated values, which is what a kernel would read."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_neg():
+            raise ValueError(f"{name} is a lazily negated view whose memory holds the "
+                             f"un-negated values; pass {name}.resolve_neg()")
 
 
 def _check_optional_tensor_args(**tensors) -> None:

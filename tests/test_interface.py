@@ -419,3 +419,89 @@ def test_a_repeated_call_is_validated_once(capability, monkeypatch):
     flash_cute.flash_attn_func(q, q, q, softcap=5.0)
     flash_cute.flash_attn_func(q, q, q, causal=False)
     assert validated == [False, True, False, False, False]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plan_caches():
+    """Plans are keyed by tensors and arguments, not by the faked capability: each test
+    starts from empty caches."""
+    interface._PLANS.clear()
+    interface._CHECKED_BACKWARDS.clear()
+    yield
+    interface._PLANS.clear()
+    interface._CHECKED_BACKWARDS.clear()
+
+
+def test_plan_cache_forgets_the_least_recently_used_and_is_thread_safe():
+    import threading
+
+    cache = interface._BoundedCache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # refreshed: "b" is now the oldest
+    cache.put("c", 3)
+    assert (cache.get("a"), cache.get("b"), cache.get("c")) == (1, None, 3)
+    assert cache.get(None) is None and (cache.put(None, 4), len(cache))[1] == 2
+
+    small, errors = interface._BoundedCache(8), []
+
+    def hammer(seed):
+        try:
+            for i in range(3000):
+                small.put((seed, i % 50), i)
+                small.get((seed, (i * 7) % 50))
+        except Exception as e:  # noqa: BLE001 - any exception is the failure
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(small) <= 8
+
+
+def test_call_key_of_a_tensor_without_storage_is_none():
+    q = torch.randn(2, 16, 4, 64)
+    assert interface._call_key((q.to_sparse(), q, q), ()) is None
+
+
+def test_second_order_gradients_are_refused(capability, monkeypatch):
+    """Second-order gradients through attention are not implemented: gradients taken with
+    create_graph=True raise when differentiated again, not silently give zero."""
+    import contextlib
+    import types
+
+    from flash_cute.validation import validate_backward_inputs
+
+    capability(9, 0)
+    fake = types.SimpleNamespace(
+        check_supported=lambda problem, device, backward=False: None,
+        forward=lambda q, k, v, problem, cu_q, cu_k: (
+            q * 2.0, torch.zeros(q.shape[0], q.shape[2], q.shape[1])),
+        backward=lambda dout, dlse, q, k, v, out, lse, problem, cu_q, cu_k, det: (
+            dout * 2.0, torch.zeros_like(k), torch.zeros_like(v)))
+    monkeypatch.setattr(interface, "_pipeline_module", lambda name: fake)
+    monkeypatch.setattr(interface, "validate_attention_inputs",
+                        lambda *a, **kw: validate_attention_inputs(*a, **kw, require_cuda=False))
+    monkeypatch.setattr(interface, "validate_backward_inputs",
+                        lambda *a: validate_backward_inputs(*a, require_cuda=False))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    q = torch.randn(1, 33, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = flash_cute.flash_attn_func(q, q.detach(), q.detach())
+    (dq,) = torch.autograd.grad(out.float().sum(), q, create_graph=True)
+    assert torch.equal(dq, torch.full_like(q, 2.0))
+    # A gradient penalty: the backward through dq reaches the refusal.
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        (out.float().sum() + dq.float().pow(2).sum()).backward()
+    # Without create_graph the gradients are plain tensors.
+    out, _ = flash_cute.flash_attn_func(q, q.detach(), q.detach())
+    (dq,) = torch.autograd.grad(out.float().sum(), q)
+    assert dq.grad_fn is None and not dq.requires_grad
+
+
+def test_lazily_negated_views_are_refused():
+    q = torch.randn(1, 16, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="resolve_neg"):
+        validate_attention_inputs(torch._neg_view(q), q, q, require_cuda=False)
+    validate_attention_inputs(torch._neg_view(q).resolve_neg(), q, q, require_cuda=False)

@@ -205,8 +205,8 @@ class TiledDqAccum:
         name = dtype_name(q.dtype)
         key = CompileKey("hopper.bwd.dq_postprocess", current_arch(), name, problem.hdim,
                          None, (self.tile_m, *self.split), (("varlen", problem.varlen),))
-        args = (TensorArg(dq_accum), TensorArg(dq), problem.softmax_scale,
-                tensor_arg(cu_seqlens_q, 4), problem.max_seqlen_q)
+        args = (TensorArg(dq_accum), TensorArg(dq), float(problem.softmax_scale),
+                tensor_arg(cu_seqlens_q, 4), int(problem.max_seqlen_q))
         launch_kernel(key, lambda: HopperDqPostprocess(DTYPES[name], problem.hdim, self.tile_m,
                                                        self.split, problem.varlen), args)
         return dq
