@@ -12,6 +12,7 @@ Both are memory-bound: 128-bit loads, a power-of-two group of consecutive lanes 
 butterfly shuffle reduces it), fp32 arithmetic.
 """
 
+import functools
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -270,6 +271,13 @@ def _longest_sequence(cu_seqlens) -> int:
     return int(cu_seqlens.diff().max()) if cu_seqlens.numel() > 1 else 0
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel(cls, *config):
+    """One kernel object per configuration: its tile (part of the compile key) is worked out
+    once, not on every backward call."""
+    return cls(*config)
+
+
 def _vector_arg(t):
     """An fp32/int32 per-row vector (scalar loads: 4-byte alignment), or None."""
     from flash_cute.jit import tensor_arg
@@ -302,8 +310,8 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
     if delta.numel() == 0 or max_seqlen_q == 0:
         return delta, lse_log2
     dtype, hdim_v = dtype_name(out.dtype), out.shape[-1]
-    kernel = BwdPreprocessKernel(DTYPES[dtype], hdim_v, varlen, dlse is not None,
-                                 seqused_q is not None)
+    kernel = _kernel(BwdPreprocessKernel, DTYPES[dtype], hdim_v, varlen, dlse is not None,
+                     seqused_q is not None)
     key = CompileKey("blocks.bwd.preprocess", current_arch(), dtype, None, hdim_v,
                      (kernel.tile_m, hdim_v), (("dlse", kernel.has_dlse), ("varlen", varlen),
                                                ("seqused_q", kernel.has_seqused)))
@@ -330,7 +338,7 @@ def bwd_postprocess(dq_accum, scale: float, dtype, out=None):
     if out.numel() == 0:
         return out
     name, hdim, varlen = dtype_name(dtype), dq_accum.shape[-1], dq_accum.dim() == 3
-    kernel = BwdPostprocessKernel(DTYPES[name], hdim, varlen)
+    kernel = _kernel(BwdPostprocessKernel, DTYPES[name], hdim, varlen)
     key = CompileKey("blocks.bwd.postprocess", current_arch(), name, hdim, None,
                      (kernel.tile_m, hdim), (("varlen", varlen),))
     launch_kernel(key, lambda: kernel, (TensorArg(dq_accum), TensorArg(out), float(scale)))

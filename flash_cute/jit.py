@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
+import torch
 
 from flash_cute.sass import kernel_resources, opcode_counts
 
@@ -74,8 +75,6 @@ def current_arch() -> str:
     env = os.environ.get("CUTE_DSL_ARCH")
     if env:
         return env
-    import torch
-
     if not (torch.cuda.is_initialized() or torch.cuda.is_available()):
         raise RuntimeError("no CUDA GPU and CUTE_DSL_ARCH is unset: name an arch to cross-compile")
     return _arch_label(torch.cuda.current_device())
@@ -161,17 +160,8 @@ def tensor_arg(t, align: int = 16):
     return None if t is None else TensorArg(t, align)
 
 
-_TORCH_TO_DSL = None
-
-
-def _dsl_dtype(torch_dtype):
-    global _TORCH_TO_DSL
-    if _TORCH_TO_DSL is None:
-        import torch
-
-        _TORCH_TO_DSL = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                         torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
-    return _TORCH_TO_DSL[torch_dtype]
+_TORCH_TO_DSL = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+                 torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
 
 
 def _spec(arg):
@@ -179,7 +169,7 @@ def _spec(arg):
     stride dynamic (unit last stride), Float32 for a float, Int32 for an int, or None."""
     if isinstance(arg, TensorArg):
         shape = tuple(dynamic_dim() for _ in arg.tensor.shape)
-        return fake_tensor(_dsl_dtype(arg.tensor.dtype), shape, align=arg.align)
+        return fake_tensor(_TORCH_TO_DSL[arg.tensor.dtype], shape, align=arg.align)
     if isinstance(arg, bool) or not isinstance(arg, (int, float, type(None))):
         raise TypeError(f"launch argument {arg!r}: expected a TensorArg, float, int or None")
     return arg if arg is None else (cutlass.Float32 if isinstance(arg, float) else cutlass.Int32)(arg)
