@@ -38,7 +38,7 @@ def _row_split(row_vectors: int, num_threads: int, vectors_per_thread: int) -> t
     return threads_per_row, num_threads // threads_per_row * rows_per_thread
 
 
-def _row_copy(dtype, elems: int, threads_per_row: int, num_threads: int) -> cute.TiledCopy:
+def row_copy(dtype, elems: int, threads_per_row: int, num_threads: int) -> cute.TiledCopy:
     """Tiled copy of (rows, d) tiles: `elems`-element vectors, `threads_per_row` consecutive
     threads side by side along a row."""
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype,
@@ -49,7 +49,7 @@ def _row_copy(dtype, elems: int, threads_per_row: int, num_threads: int) -> cute
 
 
 @cute.jit
-def _copy_rows(tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor,
+def copy_rows(tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor,
                coord: cute.Tensor, valid_rows: Int32):
     """Copy a thread's partition of a tile; rows >= valid_rows are never touched.
 
@@ -108,7 +108,7 @@ class BwdPreprocessKernel:
         mO, mdO = (assume_aligned_strides(t, self.vec) for t in (mO, mdO))
         batch = SeqInfo.num_batches(mO, mCuSeqlensQ)
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mO.shape[-2], batch)
-        load = _row_copy(self.dtype, self.vec, self.threads_per_row, self.num_threads)
+        load = row_copy(self.dtype, self.vec, self.threads_per_row, self.num_threads)
         self.kernel(mO, mdO, mLSE, mdLSE, mDelta, mLSElog2, mCuSeqlensQ, mSeqUsedQ, load).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
@@ -160,8 +160,8 @@ class BwdPreprocessKernel:
         rO, rdO = cute.make_rmem_tensor_like(tOgO), cute.make_rmem_tensor_like(tOgdO)
         rO.fill(0)
         rdO.fill(0)
-        _copy_rows(load, tOgO, rO, tOcO, valid_rows)
-        _copy_rows(load, tOgdO, rdO, tOcO, valid_rows)
+        copy_rows(load, tOgO, rO, tOcO, valid_rows)
+        copy_rows(load, tOgdO, rdO, tOcO, valid_rows)
         is_row_leader = tidx % self.threads_per_row == 0
         for m in cutlass.range_constexpr(cute.size(rO, mode=[1])):
             prod = rO[None, m, None].load().to(Float32) * rdO[None, m, None].load().to(Float32)
@@ -207,8 +207,8 @@ class BwdPostprocessKernel:
         rows = mdQ.shape[0] if cutlass.const_expr(self.varlen) else mdQ.shape[1]
         batch = 1 if cutlass.const_expr(self.varlen) else mdQ.shape[0]
         grid = (cute.ceil_div(rows, self.tile_m), mdQ.shape[-2], batch)
-        load = _row_copy(Float32, self.vec, self.threads_per_row, self.num_threads)
-        store = _row_copy(self.dtype, self.vec, self.threads_per_row, self.num_threads)
+        load = row_copy(Float32, self.vec, self.threads_per_row, self.num_threads)
+        store = row_copy(self.dtype, self.vec, self.threads_per_row, self.num_threads)
         self.kernel(mdQaccum, mdQ, scale, load, store).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
@@ -225,10 +225,10 @@ class BwdPostprocessKernel:
         tAgA = thr_load.partition_S(gA)
         tAcA = thr_load.partition_S(cute.make_identity_tensor(tile))
         rA = cute.make_rmem_tensor_like(tAgA)
-        _copy_rows(load, tAgA, rA, tAcA, valid_rows)
+        copy_rows(load, tAgA, rA, tAcA, valid_rows)
         rQ = cute.make_rmem_tensor_like(rA, self.dtype)
         rQ.store((rA.load() * scale).to(self.dtype))
-        _copy_rows(store, rQ, store.get_slice(tidx).partition_D(gQ), tAcA, valid_rows)
+        copy_rows(store, rQ, store.get_slice(tidx).partition_D(gQ), tAcA, valid_rows)
 
     def head_rows(self, t: cute.Tensor, batch: Int32, head: Int32) -> cute.Tensor:
         """(rows, d) of one head of one batch (varlen: of the whole pack)."""

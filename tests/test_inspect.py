@@ -226,6 +226,19 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce
     assert atomic_configs == 2, "the atomic dQ path is cross-compiled, plain and deterministic"
 
 
+def test_hopper_dq_postprocess_stores_whole_rows(inspected):
+    """dQ leaves the fragment order through a shared tile: 128-bit global stores only (a
+    fragment stored straight to global memory takes 32-bit pieces of 8 rows), after one
+    barrier."""
+    entries = [e for e in inspected if e["kernel"] == "hopper.bwd.dq_postprocess"]
+    assert entries
+    for e in entries:
+        tile_m, hdim = e["config"]["tile"]
+        vectors = tile_m * hdim * 2 // 16 // 256  # 16-byte pieces of the tile per thread
+        ops = e["sass"]
+        assert ops["STG"] == ops["LDS"] == vectors and ops["BAR"] == 1 and ops["STS"] > 0, e
+
+
 def test_hopper_bwd_waits_for_each_gemm_only_where_it_is_needed():
     """S runs under nothing but dP is issued before S is waited for (P's exp2 overlaps dP),
     dV under dS, dK under dQ's way out: `wgmma.wait_group 1` three times per query tile."""
