@@ -185,8 +185,9 @@ def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
 
 
 def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce(inspected):
-    """dQ leaves through one bulk reduce-add of a shared-memory tile, written by 128-bit
-    stores in fragment order (`dq_accum`), wherever that tile fits
+    """16-bit dK and dV leave as 128-bit row stores. dQ leaves through one bulk reduce-add
+    of a shared-memory tile, written by 128-bit stores in fragment order (`dq_accum`),
+    wherever that tile fits
     (`bwd_smem_plan`; every default schedule), else through fp32 atomics (registered: hdim 256
     with two Q/dO stages, plain and deterministic); a deterministic kernel adds one int32
     semaphore increment."""
@@ -205,12 +206,18 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce
         assert ops.get("USETMAXREG", 0) >= 2, "producer and consumers re-balance registers"
         assert ops.get("STSM", 0) > 0, "P and dS go to shared memory by stmatrix"
         semaphore = 1 if cfg["deterministic"] else 0
+        # dK and dV elements per consumer thread; 16-bit ones leave as 128-bit rows.
+        dkv_elems = cfg["tile"][1] * (cfg["hdim"] + cfg["hdim_v"]) // 256
+        if not cfg["dkv_fp32"]:
+            assert ops.get("STG", 0) == dkv_elems // 8, "dK/dV: whole 128-bit row stores"
         atomics = ops.get("REDG", 0) + ops.get("ATOMG", 0) - semaphore
         if bwd_smem_plan(cfg["hdim"], cfg["hdim_v"], tuple(cfg["tile"])).dq_tma:
             assert ops.get("UBLKRED", 0) == 1, "dQ is added by one bulk reduce per tile"
             if not (cfg["varlen"] or cfg.get("seqused_k")):  # those also zero tile tails
                 per_thread = cfg["tile"][0] * cfg["hdim"] // 256
-                assert ops.get("STS", 0) == per_thread // 4, "dQ: one 128-bit store per 4"
+                # 16-bit dK/dV go to shared memory too, one 32-bit store per column pair.
+                dkv = 0 if cfg["dkv_fp32"] else dkv_elems // 2
+                assert ops.get("STS", 0) == per_thread // 4 + dkv, "dQ: one 128-bit store per 4"
             assert atomics == 0, "no fp32 atomics where the bulk reduce adds dQ"
         else:
             assert ops.get("UBLKRED", 0) == 0 and atomics > 0, "dQ is added by fp32 atomics"

@@ -22,6 +22,7 @@ from cutlass.tensor_utils import LayoutEnum
 from flash_cute.bwd_blocks import (atomic_add_rows, dq_turn, ds_from_probs, p_and_ds, pass_turn,
                                    probs, store_acc_tile, tile_row_values, wait_turn)
 from flash_cute.block_range import m_block_range
+from flash_cute.bwd_prep import copy_rows, row_copy
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_strides,
                                 transpose_view)
@@ -49,6 +50,8 @@ _DQ_EMPTY_BARRIER_ID = 5
 _DQ_WRITER_WARP = 1
 # 6: the 256 consumer threads, after zeroing tile rows past a varlen sequence.
 _TAIL_BARRIER_ID = 6
+# 7: the 256 consumer threads around the dK/dV epilogue tiles in shared memory.
+_EPILOGUE_BARRIER_ID = 7
 
 
 class HopperBwd:
@@ -69,6 +72,8 @@ class HopperBwd:
     | P, dS tiles (shared memory) | pds_stages | consumers                | their dV, dK, dQ      |
     |   (swap_sdp: dSᵀ only)      |            |                          | dQ                    |
     | dQ tile (named barriers)    | 1          | consumers: 4 (full)      | dQ writer: 5 (empty)  |
+    | dK, dV tiles (in Q's, dO's  | 1          | consumers, between two   | their row stores      |
+    |   rings, after the loop)    |            | barriers 7 of all 256    |                       |
 
     `config.bwd_smem_plan` picks pds_stages (q_stages where it fits, else 1) and dq_tma (the
     fp32 dQ tile in shared memory; without it, e.g. hdim 256 with two Q/dO stages, the
@@ -104,15 +109,16 @@ class HopperBwd:
     [deterministic: wait for its turn], wait full, bulk reduce-add of the tile into dQaccum
     [deterministic: wait for the add to complete, pass the turn].
 
-    Then dK *= softmax_scale and dK, dV rows < seqlen_k go from registers to global memory,
-    per query head (the host sums a GQA group). Rows of a Q/dO tile past seqlen_q (zero-filled
+    Then dK *= softmax_scale and dK, dV rows < seqlen_k go to global memory, per query head
+    (the host sums a GQA group): 16-bit ones through the freed Q and dO rings as whole 128-bit
+    rows (`store_dkv_rows`), fp32 ones (GQA) straight from the accumulators. Rows of a Q/dO tile past seqlen_q (zero-filled
     by TMA, or the next varlen sequence) get LSE = +inf and Δ = 0 (`tile_row_values`), so
     P = dS = 0 there; K/V rows past seqlen_k are masked to P = 0.
 
     `deterministic`: dQ of a query tile is added by its K/V tiles in increasing order, through
     an int32 semaphore per (query tile, head, batch) in global memory (`bwd_blocks.dq_turn`).
 
-    Not yet: a TMA store of dK/dV; LSE₂ and Δ by TMA for varlen.
+    Not yet: LSE₂ and Δ by TMA for varlen.
     """
 
     # `flash_cute.launch` passes (mSeqUsedQ, mSeqUsedK) after the cu_seqlens.
@@ -166,6 +172,9 @@ class HopperBwd:
         vec = 128 // self.dtype.width
         # TMA needs 16-byte global strides; validation guarantees them, this tells the compiler.
         mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mdO))
+        if cutlass.const_expr(mdK.element_type == self.dtype):
+            # Allocated by `launch.backward`, compact: 128-bit row stores (`store_dkv_rows`).
+            mdK, mdV = (assume_aligned_strides(t, vec) for t in (mdK, mdV))
         layouts = self._smem_layouts()
         sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout = layouts
         mmas = self._tiled_mmas()
@@ -351,17 +360,61 @@ class HopperBwd:
                 step = BwdStep(self, tidx, seq, mmas, smem, (mLSElog2, mDelta), mdQaccum, head,
                                scale_log2, scale_div_cap, win_left, win_right, order)
                 self.consume(step, smem, pipes, m_min, m_max, n_block)
-                self.store_dkv(step, mmas, tidx, seq, mdK, mdV, head, n_block, softmax_scale)
+                self.store_dkv(step, mmas, tidx, seq, smem, mdK, mdV, head, n_block,
+                               softmax_scale)
 
     @cute.jit
-    def store_dkv(self, step, mmas, tidx, seq, mdK, mdV, head, n_block, softmax_scale):
-        """dK *= softmax_scale; dK, dV rows < seqlen_k from registers to global memory."""
+    def store_dkv(self, step, mmas, tidx, seq, smem, mdK, mdV, head, n_block, softmax_scale):
+        """dK *= softmax_scale; dK, dV rows < seqlen_k to global memory: 16-bit ones through
+        shared memory (`store_dkv_rows`), fp32 ones (GQA, summed by the host) straight from
+        registers."""
         step.acc_dk.store(step.acc_dk.load() * softmax_scale)
         kv_rows = seq.seqlen_k - n_block * self.tile_n
-        store_acc_tile(mmas[1], tidx, step.acc_dk, seq.k_view(mdK, head),
-                       (self.tile_n, self.hdim), n_block, kv_rows)
-        store_acc_tile(mmas[2], tidx, step.acc_dv, seq.k_view(mdV, head),
-                       (self.tile_n, self.hdim_v), n_block, kv_rows)
+        outs = ((step.acc_dk, mmas[1], mdK, self.hdim, smem.sQ),
+                (step.acc_dv, mmas[2], mdV, self.hdim_v, smem.sdO))
+        if cutlass.const_expr(mdK.element_type == self.dtype
+                              and self.q_stages * self.tile_m >= self.tile_n):
+            self.store_dkv_rows(outs, tidx, seq, head, n_block, kv_rows)
+        else:
+            for acc, mma, m_out, cols, _ in outs:
+                store_acc_tile(mma, tidx, acc, seq.k_view(m_out, head), (self.tile_n, cols),
+                               n_block, kv_rows)
+
+    @cute.jit
+    def store_dkv_rows(self, outs, tidx, seq, head, n_block, kv_rows):
+        """dK into the Q ring's shared memory and dV into dO's (both free once the two
+        warpgroups' last GEMMs are done), then whole 128-bit rows to global memory. Straight
+        from the accumulators a warp's store covers 8 rows in 4-byte pieces, and that
+        epilogue is a larger share of a CTA the shorter the query sequence.
+
+        The tiles take the swizzle of the rings they reuse (the atom of `_smem_layouts`, sized
+        for a warpgroup's columns), so the accumulator's 8 rows of a store land in 8 different
+        16-byte chunks."""
+        epilogue = pipeline.NamedBarrier(barrier_id=_EPILOGUE_BARRIER_ID,
+                                         num_threads=self.num_consumer_threads)
+        epilogue.arrive_and_wait()
+        dkv_n = self.splits["dkv"][1]
+        tiles = []
+        for acc, mma, m_out, cols, ring in outs:
+            kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype,
+                                                   cols // dkv_n)
+            layout = cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, self.dtype),
+                                        (self.tile_n, cols), order=(0, 1))
+            s_tile = cute.make_tensor(ring.iterator, layout.outer)
+            r = cute.make_rmem_tensor_like(acc, self.dtype)
+            r.store(acc.load().to(self.dtype))
+            cute.autovec_copy(r, mma.get_slice(tidx).partition_C(s_tile))
+            tiles.append(s_tile)
+        epilogue.arrive_and_wait()
+        vec = 128 // self.dtype.width
+        for (_, _, m_out, cols, _), s_tile in zip(outs, tiles):
+            row_vectors = cols // vec
+            store = row_copy(self.dtype, vec, min(row_vectors & -row_vectors, 32),
+                             self.num_consumer_threads)
+            thr = store.get_slice(tidx)
+            g = cute.local_tile(seq.k_view(m_out, head), (self.tile_n, cols), (n_block, 0))
+            copy_rows(store, thr.partition_S(s_tile), thr.partition_D(g),
+                      thr.partition_S(cute.make_identity_tensor((self.tile_n, cols))), kv_rows)
 
     @cute.jit
     def produce(self, atoms, tensors, smem, pipes, seq, head, head_kv, n_block, m_min, m_max):
