@@ -34,7 +34,7 @@ def row_stats(coord_mn: cute.Tensor, m_block: Int32, tile_m: int, seqlen_q: Int3
 @cute.jit
 def tile_row_values(coord_mn: cute.Tensor, valid_rows: Int32, t_rows: cute.Tensor, outside,
                     clamp: cutlass.Constexpr[bool] = False, shares: cutlass.Constexpr[int] = 1,
-                    share: Int32 = 0):
+                    share: Int32 = 0, checked: cutlass.Constexpr[bool] = True):
     """A thread's rows of a per-row vector of a query tile already in memory (e.g. LSE₂ or Δ,
     TMA-loaded to shared memory), indexed by the tile's own rows, of which the first
     `valid_rows` belong to the sequence; the other rows get `outside`.
@@ -47,7 +47,8 @@ def tile_row_values(coord_mn: cute.Tensor, valid_rows: Int32, t_rows: cute.Tenso
 
     `shares` > 1: only the thread's rows ``[share · n, (share + 1) · n)`` (n = rows / shares),
     for threads that hold the same rows and split the values among themselves (`share` may
-    be a run-time value).
+    be a run-time value). `checked=False`: every row is read as it is, for a caller whose
+    rows past the sequence are harmless as loaded (the Hopper backward's TMA zero fill).
     """
     if cutlass.const_expr(cute.size(coord_mn, mode=[0]) % shares):
         raise ValueError(f"{shares} shares do not divide {cute.size(coord_mn, mode=[0])} rows")
@@ -58,8 +59,11 @@ def tile_row_values(coord_mn: cute.Tensor, valid_rows: Int32, t_rows: cute.Tenso
             row = coord_mn[share * num_rows + r, 0][0]
         else:
             row = coord_mn[r, 0][0]
-        idx = cutlass.min(row, valid_rows - 1) if clamp else row
-        vals[r] = t_rows[idx] if row < valid_rows else Float32(outside)
+        if cutlass.const_expr(checked):
+            idx = cutlass.min(row, valid_rows - 1) if clamp else row
+            vals[r] = t_rows[idx] if row < valid_rows else Float32(outside)
+        else:
+            vals[r] = t_rows[row]
     return vals
 
 

@@ -111,9 +111,12 @@ class HopperBwd:
 
     Then dK *= softmax_scale and dK, dV rows < seqlen_k go to global memory, per query head
     (the host sums a GQA group): 16-bit ones through the freed Q and dO rings as whole 128-bit
-    rows (`store_dkv_rows`), fp32 ones (GQA) straight from the accumulators. Rows of a Q/dO tile past seqlen_q (zero-filled
-    by TMA, or the next varlen sequence) get LSE = +inf and Δ = 0 (`tile_row_values`), so
-    P = dS = 0 there; K/V rows past seqlen_k are masked to P = 0.
+    rows (`store_dkv_rows`), fp32 ones (GQA) straight from the accumulators.
+
+    Rows of a Q/dO tile past seqlen_q contribute nothing: padded, they are TMA's zero fill
+    in Q, dO, LSE₂ and Δ alike (P = 1 but dO = 0 and dS = 0; `stats_checked` off); varlen or
+    with seqused_q (the next sequence, or padding) they get LSE = +inf and Δ = 0
+    (`tile_row_values`), so P = dS = 0. K/V rows past seqlen_k are masked to P = 0.
 
     `deterministic`: dQ of a query tile is added by its K/V tiles in increasing order, through
     an int32 semaphore per (query tile, head, batch) in global memory (`bwd_blocks.dq_turn`).
@@ -145,6 +148,12 @@ class HopperBwd:
         # LSE₂ and Δ tiles by TMA; varlen reads them from global memory (a TMA of the
         # [h, tq] vectors faulted with an illegal instruction on the H200, not yet understood).
         self.stats_tma = not self.varlen
+        # Padded, without seqused_q, the rows of a tile past seqlen_q are the TMA's zero fill
+        # in Q, dO, LSE₂ and Δ alike: P = exp2(0 − 0) = 1 there, but dV += Pᵀ dO adds 0,
+        # dP = dO Vᵀ = 0 and dS = P ∘ (dP − Δ) = 0, so nothing reaches dV, dK or dQ and the
+        # rows need no +inf / 0 in place of what was read (`tile_row_values`' checks cost
+        # ~20 instructions per query tile, ~170 with swap_sdp's 16 columns per thread).
+        self.stats_checked = self.varlen or self.has_seqused_q
         # 32 query columns per thread (swap_sdp, 128 rows): statistics shared by shuffles.
         self.shuffle_stats = self.swap_sdp and self.tile_m == 128
 
@@ -468,11 +477,12 @@ class HopperBwd:
         and every lane waits on its own).
 
         The rows of a tile past seqlen_q are added too, into this sequence's own tile. They
-        are exactly ±0: they have LSE = +inf (`tile_row_values`), so P = exp2(S·scale_log2 −
-        inf) = 0, dS = P ∘ (dP − Δ) = ±0 and dQ = dS K = ±0; adding ±0 changes no dQaccum
-        value (never −0: it starts at +0), in any order, so determinism holds too. That
-        needs finite values in the rows TMA reads: the consumers zero the Q, dO, K and V rows
-        past the sequence first (`BwdStep.clear_tail`)."""
+        are exactly ±0: dS = P ∘ (dP − Δ) = ±0 there (padded: dO, hence dP, and Δ are TMA's
+        zero fill; varlen or seqused_q: LSE = +inf, `tile_row_values`, so P = 0) and dQ =
+        dS K = ±0; adding ±0 changes no dQaccum value (never −0: it starts at +0), in any
+        order, so determinism holds too. That needs finite values in the rows TMA reads: the
+        consumers zero the Q, dO, K and V rows past a varlen sequence first
+        (`BwdStep.clear_tail`)."""
         full, empty = _dq_barriers(self)
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             if cutlass.const_expr(not self.deterministic):
@@ -699,13 +709,14 @@ class BwdStep(DslState):
             t = (self.sLSE if lse else self.sDelta)[None, stage]
         else:
             t = cute.local_tile(self.g_lse if lse else self.g_delta, (cfg.tile_m,), (m_block,))
+        checked = cfg.stats_checked
         if cutlass.const_expr(cfg.shuffle_stats):
             lane = cute.arch.lane_idx()
             quad_size = ShuffledRows.LANES_PER_QUAD
             vals = tile_row_values(self.coord_s, valid_rows, t, outside, clamp,
-                                   ShuffledRows.SHARES, lane // quad_size)
+                                   ShuffledRows.SHARES, lane // quad_size, checked)
             return ShuffledRows(vals, lane % quad_size)
-        return tile_row_values(self.coord_s, valid_rows, t, outside, clamp)
+        return tile_row_values(self.coord_s, valid_rows, t, outside, clamp, checked=checked)
 
     @cute.jit
     def row_stats(self, m_block: Int32, stage):
