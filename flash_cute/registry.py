@@ -182,6 +182,11 @@ def _hopper_bwd_configs():
     out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 128, 128,
                             HOPPER_BWD_TILES[128]._replace(swap_sdp=True), _HOPPER_BWD,
                             _flags(**plain)))
+    # FA4's hdim-128 tile: 80 query rows, transposed scores and dQᵀ (`config.dq_swapped`).
+    for causal in (False, True):
+        out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 128, 128,
+                                HOPPER_BWD_TILES[128]._replace(tile_m=80, swap_sdp=True),
+                                _HOPPER_BWD, _flags(**{**plain, "causal": causal})))
     # 64 query rows at hdim 64 against the default 128 (shuffled LSE₂/Δ).
     out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 64, 64,
                             HOPPER_BWD_TILES[64]._replace(tile_m=64), _HOPPER_BWD,
@@ -205,7 +210,9 @@ def _hopper_dq_postprocess_configs():
                               _flags(varlen=varlen))
                  for d, dtype, varlen in [(64, "bf16", False), (96, "bf16", False),
                                           (128, "bf16", False), (128, "fp16", True),
-                                          (192, "bf16", False), (256, "bf16", True)])
+                                          (192, "bf16", False), (256, "bf16", True)]) \
+        + (KernelConfig("hopper.bwd.dq_postprocess", ("sm_90a",), "bf16", 128, None, (80, 128),
+                        _HOPPER_DQ_POST, _flags(varlen=False)),)
 
 
 _LSE_MERGE = "flash_cute.lse_merge:build_for_inspect"

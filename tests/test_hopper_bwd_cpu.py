@@ -100,3 +100,13 @@ def test_backward_compile_key_has_the_deterministic_switch_only_where_a_kernel_h
 def test_dq_semaphores_one_zeroed_int32_per_query_tile_head_and_batch():
     sem = dq_semaphores(_problem(batch=3, nheads=5, max_seqlen_q=129), 64, "cpu")
     assert sem.shape == (3, 5, 3) and sem.dtype == torch.int32 and not sem.any()
+
+
+def test_lse_and_delta_stages_start_128_byte_aligned():
+    """A TMA destination must be 128-byte aligned: each stage of the LSE₂/Δ rings is padded
+    to a multiple of 32 floats (80 query rows: 96), and the shared-memory plan counts that."""
+    from flash_cute.arch.hopper.config import BwdConfig, bwd_smem_plan, stats_stage_rows
+
+    assert [stats_stage_rows(m) for m in (64, 80, 128)] == [64, 96, 128]
+    plan = bwd_smem_plan(128, 128, BwdConfig(80, 128, 2, True))
+    assert plan.dq_tma and plan.pds_stages == 2 and plan.smem_bytes <= 227 * 1024

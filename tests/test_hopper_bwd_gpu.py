@@ -139,11 +139,15 @@ _SCHEDULE_CASES = [(128, {"causal": True}), (64, {"softcap": 15.0}),
     # 128 query rows (hdim 64 only): transposed scores with shuffled LSE₂/Δ.
     ((128, 128, 2, True), 64, {"causal": True}), ((128, 128, 2, True), 64, {"softcap": 15.0}),
     ((128, 128, 2, True), 64, {"window_size": (70, 9)}),
+    # 80 query rows (hdim 128 only): transposed scores and dQᵀ = Kᵀ dSᵀ.
+    ((80, 128, 2, True), 128, {}), ((80, 128, 2, True), 128, {"causal": True}),
+    ((80, 128, 2, True), 128, {"softcap": 15.0}),
+    ((80, 128, 2, True), 128, {"window_size": (70, 9)}),
 ])
 def test_hopper_backward_every_schedule(tile, hdim, kw):
     """S/dP computed transposed (P and dS kept in registers for dV and dK) or not (P and dS
-    through shared memory), with 64 or 128 query rows: every schedule passes the float64 rule
-    (301 queries: a partial last tile of each size)."""
+    through shared memory), with 64, 80 or 128 query rows: every schedule passes the float64
+    rule (301 queries: a partial last tile of each size)."""
     from flash_cute.arch.hopper.api import backward
     from flash_cute.arch.hopper.config import BwdConfig
 

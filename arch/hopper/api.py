@@ -7,7 +7,7 @@ from flash_cute.validation import AttentionProblem
 
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, PACK_ROWS,
                      SUPPORTED_HDIMS, TILES, BwdConfig, bwd_mma_splits, bwd_smem_plan, bwd_tile,
-                     fwd_tile)
+                     dq_swapped, fwd_tile)
 
 # forward/backward take seqused_q/seqused_k (the dispatcher reads this without importing the DSL).
 SUPPORTS_SEQUSED = True
@@ -89,7 +89,7 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
     tile = BwdConfig(*(tile or bwd_tile(problem.hdim, problem.varlen)))
     dq_layout = None
     if bwd_smem_plan(problem.hdim, problem.hdim_v, tile).dq_tma:
-        dq_layout = TiledDqAccum(tile.tile_m, bwd_mma_splits(tile)["dq"])
+        dq_layout = TiledDqAccum(tile.tile_m, bwd_mma_splits(tile)["dq"], dq_swapped(tile))
     return launch.backward("hopper.bwd", HopperBwd, dout, dlse, q, k, v, out, lse, problem,
                            cu_seqlens_q, cu_seqlens_k, tuple(tile), BWD_COMPILE_OPTIONS, arch,
                            prepare=_tma_ready, deterministic=bool(deterministic),

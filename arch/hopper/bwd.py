@@ -33,7 +33,8 @@ from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import (BWD_COMPILE_OPTIONS, BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS,
                      BWD_NUM_THREADS, BWD_PRODUCER_REGISTERS, BWD_SUPPORTED_HDIMS, BWD_TILES,
-                     SMEM_CAPACITY, BwdConfig, bwd_mma_splits, bwd_smem_plan)
+                     SMEM_CAPACITY, BwdConfig, bwd_mma_splits, bwd_smem_plan, dq_swapped,
+                     stats_stage_rows)
 from .dq_accum import DQ_THREADS, as_vectors, reduce_add_tile, thread_view
 from .tma import (ROWS_FIRST, make_tma_pipelines, permute, smem_tile, tma_load_atom,
                   tma_partition)
@@ -103,7 +104,10 @@ class HopperBwd:
     With 128 query rows (hdim 64's default; swap_sdp only) a thread holds 32 query columns:
     each statistic is kept one eighth per lane and fetched by shuffles (`ShuffledRows`), dS
     is computed before dV is issued (so fp32 P, dP and the 16-bit P are never all live), and
-    dQ splits its 128 rows over the two warpgroups.
+    dQ splits its 128 rows over the two warpgroups. With 80 query rows (FA4's hdim-128 tile;
+    swap_sdp only) WGMMA's 64-row M fits no split of the queries, so dQ is computed
+    transposed, dQᵀ = Kᵀ dSᵀ (`config.dq_swapped`): each warpgroup 64 of the head dim's rows
+    and all 80 queries; the postprocess maps that fragment back (`dq_accum`).
 
     The dQ writer, per tile: wait until the bulk add has read the previous tile, arrive empty,
     [deterministic: wait for its turn], wait full, bulk reduce-add of the tile into dQaccum
@@ -141,6 +145,11 @@ class HopperBwd:
         self.splits = bwd_mma_splits(config)
         self.plan = bwd_smem_plan(hdim, hdim_v, config)
         self.pds_stages, self.dq_tma = self.plan.pds_stages, self.plan.dq_tma
+        self.dq_swap = dq_swapped(config)
+        if self.dq_swap and (hdim != 2 * 64 or not self.dq_tma):
+            raise ValueError(f"dQᵀ ({self.tile_m} query rows) needs hdim 128 (64 per consumer "
+                             f"warpgroup) and the shared dQ tile; got hdim {hdim}, dq_tma "
+                             f"{self.dq_tma}")
         self.num_threads = BWD_NUM_THREADS
         self.num_consumer_threads = 128 * BWD_CONSUMER_WARPGROUPS
         self.deterministic = deterministic
@@ -236,14 +245,15 @@ class HopperBwd:
         """The CTA's shared memory, as `config.bwd_smem_plan` sizes it."""
         sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout = layouts
         stages, dtype = self.q_stages, self.dtype
+        stats_rows = stats_stage_rows(self.tile_m)
 
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, stats_rows * stages], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stats_rows * stages], 128]
             sQ: smem_tile(dtype, sQ_layout)
             sdO: smem_tile(dtype, sdO_layout)
             sK: smem_tile(dtype, sK_layout)
@@ -273,13 +283,17 @@ class HopperBwd:
             atom = warpgroup.make_smem_layout_atom(kind, dtype)
             return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
-        # swap_sdp: dSᵀ (keys x queries, as computed), read by dQ as the MN-major dS.
-        pds = (layout(self.tile_n, self.tile_m, self.pds_stages, self.tile_m // dq_m)
+        # swap_sdp: dSᵀ (keys x queries, as computed), read by dQ as the MN-major dS (its A,
+        # rows split by warpgroup; with dq_swap its B, every query per warpgroup).
+        # dq_swap: Kᵀ is dQᵀ's A, its head dim split by warpgroup.
+        ds_major = self.tile_m // (dq_n if self.dq_swap else dq_m)
+        k_major = self.hdim // (dq_m if self.dq_swap else dq_n)
+        pds = (layout(self.tile_n, self.tile_m, self.pds_stages, ds_major)
                if self.swap_sdp
                else layout(self.tile_m, self.tile_n, self.pds_stages, self.tile_n // dkv_m))
         return (layout(self.tile_m, self.hdim, self.q_stages, self.hdim // dkv_n),
                 layout(self.tile_m, self.hdim_v, self.q_stages, self.hdim_v // dkv_n),
-                layout(self.tile_n, self.hdim, 1, self.hdim // dq_n),
+                layout(self.tile_n, self.hdim, 1, k_major),
                 layout(self.tile_n, self.hdim_v, 1, self.hdim_v), pds,
                 cute.make_layout(self.tile_m * self.hdim))
 
@@ -301,8 +315,10 @@ class HopperBwd:
 
         s = self.splits
         if cutlass.const_expr(self.swap_sdp):
+            # dQ = dS K, or dQᵀ = Kᵀ dSᵀ (dq_swap: N is the queries).
+            dq_n = self.tile_m if self.dq_swap else self.hdim
             return (mma(K, K, s["sdp"], self.tile_m), mma(K, MN, s["dkv"], self.hdim, rmem),
-                    mma(K, MN, s["dkv"], self.hdim_v, rmem), mma(MN, MN, s["dq"], self.hdim))
+                    mma(K, MN, s["dkv"], self.hdim_v, rmem), mma(MN, MN, s["dq"], dq_n))
         return (mma(K, K, s["sdp"], self.tile_n), mma(MN, MN, s["dkv"], self.hdim),
                 mma(MN, MN, s["dkv"], self.hdim_v), mma(K, MN, s["dq"], self.hdim))
 
@@ -565,7 +581,8 @@ class SmemTiles(DslState):
         self.sP = None if cfg.swap_sdp else get(storage.sP, sPdS_layout)
         self.sdS = get(storage.sdS, sPdS_layout)
         self.sdQ = storage.sdQ.get_tensor(sdQ_layout) if cfg.dq_tma else None
-        stats = cute.make_layout((cfg.tile_m, cfg.q_stages))
+        stats = cute.make_layout((cfg.tile_m, cfg.q_stages),
+                                 stride=(1, stats_stage_rows(cfg.tile_m)))
         self.sLSE = storage.sLSE.get_tensor(stats)
         self.sDelta = storage.sDelta.get_tensor(stats)
 
@@ -625,7 +642,10 @@ class BwdStep(DslState):
             # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ; Pᵀ and dSᵀ stay in registers as dV's and dK's A.
             self.tSrK, self.tSrQ = frag_a(mma_sdp, smem.sK), frag_b(mma_sdp, smem.sQ)
             self.tdPrV, self.tdPrdO = frag_a(mma_sdp, smem.sV), frag_b(mma_sdp, smem.sdO)
-            self.tdQrdS = frag_a(mma_dq, transpose_view(smem.sdS))
+            if cutlass.const_expr(cfg.dq_swap):
+                self.tdQrdS = frag_b(mma_dq, transpose_view(smem.sdS))
+            else:
+                self.tdQrdS = frag_a(mma_dq, transpose_view(smem.sdS))
         else:
             self.tSrQ, self.tSrK = frag_a(mma_sdp, smem.sQ), frag_b(mma_sdp, smem.sK)
             self.tdPrdO, self.tdPrV = frag_a(mma_sdp, smem.sdO), frag_b(mma_sdp, smem.sV)
@@ -634,7 +654,10 @@ class BwdStep(DslState):
             self.tdQrdS = frag_a(mma_dq, smem.sdS)
         self.tdVrdOt = frag_b(mma_dv, transpose_view(smem.sdO))
         self.tdKrQt = frag_b(mma_dk, transpose_view(smem.sQ))
-        self.tdQrKt = frag_b(mma_dq, transpose_view(smem.sK))
+        if cutlass.const_expr(cfg.dq_swap):
+            self.tdQrKt = frag_a(mma_dq, transpose_view(smem.sK))
+        else:
+            self.tdQrKt = frag_b(mma_dq, transpose_view(smem.sK))
 
         self.acc_dk = cute.make_rmem_tensor(thr_dk.partition_shape_C((cfg.tile_n, cfg.hdim)),
                                             Float32)
@@ -773,12 +796,12 @@ class BwdStep(DslState):
             self.pds_barrier.arrive_and_wait()
         warpgroup.wait_group(0 if cutlass.const_expr(cfg.has_softcap) else 1)
         self.mask_scores(s_qk, m_block, n_block)
-        # A thread holds 16 (or, at 128 rows, 32) queries' columns here, not 2 rows: LSE₂ and
-        # Δ are each read just before their use, so that both are never live at once.
-        # 128 query rows: dS before dV is issued, so that the fp32 P, dP and the 16-bit P
+        # A thread holds 16 (at 80 rows 20, at 128 rows 32) queries' columns here, not 2 rows:
+        # LSE₂ and Δ are each read just before their use, so that both are never live at once.
+        # Beyond 64 query rows: dS before dV is issued, so that the fp32 P, dP and the 16-bit P
         # that dV reads from registers are never all live (with them, ptxas spills and
         # serializes the WGMMAs); dV then overlaps only dK and dQ.
-        ds_first = cfg.has_softcap or cfg.tile_m == 128
+        ds_first = cfg.has_softcap or cfg.tile_m != 64
         if cutlass.const_expr(ds_first):
             if cutlass.const_expr(not cfg.has_softcap):
                 warpgroup.wait_group(0)
@@ -799,9 +822,11 @@ class BwdStep(DslState):
         cute.copy(self.r2s_atom, self.thr_r2s.retile(r_ds), self.tdSsdS[None, None, None, pds])
         cute.arch.fence_view_async_shared()
         self.pds_barrier.arrive_and_wait()
-        acc_dq = cute.make_rmem_tensor(
-            self.thr_dq.partition_shape_C((cfg.tile_m, cfg.hdim)), Float32)
-        gemm(self.mma_dq, acc_dq, self.tdQrdS, self.tdQrKt, pds, 0, False)
+        acc_dq = self.new_acc_dq()
+        if cutlass.const_expr(cfg.dq_swap):
+            gemm(self.mma_dq, acc_dq, self.tdQrKt, self.tdQrdS, 0, pds, False)
+        else:
+            gemm(self.mma_dq, acc_dq, self.tdQrdS, self.tdQrKt, pds, 0, False)
         gemm_rs(self.mma_dk, self.acc_dk, acc_to_operand_a(r_ds), self.tdKrQt, stage)
         self.finish_dq(pipe_q, pipe_do, state, acc_dq, m_block)
 
@@ -845,8 +870,7 @@ class BwdStep(DslState):
     def dq_and_dk(self, pipe_q, pipe_do, state, pds, m_block: Int32):
         """Step 5: dQ = dS K and dK += dSᵀ Q; dQ leaves while dK runs."""
         cfg = self.cfg
-        acc_dq = cute.make_rmem_tensor(
-            self.thr_dq.partition_shape_C((cfg.tile_m, cfg.hdim)), Float32)
+        acc_dq = self.new_acc_dq()
         gemm(self.mma_dq, acc_dq, self.tdQrdS, self.tdQrKt, pds, 0, False)
         gemm(self.mma_dk, self.acc_dk, self.tdKrdSt, self.tdKrQt, pds, state.index, True)
         self.finish_dq(pipe_q, pipe_do, state, acc_dq, m_block)
@@ -892,6 +916,13 @@ class BwdStep(DslState):
         r = cute.make_rmem_tensor_like(acc, self.cfg.dtype)
         r.store(acc.load().to(self.cfg.dtype))
         return r
+
+    def new_acc_dq(self) -> cute.Tensor:
+        """dQ's accumulator: (tile_m, hdim), or dQᵀ's (hdim, tile_m) with dq_swap; either
+        leaves in fragment order (`dq_accum`), mapped back by the postprocess."""
+        cfg = self.cfg
+        shape = (cfg.hdim, cfg.tile_m) if cfg.dq_swap else (cfg.tile_m, cfg.hdim)
+        return cute.make_rmem_tensor(self.thr_dq.partition_shape_C(shape), Float32)
 
     def new_acc_s(self) -> cute.Tensor:
         return cute.make_rmem_tensor(self.thr_sdp.partition_shape_C(_score_shape(self.cfg)),

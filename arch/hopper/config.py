@@ -158,25 +158,39 @@ def bwd_tile(hdim: int, varlen: bool = False) -> BwdConfig:
 BWD_SUPPORTED_HDIMS = frozenset({(d, d) for d in BWD_TILES} | {(192, 128)})
 
 
+def dq_swapped(tile: tuple) -> bool:
+    """Whether dQ is computed transposed, dQᵀ = Kᵀ dSᵀ (FA3/FA4's dQ_swapAB): where tile_m is
+    no multiple of WGMMA's 64-row M (80 query rows), so hdim takes M (64 per warpgroup; hdim
+    128 only) and the queries N."""
+    return BwdConfig(*tile).tile_m % 64 != 0
+
+
 def bwd_mma_splits(tile: tuple) -> dict:
     """How the two consumer warpgroups split each GEMM's (M, N) (WGMMA's M is 64 per
     warpgroup): S/dP (tile_m x tile_n) split N, as tile_m is then 64; dQ (tile_m x hdim) N
     at 64 query rows, M at 128; dK/dV (tile_n x hdim) split M when tile_n is 128, else N.
     With swap_sdp, Sᵀ/dPᵀ (tile_n x tile_m) split M: each warpgroup's keys are then its dK/dV
-    rows."""
+    rows. At 80 query rows (FA4's hdim-128 tile) dQᵀ (hdim x tile_m) splits M, its head dim."""
     cfg = BwdConfig(*tile)
-    if (cfg.tile_m, cfg.tile_n) not in ((64, 64), (64, 128), (128, 128)):
-        raise ValueError(f"backward tile must be 64 x (64 | 128) or 128 x 128, got "
+    if (cfg.tile_m, cfg.tile_n) not in ((64, 64), (64, 128), (80, 128), (128, 128)):
+        raise ValueError(f"backward tile must be 64 x (64 | 128), 80 x 128 or 128 x 128, got "
                          f"{cfg.tile_m} x {cfg.tile_n}")
     if cfg.swap_sdp and cfg.tile_n != 128:
         raise ValueError("swap_sdp needs tile_n = 128 (64 keys per consumer warpgroup)")
-    if cfg.tile_m == 128 and not cfg.swap_sdp:
-        raise ValueError("a 128-row query tile needs swap_sdp (S and P would not fit 240 "
-                         "registers beside dK and dV)")
+    if cfg.tile_m in (80, 128) and not cfg.swap_sdp:
+        raise ValueError(f"a {cfg.tile_m}-row query tile needs swap_sdp (S and P would not fit "
+                         "240 registers beside dK and dV, or WGMMA's M)")
     dkv = (2, 1) if cfg.tile_n == 128 else (1, 2)
-    # 128 query rows: dQ splits its rows, 64 per warpgroup, like the forward's O.
-    dq = (2, 1) if cfg.tile_m == 128 else (1, 2)
+    # 128 query rows: dQ splits its rows, 64 per warpgroup, like the forward's O; dQᵀ its
+    # head dim.
+    dq = (2, 1) if cfg.tile_m == 128 or dq_swapped(cfg) else (1, 2)
     return {"sdp": (2, 1) if cfg.swap_sdp else (1, 2), "dq": dq, "dkv": dkv}
+
+
+def stats_stage_rows(tile_m: int) -> int:
+    """Floats per stage of the backward's LSE₂ and Δ rings: tile_m, rounded up to 32 so that
+    every stage starts 128-byte aligned, as a TMA destination must (80 rows: 96)."""
+    return -(-tile_m // 32) * 32
 
 
 class BwdSmemPlan(NamedTuple):
@@ -202,7 +216,8 @@ def bwd_smem_plan(hdim: int, hdim_v: int, tile: tuple) -> BwdSmemPlan:
     tile_m, tile_n, stages, swap_sdp = BwdConfig(*tile)
     align = lambda b, to=1024: -(-b // to) * to  # noqa: E731
     # The barriers, then the LSE₂ and Δ rings (fp32, 128-byte aligned for their TMA).
-    head = align(align(8 * (2 + 4 * stages), 128) + 2 * align(stages * tile_m * 4, 128))
+    head = align(align(8 * (2 + 4 * stages), 128)
+                 + 2 * align(stages * stats_stage_rows(tile_m) * 4, 128))
     base = (head + align(stages * tile_m * hdim * 2)
             + align(stages * tile_m * hdim_v * 2) + align(tile_n * hdim * 2)
             + align(tile_n * hdim_v * 2))

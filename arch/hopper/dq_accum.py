@@ -33,7 +33,7 @@ from cutlass.experimental.primitives.nvvm_wrapper import (CpReduceOp, CpReduceTy
 from cutlass.tensor_utils import LayoutEnum
 
 from flash_cute.bwd_prep import copy_rows, row_copy
-from flash_cute.layouts import assume_aligned_strides
+from flash_cute.layouts import assume_aligned_strides, transpose_view
 from flash_cute.seqlen import SeqInfo
 
 from .config import BWD_CONSUMER_WARPGROUPS
@@ -43,13 +43,16 @@ DQ_THREADS = 128 * BWD_CONSUMER_WARPGROUPS
 _VEC = 4
 
 
-def dq_tiled_mma(dtype, tile_m: int, hdim: int, split: tuple) -> cute.TiledMma:
-    """dQ = dS K's WGMMA (split: the consumer warpgroups' (M, N) atom layout). The operands'
-    major modes do not change the accumulator's fragment, which is all the postprocess uses."""
+def dq_tiled_mma(dtype, tile_m: int, hdim: int, split: tuple,
+                 swapped: bool = False) -> cute.TiledMma:
+    """dQ = dS K's WGMMA, or dQᵀ = Kᵀ dSᵀ's (`swapped`; N is then the tile's queries), split
+    over the consumer warpgroups as `split` (M, N). The operands' major modes do not change
+    the accumulator's fragment, which is all the postprocess uses."""
     wg_m, wg_n = split
+    n = tile_m if swapped else hdim
     return sm90_utils.make_trivial_tiled_mma(
         dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (wg_m, wg_n, 1),
-        (64, hdim // wg_n))
+        (64, n // wg_n))
 
 
 def thread_view(tile: cute.Tensor, tidx, per_thread: int) -> cute.Tensor:
@@ -114,9 +117,10 @@ class HopperDqPostprocess:
     stores whole rows: stored straight from the fragment, each warp instruction wrote 16-byte
     pieces of 8 rows, and the kernel ran at 1.5 TB/s against FA4's 3.9 (docs/perf.md)."""
 
-    def __init__(self, dtype, hdim: int, tile_m: int, split: tuple, varlen: bool):
+    def __init__(self, dtype, hdim: int, tile_m: int, split: tuple, varlen: bool,
+                 swapped: bool = False):
         self.dtype, self.hdim, self.tile_m, self.split = dtype, hdim, tile_m, split
-        self.varlen = varlen
+        self.varlen, self.swapped = varlen, swapped
         self.per_thread = tile_m * hdim // DQ_THREADS
         self.vec = 128 // dtype.width
         row_vectors = hdim // self.vec
@@ -131,11 +135,12 @@ class HopperDqPostprocess:
         mdQ = assume_aligned_strides(mdQ, self.vec)
         batch = SeqInfo.num_batches(mdQ, mCuSeqlensQ)
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mdQ.shape[-2], batch)
-        mma = dq_tiled_mma(self.dtype, self.tile_m, self.hdim, self.split)
+        mma = dq_tiled_mma(self.dtype, self.tile_m, self.hdim, self.split, self.swapped)
         # A swizzle atom may not straddle a warpgroup's columns (hdim 96 and 192 split
-        # theirs in two 48 and 96 wide), or the MMA cannot partition the tile.
+        # theirs in two 48 and 96 wide; dQᵀ splits hdim as its M), or the MMA cannot
+        # partition the tile.
         kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype,
-                                               self.hdim // self.split[1])
+                                               self.hdim // self.split[0 if self.swapped else 1])
         s_layout = cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, self.dtype),
                                       (self.tile_m, self.hdim), order=(0, 1))
         store = row_copy(self.dtype, self.vec, self.threads_per_row, DQ_THREADS)
@@ -161,14 +166,16 @@ class HopperDqPostprocess:
         # Uniform over the CTA, so every thread reaches the barrier or none does.
         if valid_rows > 0:
             tile = (self.tile_m, self.hdim)
-            acc = cute.make_rmem_tensor(mma.get_slice(tidx).partition_shape_C(tile), Float32)
+            acc_tile = (self.hdim, self.tile_m) if cutlass.const_expr(self.swapped) else tile
+            acc = cute.make_rmem_tensor(mma.get_slice(tidx).partition_shape_C(acc_tile), Float32)
             src = tile_of(mdQaccum, seq, head, m_block, self.tile_m)
             cute.autovec_copy(thread_view(src, tidx, self.per_thread), as_vectors(acc))
             out = cute.make_rmem_tensor_like(acc, self.dtype)
             out.store((acc.load() * scale).to(self.dtype))
             # 32-bit stores of the fragment's column pairs; the 128-byte swizzle puts the 8
             # rows of a warp's store in 8 different 16-byte chunks (no bank conflicts).
-            cute.autovec_copy(out, mma.get_slice(tidx).partition_C(sdQ))
+            s_acc = transpose_view(sdQ) if cutlass.const_expr(self.swapped) else sdQ
+            cute.autovec_copy(out, mma.get_slice(tidx).partition_C(s_acc))
             cute.arch.barrier()
             thr_store = store.get_slice(tidx)
             g = cute.local_tile(seq.q_view(mdQ, head), tile, (m_block, 0))
@@ -180,15 +187,19 @@ def build_postprocess_for_inspect(cfg):
     """Registry builder for ``hopper.bwd.dq_postprocess``: fake padded or varlen tensors."""
     from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
 
-    from .config import BWD_TILES, bwd_mma_splits
+    from .config import BWD_TILES, bwd_mma_splits, dq_swapped
 
     dtype = DTYPES[cfg.dtype]
     varlen = cfg.flag_dict["varlen"]
-    tile = BWD_TILES[cfg.hdim]
-    kernel = HopperDqPostprocess(dtype, cfg.hdim, tile.tile_m, bwd_mma_splits(tile)["dq"],
-                                 varlen)
+    # The registered tile is (tile_m, hdim); the backward schedule it belongs to is the
+    # table's with that many query rows (more than 64 take swap_sdp).
+    default = BWD_TILES[cfg.hdim]
+    tile_m = cfg.tile[0]
+    tile = default._replace(tile_m=tile_m, swap_sdp=default.swap_sdp or tile_m != 64)
+    kernel = HopperDqPostprocess(dtype, cfg.hdim, tile_m, bwd_mma_splits(tile)["dq"], varlen,
+                                 dq_swapped(tile))
     heads = dynamic_dim()
-    chunk = tile.tile_m * cfg.hdim
+    chunk = tile_m * cfg.hdim
     if varlen:
         accum = fake_tensor(Float32, (dynamic_dim(), heads, chunk))
         dq = fake_tensor(dtype, (dynamic_dim(), heads, cfg.hdim))
@@ -205,8 +216,8 @@ class TiledDqAccum:
     """`launch.backward`'s dQaccum for the Hopper kernels with the shared dQ tile: allocates
     the fragment-order tiles and turns them into dQ (`HopperDqPostprocess`)."""
 
-    def __init__(self, tile_m: int, split: tuple):
-        self.tile_m, self.split = tile_m, split
+    def __init__(self, tile_m: int, split: tuple, swapped: bool = False):
+        self.tile_m, self.split, self.swapped = tile_m, split, swapped
 
     def alloc(self, q, problem):
         import torch
@@ -232,9 +243,11 @@ class TiledDqAccum:
             return dq
         name = dtype_name(q.dtype)
         key = CompileKey("hopper.bwd.dq_postprocess", current_arch(), name, problem.hdim,
-                         None, (self.tile_m, *self.split), (("varlen", problem.varlen),))
+                         None, (self.tile_m, *self.split),
+                         (("varlen", problem.varlen), ("swapped", self.swapped)))
         args = (TensorArg(dq_accum), TensorArg(dq), float(problem.softmax_scale),
                 tensor_arg(cu_seqlens_q, 4), int(problem.max_seqlen_q))
         launch_kernel(key, lambda: HopperDqPostprocess(DTYPES[name], problem.hdim, self.tile_m,
-                                                       self.split, problem.varlen), args)
+                                                       self.split, problem.varlen,
+                                                       self.swapped), args)
         return dq
