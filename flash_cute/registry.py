@@ -176,17 +176,14 @@ def _hopper_bwd_configs():
         out.append(KernelConfig("hopper.bwd", ("sm_90a",), dtype, d, dv,
                                 hopper_bwd_tile(d, full["varlen"]), _HOPPER_BWD,
                                 _flags(**full)))
-    # The score-layout ablation: transposed scores (P kept in registers) at hdim 128.
     plain = {"causal": False, "local": False, "softcap": False, "varlen": False,
              "dkv_fp32": False, "deterministic": False}
-    out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 128, 128,
-                            HOPPER_BWD_TILES[128]._replace(swap_sdp=True), _HOPPER_BWD,
-                            _flags(**plain)))
-    # FA4's hdim-128 tile: 80 query rows, transposed scores and dQᵀ (`config.dq_swapped`).
-    for causal in (False, True):
+    # The default hdim-128 tile (80 query rows, transposed scores, dQᵀ) against 64 rows with
+    # P through shared memory and 64 rows with transposed scores (P kept in registers).
+    for swap in (False, True):
         out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 128, 128,
-                                HOPPER_BWD_TILES[128]._replace(tile_m=80, swap_sdp=True),
-                                _HOPPER_BWD, _flags(**{**plain, "causal": causal})))
+                                HOPPER_BWD_TILES[128]._replace(tile_m=64, swap_sdp=swap),
+                                _HOPPER_BWD, _flags(**{**plain, "causal": swap})))
     # 64 query rows at hdim 64 against the default 128 (shuffled LSE₂/Δ).
     out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 64, 64,
                             HOPPER_BWD_TILES[64]._replace(tile_m=64), _HOPPER_BWD,
@@ -206,13 +203,12 @@ _HOPPER_DQ_POST = "flash_cute.arch.hopper.dq_accum:build_postprocess_for_inspect
 def _hopper_dq_postprocess_configs():
     """The postprocess of the Hopper backward's fragment-order dQaccum, per default tile."""
     return tuple(KernelConfig("hopper.bwd.dq_postprocess", ("sm_90a",), dtype, d, None,
-                              (HOPPER_BWD_TILES[d].tile_m, d), _HOPPER_DQ_POST,
+                              (rows or hopper_bwd_tile(d, varlen).tile_m, d), _HOPPER_DQ_POST,
                               _flags(varlen=varlen))
-                 for d, dtype, varlen in [(64, "bf16", False), (96, "bf16", False),
-                                          (128, "bf16", False), (128, "fp16", True),
-                                          (192, "bf16", False), (256, "bf16", True)]) \
-        + (KernelConfig("hopper.bwd.dq_postprocess", ("sm_90a",), "bf16", 128, None, (80, 128),
-                        _HOPPER_DQ_POST, _flags(varlen=False)),)
+                 for d, dtype, varlen, rows in [(64, "bf16", False, 0), (96, "bf16", False, 0),
+                                                (128, "bf16", False, 0), (128, "fp16", True, 0),
+                                                (128, "bf16", False, 64), (192, "bf16", False, 0),
+                                                (256, "bf16", True, 0)])
 
 
 _LSE_MERGE = "flash_cute.lse_merge:build_for_inspect"

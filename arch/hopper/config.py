@@ -136,23 +136,26 @@ class BwdConfig(NamedTuple):
 # registers per thread, S and dP 32 each), 64 x 64 beyond so dK/dV still fit and Q, dO (2
 # stages), K, V, P and dS stay inside 227 KiB (hdim 256: 64 + 64 + 32 + 32 + 2 * (8 + 8) KiB
 # with P and dS double-buffered; what else fits is `bwd_smem_plan`'s).
-# swap_sdp where it measured faster on the H200 (docs/perf.md, 2026-11-29): hdim 64 +2-5 %;
-# at hdim 128 it was 0-6 % slower, so P stays in shared memory there (and at 96, unmeasured).
+# swap_sdp where it measured faster on the H200: hdim 64 +2-5 % (docs/perf.md, 2026-11-29);
+# hdim 96 +1-2 % (session 13). hdim 128 takes FA4's 80 query rows (swap_sdp, dQ transposed):
+# +4-6 % over 64 rows at 2k-8k tokens, non-causal and causal alike (session 13).
 # hdim 64 takes 128 query rows (FA3's 128 x 128; swap_sdp with shuffled LSE₂/Δ): +4 to +7 %
 # over 64 rows (docs/perf.md, session 9). hdim 256 streams one Q/dO stage, which frees the
 # 64 KiB of the fp32 dQ tile: one bulk reduce-add per query tile instead of 64 fp32 atomics per
 # thread, 1.6-2.0x the two-stage ring with atomics (docs/perf.md, session 11).
-BWD_TILES = {64: BwdConfig(128, 128, 2, True), 96: BwdConfig(64, 128, 2),
-             128: BwdConfig(64, 128, 2), 192: BwdConfig(64, 64, 2),
+BWD_TILES = {64: BwdConfig(128, 128, 2, True), 96: BwdConfig(64, 128, 2, True),
+             128: BwdConfig(80, 128, 2, True), 192: BwdConfig(64, 64, 2),
              256: BwdConfig(64, 64, 1)}
 
 def bwd_tile(hdim: int, varlen: bool = False) -> BwdConfig:
-    """The backward schedule of a head dim. Varlen at 64 query rows keeps P in shared memory:
-    it reads LSE₂ and Δ from global memory (`HopperBwd.stats_tma`), and with swap_sdp a
-    thread's 16 query columns of them (and their addresses) spill; at 128 rows they are
-    shared by shuffles (`bwd.ShuffledRows`) and fit."""
+    """The backward schedule of a head dim. Varlen below 128 query rows takes 64 rows with P in
+    shared memory: it reads LSE₂ and Δ from global memory (`HopperBwd.stats_tma`), and with
+    swap_sdp a thread's query columns of them (and their addresses) spill; at 128 rows they
+    are shared by shuffles (`bwd.ShuffledRows`) and fit."""
     tile = BWD_TILES[hdim]
-    return tile._replace(swap_sdp=False) if varlen and tile.tile_m == 64 else tile
+    if varlen and tile.tile_m < 128:
+        return tile._replace(tile_m=64, swap_sdp=False)
+    return tile
 
 
 BWD_SUPPORTED_HDIMS = frozenset({(d, d) for d in BWD_TILES} | {(192, 128)})
