@@ -278,6 +278,18 @@ def _kernel(cls, *config):
     return cls(*config)
 
 
+@functools.lru_cache(maxsize=None)
+def _preprocess(dtype, hdim_v: int, varlen: bool, dlse: bool, seqused: bool, arch: str):
+    """The preprocess kernel object and compile key of a configuration."""
+    from flash_cute.jit import DTYPES, CompileKey
+
+    name = dtype_name(dtype)
+    kernel = _kernel(BwdPreprocessKernel, DTYPES[name], hdim_v, varlen, dlse, seqused)
+    key = CompileKey("blocks.bwd.preprocess", arch, name, None, hdim_v, (kernel.tile_m, hdim_v),
+                     (("dlse", dlse), ("varlen", varlen), ("seqused_q", seqused)))
+    return kernel, key
+
+
 def _vector_arg(t):
     """An fp32/int32 per-row vector (scalar loads: 4-byte alignment), or None."""
     from flash_cute.jit import tensor_arg
@@ -298,7 +310,7 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
     """
     import torch
 
-    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_arch, launch_kernel
+    from flash_cute.jit import TensorArg, current_arch, launch_kernel
 
     varlen = cu_seqlens_q is not None
     if delta is None:
@@ -309,12 +321,8 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
         max_seqlen_q = _longest_sequence(cu_seqlens_q) if varlen else out.shape[1]
     if delta.numel() == 0 or max_seqlen_q == 0:
         return delta, lse_log2
-    dtype, hdim_v = dtype_name(out.dtype), out.shape[-1]
-    kernel = _kernel(BwdPreprocessKernel, DTYPES[dtype], hdim_v, varlen, dlse is not None,
-                     seqused_q is not None)
-    key = CompileKey("blocks.bwd.preprocess", current_arch(), dtype, None, hdim_v,
-                     (kernel.tile_m, hdim_v), (("dlse", kernel.has_dlse), ("varlen", varlen),
-                                               ("seqused_q", kernel.has_seqused)))
+    kernel, key = _preprocess(out.dtype, out.shape[-1], varlen, dlse is not None,
+                              seqused_q is not None, current_arch())
     args = (TensorArg(out), TensorArg(dout), _vector_arg(lse), _vector_arg(dlse),
             _vector_arg(delta), _vector_arg(lse_log2), _vector_arg(cu_seqlens_q),
             _vector_arg(seqused_q), int(max_seqlen_q))

@@ -178,10 +178,10 @@ def _spec(arg):
 def _value(arg):
     """What the compiled TVM-FFI function takes for it: the torch tensor (detached: DLPack
     refuses a tensor that requires grad, as autograd's inputs do), or the number itself."""
-    if type(arg) is TensorArg:
-        t = arg.tensor
-        return t.detach() if t.requires_grad else t
-    return arg
+    if type(arg) is not TensorArg:
+        return arg
+    t = arg.tensor
+    return t.detach() if t.requires_grad else t
 
 
 def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args: tuple,
@@ -201,7 +201,7 @@ def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args: tu
         return cute.compile(make_kernel(), *spec,
                             options=f"{options} --enable-tvm-ffi".strip())
 
-    compile_cache.get(key, build)(*(_value(a) for a in args))
+    compile_cache.get(key, build)(*[_value(a) for a in args])
 
 
 def attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k):

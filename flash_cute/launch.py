@@ -3,6 +3,9 @@ that need no kernel, support checks, one compile-cached forward launch and one b
 sequence. A kernel class that declares `SUPPORTS_SEQUSED` takes (mSeqUsedQ, mSeqUsedK) right
 after its cu_seqlens; the others' argument lists stay without them."""
 
+import functools
+from typing import Callable, NamedTuple
+
 import torch
 
 from flash_cute.variant import Variant
@@ -144,46 +147,77 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
     fragment-order tiles, `arch.hopper.dq_accum.TiledDqAccum`).
     """
     from flash_cute.bwd_prep import bwd_postprocess, bwd_preprocess
-    from flash_cute.jit import DTYPES, TensorArg, attention_runtime_args, launch_kernel
+    from flash_cute.jit import TensorArg, launch_kernel
 
     if has_no_work(q, k, problem):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    setup = _backward_setup(name, kernel_cls, problem, tile, arch, q.dtype, deterministic)
     used = seqused_args(kernel_cls, problem, seqused_q, seqused_k)
-    delta, lse_log2 = (row_stats_buffer(lse, row_stats_align) for _ in range(2))
+    delta, lse_log2 = row_stats_buffers(lse, row_stats_align)
     bwd_preprocess(out, dout, lse, dlse, cu_seqlens_q, problem.max_seqlen_q, delta, lse_log2,
                    seqused_q=seqused_q)
     if prepare is not None:
         q, k, v, dout = (prepare(t) for t in (q, k, v, dout))
     dq_accum = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_layout is None
                 else dq_layout.alloc(q, problem))
-    group = problem.qheads_per_kvhead
     kv_lead = k.shape[:-2]
-    dkv_dtype = torch.float32 if group > 1 else q.dtype
-    alloc = torch.zeros if problem.varlen or problem.has_seqused_k else torch.empty
-    dk = alloc(*kv_lead, problem.nheads, problem.hdim, dtype=dkv_dtype, device=q.device)
-    dv = alloc(*kv_lead, problem.nheads, problem.hdim_v, dtype=dkv_dtype, device=q.device)
-    variant = Variant.from_problem(problem)
-    dtype = dtype_name(q.dtype)
-    key = backward_compile_key(name, arch, dtype, problem, tile, deterministic)
-    scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
-    dkv_align = 16 if group == 1 else 4
-    kernel_kw, sem = {}, ()
+    dk = setup.alloc(*kv_lead, problem.nheads, problem.hdim, dtype=setup.dkv_dtype,
+                     device=q.device)
+    dv = setup.alloc(*kv_lead, problem.nheads, problem.hdim_v, dtype=setup.dkv_dtype,
+                     device=q.device)
+    cu = (TensorArg(cu_seqlens_q, 4), TensorArg(cu_seqlens_k, 4)) if problem.varlen \
+        else (None, None)
+    sem = ()
     if deterministic is not None:
-        kernel_kw = {"deterministic": deterministic}
         sem = (TensorArg(dq_semaphores(problem, tile[0], q.device), 4)
                if deterministic else None,)
     args = (TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(dout),
             TensorArg(lse_log2, row_stats_align), TensorArg(delta, row_stats_align),
-            TensorArg(dq_accum, dq_accum_align), TensorArg(dk, dkv_align),
-            TensorArg(dv, dkv_align)) + scalars + (int(problem.max_seqlen_k),) + cu + used + sem
-    launch_kernel(key, lambda: kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant,
-                                          tile=tile, **kernel_kw), args, options)
+            TensorArg(dq_accum, dq_accum_align), TensorArg(dk, setup.dkv_align),
+            TensorArg(dv, setup.dkv_align)) + setup.scalars + cu + used + sem
+    launch_kernel(setup.key, setup.make_kernel, args, options)
     dq = (bwd_postprocess(dq_accum, problem.softmax_scale, q.dtype) if dq_layout is None
           else dq_layout.finish(dq_accum, q, problem, cu_seqlens_q))
+    group = problem.qheads_per_kvhead
     if group > 1:
         dk = dk.view(*kv_lead, problem.nheads_kv, group, problem.hdim).sum(-2).to(q.dtype)
         dv = dv.view(*kv_lead, problem.nheads_kv, group, problem.hdim_v).sum(-2).to(q.dtype)
     return dq, dk, dv
+
+
+class _BackwardSetup(NamedTuple):
+    key: object
+    make_kernel: Callable
+    scalars: tuple
+    dkv_dtype: torch.dtype
+    dkv_align: int
+    alloc: Callable
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_setup(name, kernel_cls, problem, tile, arch, dtype, deterministic):
+    """What `backward` works out from its configuration alone, once per configuration (a
+    short backward's host time is on the GPU's critical path): the main kernel's compile key
+    and factory, its scalar arguments (softmax scale, softcap, window, max_seqlen_k), and
+    dK/dV's dtype (fp32 per query head for GQA, summed afterwards), alignment and
+    allocation (zeroed where rows may get no gradient: varlen, seqused_k)."""
+    from flash_cute.jit import DTYPES, attention_runtime_args
+
+    group = problem.qheads_per_kvhead
+    variant = Variant.from_problem(problem)
+    dname = dtype_name(dtype)
+    kernel_kw = {} if deterministic is None else {"deterministic": deterministic}
+    scalars, _ = attention_runtime_args(problem, None, None)
+
+    def make_kernel():
+        return kernel_cls(DTYPES[dname], problem.hdim, problem.hdim_v, variant, tile=tile,
+                          **kernel_kw)
+
+    return _BackwardSetup(
+        backward_compile_key(name, arch, dname, problem, tile, deterministic), make_kernel,
+        scalars + (int(problem.max_seqlen_k),), torch.float32 if group > 1 else dtype,
+        16 if group == 1 else 4,
+        torch.zeros if problem.varlen or problem.has_seqused_k else torch.empty)
 
 
 def seqused_args(kernel_cls, problem, seqused_q, seqused_k) -> tuple:
@@ -205,10 +239,15 @@ def seqused_args(kernel_cls, problem, seqused_q, seqused_k) -> tuple:
 def row_stats_buffer(lse: torch.Tensor, align: int) -> torch.Tensor:
     """An uninitialized fp32 tensor shaped like `lse` ([b, h, sq] or [h, total_q]) whose rows
     start `align`-byte aligned: the last dim is padded in memory, not in shape."""
+    return row_stats_buffers(lse, align, 1)[0]
+
+
+def row_stats_buffers(lse: torch.Tensor, align: int, count: int = 2) -> tuple:
+    """`count` such tensors (`row_stats_buffer`) from one allocation."""
     n = lse.shape[-1]
     padded = -(-max(n, 1) // (align // 4)) * (align // 4)
-    buf = torch.empty(*lse.shape[:-1], padded, dtype=torch.float32, device=lse.device)
-    return buf[..., :n]
+    buf = torch.empty(count, *lse.shape[:-1], padded, dtype=torch.float32, device=lse.device)
+    return tuple(buf[i, ..., :n] for i in range(count))
 
 
 def backward_compile_key(name: str, arch: str, dtype: str, problem, tile: tuple,

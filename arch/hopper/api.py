@@ -1,5 +1,7 @@
 """Host entry of the Hopper pipeline: what it supports, and the forward and backward launches."""
 
+import functools
+
 import torch
 
 from flash_cute import launch
@@ -44,11 +46,12 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     Validation ignores those strides (the kernel never steps along them), but a TMA descriptor
     encodes every stride and rejects one that is not a multiple of 16 bytes.
     """
-    if all(t.stride(i) % 8 == 0 or t.shape[i] != 1 for i in range(t.dim() - 1)):
+    shape, stride = t.shape, t.stride()
+    if all(s % 8 == 0 or n != 1 for n, s in zip(shape[:-1], stride[:-1])):
         return t
     strides, step = [], 1
-    for size, stride in reversed(list(zip(t.shape, t.stride()))):
-        strides.append(step if size == 1 else stride)
+    for size, st in reversed(list(zip(shape, stride))):
+        strides.append(step if size == 1 else st)
         step = max(step, size * strides[-1])
     return t.as_strided(t.shape, tuple(reversed(strides)))
 
@@ -80,18 +83,29 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
     from flash_cute.jit import current_arch
 
     from .bwd import HopperBwd
-    from .dq_accum import TiledDqAccum
 
     arch = current_arch()
     if arch != "sm_90a":
         raise NotImplementedError(f"the hopper backward runs on sm_90a only, not {arch}")
     launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
-    tile = BwdConfig(*(tile or bwd_tile(problem.hdim, problem.varlen)))
-    dq_layout = None
-    if bwd_smem_plan(problem.hdim, problem.hdim_v, tile).dq_tma:
-        dq_layout = TiledDqAccum(tile.tile_m, bwd_mma_splits(tile)["dq"], dq_swapped(tile))
+    tile, dq_layout = _bwd_schedule(problem.hdim, problem.hdim_v, problem.varlen,
+                                    None if tile is None else tuple(tile))
     return launch.backward("hopper.bwd", HopperBwd, dout, dlse, q, k, v, out, lse, problem,
-                           cu_seqlens_q, cu_seqlens_k, tuple(tile), BWD_COMPILE_OPTIONS, arch,
+                           cu_seqlens_q, cu_seqlens_k, tile, BWD_COMPILE_OPTIONS, arch,
                            prepare=_tma_ready, deterministic=bool(deterministic),
                            dq_accum_align=16, row_stats_align=16, seqused_q=seqused_q,
                            seqused_k=seqused_k, dq_layout=dq_layout)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_schedule(hdim: int, hdim_v: int, varlen: bool, tile) -> tuple:
+    """(tile, dQaccum layout) of a backward configuration, worked out once: the tile (`tile`
+    or the head dim's default) and, where the dQ tile fits in shared memory, the
+    fragment-order dQaccum (`TiledDqAccum`), else None (dQaccum laid out like q)."""
+    from .dq_accum import TiledDqAccum
+
+    tile = BwdConfig(*(tile or bwd_tile(hdim, varlen)))
+    dq_layout = None
+    if bwd_smem_plan(hdim, hdim_v, tile).dq_tma:
+        dq_layout = TiledDqAccum(tile.tile_m, bwd_mma_splits(tile)["dq"], dq_swapped(tile))
+    return tuple(tile), dq_layout

@@ -20,6 +20,7 @@ thread's fragment back to rows and columns through the same tiled MMA and writes
 dQ = dQaccum · scale in the input dtype, like q.
 """
 
+import functools
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -234,20 +235,27 @@ class TiledDqAccum:
         """dQ shaped like q (varlen rows outside every sequence: 0)."""
         import torch
 
-        from flash_cute.jit import (DTYPES, CompileKey, TensorArg, current_arch, launch_kernel,
-                                    tensor_arg)
-        from flash_cute.launch import dtype_name
+        from flash_cute.jit import TensorArg, current_arch, launch_kernel, tensor_arg
 
         dq = (torch.zeros_like if problem.varlen else torch.empty_like)(q)
         if dq.numel() == 0:
             return dq
-        name = dtype_name(q.dtype)
-        key = CompileKey("hopper.bwd.dq_postprocess", current_arch(), name, problem.hdim,
-                         None, (self.tile_m, *self.split),
-                         (("varlen", problem.varlen), ("swapped", self.swapped)))
+        key, make_kernel = self._postprocess(q.dtype, problem.hdim, problem.varlen,
+                                             current_arch())
         args = (TensorArg(dq_accum), TensorArg(dq), float(problem.softmax_scale),
                 tensor_arg(cu_seqlens_q, 4), int(problem.max_seqlen_q))
-        launch_kernel(key, lambda: HopperDqPostprocess(DTYPES[name], problem.hdim, self.tile_m,
-                                                       self.split, problem.varlen,
-                                                       self.swapped), args)
+        launch_kernel(key, make_kernel, args)
         return dq
+
+    @functools.lru_cache(maxsize=None)
+    def _postprocess(self, dtype, hdim: int, varlen: bool, arch: str) -> tuple:
+        """The postprocess's compile key and kernel factory, once per configuration."""
+        from flash_cute.jit import DTYPES, CompileKey
+        from flash_cute.launch import dtype_name
+
+        name = dtype_name(dtype)
+        key = CompileKey("hopper.bwd.dq_postprocess", arch, name, hdim, None,
+                         (self.tile_m, *self.split),
+                         (("varlen", varlen), ("swapped", self.swapped)))
+        return key, lambda: HopperDqPostprocess(DTYPES[name], hdim, self.tile_m, self.split,
+                                                varlen, self.swapped)
