@@ -56,3 +56,66 @@ def test_launch_kernel_compiles_through_tvm_ffi_and_passes_torch_values():
     proc = subprocess.run([sys.executable, "-c", _COMPILE_AND_RECORD], capture_output=True,
                           text=True, timeout=900, env=env)
     assert proc.returncode == 0 and "recorded" in proc.stdout, proc.stderr[-3000:]
+
+
+_BACKWARD_LAUNCHES = '''
+import torch
+import flash_cute.jit as jit
+from flash_cute.arch.hopper import api
+from flash_cute.validation import validate_attention_inputs
+
+launches = []
+
+
+class Recording:
+    def get(self, key, build):
+        return lambda *args: launches.append((key, args))
+
+
+jit.compile_cache = Recording()
+for varlen in (False, True):
+    for _ in range(2):
+        if varlen:
+            q, k, v = (torch.randn(37, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+            cu = torch.tensor([0, 16, 37], dtype=torch.int32)
+            problem = validate_attention_inputs(q, k[:, :2], v[:, :2], cu_seqlens_q=cu,
+                                                cu_seqlens_k=cu, max_seqlen_q=21,
+                                                max_seqlen_k=21, require_cuda=False)
+            k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+            lse = torch.randn(4, 37)
+        else:
+            q, k, v = (torch.randn(2, 37, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+            problem = validate_attention_inputs(q, k, v, causal=True, require_cuda=False)
+            lse = torch.randn(2, 4, 37)
+        out, dout = torch.randn_like(q), torch.randn_like(q)
+        dk_dv = api.backward(dout, None, q, k, v, out, lse, problem, cu if varlen else None,
+                             cu if varlen else None)[1:]
+    (pre, _), (main, a), (post, _) = launches[-3:]
+    assert len(launches) % 3 == 0
+    assert launches[-6][0] == pre and launches[-5][0] == main and launches[-4][0] == post
+    assert (pre.kernel, main.kernel, post.kernel) == ("blocks.bwd.preprocess", "hopper.bwd",
+                                                "hopper.bwd.dq_postprocess"), (pre, main, post)
+    lse2, delta = a[4], a[5]
+    assert lse2.shape == delta.shape == lse.shape
+    assert lse2.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0
+    assert abs(lse2.data_ptr() - delta.data_ptr()) >= lse.numel() * 4
+    assert main.tile == ((64, 128, 2, False) if varlen else (80, 128, 2, True)), main.tile
+    dk, dv = a[7], a[8]
+    # GQA (varlen call): fp32 per query head, zeroed (rows past every sequence get nothing).
+    assert dk.dtype == (torch.float32 if varlen else torch.bfloat16)
+    assert dk.shape[-2] == 4 and (not varlen or (dk.count_nonzero() == 0
+                                                 and dv.count_nonzero() == 0))
+    assert dk_dv[0].shape == k.shape and dk_dv[0].dtype == q.dtype
+print("launched")
+'''
+
+
+def test_backward_launches_preprocess_main_and_postprocess_with_the_planned_buffers():
+    """The Hopper backward's host path with the compile cache stubbed (no GPU): per call the
+    preprocess, the main kernel (the head dim's tile; varlen's 64 rows) and the dQ
+    postprocess, in that order and with the same keys on a repeated call; LSE₂ and Δ
+    16-byte aligned and apart; GQA's dK/dV fp32 per query head and zeroed for varlen."""
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a"}
+    proc = subprocess.run([sys.executable, "-c", _BACKWARD_LAUNCHES], capture_output=True,
+                          text=True, timeout=900, env=env)
+    assert proc.returncode == 0 and "launched" in proc.stdout, proc.stderr[-3000:]
