@@ -7,19 +7,20 @@ scheduler, tile, K/V stages), next to FA4 and cuDNN in the same run.
 A config is tile_m x tile_n x kv_stages, then +ov (intra-warpgroup overlap), +pp
 (inter-warpgroup ping-pong) and +ps (persistent: one CTA per SM walking the tiles; also
 spelled +persistent). The default compares the table's schedule with persistence flipped and
-with each overlap on and off. Prints TFLOP/s (4·b·h·s²·d, ÷2 causal) and the largest |O|
-difference from SDPA-flash.
+with each overlap on and off. Prints TFLOP/s (4·b·h·s²·d, ÷2 causal), the median of
+`--rounds` rounds that time every peer and config in turn, with the rounds' spread, and the
+largest |O| difference from SDPA-flash.
 """
 
 import argparse
+import functools
 
 import torch
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute.arch.hopper import api
 from flash_cute.arch.hopper.config import TILES, FwdConfig, with_switches
-from flash_cute.bench import markdown_table
+from flash_cute.bench import interleaved_times, make_timer, markdown_table, spread_pct
 from flash_cute.validation import validate_attention_inputs
 
 
@@ -72,7 +73,9 @@ def main():
     p.add_argument("--seqlen", default="8192")
     p.add_argument("--causal", default="0,1")
     p.add_argument("--configs", default=None)
+    p.add_argument("--rounds", type=int, default=3, help="round-robin rounds per cell (median)")
     args = p.parse_args()
+    timer = make_timer(25, 100)
     rows = []
     for hdim in map(int, args.hdim.split(",")):
         base = TILES[hdim]
@@ -85,21 +88,21 @@ def main():
                                        dtype=torch.bfloat16) for _ in range(3))
                 flops = 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1)
                 cell = (hdim, seqlen, int(causal))
-                ref = None
-                for name, fn in peers(q, k, v, causal):
-                    if ref is None:
-                        ref = fn().transpose(1, 2)
-                    ms = triton.testing.do_bench(fn, return_mode="median")
-                    rows.append((*cell, name, flops / ms / 1e9, ""))
+                fns = dict(peers(q, k, v, causal))
+                ref = fns["sdpa_flash"]().transpose(1, 2)
+                errs = {name: "" for name in fns}
                 problem = validate_attention_inputs(q, k, v, causal=causal)
                 for cfg in configs:
-                    fn = lambda: api.forward(q, k, v, problem, tile=cfg)  # noqa: E731
-                    err = (fn()[0].float() - ref.float()).abs().max().item()
-                    ms = triton.testing.do_bench(fn, return_mode="median")
-                    rows.append((*cell, label(cfg), flops / ms / 1e9, f"{err:.1e}"))
-                print("\n".join(map(str, rows[-3 - len(configs):])), flush=True)
-    header = ["hdim", "seqlen", "causal", "provider", "fwd TFLOP/s", "max err vs sdpa_flash"]
-    print("\n" + markdown_table(header, [[*map(str, r[:4]), f"{r[4]:.1f}", r[5]] for r in rows]))
+                    fn = functools.partial(api.forward, q, k, v, problem, tile=cfg)
+                    fns[label(cfg)] = fn
+                    errs[label(cfg)] = f"{(fn()[0].float() - ref.float()).abs().max().item():.1e}"
+                for name, st in interleaved_times(fns, args.rounds, timer).items():
+                    rows.append((*cell, name, flops / st[0] / 1e9, spread_pct(st), errs[name]))
+                    print(rows[-1], flush=True)
+    header = ["hdim", "seqlen", "causal", "provider", "fwd TFLOP/s", "round spread",
+              "max err vs sdpa_flash"]
+    print("\n" + markdown_table(header, [[*map(str, r[:4]), f"{r[4]:.1f}", r[5], r[6]]
+                                         for r in rows]))
 
 
 if __name__ == "__main__":

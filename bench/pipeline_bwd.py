@@ -1,21 +1,23 @@
 """Backward of one pipeline, called directly (no dispatcher), next to FA4 and SDPA in one run.
 
     python bench/pipeline_bwd.py [--pipeline hopper] [--hdim 64,128] [--seqlen 2048,8192]
-                                 [--tiles 64x128x2,64x128x2+swap_sdp,...]
+                                 [--tiles 64x128x2,64x128x2+swap_sdp,...] [--rounds 3]
 
-Prints TFLOP/s (2.5 x 4·b·h·s²·d, ÷2 causal) and the largest |dq|, |dk|, |dv| difference from
-SDPA-flash's relative to its largest entry; used for ablations before a kernel is dispatched.
+Prints TFLOP/s (2.5 x 4·b·h·s²·d, ÷2 causal), the median of `--rounds` rounds that time every
+provider and tile in turn, with the rounds' spread, and the largest |dq|, |dk|, |dv|
+difference from SDPA-flash's relative to its largest entry; used for ablations before a
+kernel is dispatched.
 """
 
 import argparse
+import functools
 import importlib
 
 import torch
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute import flash_attn_func
-from flash_cute.bench import markdown_table
+from flash_cute.bench import interleaved_times, make_timer, markdown_table, spread_pct
 from flash_cute.validation import validate_attention_inputs
 
 
@@ -42,6 +44,12 @@ def _sdpa(backend, q, k, v, do, causal):
     return fn, lambda: [g.transpose(1, 2) for g in fn()]
 
 
+def _rel_err(grads, ref) -> float:
+    """Largest |dq|, |dk|, |dv| difference relative to the reference's largest entry."""
+    return max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
+               for g, r in zip(grads, ref))
+
+
 def _fa4(q, k, v, do, causal):
     try:
         from flash_attn.cute import flash_attn_func as fa4
@@ -61,7 +69,9 @@ def main():
     p.add_argument("--causal", default="0,1")
     p.add_argument("--tiles", default=None, help="e.g. 64x128x2,64x128x2+swap_sdp (default: the "
                    "pipeline's table)")
+    p.add_argument("--rounds", type=int, default=3, help="round-robin rounds per cell (median)")
     args = p.parse_args()
+    timer = make_timer(25, 100)
     mod = importlib.import_module(f"flash_cute.arch.{args.pipeline}.api")
     rows = []
     for hdim in map(int, args.hdim.split(",")):
@@ -74,29 +84,30 @@ def main():
                 cell = (hdim, seqlen, int(causal))
                 timed, ref_grads = _sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, do, causal)
                 ref = ref_grads()
-                for name, fn in (("sdpa_flash", timed),
-                                 ("sdpa_cudnn", _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, do,
-                                                      causal)[0]),
-                                 ("fa4", _fa4(q, k, v, do, causal))):
-                    if fn is not None:
-                        ms = triton.testing.do_bench(fn, return_mode="median")
-                        rows.append((*cell, name, flops / ms / 1e9, ""))
+                fns = {"sdpa_flash": timed,
+                       "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, do, causal)[0],
+                       "fa4": _fa4(q, k, v, do, causal)}
+                errs = {name: "" for name in fns}
                 problem = validate_attention_inputs(q, k, v, causal=causal)
                 out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
                 tiles = [None] if not args.tiles else [
                     _parse_tile(args.pipeline, t) for t in args.tiles.split(",")]
                 for tile in tiles:
                     kw = {} if tile is None else {"tile": tile}
-                    fn = lambda: mod.backward(do, None, q, k, v, out, lse, problem, **kw)  # noqa: E731
-                    err = max(((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
-                              for g, r in zip(fn(), ref))
-                    ms = triton.testing.do_bench(fn, return_mode="median")
+                    fn = functools.partial(mod.backward, do, None, q, k, v, out, lse, problem,
+                                           **kw)
                     label = args.pipeline + ("" if tile is None else "-" + "x".join(map(str, tile)))
-                    rows.append((*cell, label, flops / ms / 1e9, f"{err:.1e}"))
-                for r in rows[-4 - len(tiles):]:
-                    print(r, flush=True)
-    header = ["hdim", "seqlen", "causal", "provider", "bwd TFLOP/s", "rel. err vs sdpa_flash"]
-    print("\n" + markdown_table(header, [[*map(str, r[:4]), f"{r[4]:.1f}", r[5]] for r in rows]))
+                    fns[label] = fn
+                    errs[label] = f"{_rel_err(fn(), ref):.1e}"
+                stats = interleaved_times({n: f for n, f in fns.items() if f is not None},
+                                          args.rounds, timer)
+                for name, st in stats.items():
+                    rows.append((*cell, name, flops / st[0] / 1e9, spread_pct(st), errs[name]))
+                    print(rows[-1], flush=True)
+    header = ["hdim", "seqlen", "causal", "provider", "bwd TFLOP/s", "round spread",
+              "rel. err vs sdpa_flash"]
+    print("\n" + markdown_table(header, [[*map(str, r[:4]), f"{r[4]:.1f}", r[5], r[6]]
+                                         for r in rows]))
 
 
 if __name__ == "__main__":

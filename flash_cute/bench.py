@@ -734,6 +734,24 @@ def make_timer(warmup: int, rep: int) -> Callable[[Callable], float]:
     return lambda fn: do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def interleaved_times(fns: dict, rounds: int, timer: Callable[[Callable], float]) -> dict:
+    """{name: (median, min, max)} of `timer(fn)` (ms) over `rounds` rounds that each time
+    every callable once, in turn: a slow drift of the clocks or the host then reaches every
+    entry alike instead of whichever ran last, and min/max show what one round can move
+    (the ablation scripts in bench/ print it next to each A/B)."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timer(fn))
+    return {name: (sorted(t)[len(t) // 2], min(t), max(t)) for name, t in times.items()}
+
+
+def spread_pct(stats: tuple) -> str:
+    """(median, min, max) as the spread of the rounds, in % of the median."""
+    median, lo, hi = stats
+    return f"{100 * (hi - lo) / median:.1f}%"
+
+
 # -------------------------------------------------------------------------- CLI
 
 def _int_list(text: str) -> list[int]:

@@ -364,3 +364,20 @@ def test_bwd_cells_check_the_gradients():
     assert out["bad_bwd"]["max_abs_diff"] == 0.0
     assert out["bad_bwd"]["grad_rel_diff"] > 0.3 and out["bad_bwd"]["wrong"]
     assert out["bad_bwd"]["status"] == "ok"
+
+
+def test_interleaved_times_round_robin_median_and_spread():
+    order = []
+    ms = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 5.0, 6.0])}
+
+    def fn(name):
+        return lambda: name
+
+    def timer(f):
+        order.append(f())
+        return next(ms[f()])
+
+    out = bench.interleaved_times({"a": fn("a"), "b": fn("b")}, 3, timer)
+    assert order == ["a", "b"] * 3
+    assert out == {"a": (2.0, 1.0, 3.0), "b": (5.0, 5.0, 6.0)}
+    assert bench.spread_pct(out["a"]) == "100.0%"
