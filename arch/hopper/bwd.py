@@ -95,7 +95,7 @@ class HopperBwd:
     5. wait for dV and dQ: release dO[m]; while dK runs, dQ goes to the shared dQ tile (wait
        empty, write, fence, arrive full) or to dQaccum by atomics; wait for dK: release Q[m].
 
-    With `swap_sdp` (`config.BwdConfig`; tile_n 128 only, the default at hdim 64) steps 1-4
+    With `swap_sdp` (`config.BwdConfig`; tile_n 128 only, the default at hdim 64-128) steps 1-4
     run transposed: each warpgroup computes Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for its own 64 keys,
     so Pᵀ and dSᵀ sit in its registers in the layout of the A operand of dV += Pᵀ dO and
     dK += dSᵀ Q (register-A WGMMAs; no P tile, no P barrier), and only dSᵀ goes to shared
@@ -104,10 +104,11 @@ class HopperBwd:
     With 128 query rows (hdim 64's default; swap_sdp only) a thread holds 32 query columns:
     each statistic is kept one eighth per lane and fetched by shuffles (`ShuffledRows`), dS
     is computed before dV is issued (so fp32 P, dP and the 16-bit P are never all live), and
-    dQ splits its 128 rows over the two warpgroups. With 80 query rows (FA4's hdim-128 tile;
-    swap_sdp only) WGMMA's 64-row M fits no split of the queries, so dQ is computed
-    transposed, dQᵀ = Kᵀ dSᵀ (`config.dq_swapped`): each warpgroup 64 of the head dim's rows
-    and all 80 queries; the postprocess maps that fragment back (`dq_accum`).
+    dQ splits its 128 rows over the two warpgroups. With 80 query rows (hdim 128's default, as
+    FA4's; swap_sdp only; dS before dV as at 128 rows) WGMMA's 64-row M fits no split of the
+    queries, so dQ is computed transposed, dQᵀ = Kᵀ dSᵀ (`config.dq_swapped`): each warpgroup
+    64 of the head dim's rows and all 80 queries; the postprocess maps that fragment back
+    (`dq_accum`).
 
     The dQ writer, per tile: wait until the bulk add has read the previous tile, arrive empty,
     [deterministic: wait for its turn], wait full, bulk reduce-add of the tile into dQaccum
