@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute.arch.hopper import api
 from flash_cute.arch.hopper.config import TILES, FwdConfig, with_switches
-from flash_cute.bench import interleaved_times, make_timer, markdown_table, spread_pct
+from flash_cute.bench import ablation_rows, ablation_table, make_timer
 from flash_cute.validation import validate_attention_inputs
 
 
@@ -90,19 +90,14 @@ def main():
                 cell = (hdim, seqlen, int(causal))
                 fns = dict(peers(q, k, v, causal))
                 ref = fns["sdpa_flash"]().transpose(1, 2)
-                errs = {name: "" for name in fns}
+                errs = {}
                 problem = validate_attention_inputs(q, k, v, causal=causal)
                 for cfg in configs:
                     fn = functools.partial(api.forward, q, k, v, problem, tile=cfg)
                     fns[label(cfg)] = fn
                     errs[label(cfg)] = f"{(fn()[0].float() - ref.float()).abs().max().item():.1e}"
-                for name, st in interleaved_times(fns, args.rounds, timer).items():
-                    rows.append((*cell, name, flops / st[0] / 1e9, spread_pct(st), errs[name]))
-                    print(rows[-1], flush=True)
-    header = ["hdim", "seqlen", "causal", "provider", "fwd TFLOP/s", "round spread",
-              "max err vs sdpa_flash"]
-    print("\n" + markdown_table(header, [[*map(str, r[:4]), f"{r[4]:.1f}", r[5], r[6]]
-                                         for r in rows]))
+                rows += ablation_rows(cell, fns, errs, flops, args.rounds, timer)
+    print("\n" + ablation_table(rows, "fwd TFLOP/s", "max err vs sdpa_flash"))
 
 
 if __name__ == "__main__":

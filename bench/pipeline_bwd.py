@@ -17,7 +17,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute import flash_attn_func
-from flash_cute.bench import interleaved_times, make_timer, markdown_table, spread_pct
+from flash_cute.bench import ablation_rows, ablation_table, make_timer
 from flash_cute.validation import validate_attention_inputs
 
 
@@ -87,7 +87,7 @@ def main():
                 fns = {"sdpa_flash": timed,
                        "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, do, causal)[0],
                        "fa4": _fa4(q, k, v, do, causal)}
-                errs = {name: "" for name in fns}
+                errs = {}
                 problem = validate_attention_inputs(q, k, v, causal=causal)
                 out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
                 tiles = [None] if not args.tiles else [
@@ -99,15 +99,8 @@ def main():
                     label = args.pipeline + ("" if tile is None else "-" + "x".join(map(str, tile)))
                     fns[label] = fn
                     errs[label] = f"{_rel_err(fn(), ref):.1e}"
-                stats = interleaved_times({n: f for n, f in fns.items() if f is not None},
-                                          args.rounds, timer)
-                for name, st in stats.items():
-                    rows.append((*cell, name, flops / st[0] / 1e9, spread_pct(st), errs[name]))
-                    print(rows[-1], flush=True)
-    header = ["hdim", "seqlen", "causal", "provider", "bwd TFLOP/s", "round spread",
-              "rel. err vs sdpa_flash"]
-    print("\n" + markdown_table(header, [[*map(str, r[:4]), f"{r[4]:.1f}", r[5], r[6]]
-                                         for r in rows]))
+                rows += ablation_rows(cell, fns, errs, flops, args.rounds, timer)
+    print("\n" + ablation_table(rows, "bwd TFLOP/s", "rel. err vs sdpa_flash"))
 
 
 if __name__ == "__main__":

@@ -752,6 +752,26 @@ def spread_pct(stats: tuple) -> str:
     return f"{100 * (hi - lo) / median:.1f}%"
 
 
+def ablation_rows(cell: tuple, fns: dict, errs: dict, flops: float, rounds: int,
+                  timer: Callable[[Callable], float]) -> list:
+    """One cell of an ablation script (bench/): each entry of `fns` (None: skipped) timed in
+    interleaved rounds, as rows (*cell, name, TFLOP/s of the median, spread, error note),
+    printed as they come."""
+    stats = interleaved_times({n: f for n, f in fns.items() if f is not None}, rounds, timer)
+    rows = []
+    for name, st in stats.items():
+        rows.append((*cell, name, flops / st[0] / 1e9, spread_pct(st), errs.get(name, "")))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def ablation_table(rows: list, metric: str, err_label: str) -> str:
+    """The Markdown table of `ablation_rows` rows over (hdim, seqlen, causal) cells."""
+    header = ["hdim", "seqlen", "causal", "provider", metric, "round spread", err_label]
+    return markdown_table(header, [[*map(str, r[:4]), f"{r[4]:.1f}", r[5], r[6]]
+                                   for r in rows])
+
+
 # -------------------------------------------------------------------------- CLI
 
 def _int_list(text: str) -> list[int]:

@@ -381,3 +381,15 @@ def test_interleaved_times_round_robin_median_and_spread():
     assert order == ["a", "b"] * 3
     assert out == {"a": (2.0, 1.0, 3.0), "b": (5.0, 5.0, 6.0)}
     assert bench.spread_pct(out["a"]) == "100.0%"
+
+
+def test_ablation_rows_skip_missing_entries_and_table_reports_the_spread(capsys):
+    ms = iter([2.0, 4.0, 2.0, 4.0])
+    rows = bench.ablation_rows((64, 512, 1), {"a": lambda: None, "fa4": None, "b": lambda: None},
+                               {"b": "1e-3"}, 2e9, 2, lambda fn: next(ms))
+    assert [r[3] for r in rows] == ["a", "b"]
+    assert rows[0][4] == 1.0 and rows[1][4] == 0.5 and rows[1][5] == "0.0%"
+    assert rows[0][6] == "" and rows[1][6] == "1e-3"
+    table = bench.ablation_table(rows, "bwd TFLOP/s", "err")
+    assert "round spread" in table and "1e-3" in table
+    assert capsys.readouterr().out.count("\n") == 2
