@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute import flash_attn_func
 from flash_cute.bench import ablation_rows, ablation_table, make_timer
+from flash_cute.registry import tile_label
 from flash_cute.validation import validate_attention_inputs
 
 
@@ -96,7 +97,7 @@ def main():
                     kw = {} if tile is None else {"tile": tile}
                     fn = functools.partial(mod.backward, do, None, q, k, v, out, lse, problem,
                                            **kw)
-                    label = args.pipeline + ("" if tile is None else "-" + "x".join(map(str, tile)))
+                    label = args.pipeline + ("" if tile is None else "-" + tile_label(tile))
                     fns[label] = fn
                     errs[label] = f"{_rel_err(fn(), ref):.1e}"
                 rows += ablation_rows(cell, fns, errs, flops, args.rounds, timer)

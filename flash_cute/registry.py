@@ -38,7 +38,7 @@ class KernelConfig:
         """Short unique description, e.g. ``bf16 d-/16 64x64 causal``."""
         on = [k if v is True else f"{k}={v}" for k, v in self.flags if v is not False]
         dims = f"d{self.hdim if self.hdim is not None else '-'}/{self.hdim_v}"
-        return " ".join([self.dtype, dims, _tile_label(self.tile)] + on)
+        return " ".join([self.dtype, dims, tile_label(self.tile)] + on)
 
     def config_dict(self) -> dict:
         nums = [x for x in self.tile if not isinstance(x, bool)]
@@ -50,7 +50,7 @@ class KernelConfig:
         return cfg
 
 
-def _tile_label(tile) -> str:
+def tile_label(tile) -> str:
     """``128x128x2`` from the numbers; a named schedule switch that is on adds ``+name``."""
     nums = "x".join(str(x) for x in tile if not isinstance(x, bool))
     names = getattr(tile, "_fields", ())
