@@ -95,7 +95,7 @@ class HopperBwd:
     5. wait for dV and dQ: release dO[m]; while dK runs, dQ goes to the shared dQ tile (wait
        empty, write, fence, arrive full) or to dQaccum by atomics; wait for dK: release Q[m].
 
-    With `swap_sdp` (`config.BwdConfig`; tile_n 128 only, the default at hdim 64-128) steps 1-4
+    With `swap_sdp` (`config.BwdConfig`; tile_n 128 only, the default at hdim 64, 128) steps 1-4
     run transposed: each warpgroup computes Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for its own 64 keys,
     so Pᵀ and dSᵀ sit in its registers in the layout of the A operand of dV += Pᵀ dO and
     dK += dSᵀ Q (register-A WGMMAs; no P tile, no P barrier), and only dSᵀ goes to shared

@@ -137,13 +137,15 @@ class BwdConfig(NamedTuple):
 # stages), K, V, P and dS stay inside 227 KiB (hdim 256: 64 + 64 + 32 + 32 + 2 * (8 + 8) KiB
 # with P and dS double-buffered; what else fits is `bwd_smem_plan`'s).
 # swap_sdp where it measured faster on the H200: hdim 64 +2-5 % (docs/perf.md, 2026-11-29);
-# hdim 96 +1-2 % (session 13). hdim 128 takes FA4's 80 query rows (swap_sdp, dQ transposed):
-# +4-6 % over 64 rows at 2k-8k tokens, non-causal and causal alike (session 13).
+# at hdim 96 it was 1-2 % slower (session 13), so P stays in shared memory there. hdim 128
+# takes FA4's 80 query rows (swap_sdp, dQ transposed): +4-6 % over 64 rows non-causal at
+# 2k-8k tokens; causal -8 % at 512, -1 % at 2k, +4 % at 8k (session 13; FA4 takes 64 rows
+# for causal).
 # hdim 64 takes 128 query rows (FA3's 128 x 128; swap_sdp with shuffled LSE₂/Δ): +4 to +7 %
 # over 64 rows (docs/perf.md, session 9). hdim 256 streams one Q/dO stage, which frees the
 # 64 KiB of the fp32 dQ tile: one bulk reduce-add per query tile instead of 64 fp32 atomics per
 # thread, 1.6-2.0x the two-stage ring with atomics (docs/perf.md, session 11).
-BWD_TILES = {64: BwdConfig(128, 128, 2, True), 96: BwdConfig(64, 128, 2, True),
+BWD_TILES = {64: BwdConfig(128, 128, 2, True), 96: BwdConfig(64, 128, 2),
              128: BwdConfig(80, 128, 2, True), 192: BwdConfig(64, 64, 2),
              256: BwdConfig(64, 64, 1)}
 
