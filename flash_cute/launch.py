@@ -147,7 +147,7 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
     fragment-order tiles, `arch.hopper.dq_accum.TiledDqAccum`).
     """
     from flash_cute.bwd_prep import bwd_postprocess, bwd_preprocess
-    from flash_cute.jit import TensorArg, launch_kernel
+    from flash_cute.jit import TensorArg, attention_runtime_args, launch_kernel
 
     if has_no_work(q, k, problem):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -165,8 +165,7 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
                      device=q.device)
     dv = setup.alloc(*kv_lead, problem.nheads, problem.hdim_v, dtype=setup.dkv_dtype,
                      device=q.device)
-    cu = (TensorArg(cu_seqlens_q, 4), TensorArg(cu_seqlens_k, 4)) if problem.varlen \
-        else (None, None)
+    _, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
     sem = ()
     if deterministic is not None:
         sem = (TensorArg(dq_semaphores(problem, tile[0], q.device), 4)
