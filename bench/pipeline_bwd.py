@@ -24,8 +24,9 @@ from flash_cute.validation import validate_attention_inputs
 
 def _parse_tile(pipeline: str, text: str):
     """``64x128x2`` -> (64, 128, 2); ``+name`` turns on a switch of the pipeline's BwdConfig
-    (``64x128x2+swap_sdp``); without a switch the numbers fill the config's first fields and
-    its defaults the rest (so ``64x128x2`` is the schedule with every switch off)."""
+    (``64x128x2+swap_sdp``), ``+name=N`` sets a number (``64x48x2+swap_dkv+do_stages=1``);
+    without them the numbers fill the config's first fields and its defaults the rest (so
+    ``64x128x2`` is the schedule with every switch off)."""
     nums, *flags = text.split("+")
     values = tuple(map(int, nums.split("x")))
     config = getattr(importlib.import_module(f"flash_cute.arch.{pipeline}.config"),
@@ -34,7 +35,9 @@ def _parse_tile(pipeline: str, text: str):
         if flags:
             raise SystemExit(f"{pipeline} has no backward schedule switches: {text}")
         return values
-    return config(*values, **{f: True for f in flags})
+    named = dict(f.split("=") for f in flags if "=" in f)
+    return config(*values, **{f: True for f in flags if "=" not in f},
+                  **{k: int(v) for k, v in named.items()})
 
 
 def _sdpa(backend, q, k, v, do, causal):

@@ -158,9 +158,19 @@ def store_rows(acc_mn: cute.Tensor, coord_mn: cute.Tensor, g_tile: cute.Tensor,
 
 @cute.jit
 def store_acc_tile(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, m_out: cute.Tensor,
-                   tile_shape: cutlass.Constexpr, block: Int32, valid_rows: Int32):
+                   tile_shape: cutlass.Constexpr, block: Int32, valid_rows: Int32,
+                   transposed: cutlass.Constexpr[bool] = False):
     """Store the in-bounds rows of accumulator `acc` of `tiled_mma` as tile `block` of the
-    (rows, cols) tensor `m_out` (e.g. dK or dV of one K/V tile)."""
+    (rows, cols) tensor `m_out` (e.g. dK or dV of one K/V tile). `transposed`: acc holds the
+    tile's transpose (cols, rows) (dKᵀ, dVᵀ of the Hopper backward's swap_dkv)."""
     g_out = cute.local_tile(m_out, tile_shape, (block, 0))
-    coord = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor(tile_shape))
-    store_rows(acc_to_mn(acc), acc_to_mn(coord), g_out, valid_rows)
+    ident = cute.make_identity_tensor(tile_shape)
+    if cutlass.const_expr(transposed):
+        rows, cols = tile_shape
+        ident = cute.composition(ident, cute.make_layout((cols, rows), stride=(rows, 1)))
+    coord = tiled_mma.get_slice(tidx).partition_C(ident)
+    acc_mn, coord_mn = acc_to_mn(acc), acc_to_mn(coord)
+    if cutlass.const_expr(transposed):
+        acc_mn, coord_mn = (cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+                            for t in (acc_mn, coord_mn))
+    store_rows(acc_mn, coord_mn, g_out, valid_rows)

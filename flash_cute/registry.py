@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from flash_cute.arch.ampere.config import BWD_TILES as AMPERE_BWD_TILES
 from flash_cute.arch.ampere.config import TILES as AMPERE_TILES
 from flash_cute.arch.hopper.config import BWD_TILES as HOPPER_BWD_TILES
+from flash_cute.arch.hopper.config import BwdConfig as HopperBwdConfig
 from flash_cute.arch.hopper.config import bwd_tile as hopper_bwd_tile
 from flash_cute.arch.hopper.config import TILES as HOPPER_TILES
 from flash_cute.arch.hopper.config import fwd_tile as hopper_fwd_tile
@@ -41,20 +42,28 @@ class KernelConfig:
         return " ".join([self.dtype, dims, tile_label(self.tile)] + on)
 
     def config_dict(self) -> dict:
-        nums = [x for x in self.tile if not isinstance(x, bool)]
+        names = getattr(self.tile, "_fields", ())
+        nums = list(self.tile[:3]) if names else [x for x in self.tile if not isinstance(x, bool)]
         cfg = {"dtype": self.dtype, "hdim": self.hdim, "hdim_v": self.hdim_v, "tile": nums}
-        # A schedule's named switches (e.g. the Hopper forward's overlaps) read like flags.
-        cfg.update({n: x for n, x in zip(getattr(self.tile, "_fields", ()), self.tile)
-                    if isinstance(x, bool)})
+        # A schedule's named switches (e.g. the Hopper forward's overlaps) read like flags, and
+        # so do its named numbers past the leading three (the backward's do_stages), when set.
+        cfg.update({n: x for n, x in zip(names[3:], self.tile[3:]) if x is not None})
         cfg.update(self.flag_dict)
         return cfg
 
 
 def tile_label(tile) -> str:
-    """``128x128x2`` from the numbers; a named schedule switch that is on adds ``+name``."""
-    nums = "x".join(str(x) for x in tile if not isinstance(x, bool))
+    """``128x128x2`` from the leading numbers; a named schedule switch that is on adds
+    ``+name``, a named number that is set ``+name=value`` (``64x48x2+swap_dkv+do_stages=1``)."""
     names = getattr(tile, "_fields", ())
-    return nums + "".join(f"+{n}" for n, x in zip(names, tile) if x is True)
+    lead = [str(x) for x in tile[:3]] if names else [str(x) for x in tile]
+    extra = []
+    for n, x in zip(names[3:], tile[3:]):
+        if x is True:
+            extra.append(f"+{n}")
+        elif not isinstance(x, bool) and x is not None:
+            extra.append(f"+{n}={x}")
+    return "x".join(lead) + "".join(extra)
 
 
 def _flags(**kw) -> tuple:
@@ -188,12 +197,18 @@ def _hopper_bwd_configs():
     out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 64, 64,
                             HOPPER_BWD_TILES[64]._replace(tile_m=64), _HOPPER_BWD,
                             _flags(**{**plain, "causal": True})))
-    # dQ by fp32 atomics (two Q/dO stages at hdim 256 leave no room for the dQ tile), plain
-    # and deterministic, against the default single stage with the bulk reduce-add.
+    # hdim 256 at 64 keys against the default 48 with dK/dV transposed: dQ by fp32 atomics
+    # (two Q/dO stages leave no room for the dQ tile), plain and deterministic, and one
+    # Q/dO stage with the bulk reduce-add (the default before swap_dkv).
     for det in (False, True):
         out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 256, 256,
-                                HOPPER_BWD_TILES[256]._replace(q_stages=2), _HOPPER_BWD,
+                                HopperBwdConfig(64, 64, 2), _HOPPER_BWD,
                                 _flags(**{**plain, "causal": det, "deterministic": det})))
+    out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 256, 256,
+                            HopperBwdConfig(64, 64, 1), _HOPPER_BWD, _flags(**plain)))
+    # hdim 192 at 64 keys, two Q/dO stages (the default before swap_dkv).
+    out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 192, 192,
+                            HopperBwdConfig(64, 64, 2), _HOPPER_BWD, _flags(**plain)))
     return tuple(out)
 
 

@@ -9,21 +9,23 @@ import pytest
 import torch
 
 from flash_cute.arch.hopper.config import (BWD_SUPPORTED_HDIMS, BWD_TILES, SMEM_CAPACITY,
-                                           bwd_smem_plan)
+                                           BwdConfig, bwd_mma_splits, bwd_smem_plan)
 from flash_cute.block_range import block_range, m_block_range
 from flash_cute.launch import backward_compile_key, dq_semaphores
 
 
 @pytest.mark.parametrize("hdim,hdim_v", sorted(BWD_SUPPORTED_HDIMS))
 def test_bwd_smem_plan_fits_and_keeps_dq_out_of_atomics(hdim, hdim_v):
-    plan = bwd_smem_plan(hdim, hdim_v, BWD_TILES[hdim])
+    tile = BWD_TILES[hdim]
+    plan = bwd_smem_plan(hdim, hdim_v, tile)
     assert plan.smem_bytes <= SMEM_CAPACITY
     assert plan.dq_tma
-    assert plan.pds_stages == BWD_TILES[hdim][2]
+    # P/dS follow the rings' stages only where Q and dO have as many (else one buffer).
+    assert plan.pds_stages == (tile.q_stages if tile.dout_stages == tile.q_stages else 1)
 
 
 def test_bwd_smem_plan_falls_back_to_atomics_where_the_dq_tile_does_not_fit():
-    plan = bwd_smem_plan(256, 256, BWD_TILES[256]._replace(q_stages=2))
+    plan = bwd_smem_plan(256, 256, BwdConfig(64, 64, 2))
     assert not plan.dq_tma and plan.smem_bytes <= SMEM_CAPACITY
 
 
@@ -110,3 +112,22 @@ def test_lse_and_delta_stages_start_128_byte_aligned():
     assert [stats_stage_rows(m) for m in (64, 80, 128)] == [64, 96, 128]
     plan = bwd_smem_plan(128, 128, BwdConfig(80, 128, 2, True))
     assert plan.dq_tma and plan.pds_stages == 2 and plan.smem_bytes <= 227 * 1024
+
+
+def test_bwd_smem_plan_fits_fa4_hdim_256_schedule_with_two_q_stages():
+    """48 keys with dK/dV transposed (FA4's hdim-256 schedule): two Q stages, one dO stage and
+    the dQ tile fit, with one P/dS buffer; two dO stages would not leave room for the tile."""
+    plan = bwd_smem_plan(256, 256, BwdConfig(64, 48, 2, swap_dkv=True, do_stages=1))
+    assert plan.dq_tma and plan.pds_stages == 1 and plan.smem_bytes <= SMEM_CAPACITY
+    assert not bwd_smem_plan(256, 256, BwdConfig(64, 48, 2, swap_dkv=True)).dq_tma
+
+
+def test_bwd_mma_splits_of_transposed_dkv():
+    """swap_dkv: the head dim on WGMMA's M, split by warpgroup where it is a multiple of 128,
+    else the keys; separate Q/dO stage counts and odd key tiles only with it."""
+    assert bwd_mma_splits(BwdConfig(64, 48, 2, swap_dkv=True), 256)["dkv"] == (2, 1)
+    assert bwd_mma_splits(BwdConfig(64, 96, 2, swap_dkv=True), 192)["dkv"] == (1, 2)
+    for bad in (BwdConfig(64, 48, 2), BwdConfig(64, 64, 2, do_stages=1),
+                BwdConfig(64, 40, 2, swap_dkv=True), BwdConfig(80, 48, 2, swap_dkv=True)):
+        with pytest.raises(ValueError):
+            bwd_mma_splits(bad, 256)

@@ -143,11 +143,16 @@ _SCHEDULE_CASES = [(128, {"causal": True}), (64, {"softcap": 15.0}),
     ((80, 128, 2, True), 128, {}), ((80, 128, 2, True), 128, {"causal": True}),
     ((80, 128, 2, True), 128, {"softcap": 15.0}),
     ((80, 128, 2, True), 128, {"window_size": (70, 9)}),
+    # dK/dV transposed (swap_dkv): FA4's 48 keys at hdim 256 with two Q stages and one dO
+    # stage, and its 96 keys at hdim 192.
+    *[((64, 48, 2, False, True, 1), 256, kw) for _, kw in _SCHEDULE_CASES],
+    ((64, 96, 2, False, True, 1), 192, {"causal": True}), ((64, 96, 2, False, True), 192, {}),
 ])
 def test_hopper_backward_every_schedule(tile, hdim, kw):
     """S/dP computed transposed (P and dS kept in registers for dV and dK) or not (P and dS
-    through shared memory), with 64, 80 or 128 query rows: every schedule passes the float64
-    rule (301 queries: a partial last tile of each size)."""
+    through shared memory), with 64, 80 or 128 query rows, dK/dV transposed with 48 or 96
+    keys: every schedule passes the float64 rule (301 queries and 413 keys: a partial last
+    tile of each size)."""
     from flash_cute.arch.hopper.api import backward
     from flash_cute.arch.hopper.config import BwdConfig
 

@@ -191,7 +191,7 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce
     (`bwd_smem_plan`; every default schedule), else through fp32 atomics (registered: hdim 256
     with two Q/dO stages, plain and deterministic); a deterministic kernel adds one int32
     semaphore increment."""
-    from flash_cute.arch.hopper.config import bwd_smem_plan
+    from flash_cute.arch.hopper.config import BwdConfig, bwd_smem_plan
 
     entries = [e for e in inspected if e["kernel"] == "hopper.bwd"]
     assert {e["arch"] for e in entries} == {"sm_90a"}
@@ -208,15 +208,21 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce
         semaphore = 1 if cfg["deterministic"] else 0
         # dK and dV elements per consumer thread; 16-bit ones leave as 128-bit rows.
         dkv_elems = cfg["tile"][1] * (cfg["hdim"] + cfg["hdim_v"]) // 256
-        if not cfg["dkv_fp32"]:
+        tile = BwdConfig(*cfg["tile"], **{f: cfg[f] for f in BwdConfig._fields[3:] if f in cfg})
+        # Through the freed rings where Q's holds tile_n rows (`HopperBwd.store_dkv`).
+        rings_fit = tile.q_stages * tile.tile_m >= tile.tile_n
+        if not cfg["dkv_fp32"] and rings_fit:
             assert ops.get("STG", 0) == dkv_elems // 8, "dK/dV: whole 128-bit row stores"
         atomics = ops.get("REDG", 0) + ops.get("ATOMG", 0) - semaphore
-        if bwd_smem_plan(cfg["hdim"], cfg["hdim_v"], tuple(cfg["tile"])).dq_tma:
+        if bwd_smem_plan(cfg["hdim"], cfg["hdim_v"], tile).dq_tma:
             assert ops.get("UBLKRED", 0) == 1, "dQ is added by one bulk reduce per tile"
-            if not (cfg["varlen"] or cfg.get("seqused_k")):  # those also zero tile tails
+            # Varlen and seqused_k also zero tile tails; without the rings dK/dV skip smem.
+            if not (cfg["varlen"] or cfg.get("seqused_k")) and rings_fit:
                 per_thread = cfg["tile"][0] * cfg["hdim"] // 256
-                # 16-bit dK/dV go to shared memory too, one 32-bit store per column pair.
-                dkv = 0 if cfg["dkv_fp32"] else dkv_elems // 2
+                # 16-bit dK/dV go to shared memory too, one 32-bit store per column pair;
+                # transposed (swap_dkv) a thread's pairs run down a column: one 16-bit store
+                # per element.
+                dkv = 0 if cfg["dkv_fp32"] else dkv_elems // (1 if cfg.get("swap_dkv") else 2)
                 assert ops.get("STS", 0) == per_thread // 4 + dkv, "dQ: one 128-bit store per 4"
             assert atomics == 0, "no fp32 atomics where the bulk reduce adds dQ"
         else:
@@ -256,8 +262,10 @@ def test_hopper_bwd_waits_for_each_gemm_only_where_it_is_needed(tile, waits):
     both waited for, and dK runs under dQ's way out."""
     from flash_cute.xcompile import compile_for_arch
 
+    from flash_cute.arch.hopper.config import BwdConfig
+
     cfg = next(c for c in registered_configs("hopper.bwd")
-               if c.hdim == 128 and c.dtype == "bf16" and tuple(c.tile) == tile
+               if c.hdim == 128 and c.dtype == "bf16" and c.tile == BwdConfig(*tile)
                and not any(c.flag_dict.values()))
     sass = compile_for_arch(cfg, "sm_90a").sass
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == waits[0]

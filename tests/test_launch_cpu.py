@@ -99,7 +99,7 @@ for varlen in (False, True):
     assert lse2.shape == delta.shape == lse.shape
     assert lse2.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0
     assert abs(lse2.data_ptr() - delta.data_ptr()) >= lse.numel() * 4
-    assert main.tile == ((64, 128, 2, False) if varlen else (80, 128, 2, True)), main.tile
+    assert main.tile[:4] == ((64, 128, 2, False) if varlen else (80, 128, 2, True)), main.tile
     dk, dv = a[7], a[8]
     # GQA (varlen call): fp32 per query head, zeroed (rows past every sequence get nothing).
     assert dk.dtype == (torch.float32 if varlen else torch.bfloat16)

@@ -107,5 +107,5 @@ def _bwd_schedule(hdim: int, hdim_v: int, varlen: bool, tile) -> tuple:
     tile = BwdConfig(*(tile or bwd_tile(hdim, varlen)))
     dq_layout = None
     if bwd_smem_plan(hdim, hdim_v, tile).dq_tma:
-        dq_layout = TiledDqAccum(tile.tile_m, bwd_mma_splits(tile)["dq"], dq_swapped(tile))
+        dq_layout = TiledDqAccum(tile.tile_m, bwd_mma_splits(tile, hdim)["dq"], dq_swapped(tile))
     return tuple(tile), dq_layout

@@ -9,6 +9,7 @@ dQaccum (fp32) by one bulk reduce-add of a shared-memory tile kept in the WGMMA 
 (`config.bwd_smem_plan`), by fp32 atomics into a dQaccum laid out like Q (`bwd_postprocess`).
 """
 
+import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -69,7 +70,7 @@ class HopperBwd:
     |-----------------------------|------------|--------------------------|-----------------------|
     | K + V (PipelineTmaAsync)    | 1 (once)   | TMA bytes of K and V     | 8 consumer warps      |
     | Q + LSE₂ (PipelineTmaAsync) | q_stages   | TMA bytes of both tiles  | 8 warps, after dK     |
-    | dO + Δ (PipelineTmaAsync)   | q_stages   | TMA bytes of both tiles  | 8 warps, after dV     |
+    | dO + Δ (PipelineTmaAsync)   | do_stages  | TMA bytes of both tiles  | 8 warps, after dV     |
     | P, dS tiles (shared memory) | pds_stages | consumers                | their dV, dK, dQ      |
     |   (swap_sdp: dSᵀ only)      |            |                          | dQ                    |
     | dQ tile (named barriers)    | 1          | consumers: 4 (full)      | dQ writer: 5 (empty)  |
@@ -77,7 +78,7 @@ class HopperBwd:
     |   rings, after the loop)    |            | barriers 7 of all 256    |                       |
 
     `config.bwd_smem_plan` picks pds_stages (q_stages where it fits, else 1) and dq_tma (the
-    fp32 dQ tile in shared memory; without it, e.g. hdim 256 with two Q/dO stages, the
+    fp32 dQ tile in shared memory; without it, e.g. hdim 256 at 64 keys with two Q/dO stages, the
     consumers add dQ with fp32 atomics and warp 1 idles).
 
     Per query tile m the consumers (WGMMA; how the two warpgroups split each GEMM is
@@ -109,6 +110,13 @@ class HopperBwd:
     queries, so dQ is computed transposed, dQᵀ = Kᵀ dSᵀ (`config.dq_swapped`): each warpgroup
     64 of the head dim's rows and all 80 queries; the postprocess maps that fragment back
     (`dq_accum`).
+
+    With `swap_dkv` (the default at hdim 256, FA4's 48 keys with two Q stages and one dO stage
+    beside the dQ tile, and at hdim 192, 96 keys) dV += Pᵀ dO and dK += dSᵀ Q run
+    transposed, dVᵀ += dOᵀ P and dKᵀ += Qᵀ dS: the head dim takes WGMMA's M (split by
+    warpgroup where it is a multiple of 128, else the keys), so the key tile needs only a
+    multiple of 16; P and dS go through shared memory, the accumulators hold dKᵀ and dVᵀ and
+    leave through transposed views.
 
     The dQ writer, per tile: wait until the bulk add has read the previous tile, arrive empty,
     [deterministic: wait for its turn], wait full, bulk reduce-add of the tile into dQaccum
@@ -142,8 +150,9 @@ class HopperBwd:
         self.dtype = dtype
         self.hdim, self.hdim_v = hdim, hdim_v
         config = BwdConfig(*(tile or BWD_TILES[hdim]))
-        self.tile_m, self.tile_n, self.q_stages, self.swap_sdp = config
-        self.splits = bwd_mma_splits(config)
+        self.tile_m, self.tile_n, self.q_stages, self.swap_sdp, self.swap_dkv = config[:5]
+        self.do_stages = config.dout_stages
+        self.splits = bwd_mma_splits(config, hdim)
         self.plan = bwd_smem_plan(hdim, hdim_v, config)
         self.pds_stages, self.dq_tma = self.plan.pds_stages, self.plan.dq_tma
         self.dq_swap = dq_swapped(config)
@@ -245,16 +254,16 @@ class HopperBwd:
     def _shared_storage(self, layouts):
         """The CTA's shared memory, as `config.bwd_smem_plan` sizes it."""
         sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout = layouts
-        stages, dtype = self.q_stages, self.dtype
+        q_stages, do_stages, dtype = self.q_stages, self.do_stages, self.dtype
         stats_rows = stats_stage_rows(self.tile_m)
 
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, stats_rows * stages], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stats_rows * stages], 128]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * q_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * do_stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, stats_rows * q_stages], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stats_rows * do_stages], 128]
             sQ: smem_tile(dtype, sQ_layout)
             sdO: smem_tile(dtype, sdO_layout)
             sK: smem_tile(dtype, sK_layout)
@@ -291,12 +300,22 @@ class HopperBwd:
         k_major = self.hdim // (dq_m if self.dq_swap else dq_n)
         pds = (layout(self.tile_n, self.tile_m, self.pds_stages, ds_major)
                if self.swap_sdp
-               else layout(self.tile_m, self.tile_n, self.pds_stages, self.tile_n // dkv_m))
-        return (layout(self.tile_m, self.hdim, self.q_stages, self.hdim // dkv_n),
-                layout(self.tile_m, self.hdim_v, self.q_stages, self.hdim_v // dkv_n),
+               else layout(self.tile_m, self.tile_n, self.pds_stages, self._pds_major()))
+        # Q and dO are read transposed by dK/dV: as B (split N) or, with swap_dkv, as A (M).
+        qdo_split = dkv_m if self.swap_dkv else dkv_n
+        return (layout(self.tile_m, self.hdim, self.q_stages, self.hdim // qdo_split),
+                layout(self.tile_m, self.hdim_v, self.do_stages, self.hdim_v // qdo_split),
                 layout(self.tile_n, self.hdim, 1, k_major),
                 layout(self.tile_n, self.hdim_v, 1, self.hdim_v), pds,
                 cute.make_layout(self.tile_m * self.hdim))
+
+    def _pds_major(self) -> int:
+        """Columns of the P/dS tile's swizzle atom: a warpgroup's share of dK/dV's reads, and
+        with swap_dkv also of its S columns (24 at tile_n 48, which no 16-column atom tiles)."""
+        dkv_m, dkv_n = self.splits["dkv"]
+        if cutlass.const_expr(self.swap_dkv):
+            return math.gcd(self.tile_n // dkv_n, self.tile_n // self.splits["sdp"][1])
+        return self.tile_n // dkv_m
 
     def _tiled_mmas(self):
         """(S/dP, dK, dV, dQ) WGMMAs, every operand from shared memory.
@@ -320,6 +339,10 @@ class HopperBwd:
             dq_n = self.tile_m if self.dq_swap else self.hdim
             return (mma(K, K, s["sdp"], self.tile_m), mma(K, MN, s["dkv"], self.hdim, rmem),
                     mma(K, MN, s["dkv"], self.hdim_v, rmem), mma(MN, MN, s["dq"], dq_n))
+        if cutlass.const_expr(self.swap_dkv):
+            # dKᵀ = Qᵀ dS, dVᵀ = dOᵀ P: (hdim, tile_n), both operands MN-major views.
+            return (mma(K, K, s["sdp"], self.tile_n), mma(MN, MN, s["dkv"], self.tile_n),
+                    mma(MN, MN, s["dkv"], self.tile_n), mma(K, MN, s["dq"], self.hdim))
         return (mma(K, K, s["sdp"], self.tile_n), mma(MN, MN, s["dkv"], self.hdim),
                 mma(MN, MN, s["dkv"], self.hdim_v), mma(K, MN, s["dq"], self.hdim))
 
@@ -353,7 +376,7 @@ class HopperBwd:
         # dO and Δ.
         pipes = make_tma_pipelines(((storage.mbar_kv, 1, tx_bytes[0]),
                                     (storage.mbar_q, self.q_stages, tx_bytes[1]),
-                                    (storage.mbar_do, self.q_stages, tx_bytes[2])),
+                                    (storage.mbar_do, self.do_stages, tx_bytes[2])),
                                    4 * BWD_CONSUMER_WARPGROUPS)
         smem = SmemTiles(self, storage, layouts)
 
@@ -392,19 +415,27 @@ class HopperBwd:
     @cute.jit
     def store_dkv(self, step, mmas, tidx, seq, smem, mdK, mdV, head, n_block, softmax_scale):
         """dK *= softmax_scale; dK, dV rows < seqlen_k to global memory: 16-bit ones through
-        shared memory (`store_dkv_rows`), fp32 ones (GQA, summed by the host) straight from
-        registers."""
+        shared memory (`store_dkv_rows`: dK in Q's ring and dV in dO's, or both in turn in
+        Q's where one dO stage holds fewer rows than the keys), fp32 ones (GQA, summed by the
+        host) straight from registers."""
         step.acc_dk.store(step.acc_dk.load() * softmax_scale)
         kv_rows = seq.seqlen_k - n_block * self.tile_n
         outs = ((step.acc_dk, mmas[1], mdK, self.hdim, smem.sQ),
                 (step.acc_dv, mmas[2], mdV, self.hdim_v, smem.sdO))
-        if cutlass.const_expr(mdK.element_type == self.dtype
-                              and self.q_stages * self.tile_m >= self.tile_n):
-            self.store_dkv_rows(outs, tidx, seq, head, n_block, kv_rows)
+        q_fits = self.q_stages * self.tile_m >= self.tile_n
+        if cutlass.const_expr(mdK.element_type == self.dtype and q_fits):
+            if cutlass.const_expr(self.do_stages * self.tile_m >= self.tile_n):
+                self.store_dkv_rows(outs, tidx, seq, head, n_block, kv_rows)
+            else:
+                # One dO stage holds fewer rows than the keys (hdim 192's 96): dK, then dV,
+                # through Q's ring.
+                self.store_dkv_rows(outs[:1], tidx, seq, head, n_block, kv_rows)
+                self.store_dkv_rows(((step.acc_dv, mmas[2], mdV, self.hdim_v, smem.sQ),),
+                                    tidx, seq, head, n_block, kv_rows)
         else:
             for acc, mma, m_out, cols, _ in outs:
                 store_acc_tile(mma, tidx, acc, seq.k_view(m_out, head), (self.tile_n, cols),
-                               n_block, kv_rows)
+                               n_block, kv_rows, self.swap_dkv)
 
     @cute.jit
     def store_dkv_rows(self, outs, tidx, seq, head, n_block, kv_rows):
@@ -429,7 +460,9 @@ class HopperBwd:
             s_tile = cute.make_tensor(ring.iterator, layout.outer)
             r = cute.make_rmem_tensor_like(acc, self.dtype)
             r.store(acc.load().to(self.dtype))
-            cute.autovec_copy(r, mma.get_slice(tidx).partition_C(s_tile))
+            # swap_dkv: the accumulator holds dKᵀ / dVᵀ, written through the transposed view.
+            acc_view = transpose_view(s_tile) if cutlass.const_expr(self.swap_dkv) else s_tile
+            cute.autovec_copy(r, mma.get_slice(tidx).partition_C(acc_view))
             tiles.append(s_tile)
         epilogue.arrive_and_wait()
         vec = 128 // self.dtype.width
@@ -471,21 +504,36 @@ class HopperBwd:
         cute.copy(tma_k, tKgK, tKsK[None, 0], tma_bar_ptr=bar)
         cute.copy(tma_v, tVgV, tVsV[None, 0], tma_bar_ptr=bar)
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        do_state = self.do_ring_state(pipeline.PipelineUserType.Producer)
+        tiles = (tQgQ, tQsQ, tdOgdO, tdOsdO, stats)
         for m_block in cutlass.range(m_min, m_max, unroll=1):
-            pipe_q.producer_acquire(state)
-            bar = pipe_q.producer_get_barrier(state)
-            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-            if cutlass.const_expr(self.stats_tma):
-                cute.copy(tma_lse, stats[0][1][None, m_block], stats[0][0][None, state.index],
-                          tma_bar_ptr=bar)
-            pipe_do.producer_acquire(state)
-            bar = pipe_do.producer_get_barrier(state)
-            cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
-            if cutlass.const_expr(self.stats_tma):
-                cute.copy(tma_delta, stats[1][1][None, m_block],
-                          stats[1][0][None, state.index], tma_bar_ptr=bar)
-            state.advance()
+            if cutlass.const_expr(do_state is None):
+                self.load_q_do(atoms, tiles, pipe_q, pipe_do, q_state, q_state, m_block)
+            else:
+                self.load_q_do(atoms, tiles, pipe_q, pipe_do, q_state, do_state, m_block)
+            q_state.advance()
+            if cutlass.const_expr(do_state is not None):
+                do_state.advance()
+
+    @cute.jit
+    def load_q_do(self, atoms, tiles, pipe_q, pipe_do, q_state, do_state, m_block: Int32):
+        """TMA of query tile `m_block`'s Q with its LSE₂ rows, and of its dO with its Δ rows,
+        into their rings' stages."""
+        tma_q, tma_do, _, _, tma_lse, tma_delta = atoms
+        tQgQ, tQsQ, tdOgdO, tdOsdO, stats = tiles
+        pipe_q.producer_acquire(q_state)
+        bar = pipe_q.producer_get_barrier(q_state)
+        cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.stats_tma):
+            cute.copy(tma_lse, stats[0][1][None, m_block], stats[0][0][None, q_state.index],
+                      tma_bar_ptr=bar)
+        pipe_do.producer_acquire(do_state)
+        bar = pipe_do.producer_get_barrier(do_state)
+        cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.stats_tma):
+            cute.copy(tma_delta, stats[1][1][None, m_block], stats[1][0][None, do_state.index],
+                      tma_bar_ptr=bar)
 
     @cute.jit
     def write_dq(self, mdQaccum, smem, seq, head, order, m_min, m_max):
@@ -533,11 +581,25 @@ class HopperBwd:
         if cutlass.const_expr(self.varlen or self.has_seqused_k):
             step.clear_tail((smem.sK[None, None, 0], smem.sV[None, None, 0]),
                             step.seq.seqlen_k - n_block * self.tile_n, self.tile_n)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        do_state = self.do_ring_state(pipeline.PipelineUserType.Consumer)
         for m_block in cutlass.range(m_min, m_max, unroll=1):
-            step.run(pipe_q, pipe_do, state, m_block, n_block)
-            state.advance()
+            if cutlass.const_expr(do_state is None):
+                step.run(pipe_q, pipe_do, q_state, q_state, m_block, n_block)
+            else:
+                step.run(pipe_q, pipe_do, q_state, do_state, m_block, n_block)
+            q_state.advance()
+            if cutlass.const_expr(do_state is not None):
+                do_state.advance()
         pipe_kv.consumer_release(kv_state)
+
+    def do_ring_state(self, user):
+        """The dO ring's own pipeline state, or None where it has as many stages as Q's (then
+        Q's state indexes both, one register per tile). The loops advance the states in their
+        own bodies: the DSL carries across iterations only what a loop body mutates."""
+        if cutlass.const_expr(self.do_stages == self.q_stages):
+            return None
+        return pipeline.make_pipeline_state(user, self.do_stages)
 
 
 def _dq_barriers(cfg: HopperBwd):
@@ -582,10 +644,11 @@ class SmemTiles(DslState):
         self.sP = None if cfg.swap_sdp else get(storage.sP, sPdS_layout)
         self.sdS = get(storage.sdS, sPdS_layout)
         self.sdQ = storage.sdQ.get_tensor(sdQ_layout) if cfg.dq_tma else None
-        stats = cute.make_layout((cfg.tile_m, cfg.q_stages),
-                                 stride=(1, stats_stage_rows(cfg.tile_m)))
-        self.sLSE = storage.sLSE.get_tensor(stats)
-        self.sDelta = storage.sDelta.get_tensor(stats)
+        # LSE₂ rides with Q's ring, Δ with dO's: each has its ring's stages.
+        stats = [cute.make_layout((cfg.tile_m, stages), stride=(1, stats_stage_rows(cfg.tile_m)))
+                 for stages in (cfg.q_stages, cfg.do_stages)]
+        self.sLSE = storage.sLSE.get_tensor(stats[0])
+        self.sDelta = storage.sDelta.get_tensor(stats[1])
 
 
 class DqOrder(DslState):
@@ -650,20 +713,28 @@ class BwdStep(DslState):
         else:
             self.tSrQ, self.tSrK = frag_a(mma_sdp, smem.sQ), frag_b(mma_sdp, smem.sK)
             self.tdPrdO, self.tdPrV = frag_a(mma_sdp, smem.sdO), frag_b(mma_sdp, smem.sV)
-            self.tdVrPt = frag_a(mma_dv, transpose_view(smem.sP))
-            self.tdKrdSt = frag_a(mma_dk, transpose_view(smem.sdS))
             self.tdQrdS = frag_a(mma_dq, smem.sdS)
-        self.tdVrdOt = frag_b(mma_dv, transpose_view(smem.sdO))
-        self.tdKrQt = frag_b(mma_dk, transpose_view(smem.sQ))
+        if cutlass.const_expr(cfg.swap_dkv):
+            # dVᵀ = dOᵀ P, dKᵀ = Qᵀ dS: the transposed views swap operand roles.
+            self.tdVrdOt = frag_a(mma_dv, transpose_view(smem.sdO))
+            self.tdKrQt = frag_a(mma_dk, transpose_view(smem.sQ))
+            self.tdVrPt = frag_b(mma_dv, transpose_view(smem.sP))
+            self.tdKrdSt = frag_b(mma_dk, transpose_view(smem.sdS))
+        else:
+            if cutlass.const_expr(not cfg.swap_sdp):
+                self.tdVrPt = frag_a(mma_dv, transpose_view(smem.sP))
+                self.tdKrdSt = frag_a(mma_dk, transpose_view(smem.sdS))
+            self.tdVrdOt = frag_b(mma_dv, transpose_view(smem.sdO))
+            self.tdKrQt = frag_b(mma_dk, transpose_view(smem.sQ))
         if cutlass.const_expr(cfg.dq_swap):
             self.tdQrKt = frag_a(mma_dq, transpose_view(smem.sK))
         else:
             self.tdQrKt = frag_b(mma_dq, transpose_view(smem.sK))
 
-        self.acc_dk = cute.make_rmem_tensor(thr_dk.partition_shape_C((cfg.tile_n, cfg.hdim)),
+        self.acc_dk = cute.make_rmem_tensor(thr_dk.partition_shape_C(dkv_shape(cfg, cfg.hdim)),
                                             Float32)
-        self.acc_dv = cute.make_rmem_tensor(thr_dv.partition_shape_C((cfg.tile_n, cfg.hdim_v)),
-                                            Float32)
+        self.acc_dv = cute.make_rmem_tensor(
+            thr_dv.partition_shape_C(dkv_shape(cfg, cfg.hdim_v)), Float32)
         self.acc_dk.fill(0.0)
         self.acc_dv.fill(0.0)
 
@@ -676,8 +747,12 @@ class BwdStep(DslState):
                                   win_left, win_right)
         # P and dS leave the S accumulator layout by stmatrix: four 8x8 blocks per
         # instruction, one row address per lane, so few shared-memory addresses stay live.
+        # A warpgroup's tile_n / 2 keys: 24 at tile_n 48 (swap_dkv) take pairs of blocks.
+        cols = cfg.tile_n // cfg.splits["sdp"][1] if not cfg.swap_sdp else 16
         self.r2s_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), cfg.dtype)
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False,
+                                              num_matrices=4 if cols % 16 == 0 else 2),
+            cfg.dtype)
         self.thr_r2s = cute.make_tiled_copy_C(self.r2s_atom, mma_sdp).get_slice(tidx)
         self.tPsP = None if cfg.swap_sdp else self.thr_r2s.partition_D(smem.sP)
         self.tdSsdS = self.thr_r2s.partition_D(smem.sdS)
@@ -707,7 +782,7 @@ class BwdStep(DslState):
                         _TAIL_BARRIER_ID)
 
     @cute.jit
-    def clear_q_tail(self, pipe_do, state, m_block: Int32):
+    def clear_q_tail(self, pipe_do, q_state, do_state, m_block: Int32):
         """Varlen or seqused_q: the query tile that ends the sequence gets its Q and dO rows
         past it zeroed
         (`clear_tail`) before any GEMM reads them; dO is waited for first."""
@@ -715,9 +790,9 @@ class BwdStep(DslState):
         if cutlass.const_expr(cfg.varlen or cfg.has_seqused_q):
             valid = self.seq.seqlen_q - m_block * cfg.tile_m
             if valid < cfg.tile_m:
-                pipe_do.consumer_wait(state)
-                self.clear_tail((self.sQ[None, None, state.index],
-                                 self.sdO[None, None, state.index]), valid, cfg.tile_m)
+                pipe_do.consumer_wait(do_state)
+                self.clear_tail((self.sQ[None, None, q_state.index],
+                                 self.sdO[None, None, do_state.index]), valid, cfg.tile_m)
 
     @cute.jit
     def row_values(self, m_block: Int32, stage, lse: cutlass.Constexpr[bool]):
@@ -743,9 +818,11 @@ class BwdStep(DslState):
         return tile_row_values(self.coord_s, valid_rows, t, outside, clamp, checked=checked)
 
     @cute.jit
-    def row_stats(self, m_block: Int32, stage):
-        """(LSE₂, Δ) of this thread's query rows of tile `m_block`."""
-        return self.row_values(m_block, stage, True), self.row_values(m_block, stage, False)
+    def row_stats(self, m_block: Int32, q_stage, do_stage):
+        """(LSE₂, Δ) of this thread's query rows of tile `m_block` (stages of the Q and dO
+        rings they came with)."""
+        return (self.row_values(m_block, q_stage, True),
+                self.row_values(m_block, do_stage, False))
 
     def scores_view(self, acc: cute.Tensor) -> cute.Tensor:
         """A score-shaped accumulator (or its coordinates) as (query rows, key cols), the
@@ -756,42 +833,43 @@ class BwdStep(DslState):
         return mn
 
     @cute.jit
-    def run(self, pipe_q, pipe_do, state, m_block: Int32, n_block: Int32):
+    def run(self, pipe_q, pipe_do, q_state, do_state, m_block: Int32, n_block: Int32):
         """Query tile `m_block` against this CTA's keys (steps 1-5 of `HopperBwd`)."""
         if cutlass.const_expr(self.cfg.swap_sdp):
-            self.run_swapped(pipe_q, pipe_do, state, m_block, n_block)
+            self.run_swapped(pipe_q, pipe_do, q_state, do_state, m_block, n_block)
         else:
-            self.run_smem_p(pipe_q, pipe_do, state, m_block, n_block)
+            self.run_smem_p(pipe_q, pipe_do, q_state, do_state, m_block, n_block)
 
     @cute.jit
-    def issue_s_dp(self, pipe_q, pipe_do, state, m_block: Int32):
+    def issue_s_dp(self, pipe_q, pipe_do, q_state, do_state, m_block: Int32):
         """Step 1: wait for Q[m] (zeroing its rows past the sequence), issue S = Q Kᵀ; wait
         for dO[m], issue dP = dO Vᵀ (with swap_sdp Sᵀ = K Qᵀ and dPᵀ = V dOᵀ). Neither is
         waited for; returns their accumulators."""
-        stage = state.index
-        pipe_q.consumer_wait(state)
-        self.clear_q_tail(pipe_do, state, m_block)
+        q_stage, do_stage = q_state.index, do_state.index
+        pipe_q.consumer_wait(q_state)
+        self.clear_q_tail(pipe_do, q_state, do_state, m_block)
         acc_s = self.new_acc_s()
         if cutlass.const_expr(self.cfg.swap_sdp):
-            gemm(self.mma_sdp, acc_s, self.tSrK, self.tSrQ, 0, stage, False)
+            gemm(self.mma_sdp, acc_s, self.tSrK, self.tSrQ, 0, q_stage, False)
         else:
-            gemm(self.mma_sdp, acc_s, self.tSrQ, self.tSrK, stage, 0, False)
-        pipe_do.consumer_wait(state)
+            gemm(self.mma_sdp, acc_s, self.tSrQ, self.tSrK, q_stage, 0, False)
+        pipe_do.consumer_wait(do_state)
         acc_dp = self.new_acc_s()
         if cutlass.const_expr(self.cfg.swap_sdp):
-            gemm(self.mma_sdp, acc_dp, self.tdPrV, self.tdPrdO, 0, stage, False)
+            gemm(self.mma_sdp, acc_dp, self.tdPrV, self.tdPrdO, 0, do_stage, False)
         else:
-            gemm(self.mma_sdp, acc_dp, self.tdPrdO, self.tdPrV, stage, 0, False)
+            gemm(self.mma_sdp, acc_dp, self.tdPrdO, self.tdPrV, do_stage, 0, False)
         return acc_s, acc_dp
 
     @cute.jit
-    def run_swapped(self, pipe_q, pipe_do, state, m_block: Int32, n_block: Int32):
+    def run_swapped(self, pipe_q, pipe_do, state, do_state, m_block: Int32, n_block: Int32):
         """swap_sdp: Sᵀ and dPᵀ per warpgroup's 64 keys; dV += Pᵀ dO and dK += dSᵀ Q with A
-        from registers; only dSᵀ goes to shared memory, for dQ."""
+        from registers; only dSᵀ goes to shared memory, for dQ. Q and dO have as many stages
+        (`config.bwd_mma_splits`), so Q's stage index also serves dO, Δ and P/dS."""
         cfg = self.cfg
         stage = state.index
         pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
-        acc_s, acc_dp = self.issue_s_dp(pipe_q, pipe_do, state, m_block)
+        acc_s, acc_dp = self.issue_s_dp(pipe_q, pipe_do, state, do_state, m_block)
         s_qk, dp_qk = self.scores_view(acc_s), self.scores_view(acc_dp)
         if cutlass.const_expr(cfg.pds_stages == 1):
             self.pds_barrier.arrive_and_wait()
@@ -809,7 +887,7 @@ class BwdStep(DslState):
                 probs(s_qk, self.row_values(m_block, stage, True), self.scale_log2)
                 ds_from_probs(s_qk, dp_qk, self.row_values(m_block, stage, False))
             else:
-                lse, delta = self.row_stats(m_block, stage)
+                lse, delta = self.row_stats(m_block, stage, stage)
                 p_and_ds(s_qk, dp_qk, lse, delta, self.scale_log2, True)
             r_p = self.to_dtype(acc_s)
             gemm_rs(self.mma_dv, self.acc_dv, acc_to_operand_a(r_p), self.tdVrdOt, stage)
@@ -829,19 +907,19 @@ class BwdStep(DslState):
         else:
             gemm(self.mma_dq, acc_dq, self.tdQrdS, self.tdQrKt, pds, 0, False)
         gemm_rs(self.mma_dk, self.acc_dk, acc_to_operand_a(r_ds), self.tdKrQt, stage)
-        self.finish_dq(pipe_q, pipe_do, state, acc_dq, m_block)
+        self.finish_dq(pipe_q, pipe_do, state, do_state, acc_dq, m_block)
 
     @cute.jit
-    def run_smem_p(self, pipe_q, pipe_do, state, m_block: Int32, n_block: Int32):
-        """P and dS both through shared memory (tile_n 64)."""
+    def run_smem_p(self, pipe_q, pipe_do, q_state, do_state, m_block: Int32, n_block: Int32):
+        """P and dS both through shared memory (tile_n 64, or swap_dkv)."""
         cfg = self.cfg
-        stage = state.index
+        stage, do_stage = q_state.index, do_state.index
         # Stage m's index: consecutive query tiles alternate P/dS buffers. A warpgroup writes
         # tile m+1's only after the dS barrier of tile m, which the other reaches after its
         # tile m-1 GEMMs (the last readers of that buffer) completed.
         pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
-        acc_s, acc_dp = self.issue_s_dp(pipe_q, pipe_do, state, m_block)
-        lse, delta = self.row_stats(m_block, stage)
+        acc_s, acc_dp = self.issue_s_dp(pipe_q, pipe_do, q_state, do_state, m_block)
+        lse, delta = self.row_stats(m_block, stage, do_stage)
         s_mn, dp_mn = acc_to_mn(acc_s), acc_to_mn(acc_dp)
         if cutlass.const_expr(cfg.pds_stages == 1):
             # One P/dS buffer: both warpgroups' GEMMs of the previous tile are done with it.
@@ -858,37 +936,43 @@ class BwdStep(DslState):
         # shared memory through, and every warp's part of the P that dV reads must be written.
         cute.arch.fence_view_async_shared()
         self.p_barrier()
-        gemm(self.mma_dv, self.acc_dv, self.tdVrPt, self.tdVrdOt, pds, stage, True)
+        if cutlass.const_expr(cfg.swap_dkv):
+            gemm(self.mma_dv, self.acc_dv, self.tdVrdOt, self.tdVrPt, do_stage, pds, True)
+        else:
+            gemm(self.mma_dv, self.acc_dv, self.tdVrPt, self.tdVrdOt, pds, do_stage, True)
         if cutlass.const_expr(not cfg.has_softcap):
             warpgroup.wait_group(1)  # dP; dV still runs
             ds_from_probs(s_mn, dp_mn, delta)
         self.to_smem(acc_dp, self.tdSsdS, pds)
         cute.arch.fence_view_async_shared()
         self.pds_barrier.arrive_and_wait()
-        self.dq_and_dk(pipe_q, pipe_do, state, pds, m_block)
+        self.dq_and_dk(pipe_q, pipe_do, q_state, do_state, pds, m_block)
 
     @cute.jit
-    def dq_and_dk(self, pipe_q, pipe_do, state, pds, m_block: Int32):
+    def dq_and_dk(self, pipe_q, pipe_do, q_state, do_state, pds, m_block: Int32):
         """Step 5: dQ = dS K and dK += dSᵀ Q; dQ leaves while dK runs."""
         cfg = self.cfg
         acc_dq = self.new_acc_dq()
         gemm(self.mma_dq, acc_dq, self.tdQrdS, self.tdQrKt, pds, 0, False)
-        gemm(self.mma_dk, self.acc_dk, self.tdKrdSt, self.tdKrQt, pds, state.index, True)
-        self.finish_dq(pipe_q, pipe_do, state, acc_dq, m_block)
+        if cutlass.const_expr(cfg.swap_dkv):
+            gemm(self.mma_dk, self.acc_dk, self.tdKrQt, self.tdKrdSt, q_state.index, pds, True)
+        else:
+            gemm(self.mma_dk, self.acc_dk, self.tdKrdSt, self.tdKrQt, pds, q_state.index, True)
+        self.finish_dq(pipe_q, pipe_do, q_state, do_state, acc_dq, m_block)
 
     @cute.jit
-    def finish_dq(self, pipe_q, pipe_do, state, acc_dq, m_block: Int32):
+    def finish_dq(self, pipe_q, pipe_do, q_state, do_state, acc_dq, m_block: Int32):
         """With dV, dQ and then dK in flight: dQ leaves while dK runs, then Q and dO are
         released."""
         cfg = self.cfg
         warpgroup.wait_group(1)  # dV and dQ; dK still runs
-        pipe_do.consumer_release(state)
+        pipe_do.consumer_release(do_state)
         if cutlass.const_expr(cfg.dq_tma):
             self.dq_to_smem(acc_dq)
         else:
             self.dq_atomic(acc_dq, m_block)
         warpgroup.wait_group(0)
-        pipe_q.consumer_release(state)
+        pipe_q.consumer_release(q_state)
 
     @cute.jit
     def mask_scores(self, s_mn: cute.Tensor, m_block: Int32, n_block: Int32):
@@ -899,8 +983,9 @@ class BwdStep(DslState):
     @cute.jit
     def p_barrier(self):
         """P of the dV GEMM written: with tile_n 128 a warpgroup's dV rows are the keys whose
-        S (and P) columns it computed itself, so its own 128 threads suffice; else all 256."""
-        if cutlass.const_expr(self.cfg.splits["dkv"] == (2, 1)):
+        S (and P) columns it computed itself, so its own 128 threads suffice; else (and with
+        swap_dkv, where a warpgroup's dVᵀ rows are head-dim rows over every key) all 256."""
+        if cutlass.const_expr(self.cfg.splits["dkv"] == (2, 1) and not self.cfg.swap_dkv):
             cute.arch.barrier(barrier_id=self.wg_p_barrier_id, number_of_threads=128)
         else:
             self.pds_barrier.arrive_and_wait()
@@ -972,6 +1057,11 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.T
         atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
         cute.gemm(atom, acc, tA[None, None, k, stage_a], tB[None, None, k, stage_b], acc)
     warpgroup.commit_group()
+
+
+def dkv_shape(cfg: HopperBwd, cols: int) -> tuple:
+    """dK's or dV's accumulator tile: (keys, cols), or with swap_dkv (cols, keys)."""
+    return (cols, cfg.tile_n) if cfg.swap_dkv else (cfg.tile_n, cols)
 
 
 def _score_shape(cfg: HopperBwd) -> tuple:

@@ -1,6 +1,6 @@
 """Compile-time choices of the Hopper pipeline (no CuTe DSL import, so the registry can read it)."""
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 # Warpgroups: one producer (TMA) and consumers that each own 64 query rows of a tile (WGMMA's
 # M is 64 per warpgroup): two for the backward and a 128-row forward tile, three for a 192-row
@@ -120,16 +120,29 @@ def smem_bytes(hdim: int, hdim_v: int, tile: tuple, rows_past_sequence: bool = F
 class BwdConfig(NamedTuple):
     """A backward kernel's compile-time schedule: the CTA owns tile_n keys (dK and dV stay in
     the consumers' registers for the whole query loop) and streams tile_m query rows at a time
-    through a q_stages ring of Q and dO.
+    through a q_stages ring of Q (with LSE₂) and a do_stages ring of dO (with Δ; None: as
+    many as Q's).
 
     swap_sdp (FA3's SdP_swapAB): S and dP are computed transposed (Sᵀ = K Qᵀ, keys on WGMMA's
     M), so each consumer warpgroup holds Pᵀ and dSᵀ of its own 64 keys in the layout of the A
     operand of dV += Pᵀ dO and dK += dSᵀ Q: those two GEMMs take A from registers and P never
-    goes through shared memory. Needs tile_n = 128 (64 keys per warpgroup)."""
+    goes through shared memory. Needs tile_n = 128 (64 keys per warpgroup).
+
+    swap_dkv (FA3's dKV_swapAB): dK and dV are computed transposed (dVᵀ = dOᵀ P, dKᵀ = Qᵀ dS:
+    the head dim on WGMMA's M), so tile_n only needs to be a multiple of 16 (FA4's 48 keys
+    at hdim 256, which leaves room for two Q stages beside the dQ tile). P and dS go through
+    shared memory (not with swap_sdp)."""
     tile_m: int
     tile_n: int
     q_stages: int
     swap_sdp: bool = False
+    swap_dkv: bool = False
+    do_stages: Optional[int] = None
+
+    @property
+    def dout_stages(self) -> int:
+        """The dO ring's stages (`do_stages`, else Q's)."""
+        return self.q_stages if self.do_stages is None else self.do_stages
 
 
 # hdim -> BwdConfig. FA3's shapes: 64 x 128 up to hdim 128 (dK + dV = hdim/2 + hdim_v/2
@@ -142,12 +155,16 @@ class BwdConfig(NamedTuple):
 # 2k-8k tokens; causal -8 % at 512, -1 % at 2k, +4 % at 8k (session 13; FA4 takes 64 rows
 # for causal).
 # hdim 64 takes 128 query rows (FA3's 128 x 128; swap_sdp with shuffled LSE₂/Δ): +4 to +7 %
-# over 64 rows (docs/perf.md, session 9). hdim 256 streams one Q/dO stage, which frees the
-# 64 KiB of the fp32 dQ tile: one bulk reduce-add per query tile instead of 64 fp32 atomics per
-# thread, 1.6-2.0x the two-stage ring with atomics (docs/perf.md, session 11).
+# over 64 rows (docs/perf.md, session 9). hdim 256: one Q/dO stage at 64 keys freed the
+# 64 KiB of the fp32 dQ tile (one bulk reduce-add per query tile instead of 64 fp32 atomics
+# per thread: 1.6-2.0x the two-stage ring with atomics, docs/perf.md, session 11); FA4's 48
+# keys with dK/dV transposed keep two Q stages beside it: 1.18-1.33x 64 x 64 x 1 (2k-16k,
+# causal and not; session 14). At hdim 192 FA4's 96 keys with one dO stage: 1.06-1.11x
+# 64 x 64 x 2. Two dO stages leave no room for the dQ tile there (dQ falls back to atomics:
+# 0.5x).
 BWD_TILES = {64: BwdConfig(128, 128, 2, True), 96: BwdConfig(64, 128, 2),
-             128: BwdConfig(80, 128, 2, True), 192: BwdConfig(64, 64, 2),
-             256: BwdConfig(64, 64, 1)}
+             128: BwdConfig(80, 128, 2, True), 192: BwdConfig(64, 96, 2, False, True, 1),
+             256: BwdConfig(64, 48, 2, False, True, 1)}
 
 def bwd_tile(hdim: int, varlen: bool = False) -> BwdConfig:
     """The backward schedule of a head dim. Varlen below 128 query rows takes 64 rows with P in
@@ -170,13 +187,23 @@ def dq_swapped(tile: tuple) -> bool:
     return BwdConfig(*tile).tile_m % 64 != 0
 
 
-def bwd_mma_splits(tile: tuple) -> dict:
+def bwd_mma_splits(tile: tuple, hdim: int = 0) -> dict:
     """How the two consumer warpgroups split each GEMM's (M, N) (WGMMA's M is 64 per
     warpgroup): S/dP (tile_m x tile_n) split N, as tile_m is then 64; dQ (tile_m x hdim) N
     at 64 query rows, M at 128; dK/dV (tile_n x hdim) split M when tile_n is 128, else N.
     With swap_sdp, Sᵀ/dPᵀ (tile_n x tile_m) split M: each warpgroup's keys are then its dK/dV
-    rows. At 80 query rows (FA4's hdim-128 tile) dQᵀ (hdim x tile_m) splits M, its head dim."""
+    rows. At 80 query rows (FA4's hdim-128 tile) dQᵀ (hdim x tile_m) splits M, its head dim.
+    With swap_dkv, dKᵀ/dVᵀ (hdim x tile_n) split M where the head dim is a multiple of 128
+    (`hdim`), else N (the keys)."""
     cfg = BwdConfig(*tile)
+    if cfg.swap_dkv:
+        if cfg.tile_m != 64 or cfg.tile_n % 16 or cfg.swap_sdp:
+            raise ValueError(f"swap_dkv needs 64 query rows, tile_n a multiple of 16 and no "
+                             f"swap_sdp, got {cfg}")
+        dkv = (2, 1) if hdim % 128 == 0 else (1, 2)
+        if dkv == (1, 2) and cfg.tile_n % 32:
+            raise ValueError(f"swap_dkv split over the keys needs tile_n % 32 == 0, got {cfg}")
+        return {"sdp": (1, 2), "dq": (1, 2), "dkv": dkv}
     if (cfg.tile_m, cfg.tile_n) not in ((64, 64), (64, 128), (80, 128), (128, 128)):
         raise ValueError(f"backward tile must be 64 x (64 | 128), 80 x 128 or 128 x 128, got "
                          f"{cfg.tile_m} x {cfg.tile_n}")
@@ -185,6 +212,8 @@ def bwd_mma_splits(tile: tuple) -> dict:
     if cfg.tile_m in (80, 128) and not cfg.swap_sdp:
         raise ValueError(f"a {cfg.tile_m}-row query tile needs swap_sdp (S and P would not fit "
                          "240 registers beside dK and dV, or WGMMA's M)")
+    if cfg.dout_stages != cfg.q_stages:
+        raise ValueError(f"separate Q and dO stage counts need swap_dkv, got {cfg}")
     dkv = (2, 1) if cfg.tile_n == 128 else (1, 2)
     # 128 query rows: dQ splits its rows, 64 per warpgroup, like the forward's O; dQᵀ its
     # head dim.
@@ -215,22 +244,27 @@ class BwdSmemPlan(NamedTuple):
 def bwd_smem_plan(hdim: int, hdim_v: int, tile: tuple) -> BwdSmemPlan:
     """The largest layout that fits SMEM_CAPACITY: the dQ tile first (it replaces hdim / 4
     fp32 atomics per consumer thread and query tile by one TMA), then double-buffered P and dS
-    (one barrier less per query tile). Sizes follow `HopperBwd`'s SharedStorage: mbarriers
-    (K/V once, full + empty per stage of Q and dO) with the LSE₂ and Δ rings, then the Q and dO
-    rings, K, V, P and dS, the dQ tile, each 1 KiB aligned."""
-    tile_m, tile_n, stages, swap_sdp = BwdConfig(*tile)
+    (one barrier less per query tile; only where Q and dO have as many stages). Sizes follow
+    `HopperBwd`'s SharedStorage: mbarriers (K/V once, full + empty per stage of Q and dO)
+    with the LSE₂ and Δ rings, then the Q and dO rings, K, V, P and dS, the dQ tile, each
+    1 KiB aligned."""
+    cfg = BwdConfig(*tile)
+    tile_m, tile_n, q_stages, do_stages = cfg.tile_m, cfg.tile_n, cfg.q_stages, cfg.dout_stages
     align = lambda b, to=1024: -(-b // to) * to  # noqa: E731
     # The barriers, then the LSE₂ and Δ rings (fp32, 128-byte aligned for their TMA).
-    head = align(align(8 * (2 + 4 * stages), 128)
-                 + 2 * align(stages * stats_stage_rows(tile_m) * 4, 128))
-    base = (head + align(stages * tile_m * hdim * 2)
-            + align(stages * tile_m * hdim_v * 2) + align(tile_n * hdim * 2)
+    rows = stats_stage_rows(tile_m) * 4
+    head = align(align(8 * (2 + 2 * q_stages + 2 * do_stages), 128)
+                 + align(q_stages * rows, 128) + align(do_stages * rows, 128))
+    base = (head + align(q_stages * tile_m * hdim * 2)
+            + align(do_stages * tile_m * hdim_v * 2) + align(tile_n * hdim * 2)
             + align(tile_n * hdim_v * 2))
     pds, dq = align(tile_m * tile_n * 2), align(tile_m * hdim * 4)
-    tiles = 1 if swap_sdp else 2
+    tiles = 1 if cfg.swap_sdp else 2
+    pds_stages = (q_stages, 1) if q_stages == do_stages else (1,)
     plans = [BwdSmemPlan(p, d, base + tiles * p * pds + d * dq)
-             for d in (True, False) for p in (stages, 1)]
+             for d in (True, False) for p in pds_stages]
     return next(p for p in plans if p.smem_bytes <= SMEM_CAPACITY)
+
 
 # At --opt-level 2 and 3 the hdim-128 local+softcap backward spills 8 B (a hoisted
 # shared-memory address); --opt-level 1 spills in no registered config.

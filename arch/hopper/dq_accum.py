@@ -197,8 +197,8 @@ def build_postprocess_for_inspect(cfg):
     default = BWD_TILES[cfg.hdim]
     tile_m = cfg.tile[0]
     tile = default._replace(tile_m=tile_m, swap_sdp=default.swap_sdp or tile_m != 64)
-    kernel = HopperDqPostprocess(dtype, cfg.hdim, tile_m, bwd_mma_splits(tile)["dq"], varlen,
-                                 dq_swapped(tile))
+    split = bwd_mma_splits(tile, cfg.hdim)["dq"]
+    kernel = HopperDqPostprocess(dtype, cfg.hdim, tile_m, split, varlen, dq_swapped(tile))
     heads = dynamic_dim()
     chunk = tile_m * cfg.hdim
     if varlen:
