@@ -132,8 +132,9 @@ def _hopper_fwd_configs():
         tile = HOPPER_TILES[128]._replace(intra_wg_overlap=overlap, pingpong=pingpong)
         out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", 128, 128, tile, _HOPPER_FWD,
                                 _flags(**plain)))
-    # hdim 64's 192-row tile (three consumer warpgroups) against two warpgroups' 128 rows,
-    # and with the ring of turns off, then the serial main loop (two turns per block).
+    # hdim 64's 192-row tile (three consumer warpgroups) against two warpgroups' 128 rows
+    # (also the default for causal problems up to `SHORT_CAUSAL_ROWS` query rows), and with
+    # the ring of turns off, then the serial main loop (two turns per block).
     for tile in (HOPPER_TILES[64]._replace(tile_m=128), HOPPER_TILES[64]._replace(pingpong=False),
                  HOPPER_TILES[64]._replace(intra_wg_overlap=False)):
         out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", 64, 64, tile, _HOPPER_FWD,

@@ -38,6 +38,42 @@ def test_fwd_tile_keeps_192_rows_only_where_they_compile_without_spills():
     assert fwd_tile(128, 8, rows_past_sequence=True) == TILES[128]
 
 
+def test_short_causal_problems_take_128_rows():
+    """Up to SHORT_CAUSAL_ROWS causal query rows (a head's, times the packing) hdim 64 runs
+    128-row tiles; longer, or without the mask, its 192-row tile; other head dims keep theirs."""
+    from flash_cute.arch.hopper.config import SHORT_CAUSAL_ROWS
+
+    assert fwd_tile(64, causal_rows=512) == TILES[64]._replace(tile_m=128)
+    assert fwd_tile(64, causal_rows=SHORT_CAUSAL_ROWS).tile_m == 128
+    assert fwd_tile(64, causal_rows=SHORT_CAUSAL_ROWS + 1) == TILES[64]
+    assert fwd_tile(64, causal_rows=0) == TILES[64]
+    assert fwd_tile(128, causal_rows=512) == TILES[128]
+
+
+def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
+    """`api.forward` hands the launcher 128 rows for a 1k causal hdim-64 problem (and for a
+    packed one whose packed rows stay short), 192 for 4k causal, 1k without the mask, or 1k
+    causal with 4 heads packed per tile (4k packed rows)."""
+    import torch
+
+    from flash_cute import jit, launch
+    from flash_cute.arch.hopper import api
+    from flash_cute.validation import validate_attention_inputs
+
+    seen = []
+    monkeypatch.setattr(jit, "current_arch", lambda: "sm_90a")
+    monkeypatch.setattr(launch, "forward", lambda *a, **kw: seen.append(a[8]))
+    for sq, causal, heads_kv, pack in [(1024, True, 4, None), (4096, True, 4, None),
+                                       (1024, False, 4, None), (200, True, 1, None),
+                                       (1024, True, 1, True)]:
+        q = torch.randn(1, sq, 4, 64, dtype=torch.bfloat16)
+        k = torch.randn(1, sq, heads_kv, 64, dtype=torch.bfloat16)
+        problem = validate_attention_inputs(q, k, k.clone(), causal=causal, pack_gqa=pack,
+                                            require_cuda=False)
+        api.forward(q, k, k.clone(), problem)
+    assert [t[0] for t in seen] == [128, 192, 192, 128, 192]
+
+
 def test_with_switches_runs_192_rows_persistent_only():
     base = TILES[64]
     assert with_switches(base, pingpong=False) == base._replace(pingpong=False)

@@ -69,7 +69,9 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
         # WGMMA and setmaxnreg exist on sm_90a only; newer GPUs run their own pipeline.
         raise NotImplementedError(f"the hopper pipeline runs on sm_90a only, not {arch}")
     pack = launch.packed_heads(problem, PACK_ROWS, TILES[problem.hdim].tile_m)
-    tile = tuple(tile or fwd_tile(problem.hdim, pack, problem.varlen or problem.has_seqused_q))
+    causal_rows = problem.max_seqlen_q * pack if problem.causal else 0
+    tile = tuple(tile or fwd_tile(problem.hdim, pack, problem.varlen or problem.has_seqused_q,
+                                  causal_rows))
     return launch.forward("hopper.fwd", HopperFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                           tile, COMPILE_OPTIONS, arch, prepare=_tma_ready, seqused_q=seqused_q,
                           seqused_k=seqused_k, pack_gqa=pack)

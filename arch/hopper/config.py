@@ -64,15 +64,29 @@ def with_switches(tile: FwdConfig, **switches) -> FwdConfig:
 PACK_ROWS = 128
 
 
-def fwd_tile(hdim: int, pack: int = 1, rows_past_sequence: bool = False) -> FwdConfig:
+# A causal problem of at most this many query rows per head (times the packing) runs hdim
+# 64 with 128-row tiles: the diagonal blocks, computed whole, are a larger share of 192-row
+# tiles (at 512 rows 59 % of the computed scores are kept against 80 % at 128 rows). H200,
+# hopper_fwd_ablation --rounds 3 (session 14), 128 against 192 rows, TFLOP/s: 225 / 192 at
+# 512, 306 / 267 at 1k, 369 / 360 at 2k; from 4k up 192 rows lead (422 / 403, 460 / 427,
+# 472 / 440 at 4k, 8k, 16k), and without the mask at every length (2k-16k by 12-18 %).
+SHORT_CAUSAL_ROWS = 2048
+
+
+def fwd_tile(hdim: int, pack: int = 1, rows_past_sequence: bool = False,
+             causal_rows: int = 0) -> FwdConfig:
     """The forward schedule of a head dim for a packing of `pack` heads per tile. A 192-row
     tile takes 128 rows instead where `pack` does not divide 192, or where packed O leaves by
     row stores (`rows_past_sequence`: varlen or seqused_q, see `o_smem_tile`): at 160
     registers ptxas then hoists the packed rows' addresses out of the main loop and spills
-    them (64 to 176 B)."""
+    them (64 to 176 B). `causal_rows`: a causal problem's (longest) query rows per tile
+    column, `pack` heads' worth, 0 when not causal; up to `SHORT_CAUSAL_ROWS` a 192-row tile
+    takes 128 rows."""
     tile = TILES[hdim]
     if pack > 1 and tile.tile_m > PACK_ROWS and (tile.tile_m % pack or rows_past_sequence):
         return tile._replace(tile_m=PACK_ROWS)
+    if tile.tile_m > 128 and 0 < causal_rows <= SHORT_CAUSAL_ROWS:
+        return tile._replace(tile_m=128)
     return tile
 
 
