@@ -131,3 +131,28 @@ def test_bwd_mma_splits_of_transposed_dkv():
                 BwdConfig(64, 40, 2, swap_dkv=True), BwdConfig(80, 48, 2, swap_dkv=True)):
         with pytest.raises(ValueError):
             bwd_mma_splits(bad, 256)
+
+
+def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
+    """hdim 128's 80-row tile takes 64 rows (still transposed scores) for causal problems up to
+    SHORT_CAUSAL_BWD_ROWS query rows; other head dims, varlen and longer problems keep theirs;
+    and `api.backward` hands the launcher that tile."""
+    from flash_cute import jit, launch
+    from flash_cute.arch.hopper import api
+    from flash_cute.arch.hopper.config import bwd_tile
+    from flash_cute.validation import validate_attention_inputs
+
+    assert bwd_tile(128, short=True) == BWD_TILES[128]._replace(tile_m=64)
+    assert bwd_tile(128) == BWD_TILES[128]
+    assert bwd_tile(64, short=True) == BWD_TILES[64]
+    assert bwd_tile(256, short=True) == BWD_TILES[256]
+    assert bwd_tile(128, varlen=True, short=True) == BwdConfig(64, 128, 2)
+
+    seen = []
+    monkeypatch.setattr(jit, "current_arch", lambda: "sm_90a")
+    monkeypatch.setattr(launch, "backward", lambda *a, **kw: seen.append(a[12]))
+    for sq, causal in [(500, True), (513, True), (500, False)]:
+        q = torch.randn(1, sq, 2, 128, dtype=torch.bfloat16)
+        problem = validate_attention_inputs(q, q, q, causal=causal, require_cuda=False)
+        api.backward(q, None, q, q, q, q, None, problem)
+    assert [t[0] for t in seen] == [64, 80, 80]

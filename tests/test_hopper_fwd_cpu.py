@@ -39,15 +39,17 @@ def test_fwd_tile_keeps_192_rows_only_where_they_compile_without_spills():
 
 
 def test_short_causal_problems_take_128_rows():
-    """Up to SHORT_CAUSAL_ROWS causal query rows (a head's, times the packing) hdim 64 runs
-    128-row tiles; longer, or without the mask, its 192-row tile; other head dims keep theirs."""
-    from flash_cute.arch.hopper.config import SHORT_CAUSAL_ROWS
+    """Causal problems up to SHORT_CAUSAL_ROWS query rows (a head's, times the packing) run
+    hdim 64 on 128-row tiles; longer ones, or without the mask, its 192-row tile; other head
+    dims keep theirs."""
+    from flash_cute.arch.hopper.config import SHORT_CAUSAL_ROWS, short_causal
 
-    assert fwd_tile(64, causal_rows=512) == TILES[64]._replace(tile_m=128)
-    assert fwd_tile(64, causal_rows=SHORT_CAUSAL_ROWS).tile_m == 128
-    assert fwd_tile(64, causal_rows=SHORT_CAUSAL_ROWS + 1) == TILES[64]
-    assert fwd_tile(64, causal_rows=0) == TILES[64]
-    assert fwd_tile(128, causal_rows=512) == TILES[128]
+    assert short_causal(True, 512) and short_causal(True, SHORT_CAUSAL_ROWS)
+    assert not short_causal(True, SHORT_CAUSAL_ROWS + 1) and not short_causal(False, 512)
+    assert not short_causal(True, 0)
+    assert fwd_tile(64, short=True) == TILES[64]._replace(tile_m=128)
+    assert fwd_tile(64) == TILES[64]
+    assert fwd_tile(128, short=True) == TILES[128]
 
 
 def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):

@@ -8,8 +8,8 @@ from flash_cute import launch
 from flash_cute.validation import AttentionProblem
 
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, PACK_ROWS,
-                     SUPPORTED_HDIMS, TILES, BwdConfig, bwd_mma_splits, bwd_smem_plan, bwd_tile,
-                     dq_swapped, fwd_tile)
+                     SHORT_CAUSAL_BWD_ROWS, SUPPORTED_HDIMS, TILES, BwdConfig, bwd_mma_splits,
+                     bwd_smem_plan, bwd_tile, dq_swapped, fwd_tile, short_causal)
 
 # forward/backward take seqused_q/seqused_k (the dispatcher reads this without importing the DSL).
 SUPPORTS_SEQUSED = True
@@ -69,9 +69,8 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
         # WGMMA and setmaxnreg exist on sm_90a only; newer GPUs run their own pipeline.
         raise NotImplementedError(f"the hopper pipeline runs on sm_90a only, not {arch}")
     pack = launch.packed_heads(problem, PACK_ROWS, TILES[problem.hdim].tile_m)
-    causal_rows = problem.max_seqlen_q * pack if problem.causal else 0
     tile = tuple(tile or fwd_tile(problem.hdim, pack, problem.varlen or problem.has_seqused_q,
-                                  causal_rows))
+                                  short_causal(problem.causal, problem.max_seqlen_q * pack)))
     return launch.forward("hopper.fwd", HopperFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                           tile, COMPILE_OPTIONS, arch, prepare=_tma_ready, seqused_q=seqused_q,
                           seqused_k=seqused_k, pack_gqa=pack)
@@ -91,6 +90,8 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
         raise NotImplementedError(f"the hopper backward runs on sm_90a only, not {arch}")
     launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
     tile, dq_layout = _bwd_schedule(problem.hdim, problem.hdim_v, problem.varlen,
+                                    short_causal(problem.causal, problem.max_seqlen_q,
+                                                 SHORT_CAUSAL_BWD_ROWS),
                                     None if tile is None else tuple(tile))
     return launch.backward("hopper.bwd", HopperBwd, dout, dlse, q, k, v, out, lse, problem,
                            cu_seqlens_q, cu_seqlens_k, tile, BWD_COMPILE_OPTIONS, arch,
@@ -100,13 +101,14 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_schedule(hdim: int, hdim_v: int, varlen: bool, tile) -> tuple:
+def _bwd_schedule(hdim: int, hdim_v: int, varlen: bool, short: bool, tile) -> tuple:
     """(tile, dQaccum layout) of a backward configuration, worked out once: the tile (`tile`
-    or the head dim's default) and, where the dQ tile fits in shared memory, the
-    fragment-order dQaccum (`TiledDqAccum`), else None (dQaccum laid out like q)."""
+    or the head dim's default, `short`: `config.short_causal`) and, where the dQ tile fits in
+    shared memory, the fragment-order dQaccum (`TiledDqAccum`), else None (dQaccum laid out
+    like q)."""
     from .dq_accum import TiledDqAccum
 
-    tile = BwdConfig(*(tile or bwd_tile(hdim, varlen)))
+    tile = BwdConfig(*(tile or bwd_tile(hdim, varlen, short)))
     dq_layout = None
     if bwd_smem_plan(hdim, hdim_v, tile).dq_tma:
         dq_layout = TiledDqAccum(tile.tile_m, bwd_mma_splits(tile, hdim)["dq"], dq_swapped(tile))

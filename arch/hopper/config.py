@@ -64,28 +64,39 @@ def with_switches(tile: FwdConfig, **switches) -> FwdConfig:
 PACK_ROWS = 128
 
 
-# A causal problem of at most this many query rows per head (times the packing) runs hdim
-# 64 with 128-row tiles: the diagonal blocks, computed whole, are a larger share of 192-row
-# tiles (at 512 rows 59 % of the computed scores are kept against 80 % at 128 rows). H200,
-# hopper_fwd_ablation --rounds 3 (session 14), 128 against 192 rows, TFLOP/s: 225 / 192 at
-# 512, 306 / 267 at 1k, 369 / 360 at 2k; from 4k up 192 rows lead (422 / 403, 460 / 427,
-# 472 / 440 at 4k, 8k, 16k), and without the mask at every length (2k-16k by 12-18 %).
+# Causal problems of at most this many query rows per head (times the packing) run shorter
+# query tiles: the diagonal blocks are computed whole, so they are a larger share of a tall
+# tile (at 512 rows 59 % of a 192-row tile's computed scores are kept, 80 % of a 128-row
+# tile's). Forward, hdim 64: 128 rows instead of 192; H200, hopper_fwd_ablation --rounds 3
+# (session 14), 128 against 192 rows, TFLOP/s: 225 / 192 at 512, 306 / 267 at 1k, 369 / 360
+# at 2k; from 4k up 192 rows lead (403 / 422, 427 / 460, 440 / 472 at 4k, 8k, 16k), and
+# without the mask at every length (2k-16k by 12-18 %).
 SHORT_CAUSAL_ROWS = 2048
+# Backward, hdim 128: 64 rows instead of 80 (FA4's causal tile) up to this many. A key block
+# of 128 then starts on a query-tile boundary; 80-row tiles straddle it, and at 512 rows that
+# is a large part of each CTA's few tiles. 64 against 80 rows, TFLOP/s: 228.6 / 210.6 at 512
+# (pipeline_bwd, session 13) and 228.0 / 211.4 (public API, session 14); at 1k 323.3 /
+# 330.8, at 2k 411.8 / 408.1 and at 8k 512.4 / 536.2 (80 rows ahead from 1k up).
+SHORT_CAUSAL_BWD_ROWS = 512
+
+
+def short_causal(causal: bool, rows: int, limit: int = SHORT_CAUSAL_ROWS) -> bool:
+    """Whether a problem takes the short causal tiles: causal, with at most `limit` query
+    rows (`rows`: the longest sequence's, times the packing)."""
+    return causal and 0 < rows <= limit
 
 
 def fwd_tile(hdim: int, pack: int = 1, rows_past_sequence: bool = False,
-             causal_rows: int = 0) -> FwdConfig:
+             short: bool = False) -> FwdConfig:
     """The forward schedule of a head dim for a packing of `pack` heads per tile. A 192-row
     tile takes 128 rows instead where `pack` does not divide 192, or where packed O leaves by
     row stores (`rows_past_sequence`: varlen or seqused_q, see `o_smem_tile`): at 160
     registers ptxas then hoists the packed rows' addresses out of the main loop and spills
-    them (64 to 176 B). `causal_rows`: a causal problem's (longest) query rows per tile
-    column, `pack` heads' worth, 0 when not causal; up to `SHORT_CAUSAL_ROWS` a 192-row tile
-    takes 128 rows."""
+    them (64 to 176 B). `short` (`short_causal`): a 192-row tile takes 128 rows."""
     tile = TILES[hdim]
     if pack > 1 and tile.tile_m > PACK_ROWS and (tile.tile_m % pack or rows_past_sequence):
         return tile._replace(tile_m=PACK_ROWS)
-    if tile.tile_m > 128 and 0 < causal_rows <= SHORT_CAUSAL_ROWS:
+    if short and tile.tile_m > 128:
         return tile._replace(tile_m=128)
     return tile
 
@@ -180,14 +191,17 @@ BWD_TILES = {64: BwdConfig(128, 128, 2, True), 96: BwdConfig(64, 128, 2),
              128: BwdConfig(80, 128, 2, True), 192: BwdConfig(64, 96, 2, False, True, 1),
              256: BwdConfig(64, 48, 2, False, True, 1)}
 
-def bwd_tile(hdim: int, varlen: bool = False) -> BwdConfig:
+def bwd_tile(hdim: int, varlen: bool = False, short: bool = False) -> BwdConfig:
     """The backward schedule of a head dim. Varlen below 128 query rows takes 64 rows with P in
     shared memory: it reads LSE₂ and Δ from global memory (`HopperBwd.stats_tma`), and with
     swap_sdp a thread's query columns of them (and their addresses) spill; at 128 rows they
-    are shared by shuffles (`bwd.ShuffledRows`) and fit."""
+    are shared by shuffles (`bwd.ShuffledRows`) and fit. `short` (`short_causal`): 80 rows
+    take 64 (dQ then not transposed)."""
     tile = BWD_TILES[hdim]
     if varlen and tile.tile_m < 128:
         return tile._replace(tile_m=64, swap_sdp=False)
+    if short and tile.tile_m == 80:
+        return tile._replace(tile_m=64)
     return tile
 
 
