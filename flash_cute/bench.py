@@ -743,7 +743,7 @@ def interleaved_times(fns: dict, rounds: int, timer: Callable[[Callable], float]
     for _ in range(rounds):
         for name, fn in fns.items():
             times[name].append(timer(fn))
-    return {name: (sorted(t)[len(t) // 2], min(t), max(t)) for name, t in times.items()}
+    return {name: _median_min_max(t) for name, t in times.items()}
 
 
 def spread_pct(stats: tuple) -> str:
@@ -770,6 +770,44 @@ def ablation_table(rows: list, metric: str, err_label: str) -> str:
     header = ["hdim", "seqlen", "causal", "provider", metric, "round spread", err_label]
     return markdown_table(header, [[*map(str, r[:4]), f"{r[4]:.1f}", r[5], r[6]]
                                    for r in rows])
+
+
+def tree_ab_table(runs: Sequence[tuple[str, Sequence[dict]]]) -> str:
+    """The Markdown table of an A/B of source trees (`bench/ab_trees.py`): `runs` holds one
+    (tree name, bench.json results) per process, rounds interleaved. Per cell: each tree's
+    median flash_cute TFLOP/s with its rounds' spread (`spread_pct`), each tree against the
+    first, and the peers' medians over every process."""
+    trees = list(dict.fromkeys(name for name, _ in runs))
+    ms: dict = {}
+    flops: dict = {}
+    for name, results in runs:
+        for r in results:
+            if r.get("status") != "ok":
+                continue
+            cell = (r["direction"], r["hdim"], int(r["causal"]), r["batch"], r["seqlen"])
+            who = name if r["provider"] == "flash_cute" else r["provider"]
+            ms.setdefault(cell, {}).setdefault(who, []).append(r["ms"])
+            flops[cell] = r["flops"]
+    peers = sorted({w for by in ms.values() for w in by} - set(trees))
+    header = ["dir", "hdim", "causal", "batch", "seqlen", *trees,
+              *[f"{t} / {trees[0]}" for t in trees[1:]], *peers]
+    body = []
+    for cell in sorted(ms, key=_row_sort_key):
+        by = ms[cell]
+        stats = {w: _median_min_max(t) for w, t in by.items()}
+        tflops = {w: flops[cell] / st[0] / 1e9 for w, st in stats.items()}
+        row = [*map(str, cell)]
+        row += [f"{tflops[t]:.1f} ({spread_pct(stats[t])})" if t in stats else "—" for t in trees]
+        row += [f"{tflops[t] / tflops[trees[0]]:.3f}x" if t in tflops and trees[0] in tflops
+                else "—" for t in trees[1:]]
+        row += [f"{tflops[p]:.1f}" if p in tflops else "—" for p in peers]
+        body.append(row)
+    return markdown_table(header, body)
+
+
+def _median_min_max(times: Sequence[float]) -> tuple:
+    t = sorted(times)
+    return t[len(t) // 2], t[0], t[-1]
 
 
 # -------------------------------------------------------------------------- CLI

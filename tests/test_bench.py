@@ -393,3 +393,27 @@ def test_ablation_rows_skip_missing_entries_and_table_reports_the_spread(capsys)
     table = bench.ablation_table(rows, "bwd TFLOP/s", "err")
     assert "round spread" in table and "1e-3" in table
     assert capsys.readouterr().out.count("\n") == 2
+
+
+def test_tree_ab_table_medians_per_tree_ratio_and_peers():
+    """bench/ab_trees.py's table: flash_cute's ms of each process go to its tree, peers pool
+    over all processes, failed records are left out, and each tree is compared to the first."""
+    def rec(provider, ms, seqlen=1024, status="ok"):
+        return {"direction": "fwd", "hdim": 64, "causal": True, "batch": 2, "seqlen": seqlen,
+                "provider": provider, "ms": ms, "flops": 2e9, "status": status}
+
+    runs = [("main", [rec("flash_cute", 2.0), rec("fa4", 1.0)]),
+            ("wip", [rec("flash_cute", 1.0), rec("fa4", 1.0), rec("flash_cute", 9.0, 2048)]),
+            ("main", [rec("flash_cute", 4.0), rec("fa4", 2.0, status="oom")]),
+            ("wip", [rec("flash_cute", 1.0), rec("fa4", 1.0)]),
+            ("main", [rec("flash_cute", 2.0), rec("fa4", 1.0)]),
+            ("wip", [rec("flash_cute", 2.0), rec("fa4", 1.0)])]
+    lines = bench.tree_ab_table(runs).splitlines()
+    assert [c.strip() for c in lines[0].split("|")[1:-1]] == [
+        "dir", "hdim", "causal", "batch", "seqlen", "main", "wip", "wip / main", "fa4"]
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
+    assert cells[0][:5] == ["fwd", "64", "1", "2", "1024"]
+    # main: median 2.0 ms (2, 2, 4) -> 1.0 TFLOP/s, spread (4 - 2) / 2; wip: median 1.0 ms.
+    assert cells[0][5:9] == ["1.0 (100.0%)", "2.0 (100.0%)", "2.000x", "2.0"]
+    # The 2048 cell ran in one tree only.
+    assert cells[1][4] == "2048" and cells[1][5] == "—" and cells[1][7] == "—"

@@ -1,0 +1,55 @@
+"""Interleaved A/B of source trees of this project, for a change that is no schedule switch
+(the ablation scripts compare switches inside one process):
+
+    python bench/ab_trees.py --tree main=. --tree wip=.gpu-host/Q --rounds 3 -- \
+        --direction bwd --hdim 64,128 --seqlen 2048,8192 --providers flash_cute,fa4
+
+Each round runs `python -m flash_cute bench <args after -->` once per tree, in turn, in a
+fresh process with that tree first on PYTHONPATH (a tree holds flash_cute/ with its arch/
+inside, as a worktree with the arch link or a copied archive does). CuTe DSL's file cache
+turns the later rounds' compiles into loads. Prints each tree's median TFLOP/s per cell with
+its rounds' spread, each tree against the first, and the peers (`bench.tree_ab_table`).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from flash_cute.bench import tree_ab_table
+
+
+def run_tree(path: str, bench_args: list, out: str) -> list:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(path),
+                                                      env.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, "-m", "flash_cute", "bench", *bench_args, "--no-plot",
+                    "--out", out], env=env, check=True)
+    with open(os.path.join(out, "bench.json")) as f:
+        return json.load(f)["results"]
+
+
+def main():
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tree", action="append", required=True, metavar="NAME=PATH")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv[:split])
+    trees = [t.split("=", 1) for t in args.tree]
+    if any(len(t) != 2 for t in trees) or len({n for n, _ in trees}) != len(trees):
+        p.error("each --tree is NAME=PATH, names distinct")
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for name, path in trees:
+                out = os.path.join(tmp, f"{name}-{r}")
+                runs.append((name, run_tree(path, argv[split + 1:], out)))
+                print(f"round {r + 1}/{args.rounds}: {name} done", flush=True)
+    print(tree_ab_table(runs))
+
+
+if __name__ == "__main__":
+    main()
