@@ -5,10 +5,13 @@
         --direction bwd --hdim 64,128 --seqlen 2048,8192 --providers flash_cute,fa4
 
 Each round runs `python -m flash_cute bench <args after -->` once per tree, in turn, in a
-fresh process with that tree first on PYTHONPATH (a tree holds flash_cute/ with its arch/
-inside, as a worktree with the arch link or a copied archive does). CuTe DSL's file cache
-turns the later rounds' compiles into loads. Prints each tree's median TFLOP/s per cell with
-its rounds' spread, each tree against the first, and the peers (`bench.tree_ab_table`).
+fresh process started in that tree (a tree holds flash_cute/ with its arch/ inside, as a
+worktree with the arch link or a copied archive does): `python -m` puts the working
+directory first on sys.path, ahead of PYTHONPATH and of an editable install, and each
+process checks where its flash_cute.arch came from. CuTe DSL's file cache (keyed by the
+generated IR) turns the later rounds' compiles into loads. Prints each tree's median TFLOP/s
+per cell with its rounds' spread, each tree against the first, and the peers
+(`bench.tree_ab_table`).
 """
 
 import argparse
@@ -21,12 +24,18 @@ import tempfile
 from flash_cute.bench import tree_ab_table
 
 
+_WHERE = "import os, flash_cute.arch as a; print(os.path.realpath(a.__file__))"
+
+
 def run_tree(path: str, bench_args: list, out: str) -> list:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(path),
-                                                      env.get("PYTHONPATH")]))
+    tree = os.path.realpath(path)
+    where = subprocess.run([sys.executable, "-c", _WHERE], cwd=tree, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    if not where.startswith(tree + os.sep):
+        raise SystemExit(f"in {tree}, flash_cute.arch comes from {where}: the tree needs "
+                         "flash_cute/ with arch/ inside")
     subprocess.run([sys.executable, "-m", "flash_cute", "bench", *bench_args, "--no-plot",
-                    "--out", out], env=env, check=True)
+                    "--out", out], cwd=tree, check=True)
     with open(os.path.join(out, "bench.json")) as f:
         return json.load(f)["results"]
 
