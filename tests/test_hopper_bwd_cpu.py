@@ -135,8 +135,9 @@ def test_bwd_mma_splits_of_transposed_dkv():
 
 def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
     """hdim 128's 80-row tile takes 64 rows (still transposed scores) for causal problems up to
-    SHORT_CAUSAL_BWD_ROWS query rows; other head dims, varlen and longer problems keep theirs;
-    and `api.backward` hands the launcher that tile."""
+    SHORT_CAUSAL_BWD_ROWS query rows and keys; other head dims, varlen, longer and
+    non-causal problems keep theirs; `api.backward` hands the launcher that tile and the
+    dQaccum layout of it."""
     from flash_cute import jit, launch
     from flash_cute.arch.hopper import api
     from flash_cute.arch.hopper.config import bwd_tile
@@ -150,9 +151,15 @@ def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
 
     seen = []
     monkeypatch.setattr(jit, "current_arch", lambda: "sm_90a")
-    monkeypatch.setattr(launch, "backward", lambda *a, **kw: seen.append(a[12]))
-    for sq, causal in [(500, True), (513, True), (500, False)]:
+    monkeypatch.setattr(launch, "backward", lambda *a, **kw: seen.append((a[12], kw)))
+    for sq, sk, causal in [(512, 512, True), (513, 513, True), (500, 500, False),
+                           (500, 2000, True)]:
         q = torch.randn(1, sq, 2, 128, dtype=torch.bfloat16)
-        problem = validate_attention_inputs(q, q, q, causal=causal, require_cuda=False)
-        api.backward(q, None, q, q, q, q, None, problem)
-    assert [t[0] for t in seen] == [64, 80, 80]
+        k = torch.randn(1, sk, 2, 128, dtype=torch.bfloat16)
+        problem = validate_attention_inputs(q, k, k, causal=causal, require_cuda=False)
+        api.backward(q, None, q, k, k, q, None, problem)
+    assert [t[0] for t, _ in seen] == [64, 80, 80, 80]
+    # The dQ postprocess reads the tiles the main kernel wrote: 64 rows, dQ not transposed,
+    # for the short problem; 80 rows of dQᵀ otherwise.
+    layouts = [(kw["dq_layout"].tile_m, kw["dq_layout"].swapped) for _, kw in seen]
+    assert layouts == [(64, False)] + [(80, True)] * 3

@@ -44,9 +44,10 @@ def test_short_causal_problems_take_128_rows():
     dims keep theirs."""
     from flash_cute.arch.hopper.config import SHORT_CAUSAL_ROWS, short_causal
 
-    assert short_causal(True, 512) and short_causal(True, SHORT_CAUSAL_ROWS)
-    assert not short_causal(True, SHORT_CAUSAL_ROWS + 1) and not short_causal(False, 512)
-    assert not short_causal(True, 0)
+    assert short_causal(True, 512, 512) and short_causal(True, SHORT_CAUSAL_ROWS, 300)
+    assert not short_causal(True, SHORT_CAUSAL_ROWS + 1, 512)
+    assert not short_causal(False, 512, 512) and not short_causal(True, 0, 512)
+    assert not short_causal(True, 512, SHORT_CAUSAL_ROWS + 1)   # keys far past the queries
     assert fwd_tile(64, short=True) == TILES[64]._replace(tile_m=128)
     assert fwd_tile(64) == TILES[64]
     assert fwd_tile(128, short=True) == TILES[128]
@@ -54,8 +55,8 @@ def test_short_causal_problems_take_128_rows():
 
 def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
     """`api.forward` hands the launcher 128 rows for a 1k causal hdim-64 problem (and for a
-    packed one whose packed rows stay short), 192 for 4k causal, 1k without the mask, or 1k
-    causal with 4 heads packed per tile (4k packed rows)."""
+    packed one whose packed rows stay short), 192 for 4k causal, 1k without the mask, 1k
+    causal with 4 heads packed per tile (4k packed rows), or 1k queries on 4k keys."""
     import torch
 
     from flash_cute import jit, launch
@@ -64,16 +65,20 @@ def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
 
     seen = []
     monkeypatch.setattr(jit, "current_arch", lambda: "sm_90a")
-    monkeypatch.setattr(launch, "forward", lambda *a, **kw: seen.append(a[8]))
-    for sq, causal, heads_kv, pack in [(1024, True, 4, None), (4096, True, 4, None),
-                                       (1024, False, 4, None), (200, True, 1, None),
-                                       (1024, True, 1, True)]:
+    monkeypatch.setattr(launch, "forward",
+                        lambda *a, **kw: seen.append((a[8][0], kw["pack_gqa"])))
+    for sq, sk, causal, heads_kv, pack in [(1024, 1024, True, 4, None),
+                                           (4096, 4096, True, 4, None),
+                                           (1024, 1024, False, 4, None),
+                                           (200, 200, True, 1, None),
+                                           (1024, 1024, True, 1, True),
+                                           (1024, 4096, True, 4, None)]:
         q = torch.randn(1, sq, 4, 64, dtype=torch.bfloat16)
-        k = torch.randn(1, sq, heads_kv, 64, dtype=torch.bfloat16)
+        k = torch.randn(1, sk, heads_kv, 64, dtype=torch.bfloat16)
         problem = validate_attention_inputs(q, k, k.clone(), causal=causal, pack_gqa=pack,
                                             require_cuda=False)
         api.forward(q, k, k.clone(), problem)
-    assert [t[0] for t in seen] == [128, 192, 192, 128, 192]
+    assert seen == [(128, 1), (192, 1), (192, 1), (128, 4), (192, 4), (192, 1)]
 
 
 def test_with_switches_runs_192_rows_persistent_only():

@@ -73,7 +73,7 @@ class Recording:
 
 
 jit.compile_cache = Recording()
-for varlen in (False, True):
+for varlen, causal in ((False, True), (True, False), (False, False)):
     for _ in range(2):
         if varlen:
             q, k, v = (torch.randn(37, 4, 128, dtype=torch.bfloat16) for _ in range(3))
@@ -85,7 +85,7 @@ for varlen in (False, True):
             lse = torch.randn(4, 37)
         else:
             q, k, v = (torch.randn(2, 37, 4, 128, dtype=torch.bfloat16) for _ in range(3))
-            problem = validate_attention_inputs(q, k, v, causal=True, require_cuda=False)
+            problem = validate_attention_inputs(q, k, v, causal=causal, require_cuda=False)
             lse = torch.randn(2, 4, 37)
         out, dout = torch.randn_like(q), torch.randn_like(q)
         dk_dv = api.backward(dout, None, q, k, v, out, lse, problem, cu if varlen else None,
@@ -99,8 +99,10 @@ for varlen in (False, True):
     assert lse2.shape == delta.shape == lse.shape
     assert lse2.data_ptr() % 16 == 0 and delta.data_ptr() % 16 == 0
     assert abs(lse2.data_ptr() - delta.data_ptr()) >= lse.numel() * 4
-    # varlen: 64 rows, P in shared memory; a causal problem of 37 rows: 64 rows (short causal).
-    assert main.tile[:4] == ((64, 128, 2, False) if varlen else (64, 128, 2, True)), main.tile
+    # varlen: 64 rows, P in shared memory; a causal problem of 37 rows: 64 rows (short
+    # causal); without the mask the head dim's 80 rows. The postprocess reads those tiles.
+    want = (64, 128, 2, False) if varlen else ((64 if causal else 80), 128, 2, True)
+    assert main.tile[:4] == want and post.tile[0] == want[0], (main.tile, post.tile)
     dk, dv = a[7], a[8]
     # GQA (varlen call): fp32 per query head, zeroed (rows past every sequence get nothing).
     assert dk.dtype == (torch.float32 if varlen else torch.bfloat16)
@@ -113,8 +115,8 @@ print("launched")
 
 def test_backward_launches_preprocess_main_and_postprocess_with_the_planned_buffers():
     """The Hopper backward's host path with the compile cache stubbed (no GPU): per call the
-    preprocess, the main kernel (the head dim's tile for a short causal problem; varlen's
-    64 rows) and the dQ
+    preprocess, the main kernel (the head dim's 80 rows, 64 for a short causal problem and
+    for varlen) and the dQ
     postprocess, in that order and with the same keys on a repeated call; LSE₂ and Δ
     16-byte aligned and apart; GQA's dK/dV fp32 per query head and zeroed for varlen."""
     env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a"}

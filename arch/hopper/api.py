@@ -70,7 +70,8 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
         raise NotImplementedError(f"the hopper pipeline runs on sm_90a only, not {arch}")
     pack = launch.packed_heads(problem, PACK_ROWS, TILES[problem.hdim].tile_m)
     tile = tuple(tile or fwd_tile(problem.hdim, pack, problem.varlen or problem.has_seqused_q,
-                                  short_causal(problem.causal, problem.max_seqlen_q * pack)))
+                                  short_causal(problem.causal, problem.max_seqlen_q * pack,
+                                               problem.max_seqlen_k)))
     return launch.forward("hopper.fwd", HopperFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                           tile, COMPILE_OPTIONS, arch, prepare=_tma_ready, seqused_q=seqused_q,
                           seqused_k=seqused_k, pack_gqa=pack)
@@ -91,7 +92,7 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
     launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
     tile, dq_layout = _bwd_schedule(problem.hdim, problem.hdim_v, problem.varlen,
                                     short_causal(problem.causal, problem.max_seqlen_q,
-                                                 SHORT_CAUSAL_BWD_ROWS),
+                                                 problem.max_seqlen_k, SHORT_CAUSAL_BWD_ROWS),
                                     None if tile is None else tuple(tile))
     return launch.backward("hopper.bwd", HopperBwd, dout, dlse, q, k, v, out, lse, problem,
                            cu_seqlens_q, cu_seqlens_k, tile, BWD_COMPILE_OPTIONS, arch,

@@ -80,10 +80,12 @@ SHORT_CAUSAL_ROWS = 2048
 SHORT_CAUSAL_BWD_ROWS = 512
 
 
-def short_causal(causal: bool, rows: int, limit: int = SHORT_CAUSAL_ROWS) -> bool:
+def short_causal(causal: bool, rows: int, keys: int, limit: int = SHORT_CAUSAL_ROWS) -> bool:
     """Whether a problem takes the short causal tiles: causal, with at most `limit` query
-    rows (`rows`: the longest sequence's, times the packing)."""
-    return causal and 0 < rows <= limit
+    rows (`rows`: the longest sequence's, times the packing) and keys. With many more keys
+    than queries (the diagonal aligned bottom-right), most blocks are whole and the taller
+    tile's lead at every length without the mask applies instead."""
+    return causal and 0 < rows <= limit and keys <= limit
 
 
 def fwd_tile(hdim: int, pack: int = 1, rows_past_sequence: bool = False,
@@ -171,9 +173,9 @@ class BwdConfig(NamedTuple):
 
 
 # hdim -> BwdConfig. FA3's shapes: 64 x 128 up to hdim 128 (dK + dV = hdim/2 + hdim_v/2
-# registers per thread, S and dP 32 each), 64 x 64 beyond so dK/dV still fit and Q, dO (2
-# stages), K, V, P and dS stay inside 227 KiB (hdim 256: 64 + 64 + 32 + 32 + 2 * (8 + 8) KiB
-# with P and dS double-buffered; what else fits is `bwd_smem_plan`'s).
+# registers per thread, S and dP 32 each); beyond, fewer keys so that dK/dV still fit and
+# the rings, K, V, P, dS and the 64 KiB dQ tile stay inside 227 KiB (hdim 256 at 48 keys: Q
+# 2 x 32, dO 32, K 24, V 24, P and dS 6 each, dQ 64 KiB; what fits is `bwd_smem_plan`'s).
 # swap_sdp where it measured faster on the H200: hdim 64 +2-5 % (docs/perf.md, 2026-11-29);
 # at hdim 96 it was 1-2 % slower (session 13), so P stays in shared memory there. hdim 128
 # takes FA4's 80 query rows (swap_sdp, dQ transposed): +4-6 % over 64 rows non-causal at
@@ -215,7 +217,7 @@ def dq_swapped(tile: tuple) -> bool:
     return BwdConfig(*tile).tile_m % 64 != 0
 
 
-def bwd_mma_splits(tile: tuple, hdim: int = 0) -> dict:
+def bwd_mma_splits(tile: tuple, hdim: int) -> dict:
     """How the two consumer warpgroups split each GEMM's (M, N) (WGMMA's M is 64 per
     warpgroup): S/dP (tile_m x tile_n) split N, as tile_m is then 64; dQ (tile_m x hdim) N
     at 64 query rows, M at 128; dK/dV (tile_n x hdim) split M when tile_n is 128, else N.
