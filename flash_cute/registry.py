@@ -189,7 +189,8 @@ def _hopper_bwd_configs():
     plain = {"causal": False, "local": False, "softcap": False, "varlen": False,
              "dkv_fp32": False, "deterministic": False}
     # The default hdim-128 tile (80 query rows, transposed scores, dQᵀ) against 64 rows with
-    # P through shared memory and 64 rows with transposed scores (P kept in registers).
+    # P through shared memory and 64 rows with transposed scores (P kept in registers; also
+    # the default for causal problems up to `SHORT_CAUSAL_BWD_ROWS`).
     for swap in (False, True):
         out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 128, 128,
                                 HOPPER_BWD_TILES[128]._replace(tile_m=64, swap_sdp=swap),

@@ -124,7 +124,8 @@ class HopperBwd:
 
     Then dK *= softmax_scale and dK, dV rows < seqlen_k go to global memory, per query head
     (the host sums a GQA group): 16-bit ones through the freed Q and dO rings as whole 128-bit
-    rows (`store_dkv_rows`), fp32 ones (GQA) straight from the accumulators.
+    rows (`store_dkv_rows`; where one dO stage holds fewer rows than the keys, as at hdim 192,
+    both through Q's ring in turn), fp32 ones (GQA) straight from the accumulators.
 
     Rows of a Q/dO tile past seqlen_q contribute nothing: padded, they are TMA's zero fill
     in Q, dO, LSE₂ and Δ alike (P = 1 but dO = 0 and dS = 0; `stats_checked` off); varlen or
@@ -446,7 +447,9 @@ class HopperBwd:
 
         The tiles take the swizzle of the rings they reuse (the atom of `_smem_layouts`, sized
         for a warpgroup's columns), so the accumulator's 8 rows of a store land in 8 different
-        16-byte chunks."""
+        16-byte chunks. With swap_dkv the accumulators hold dKᵀ and dVᵀ and go in through a
+        transposed view, one 16-bit store per element (FA4 transposes with stmatrix; not
+        done here yet)."""
         epilogue = pipeline.NamedBarrier(barrier_id=_EPILOGUE_BARRIER_ID,
                                          num_threads=self.num_consumer_threads)
         epilogue.arrive_and_wait()
@@ -694,6 +697,42 @@ class BwdStep(DslState):
         # the warpgroup's slice (`wgmma_slice`), barrier ids live in uniform registers.
         wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
 
+        self._init_operands(cfg, wg, smem)
+        self.acc_dk = cute.make_rmem_tensor(thr_dk.partition_shape_C(dkv_shape(cfg, cfg.hdim)),
+                                            Float32)
+        self.acc_dv = cute.make_rmem_tensor(
+            thr_dv.partition_shape_C(dkv_shape(cfg, cfg.hdim_v)), Float32)
+        self.acc_dk.fill(0.0)
+        self.acc_dv.fill(0.0)
+
+        self.coord_s = self.scores_view(thr_sdp.partition_C(_score_coords(cfg)))
+        self.sLSE, self.sDelta = smem.sLSE, smem.sDelta
+        self.sQ, self.sdO = smem.sQ, smem.sdO
+        # Without their TMA (varlen): the (seqlen_q,) global views.
+        self.g_lse, self.g_delta = (seq.lse_view(t, head) for t in stats)
+        self.mask = AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.causal,
+                                  win_left, win_right)
+        # P and dS leave the S accumulator layout by stmatrix: four 8x8 blocks per
+        # instruction, one row address per lane, so few shared-memory addresses stay live.
+        # A warpgroup's tile_n / 2 keys: 24 at tile_n 48 (swap_dkv) take pairs of blocks.
+        cols = cfg.tile_n // cfg.splits["sdp"][1] if not cfg.swap_sdp else 16
+        self.r2s_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False,
+                                              num_matrices=4 if cols % 16 == 0 else 2),
+            cfg.dtype)
+        self.thr_r2s = cute.make_tiled_copy_C(self.r2s_atom, mma_sdp).get_slice(tidx)
+        self.tPsP = None if cfg.swap_sdp else self.thr_r2s.partition_D(smem.sP)
+        self.tdSsdS = self.thr_r2s.partition_D(smem.sdS)
+        self.pds_barrier = pipeline.NamedBarrier(barrier_id=_PDS_BARRIER_ID,
+                                                 num_threads=cfg.num_consumer_threads)
+        self.wg_p_barrier_id = _WG_P_BARRIER_ID + wg
+        self._init_dq(cfg, tidx, seq, mma_dq, smem, mdQaccum, head)
+
+    def _init_operands(self, cfg, wg, smem):
+        """The shared-memory operand fragments of the five GEMMs at warpgroup `wg`'s slice
+        (`wgmma_slice`): which tile is A and which B follows swap_sdp, swap_dkv and dq_swap."""
+        mma_sdp, mma_dk, mma_dv, mma_dq = self.mma_sdp, self.mma_dk, self.mma_dv, self.mma_dq
+
         def frag_a(mma, s):
             w = wgmma_slice(mma, wg)
             return w.make_fragment_A(w.partition_A(s))
@@ -730,36 +769,6 @@ class BwdStep(DslState):
             self.tdQrKt = frag_a(mma_dq, transpose_view(smem.sK))
         else:
             self.tdQrKt = frag_b(mma_dq, transpose_view(smem.sK))
-
-        self.acc_dk = cute.make_rmem_tensor(thr_dk.partition_shape_C(dkv_shape(cfg, cfg.hdim)),
-                                            Float32)
-        self.acc_dv = cute.make_rmem_tensor(
-            thr_dv.partition_shape_C(dkv_shape(cfg, cfg.hdim_v)), Float32)
-        self.acc_dk.fill(0.0)
-        self.acc_dv.fill(0.0)
-
-        self.coord_s = self.scores_view(thr_sdp.partition_C(_score_coords(cfg)))
-        self.sLSE, self.sDelta = smem.sLSE, smem.sDelta
-        self.sQ, self.sdO = smem.sQ, smem.sdO
-        # Without their TMA (varlen): the (seqlen_q,) global views.
-        self.g_lse, self.g_delta = (seq.lse_view(t, head) for t in stats)
-        self.mask = AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.causal,
-                                  win_left, win_right)
-        # P and dS leave the S accumulator layout by stmatrix: four 8x8 blocks per
-        # instruction, one row address per lane, so few shared-memory addresses stay live.
-        # A warpgroup's tile_n / 2 keys: 24 at tile_n 48 (swap_dkv) take pairs of blocks.
-        cols = cfg.tile_n // cfg.splits["sdp"][1] if not cfg.swap_sdp else 16
-        self.r2s_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False,
-                                              num_matrices=4 if cols % 16 == 0 else 2),
-            cfg.dtype)
-        self.thr_r2s = cute.make_tiled_copy_C(self.r2s_atom, mma_sdp).get_slice(tidx)
-        self.tPsP = None if cfg.swap_sdp else self.thr_r2s.partition_D(smem.sP)
-        self.tdSsdS = self.thr_r2s.partition_D(smem.sdS)
-        self.pds_barrier = pipeline.NamedBarrier(barrier_id=_PDS_BARRIER_ID,
-                                                 num_threads=cfg.num_consumer_threads)
-        self.wg_p_barrier_id = _WG_P_BARRIER_ID + wg
-        self._init_dq(cfg, tidx, seq, mma_dq, smem, mdQaccum, head)
 
     def _init_dq(self, cfg, tidx, seq, mma_dq, smem, mdQaccum, head):
         """dQ's way out: the shared fragment-order dQ tile (`dq_accum`) or atomics."""
