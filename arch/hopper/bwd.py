@@ -525,17 +525,21 @@ class HopperBwd:
         into their rings' stages."""
         tma_q, tma_do, _, _, tma_lse, tma_delta = atoms
         tQgQ, tQsQ, tdOgdO, tdOsdO, stats = tiles
-        pipe_q.producer_acquire(q_state)
-        bar = pipe_q.producer_get_barrier(q_state)
-        cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=bar)
+        lse, delta = stats if cutlass.const_expr(self.stats_tma) else (None, None)
+        self.load_stage(pipe_q, q_state, (tma_q, tQgQ, tQsQ), (tma_lse, lse), m_block)
+        self.load_stage(pipe_do, do_state, (tma_do, tdOgdO, tdOsdO), (tma_delta, delta), m_block)
+
+    @cute.jit
+    def load_stage(self, pipe, state, tile, row_stats, m_block: Int32):
+        """One ring stage: (atom, global, shared) `tile`'s query tile `m_block` and, by TMA,
+        its rows of LSE₂ or Δ (`row_stats`: atom, (shared, global)), on one barrier."""
+        atom, t_global, t_smem = tile
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        cute.copy(atom, t_global[None, m_block], t_smem[None, state.index], tma_bar_ptr=bar)
         if cutlass.const_expr(self.stats_tma):
-            cute.copy(tma_lse, stats[0][1][None, m_block], stats[0][0][None, q_state.index],
-                      tma_bar_ptr=bar)
-        pipe_do.producer_acquire(do_state)
-        bar = pipe_do.producer_get_barrier(do_state)
-        cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=bar)
-        if cutlass.const_expr(self.stats_tma):
-            cute.copy(tma_delta, stats[1][1][None, m_block], stats[1][0][None, do_state.index],
+            stats_atom, (s_stats, g_stats) = row_stats
+            cute.copy(stats_atom, g_stats[None, m_block], s_stats[None, state.index],
                       tma_bar_ptr=bar)
 
     @cute.jit
