@@ -8,10 +8,11 @@ Each round runs `python -m flash_cute bench <args after -->` once per tree, in t
 fresh process started in that tree (a tree holds flash_cute/ with its arch/ inside, as a
 worktree with the arch link or a copied archive does): `python -m` puts the working
 directory first on sys.path, ahead of PYTHONPATH and of an editable install, and each
-process checks where its flash_cute.arch came from. CuTe DSL's file cache (keyed by the
-generated IR) turns the later rounds' compiles into loads. Prints each tree's median TFLOP/s
-per cell with its rounds' spread, each tree against the first, and the peers
-(`bench.tree_ab_table`).
+process checks where its flash_cute.arch came from. Each tree gets a CuTe DSL file cache of
+its own, which turns its later rounds' compiles into loads: the cache's key is the generated
+IR, and a change of compile options alone (e.g. --opt-level) was seen to be served another
+build. Prints each tree's median TFLOP/s per cell with its rounds' spread, each tree against
+the first, and the peers (`bench.tree_ab_table`).
 """
 
 import argparse
@@ -27,15 +28,16 @@ from flash_cute.bench import tree_ab_table
 _WHERE = "import os, flash_cute.arch as a; print(os.path.realpath(a.__file__))"
 
 
-def run_tree(path: str, bench_args: list, out: str) -> list:
+def run_tree(path: str, bench_args: list, out: str, cache: str) -> list:
     tree = os.path.realpath(path)
-    where = subprocess.run([sys.executable, "-c", _WHERE], cwd=tree, check=True,
+    env = {**os.environ, "CUTE_DSL_CACHE_DIR": cache}
+    where = subprocess.run([sys.executable, "-c", _WHERE], cwd=tree, env=env, check=True,
                            capture_output=True, text=True).stdout.strip()
     if not where.startswith(tree + os.sep):
         raise SystemExit(f"in {tree}, flash_cute.arch comes from {where}: the tree needs "
                          "flash_cute/ with arch/ inside")
     subprocess.run([sys.executable, "-m", "flash_cute", "bench", *bench_args, "--no-plot",
-                    "--out", out], cwd=tree, check=True)
+                    "--out", out], cwd=tree, env=env, check=True)
     with open(os.path.join(out, "bench.json")) as f:
         return json.load(f)["results"]
 
@@ -55,7 +57,8 @@ def main():
         for r in range(args.rounds):
             for name, path in trees:
                 out = os.path.join(tmp, f"{name}-{r}")
-                runs.append((name, run_tree(path, argv[split + 1:], out)))
+                cache = os.path.join(tmp, f"{name}-dsl-cache")
+                runs.append((name, run_tree(path, argv[split + 1:], out, cache)))
                 print(f"round {r + 1}/{args.rounds}: {name} done", flush=True)
     print(tree_ab_table(runs))
 
