@@ -33,9 +33,15 @@ def _row_split(row_vectors: int, num_threads: int, vectors_per_thread: int) -> t
     thread loads the same number of vectors of a row. Rows per thread: enough for about
     `vectors_per_thread` loads in flight per tensor.
     """
-    threads_per_row = min(row_vectors & -row_vectors, 32)
+    threads_per_row = lanes_per_row(row_vectors)
     rows_per_thread = max(1, vectors_per_thread // (row_vectors // threads_per_row))
     return threads_per_row, num_threads // threads_per_row * rows_per_thread
+
+
+def lanes_per_row(row_vectors: int) -> int:
+    """The largest power of two (at most a warp) that divides a row's `row_vectors` vectors:
+    that many consecutive threads share a row, each taking as many of its vectors."""
+    return min(row_vectors & -row_vectors, 32)
 
 
 def row_copy(dtype, elems: int, threads_per_row: int, num_threads: int) -> cute.TiledCopy:
@@ -46,6 +52,23 @@ def row_copy(dtype, elems: int, threads_per_row: int, num_threads: int) -> cute.
     threads = cute.make_layout((num_threads // threads_per_row, threads_per_row),
                                stride=(threads_per_row, 1))
     return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, elems)))
+
+
+def row_store(dtype, cols: int, num_threads: int) -> cute.TiledCopy:
+    """`row_copy` of (rows, cols) 16-bit tiles in 128-bit vectors, `lanes_per_row` threads
+    side by side along a row."""
+    vec = 128 // dtype.width
+    return row_copy(dtype, vec, lanes_per_row(cols // vec), num_threads)
+
+
+@cute.jit
+def store_tile_rows(store: cute.TiledCopy, tidx, s_tile: cute.Tensor, g_tile: cute.Tensor,
+                    valid_rows: Int32):
+    """Thread `tidx`'s part of a (rows, cols) shared tile to the same-shaped global tile by
+    `store` (`row_store`): whole 128-bit pieces of rows, rows >= valid_rows untouched."""
+    thr = store.get_slice(tidx)
+    copy_rows(store, thr.partition_S(s_tile), thr.partition_D(g_tile),
+              thr.partition_S(cute.make_identity_tensor(g_tile.shape)), valid_rows)
 
 
 @cute.jit

@@ -218,14 +218,18 @@ _HOPPER_DQ_POST = "flash_cute.arch.hopper.dq_accum:build_postprocess_for_inspect
 
 
 def _hopper_dq_postprocess_configs():
-    """The postprocess of the Hopper backward's fragment-order dQaccum, per default tile."""
+    """The postprocess of the Hopper backward's fragment-order dQaccum, per default tile (its
+    config's tile is the backward schedule it belongs to; `short`: `config.short_causal`)."""
     return tuple(KernelConfig("hopper.bwd.dq_postprocess", ("sm_90a",), dtype, d, None,
-                              (rows or hopper_bwd_tile(d, varlen).tile_m, d), _HOPPER_DQ_POST,
+                              hopper_bwd_tile(d, varlen, short), _HOPPER_DQ_POST,
                               _flags(varlen=varlen))
-                 for d, dtype, varlen, rows in [(64, "bf16", False, 0), (96, "bf16", False, 0),
-                                                (128, "bf16", False, 0), (128, "fp16", True, 0),
-                                                (128, "bf16", False, 64), (192, "bf16", False, 0),
-                                                (256, "bf16", True, 0)])
+                 for d, dtype, varlen, short in [(64, "bf16", False, False),
+                                                 (96, "bf16", False, False),
+                                                 (128, "bf16", False, False),
+                                                 (128, "fp16", True, False),
+                                                 (128, "bf16", False, True),
+                                                 (192, "bf16", False, False),
+                                                 (256, "bf16", True, False)])
 
 
 _LSE_MERGE = "flash_cute.lse_merge:build_for_inspect"

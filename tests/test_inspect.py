@@ -246,7 +246,7 @@ def test_hopper_dq_postprocess_stores_whole_rows(inspected):
     entries = [e for e in inspected if e["kernel"] == "hopper.bwd.dq_postprocess"]
     assert entries
     for e in entries:
-        tile_m, hdim = e["config"]["tile"]
+        tile_m, hdim = e["config"]["tile"][0], e["config"]["hdim"]
         vectors = tile_m * hdim * 2 // 16 // 256  # 16-byte pieces of the tile per thread
         ops = e["sass"]
         assert ops["STG"] == ops["LDS"] == vectors and ops["BAR"] == 1 and ops["STS"] > 0, e
@@ -258,8 +258,9 @@ def test_hopper_bwd_waits_for_each_gemm_only_where_it_is_needed(tile, waits):
     """64 rows with P in shared memory: S runs under nothing but dP is issued before S is
     waited for (P's exp2 overlaps dP), dV under dS, dK under dQ's way out: `wgmma.wait_group 1`
     three times per query tile. 80 rows (transposed scores, dS before dV is issued, so the
-    fp32 P, dP and 16-bit P are never all live): P's exp2 still overlaps dP, then S and dP are
-    both waited for, and dK runs under dQ's way out."""
+    fp32 P, dP and 16-bit P are never all live): S and dP are waited for before P's exp2 (at
+    80 and 128 rows the other warpgroup's GEMMs fill that wait; docs/perf.md, session 14),
+    and dK runs under dQ's way out."""
     from flash_cute.xcompile import compile_for_arch
 
     from flash_cute.arch.hopper.config import BwdConfig

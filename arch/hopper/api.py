@@ -8,8 +8,8 @@ from flash_cute import launch
 from flash_cute.validation import AttentionProblem
 
 from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, PACK_ROWS,
-                     SHORT_CAUSAL_BWD_ROWS, SUPPORTED_HDIMS, TILES, BwdConfig, bwd_mma_splits,
-                     bwd_smem_plan, bwd_tile, dq_swapped, fwd_tile, short_causal)
+                     SHORT_CAUSAL_BWD_ROWS, SUPPORTED_HDIMS, TILES, BwdConfig, bwd_smem_plan,
+                     bwd_tile, fwd_tile, short_causal)
 
 # forward/backward take seqused_q/seqused_k (the dispatcher reads this without importing the DSL).
 SUPPORTS_SEQUSED = True
@@ -110,7 +110,5 @@ def _bwd_schedule(hdim: int, hdim_v: int, varlen: bool, short: bool, tile) -> tu
     from .dq_accum import TiledDqAccum
 
     tile = BwdConfig(*(tile or bwd_tile(hdim, varlen, short)))
-    dq_layout = None
-    if bwd_smem_plan(hdim, hdim_v, tile).dq_tma:
-        dq_layout = TiledDqAccum(tile.tile_m, bwd_mma_splits(tile, hdim)["dq"], dq_swapped(tile))
+    dq_layout = TiledDqAccum.of(tile, hdim) if bwd_smem_plan(hdim, hdim_v, tile).dq_tma else None
     return tuple(tile), dq_layout

@@ -18,12 +18,11 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from flash_cute.bwd_blocks import (atomic_add_rows, dq_turn, ds_from_probs, p_and_ds, pass_turn,
                                    probs, store_acc_tile, tile_row_values, wait_turn)
 from flash_cute.block_range import m_block_range
-from flash_cute.bwd_prep import copy_rows, row_copy
+from flash_cute.bwd_prep import row_store, store_tile_rows
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_strides,
                                 transpose_view)
@@ -37,8 +36,8 @@ from .config import (BWD_COMPILE_OPTIONS, BWD_CONSUMER_REGISTERS, BWD_CONSUMER_W
                      SMEM_CAPACITY, BwdConfig, bwd_mma_splits, bwd_smem_plan, dq_swapped,
                      stats_stage_rows)
 from .dq_accum import DQ_THREADS, as_vectors, reduce_add_tile, thread_view
-from .tma import (ROWS_FIRST, make_tma_pipelines, permute, smem_tile, tma_load_atom,
-                  tma_partition)
+from .tma import (ROWS_FIRST, make_tma_pipelines, permute, smem_tile, swizzled_layout,
+                  tma_load_atom, tma_partition)
 from .wgmma import wgmma_slice
 
 # Named barriers (0 is sync_threads'; the pipelines use mbarriers). 1: the 256 consumer
@@ -289,10 +288,8 @@ class HopperBwd:
         dkv_m, dkv_n = self.splits["dkv"]
         dq_m, dq_n = self.splits["dq"]
 
-        def layout(rows, cols, stages, major_size, dtype=self.dtype):
-            kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_size)
-            atom = warpgroup.make_smem_layout_atom(kind, dtype)
-            return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+        def layout(rows, cols, stages, major_size):
+            return swizzled_layout(self.dtype, (rows, cols, stages), major_size)
 
         # swap_sdp: dSᵀ (keys x queries, as computed), read by dQ as the MN-major dS (its A,
         # rows split by warpgroup; with dq_swap its B, every query per warpgroup).
@@ -456,10 +453,7 @@ class HopperBwd:
         dkv_n = self.splits["dkv"][1]
         tiles = []
         for acc, mma, m_out, cols, ring in outs:
-            kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype,
-                                                   cols // dkv_n)
-            layout = cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, self.dtype),
-                                        (self.tile_n, cols), order=(0, 1))
+            layout = swizzled_layout(self.dtype, (self.tile_n, cols), cols // dkv_n)
             s_tile = cute.make_tensor(ring.iterator, layout.outer)
             r = cute.make_rmem_tensor_like(acc, self.dtype)
             r.store(acc.load().to(self.dtype))
@@ -468,15 +462,10 @@ class HopperBwd:
             cute.autovec_copy(r, mma.get_slice(tidx).partition_C(acc_view))
             tiles.append(s_tile)
         epilogue.arrive_and_wait()
-        vec = 128 // self.dtype.width
         for (_, _, m_out, cols, _), s_tile in zip(outs, tiles):
-            row_vectors = cols // vec
-            store = row_copy(self.dtype, vec, min(row_vectors & -row_vectors, 32),
-                             self.num_consumer_threads)
-            thr = store.get_slice(tidx)
             g = cute.local_tile(seq.k_view(m_out, head), (self.tile_n, cols), (n_block, 0))
-            copy_rows(store, thr.partition_S(s_tile), thr.partition_D(g),
-                      thr.partition_S(cute.make_identity_tensor((self.tile_n, cols))), kv_rows)
+            store_tile_rows(row_store(self.dtype, cols, self.num_consumer_threads), tidx,
+                            s_tile, g, kv_rows)
 
     @cute.jit
     def produce(self, atoms, tensors, smem, pipes, seq, head, head_kv, n_block, m_min, m_max):

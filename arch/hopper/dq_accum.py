@@ -28,17 +28,16 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.experimental.primitives.nvvm_wrapper import (CpReduceOp, CpReduceType,
                                                           cp_reduce_async_bulk_global_shared_cta)
-from cutlass.tensor_utils import LayoutEnum
 
-from flash_cute.bwd_prep import copy_rows, row_copy
+from flash_cute.bwd_prep import row_store, store_tile_rows
 from flash_cute.layouts import assume_aligned_strides, transpose_view
 from flash_cute.seqlen import SeqInfo
 
 from .config import BWD_CONSUMER_WARPGROUPS
-from .tma import smem_tile
+from .tma import smem_tile, swizzled_layout
 
 DQ_THREADS = 128 * BWD_CONSUMER_WARPGROUPS
 _VEC = 4
@@ -124,8 +123,6 @@ class HopperDqPostprocess:
         self.varlen, self.swapped = varlen, swapped
         self.per_thread = tile_m * hdim // DQ_THREADS
         self.vec = 128 // dtype.width
-        row_vectors = hdim // self.vec
-        self.threads_per_row = min(row_vectors & -row_vectors, 32)
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32,
@@ -137,14 +134,11 @@ class HopperDqPostprocess:
         batch = SeqInfo.num_batches(mdQ, mCuSeqlensQ)
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mdQ.shape[-2], batch)
         mma = dq_tiled_mma(self.dtype, self.tile_m, self.hdim, self.split, self.swapped)
-        # A swizzle atom may not straddle a warpgroup's columns (hdim 96 and 192 split
-        # theirs in two 48 and 96 wide; dQᵀ splits hdim as its M), or the MMA cannot
-        # partition the tile.
-        kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype,
-                                               self.hdim // self.split[0 if self.swapped else 1])
-        s_layout = cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, self.dtype),
-                                      (self.tile_m, self.hdim), order=(0, 1))
-        store = row_copy(self.dtype, self.vec, self.threads_per_row, DQ_THREADS)
+        # A warpgroup's columns: hdim 96 and 192 split theirs in two 48 and 96 wide; dQᵀ
+        # splits hdim as its M.
+        s_layout = swizzled_layout(self.dtype, (self.tile_m, self.hdim),
+                                   self.hdim // self.split[0 if self.swapped else 1])
+        store = row_store(self.dtype, self.hdim, DQ_THREADS)
 
         @cute.struct
         class SharedStorage:
@@ -178,27 +172,20 @@ class HopperDqPostprocess:
             s_acc = transpose_view(sdQ) if cutlass.const_expr(self.swapped) else sdQ
             cute.autovec_copy(out, mma.get_slice(tidx).partition_C(s_acc))
             cute.arch.barrier()
-            thr_store = store.get_slice(tidx)
             g = cute.local_tile(seq.q_view(mdQ, head), tile, (m_block, 0))
-            copy_rows(store, thr_store.partition_S(sdQ), thr_store.partition_D(g),
-                      thr_store.partition_S(cute.make_identity_tensor(tile)), valid_rows)
+            store_tile_rows(store, tidx, sdQ, g, valid_rows)
 
 
 def build_postprocess_for_inspect(cfg):
     """Registry builder for ``hopper.bwd.dq_postprocess``: fake padded or varlen tensors."""
     from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
 
-    from .config import BWD_TILES, bwd_mma_splits, dq_swapped
-
     dtype = DTYPES[cfg.dtype]
     varlen = cfg.flag_dict["varlen"]
-    # The registered tile is (tile_m, hdim); the backward schedule it belongs to is the
-    # table's with that many query rows (more than 64 take swap_sdp).
-    default = BWD_TILES[cfg.hdim]
-    tile_m = cfg.tile[0]
-    tile = default._replace(tile_m=tile_m, swap_sdp=default.swap_sdp or tile_m != 64)
-    split = bwd_mma_splits(tile, cfg.hdim)["dq"]
-    kernel = HopperDqPostprocess(dtype, cfg.hdim, tile_m, split, varlen, dq_swapped(tile))
+    # The registered tile is the backward schedule whose dQaccum this kernel reads.
+    layout = TiledDqAccum.of(cfg.tile, cfg.hdim)
+    tile_m = layout.tile_m
+    kernel = HopperDqPostprocess(dtype, cfg.hdim, tile_m, layout.split, varlen, layout.swapped)
     heads = dynamic_dim()
     chunk = tile_m * cfg.hdim
     if varlen:
@@ -219,6 +206,15 @@ class TiledDqAccum:
 
     def __init__(self, tile_m: int, split: tuple, swapped: bool = False):
         self.tile_m, self.split, self.swapped = tile_m, split, swapped
+
+    @classmethod
+    def of(cls, tile: tuple, hdim: int) -> "TiledDqAccum":
+        """The dQaccum of backward schedule `tile`: its query rows, the dQ WGMMA's split over
+        the consumer warpgroups and whether dQ is computed transposed."""
+        from .config import BwdConfig, bwd_mma_splits, dq_swapped
+
+        tile = BwdConfig(*tile)
+        return cls(tile.tile_m, bwd_mma_splits(tile, hdim)["dq"], dq_swapped(tile))
 
     def alloc(self, q, problem):
         import torch

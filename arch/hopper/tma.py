@@ -1,9 +1,12 @@
 """TMA plumbing shared by the Hopper kernels: mode orders that put a tile's (rows, cols) first,
-TMA load atoms over whole tensors, their partitions, and the mbarrier pipelines they fill."""
+swizzled shared-memory tiles, TMA load atoms over whole tensors, their partitions, and the
+mbarrier pipelines they fill."""
 
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 from flash_cute.layouts import pack_heads
 
@@ -21,6 +24,15 @@ def smem_tile(dtype, layout):
     """A `cute.struct` field for one (staged) swizzled shared-memory tile of `layout`, 1 KiB
     aligned: the period of a 128-byte swizzle, which TMA boxes and WGMMA descriptors assume."""
     return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+
+
+def swizzled_layout(dtype, shape: tuple, atom_cols: int) -> cute.ComposedLayout:
+    """(rows, cols[, stages]) 16-bit tile, cols contiguous, swizzled by the widest WGMMA
+    atom that fits `atom_cols` columns (an atom may not straddle the columns one warpgroup
+    reads or writes, or the MMA cannot partition the tile)."""
+    kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols)
+    return cute.tile_to_shape(warpgroup.make_smem_layout_atom(kind, dtype), shape,
+                              order=tuple(range(len(shape))))
 
 
 def permute(t: cute.Tensor, order) -> cute.Tensor:
