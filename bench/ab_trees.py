@@ -42,23 +42,41 @@ def run_tree(path: str, bench_args: list, out: str, cache: str) -> list:
         return json.load(f)["results"]
 
 
+def ours_only(bench_args: list) -> list:
+    """`bench_args` with flash_cute as the only provider."""
+    out, skip = [], False
+    for a in bench_args:
+        if skip:
+            skip = False
+        elif a == "--providers":
+            skip = True
+        elif not a.startswith("--providers="):
+            out.append(a)
+    return [*out, "--providers", "flash_cute"]
+
+
 def main():
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tree", action="append", required=True, metavar="NAME=PATH")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--peers-once", action="store_true",
+                   help="time the peers in the first tree's processes only: they are the same "
+                        "code in every tree, and each fresh process compiles FA4's kernels again")
     args = p.parse_args(argv[:split])
     trees = [t.split("=", 1) for t in args.tree]
     if any(len(t) != 2 for t in trees) or len({n for n, _ in trees}) != len(trees):
         p.error("each --tree is NAME=PATH, names distinct")
+    bench_args = argv[split + 1:]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for name, path in trees:
+            for i, (name, path) in enumerate(trees):
                 out = os.path.join(tmp, f"{name}-{r}")
                 cache = os.path.join(tmp, f"{name}-dsl-cache")
-                runs.append((name, run_tree(path, argv[split + 1:], out, cache)))
+                tree_args = ours_only(bench_args) if args.peers_once and i else bench_args
+                runs.append((name, run_tree(path, tree_args, out, cache)))
                 print(f"round {r + 1}/{args.rounds}: {name} done", flush=True)
     print(tree_ab_table(runs))
 

@@ -417,3 +417,18 @@ def test_tree_ab_table_medians_per_tree_ratio_and_peers():
     assert cells[0][5:9] == ["1.0 (100.0%)", "2.0 (100.0%)", "2.000x", "2.0"]
     # The 2048 cell ran in one tree only.
     assert cells[1][4] == "2048" and cells[1][5] == "—" and cells[1][7] == "—"
+
+
+def test_ab_trees_peers_once_keeps_every_argument_but_the_providers():
+    """bench/ab_trees.py --peers-once: later trees run flash_cute alone, with the same cells."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "ab_trees.py"
+    spec = importlib.util.spec_from_file_location("ab_trees", path)
+    ab_trees = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_trees)
+    args = ["--direction", "bwd", "--providers", "flash_cute,fa4", "--hdim", "64",
+            "--providers=cudnn"]
+    assert ab_trees.ours_only(args) == ["--direction", "bwd", "--hdim", "64",
+                                        "--providers", "flash_cute"]
