@@ -7,8 +7,8 @@ import torch
 from flash_cute import launch
 from flash_cute.validation import AttentionProblem
 
-from .config import (BWD_COMPILE_OPTIONS, BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, PACK_ROWS,
-                     SHORT_CAUSAL_BWD_ROWS, SUPPORTED_HDIMS, TILES, BwdConfig, bwd_smem_plan,
+from .config import (BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, PACK_ROWS, SHORT_CAUSAL_BWD_ROWS,
+                     SUPPORTED_HDIMS, TILES, BwdConfig, bwd_compile_options, bwd_smem_plan,
                      bwd_tile, fwd_tile, short_causal)
 
 # forward/backward take seqused_q/seqused_k (the dispatcher reads this without importing the DSL).
@@ -95,7 +95,7 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
                                                  problem.max_seqlen_k, SHORT_CAUSAL_BWD_ROWS),
                                     None if tile is None else tuple(tile))
     return launch.backward("hopper.bwd", HopperBwd, dout, dlse, q, k, v, out, lse, problem,
-                           cu_seqlens_q, cu_seqlens_k, tile, BWD_COMPILE_OPTIONS, arch,
+                           cu_seqlens_q, cu_seqlens_k, tile, bwd_compile_options(tile), arch,
                            prepare=_tma_ready, deterministic=bool(deterministic),
                            dq_accum_align=16, row_stats_align=16, seqused_q=seqused_q,
                            seqused_k=seqused_k, dq_layout=dq_layout)

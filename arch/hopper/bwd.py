@@ -31,10 +31,10 @@ from flash_cute.seqlen import SeqInfo, clear_tails
 from flash_cute.softmax import fold_scales
 from flash_cute.variant import Variant, set_kernel_switches
 
-from .config import (BWD_COMPILE_OPTIONS, BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS,
-                     BWD_NUM_THREADS, BWD_PRODUCER_REGISTERS, BWD_SUPPORTED_HDIMS, BWD_TILES,
-                     SMEM_CAPACITY, BwdConfig, bwd_mma_splits, bwd_smem_plan, dq_swapped,
-                     stats_stage_rows)
+from .config import (BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS, BWD_NUM_THREADS,
+                     BWD_PRODUCER_REGISTERS, BWD_SUPPORTED_HDIMS, BWD_TILES, SMEM_CAPACITY,
+                     BwdConfig, bwd_compile_options, bwd_mma_splits, bwd_smem_plan, dq_swapped,
+                     ds_stored_before_dv, stats_stage_rows)
 from .dq_accum import DQ_THREADS, as_vectors, reduce_add_tile, thread_view
 from .tma import (ROWS_FIRST, make_tma_pipelines, permute, smem_tile, swizzled_layout,
                   tma_load_atom, tma_partition)
@@ -103,9 +103,10 @@ class HopperBwd:
     instead of 2 rows, so LSE₂ and Δ are read from shared memory just before their use.
     With 128 query rows (hdim 64's default; swap_sdp only) a thread holds 32 query columns:
     each statistic is kept one eighth per lane and fetched by shuffles (`ShuffledRows`), dS
-    is computed before dV is issued (so fp32 P, dP and the 16-bit P are never all live), and
-    dQ splits its 128 rows over the two warpgroups. With 80 query rows (hdim 128's default, as
-    FA4's; swap_sdp only; dS before dV as at 128 rows) WGMMA's 64-row M fits no split of the
+    is computed and stored before dV is issued (so fp32 P, dP and the 16-bit P are never all
+    live; `config.ds_stored_before_dv`, which also sets ptxas -O3), and dQ splits its 128 rows
+    over the two warpgroups. With 80 query rows (hdim 128's default, as FA4's; swap_sdp only;
+    dS computed before dV, stored while dV runs) WGMMA's 64-row M fits no split of the
     queries, so dQ is computed transposed, dQᵀ = Kᵀ dSᵀ (`config.dq_swapped`): each warpgroup
     64 of the head dim's rows and all 80 queries; the postprocess maps that fragment back
     (`dq_accum`).
@@ -156,6 +157,7 @@ class HopperBwd:
         self.plan = bwd_smem_plan(hdim, hdim_v, config)
         self.pds_stages, self.dq_tma = self.plan.pds_stages, self.plan.dq_tma
         self.dq_swap = dq_swapped(config)
+        self.ds_stored_first = ds_stored_before_dv(config)
         if self.dq_swap and (hdim != 2 * 64 or not self.dq_tma):
             raise ValueError(f"dQᵀ ({self.tile_m} query rows) needs hdim 128 (64 per consumer "
                              f"warpgroup) and the shared dQ tile; got hdim {hdim}, dq_tma "
@@ -881,7 +883,8 @@ class BwdStep(DslState):
         # LSE₂ and Δ are each read just before their use, so that both are never live at once.
         # Beyond 64 query rows: dS before dV is issued, so that the fp32 P, dP and the 16-bit P
         # that dV reads from registers are never all live (with them, ptxas spills and
-        # serializes the WGMMAs); dV then overlaps only dK and dQ.
+        # serializes the WGMMAs); dV then overlaps only dK and dQ. At 128 rows dS is also
+        # stored first (`config.ds_stored_before_dv`).
         ds_first = cfg.has_softcap or cfg.tile_m != 64
         if cutlass.const_expr(ds_first):
             if cutlass.const_expr(not cfg.has_softcap):
@@ -892,15 +895,18 @@ class BwdStep(DslState):
                 lse, delta = self.row_stats(m_block, stage, stage)
                 p_and_ds(s_qk, dp_qk, lse, delta, self.scale_log2, True)
             r_p = self.to_dtype(acc_s)
+            if cutlass.const_expr(cfg.ds_stored_first):
+                r_ds = self.store_ds(acc_dp, pds)
             gemm_rs(self.mma_dv, self.acc_dv, acc_to_operand_a(r_p), self.tdVrdOt, stage)
+            if cutlass.const_expr(not cfg.ds_stored_first):
+                r_ds = self.store_ds(acc_dp, pds)
         else:
             probs(s_qk, self.row_values(m_block, stage, True), self.scale_log2)
             r_p = self.to_dtype(acc_s)
             gemm_rs(self.mma_dv, self.acc_dv, acc_to_operand_a(r_p), self.tdVrdOt, stage)
             warpgroup.wait_group(1)  # dP; dV still runs
             ds_from_probs(s_qk, dp_qk, self.row_values(m_block, stage, False))
-        r_ds = self.to_dtype(acc_dp)
-        cute.copy(self.r2s_atom, self.thr_r2s.retile(r_ds), self.tdSsdS[None, None, None, pds])
+            r_ds = self.store_ds(acc_dp, pds)
         cute.arch.fence_view_async_shared()
         self.pds_barrier.arrive_and_wait()
         acc_dq = self.new_acc_dq()
@@ -910,6 +916,14 @@ class BwdStep(DslState):
             gemm(self.mma_dq, acc_dq, self.tdQrdS, self.tdQrKt, pds, 0, False)
         gemm_rs(self.mma_dk, self.acc_dk, acc_to_operand_a(r_ds), self.tdKrQt, stage)
         self.finish_dq(pipe_q, pipe_do, state, do_state, acc_dq, m_block)
+
+    @cute.jit
+    def store_ds(self, acc_dp, pds):
+        """dS (in dP's accumulator) to 16 bits, into shared memory stage `pds`; returns the
+        16-bit fragment (dK's register A)."""
+        r_ds = self.to_dtype(acc_dp)
+        cute.copy(self.r2s_atom, self.thr_r2s.retile(r_ds), self.tdSsdS[None, None, None, pds])
+        return r_ds
 
     @cute.jit
     def run_smem_p(self, pipe_q, pipe_do, q_state, do_state, m_block: Int32, n_block: Int32):
@@ -1120,5 +1134,5 @@ def build_for_inspect(cfg):
         args = args[:6] + (fake_tensor(Float32, lead + (heads, cfg.tile[0] * cfg.hdim)),) \
             + args[7:]
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
-                       options=BWD_COMPILE_OPTIONS,
+                       options=bwd_compile_options(cfg.tile),
                        extra={"registers_per_role": registers_per_role()})
