@@ -298,16 +298,16 @@ def bwd_smem_plan(hdim: int, hdim_v: int, tile: tuple) -> BwdSmemPlan:
 
 def ds_stored_before_dv(tile: tuple) -> bool:
     """Whether a consumer converts dS and stores it to shared memory before it issues dV
-    (FA4's order) rather than while dV runs. At 128 query rows (hdim 64) it must: with the
-    16-bit dS, fp32 dP and the 16-bit P that dV reads from registers all live, ptxas -O2/-O3
-    serializes the WGMMAs (C7512). At 80 rows (hdim 128) it measured 5 % slower causal
-    (docs/perf.md, session 15), so there dS overlaps dV."""
+    (FA4's order) rather than while dV runs. At 128 query rows (hdim 64) it must for -O3:
+    with the fp32 dP still to convert while dV reads the 16-bit P from registers, ptxas
+    -O2/-O3 serializes the WGMMAs (C7512). At 80 rows (hdim 128) this order measured 5 %
+    slower causal (docs/perf.md, session 15), so there dS is stored while dV runs."""
     return BwdConfig(*tile).tile_m >= 128
 
 
 def bwd_compile_options(tile: tuple) -> str:
-    """ptxas's level for a backward schedule: -O3 (FA4's) where dS is stored before dV, 4-7 %
-    faster than -O1 at hdim 64 (session 15). Elsewhere -O1: at 80 rows -O3 ran 2-3 % slower
-    causal, at 64 rows (hdim 256) even, and at -O2/-O3 the hdim-128 local+softcap kernel
-    spilled."""
+    """ptxas's level for a backward schedule: -O3 (FA4's) where dS is stored before dV; with
+    that order it measured 4-7 % faster than the other order at -O1 at hdim 64 (session 15).
+    Elsewhere -O1: at 80 rows (hdim 128) the other order spills 40 B at -O3 and FA4's order
+    at -O3 ran 2-3 % slower causal; at 64 rows (hdim 256) -O3 measured even."""
     return "--opt-level 3" if ds_stored_before_dv(tile) else "--opt-level 1"
