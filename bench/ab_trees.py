@@ -43,16 +43,9 @@ def run_tree(path: str, bench_args: list, out: str, cache: str) -> list:
 
 
 def ours_only(bench_args: list) -> list:
-    """`bench_args` with flash_cute as the only provider."""
-    out, skip = [], False
-    for a in bench_args:
-        if skip:
-            skip = False
-        elif a == "--providers":
-            skip = True
-        elif not a.startswith("--providers="):
-            out.append(a)
-    return [*out, "--providers", "flash_cute"]
+    """`bench_args` with flash_cute as the only provider (the bench CLI keeps the last
+    --providers)."""
+    return [*bench_args, "--providers", "flash_cute"]
 
 
 def main():

@@ -90,12 +90,13 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
     if arch != "sm_90a":
         raise NotImplementedError(f"the hopper backward runs on sm_90a only, not {arch}")
     launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
-    tile, dq_layout = _bwd_schedule(problem.hdim, problem.hdim_v, problem.varlen,
-                                    short_causal(problem.causal, problem.max_seqlen_q,
-                                                 problem.max_seqlen_k, SHORT_CAUSAL_BWD_ROWS),
-                                    None if tile is None else tuple(tile))
+    tile, dq_layout, options = _bwd_schedule(
+        problem.hdim, problem.hdim_v, problem.varlen,
+        short_causal(problem.causal, problem.max_seqlen_q, problem.max_seqlen_k,
+                     SHORT_CAUSAL_BWD_ROWS),
+        None if tile is None else tuple(tile))
     return launch.backward("hopper.bwd", HopperBwd, dout, dlse, q, k, v, out, lse, problem,
-                           cu_seqlens_q, cu_seqlens_k, tile, bwd_compile_options(tile), arch,
+                           cu_seqlens_q, cu_seqlens_k, tile, options, arch,
                            prepare=_tma_ready, deterministic=bool(deterministic),
                            dq_accum_align=16, row_stats_align=16, seqused_q=seqused_q,
                            seqused_k=seqused_k, dq_layout=dq_layout)
@@ -103,12 +104,12 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
 
 @functools.lru_cache(maxsize=None)
 def _bwd_schedule(hdim: int, hdim_v: int, varlen: bool, short: bool, tile) -> tuple:
-    """(tile, dQaccum layout) of a backward configuration, worked out once: the tile (`tile`
-    or the head dim's default, `short`: `config.short_causal`) and, where the dQ tile fits in
-    shared memory, the fragment-order dQaccum (`TiledDqAccum`), else None (dQaccum laid out
-    like q)."""
+    """(tile, dQaccum layout, compile options) of a backward configuration, worked out once:
+    the tile (`tile` or the head dim's default, `short`: `config.short_causal`), where the dQ
+    tile fits in shared memory the fragment-order dQaccum (`TiledDqAccum`), else None (dQaccum
+    laid out like q), and `config.bwd_compile_options`."""
     from .dq_accum import TiledDqAccum
 
     tile = BwdConfig(*(tile or bwd_tile(hdim, varlen, short)))
     dq_layout = TiledDqAccum.of(tile, hdim) if bwd_smem_plan(hdim, hdim_v, tile).dq_tma else None
-    return tuple(tile), dq_layout
+    return tuple(tile), dq_layout, bwd_compile_options(tile)
