@@ -147,6 +147,11 @@ _SCHEDULE_CASES = [(128, {"causal": True}), (64, {"softcap": 15.0}),
     # stage, and its 96 keys at hdim 192.
     *[((64, 48, 2, False, True, 1), 256, kw) for _, kw in _SCHEDULE_CASES],
     ((64, 96, 2, False, True, 1), 192, {"causal": True}), ((64, 96, 2, False, True), 192, {}),
+    # dQ handed over per warpgroup (dq_per_wg), at each kind of dQ split.
+    *[((128, 128, 2, True, False, None, True), 64, kw) for _, kw in _SCHEDULE_CASES],
+    ((80, 128, 2, True, False, None, True), 128, {"causal": True}),
+    ((64, 128, 2, False, False, None, True), 128, {"window_size": (70, 9)}),
+    ((64, 48, 2, False, True, 1, True), 256, {"causal": True}),
 ])
 def test_hopper_backward_every_schedule(tile, hdim, kw):
     """S/dP computed transposed (P and dS kept in registers for dV and dK) or not (P and dS
@@ -234,3 +239,40 @@ def test_hopper_deterministic_varlen_backward_is_bitwise_reproducible():
         assert all(_bitwise_equal(a, b) for a, b in zip(first, again))
     _check(first, q, k, v, dout, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
+
+
+@pytest.mark.parametrize("tile,hdim,varlen", [((128, 128, 2, True, False, None, True), 64, False),
+                                              ((64, 128, 2, False, False, None, True), 128, True)])
+def test_dq_per_warpgroup_is_deterministic_and_handles_varlen(tile, hdim, varlen):
+    """dq_per_wg with deterministic=True: two bulk adds per query tile inside one turn of the
+    semaphore; bitwise equal over 5 runs, padded and varlen (tiles of different sequences)."""
+    from flash_cute.arch.hopper.api import backward
+    from flash_cute.arch.hopper.config import BwdConfig
+
+    if varlen:
+        lens = [300, 0, 77, 513]
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
+                          device="cuda")
+        gen = torch.Generator(device="cuda").manual_seed(31)
+        make = lambda h: torch.randn(sum(lens), h, hdim, device="cuda",  # noqa: E731
+                                     dtype=torch.bfloat16, generator=gen)
+        q, k, v, dout = make(4), make(2), make(2), make(4)
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                  max_seqlen_k=max(lens), causal=True)
+        out, lse = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                          return_lse=True, arch="hopper")
+        problem = validate_attention_inputs(q, k, v, **kw)
+        run = lambda: backward(dout, None, q, k, v, out, lse, problem, cu, cu,  # noqa: E731
+                               deterministic=True, tile=BwdConfig(*tile))
+        ref_kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    else:
+        q, k, v, dout = _inputs(2, 517, 901, 4, 2, hdim, hdim, torch.bfloat16, seed=41)
+        out, lse = flash_attn_func(q, k, v, return_lse=True, arch="hopper")
+        problem = validate_attention_inputs(q, k, v)
+        run = lambda: backward(dout, None, q, k, v, out, lse, problem,  # noqa: E731
+                               deterministic=True, tile=BwdConfig(*tile))
+        ref_kw = {}
+    first = run()
+    for _ in range(4):
+        assert all(_bitwise_equal(a, b) for a, b in zip(first, run()))
+    _check(first, q, k, v, dout, **ref_kw)

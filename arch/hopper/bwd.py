@@ -43,11 +43,13 @@ from .wgmma import wgmma_slice
 # Named barriers (0 is sync_threads'; the pipelines use mbarriers). 1: the 256 consumer
 # threads around the shared P and dS tiles (and around a deterministic turn of dQ atomics);
 # 2, 3: one consumer warpgroup's P, when its dV reads only the P columns it wrote itself;
-# 4, 5: the dQ tile full / empty, between the 256 consumer threads and the dQ-writer warp;
+# 4, 5: the dQ tile full / empty, between the 256 consumer threads and the dQ-writer warp
+# (`dq_per_wg`: between warpgroup 0 and the writer; 8, 9 the same for warpgroup 1);
 _PDS_BARRIER_ID = 1
 _WG_P_BARRIER_ID = 2
 _DQ_FULL_BARRIER_ID = 4
 _DQ_EMPTY_BARRIER_ID = 5
+_DQ_WG_BARRIER_STRIDE = 4
 _DQ_WRITER_WARP = 1
 # 6: the 256 consumer threads, after zeroing tile rows past a varlen sequence.
 _TAIL_BARRIER_ID = 6
@@ -152,12 +154,15 @@ class HopperBwd:
         self.hdim, self.hdim_v = hdim, hdim_v
         config = BwdConfig(*(tile or BWD_TILES[hdim]))
         self.tile_m, self.tile_n, self.q_stages, self.swap_sdp, self.swap_dkv = config[:5]
-        self.do_stages = config.dout_stages
+        self.do_stages, self.dq_per_wg = config.dout_stages, config.dq_per_wg
         self.splits = bwd_mma_splits(config, hdim)
         self.plan = bwd_smem_plan(hdim, hdim_v, config)
         self.pds_stages, self.dq_tma = self.plan.pds_stages, self.plan.dq_tma
         self.dq_swap = dq_swapped(config)
         self.ds_stored_first = ds_stored_before_dv(config)
+        if self.dq_per_wg and not self.dq_tma:
+            raise ValueError(f"dq_per_wg needs the shared dQ tile, which {config} leaves no room "
+                             f"for at hdim {hdim}")
         if self.dq_swap and (hdim != 2 * 64 or not self.dq_tma):
             raise ValueError(f"dQᵀ ({self.tile_m} query rows) needs hdim 128 (64 per consumer "
                              f"warpgroup) and the shared dQ tile; got hdim {hdim}, dq_tma "
@@ -546,6 +551,9 @@ class HopperBwd:
         order, so determinism holds too. That needs finite values in the rows TMA reads: the
         consumers zero the Q, dO, K and V rows past a varlen sequence first
         (`BwdStep.clear_tail`)."""
+        if cutlass.const_expr(self.dq_per_wg):
+            self.write_dq_halves(mdQaccum, smem, seq, head, order, m_min, m_max)
+            return
         full, empty = _dq_barriers(self)
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             if cutlass.const_expr(not self.deterministic):
@@ -568,6 +576,34 @@ class HopperBwd:
                 with cute.arch.elect_one():
                     order.signal(m_block)
         # Shared memory must outlive the last read.
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def write_dq_halves(self, mdQaccum, smem, seq, head, order, m_min, m_max):
+        """`write_dq` with `dq_per_wg`: per query tile, both halves' empty barriers once the
+        previous tile's add of that half has read it (bulk groups complete in commit order,
+        so half 0's is the older of the two outstanding), then each half's add as soon as its
+        warpgroup has filled it."""
+        wgs = BWD_CONSUMER_WARPGROUPS
+        barriers = [_dq_barriers(self, wg) for wg in range(wgs)]
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
+            for wg in cutlass.range_constexpr(wgs):
+                if cutlass.const_expr(not self.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(wgs - 1 - wg, read=True)
+                barriers[wg][1].arrive()
+            if cutlass.const_expr(self.deterministic):
+                order.wait(m_block)
+                cute.arch.fence_proxy("async.global")
+            for wg in cutlass.range_constexpr(wgs):
+                barriers[wg][0].arrive_and_wait()
+                reduce_add_tile(mdQaccum, smem.sdQ, seq, head, m_block, self.tile_m, self.hdim,
+                                wg, wgs)
+                cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_proxy("async.global")
+                with cute.arch.elect_one():
+                    order.signal(m_block)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
@@ -600,11 +636,20 @@ class HopperBwd:
         return pipeline.make_pipeline_state(user, self.do_stages)
 
 
-def _dq_barriers(cfg: HopperBwd):
-    """(full, empty) named barriers of the dQ tile: the 256 consumer threads and warp 1."""
-    n = cfg.num_consumer_threads + 32
-    return (pipeline.NamedBarrier(barrier_id=_DQ_FULL_BARRIER_ID, num_threads=n),
-            pipeline.NamedBarrier(barrier_id=_DQ_EMPTY_BARRIER_ID, num_threads=n))
+def _dq_barriers(cfg: HopperBwd, wg: int = 0):
+    """(full, empty) named barriers of the dQ tile: the 256 consumer threads and warp 1, or
+    (`dq_per_wg`) of warpgroup `wg`'s half: its 128 threads and warp 1."""
+    full, empty = dq_barrier_ids(cfg, wg)
+    n = (128 if cfg.dq_per_wg else cfg.num_consumer_threads) + 32
+    return (pipeline.NamedBarrier(barrier_id=full, num_threads=n),
+            pipeline.NamedBarrier(barrier_id=empty, num_threads=n))
+
+
+def dq_barrier_ids(cfg: HopperBwd, wg):
+    """(full, empty) barrier ids of warpgroup `wg`'s dQ half (an int, or the warp-uniform
+    run-time index), or of the whole tile without `dq_per_wg`."""
+    step = _DQ_WG_BARRIER_STRIDE * wg if cfg.dq_per_wg else 0
+    return _DQ_FULL_BARRIER_ID + step, _DQ_EMPTY_BARRIER_ID + step
 
 
 class ShuffledRows:
@@ -720,7 +765,7 @@ class BwdStep(DslState):
         self.tdSsdS = self.thr_r2s.partition_D(smem.sdS)
         self.pds_barrier = pipeline.NamedBarrier(barrier_id=_PDS_BARRIER_ID,
                                                  num_threads=cfg.num_consumer_threads)
-        self.wg_p_barrier_id = _WG_P_BARRIER_ID + wg
+        self.wg, self.wg_p_barrier_id = wg, _WG_P_BARRIER_ID + wg
         self._init_dq(cfg, tidx, seq, mma_dq, smem, mdQaccum, head)
 
     def _init_operands(self, cfg, wg, smem):
@@ -1032,13 +1077,15 @@ class BwdStep(DslState):
 
     @cute.jit
     def dq_to_smem(self, acc_dq: cute.Tensor):
-        """dQ partial into the shared dQ tile, once the dQ writer's TMA has read the last one."""
-        full, empty = _dq_barriers(self.cfg)
-        empty.arrive_and_wait()
+        """dQ partial into the shared dQ tile (`dq_per_wg`: this warpgroup's half), once the
+        dQ writer's bulk add has read the last one."""
+        full, empty = dq_barrier_ids(self.cfg, self.wg)
+        n = (128 if cutlass.const_expr(self.cfg.dq_per_wg) else self.cfg.num_consumer_threads) + 32
+        cute.arch.barrier(barrier_id=empty, number_of_threads=n)
         cute.autovec_copy(as_vectors(acc_dq), self.tdQsdQ)
-        # The TMA reads the tile through the async proxy.
+        # The bulk add reads the tile through the async proxy.
         cute.arch.fence_view_async_shared()
-        full.arrive()
+        cute.arch.barrier_arrive(barrier_id=full, number_of_threads=n)
 
     @cute.jit
     def dq_atomic(self, acc_dq: cute.Tensor, m_block: Int32):

@@ -158,13 +158,19 @@ class BwdConfig(NamedTuple):
     swap_dkv (FA3's dKV_swapAB): dK and dV are computed transposed (dVᵀ = dOᵀ P, dKᵀ = Qᵀ dS:
     the head dim on WGMMA's M), so tile_n only needs to be a multiple of 16 (FA4's 48 keys
     at hdim 256, which leaves room for two Q stages beside the dQ tile). P and dS go through
-    shared memory (not with swap_sdp)."""
+    shared memory (not with swap_sdp).
+
+    dq_per_wg (FA4's dQ protocol): each consumer warpgroup hands its half of the shared dQ tile
+    to the dQ writer on a full/empty barrier pair of its own, and the writer adds the halves
+    separately, so the warpgroups do not meet there; without it all 256 consumer threads and
+    the writer meet at one barrier per query tile (one bulk add). Needs the dQ tile."""
     tile_m: int
     tile_n: int
     q_stages: int
     swap_sdp: bool = False
     swap_dkv: bool = False
     do_stages: Optional[int] = None
+    dq_per_wg: bool = False
 
     @property
     def dout_stages(self) -> int:

@@ -3,12 +3,14 @@
 A query tile's dQ partial leaves the consumers' registers for one shared-memory tile and is
 added to global memory by one bulk reduce-add (`cp.reduce.async.bulk .add.f32`) of the whole
 tile, so the tile is kept in the order the WGMMA accumulator fragments have, in shared and in
-global memory (FA3/FA4 do the same): element i of consumer thread t sits at
+global memory (FA3/FA4 do the same): element i of consumer thread t (warpgroup w = t // 128,
+n = tile_m * hdim / DQ_THREADS elements per thread) sits at
 
-    (i // 4) * 4 * DQ_THREADS + 4 * t + i % 4
+    w * 128 * n + (i // 4) * 4 * 128 + 4 * (t % 128) + i % 4
 
 of its tile's tile_m * hdim floats, so each thread's four consecutive values are one 128-bit
-store and a warp's store covers 512 contiguous bytes (no bank conflicts). The layout it
+store, a warp's store covers 512 contiguous bytes (no bank conflicts) and each warpgroup's
+half is contiguous (a bulk add of its own, `BwdConfig.dq_per_wg`). The layout it
 replaced (rows like Q, a 128-byte swizzled tile for a TMA tensor reduce) took 16 64-bit stores
 per thread at twice the ideal wavefronts; this one is 1-2 % faster at hdim 128, although
 dropping the stores altogether gains 17 % (docs/perf.md, session 11).
@@ -57,8 +59,8 @@ def dq_tiled_mma(dtype, tile_m: int, hdim: int, split: tuple,
 
 def thread_view(tile: cute.Tensor, tidx, per_thread: int) -> cute.Tensor:
     """Consumer thread `tidx`'s (4, per_thread / 4) slots of a flat fragment-order tile."""
-    layout = cute.make_layout((_VEC, per_thread // _VEC, DQ_THREADS),
-                              stride=(1, _VEC * DQ_THREADS, _VEC))
+    layout = cute.make_layout((_VEC, per_thread // _VEC, (128, BWD_CONSUMER_WARPGROUPS)),
+                              stride=(1, _VEC * 128, (_VEC, per_thread * 128)))
     return cute.make_tensor(tile.iterator, layout)[None, None, tidx]
 
 
@@ -84,12 +86,16 @@ def tile_of(mdQaccum: cute.Tensor, seq: SeqInfo, head, m_block, tile_m: int) -> 
 
 @cute.jit
 def reduce_add_tile(mdQaccum: cute.Tensor, sdQ: cute.Tensor, seq: SeqInfo, head,
-                    m_block: Int32, tile_m: cutlass.Constexpr[int], hdim: cutlass.Constexpr[int]):
-    """One lane: the bulk reduce-add of the shared tile into its dQaccum tile (bulk_group
-    completion: commit and wait as for a TMA store)."""
+                    m_block: Int32, tile_m: cutlass.Constexpr[int], hdim: cutlass.Constexpr[int],
+                    chunk: cutlass.Constexpr[int] = 0, chunks: cutlass.Constexpr[int] = 1):
+    """One lane: the bulk reduce-add of the shared tile, or of its `chunk`-th of `chunks`
+    contiguous parts (a warpgroup's half), into its dQaccum tile (bulk_group completion:
+    commit and wait as for a TMA store)."""
     g = tile_of(mdQaccum, seq, head, m_block, tile_m)
+    n = tile_m * hdim // chunks
     with cute.arch.elect_one():
-        cp_reduce_async_bulk_global_shared_cta(g.iterator, sdQ.iterator, tile_m * hdim * 4,
+        cp_reduce_async_bulk_global_shared_cta((g.iterator + chunk * n),
+                                               (sdQ.iterator + chunk * n), n * 4,
                                                op=CpReduceOp.ADD, type=CpReduceType.F32)
 
 
