@@ -195,8 +195,9 @@ class BwdConfig(NamedTuple):
 # causal and not; session 14). At hdim 192 FA4's 96 keys with one dO stage: 1.06-1.11x
 # 64 x 64 x 2. Two dO stages leave no room for the dQ tile there (dQ falls back to atomics:
 # 0.5x).
-BWD_TILES = {64: BwdConfig(128, 128, 2, True), 96: BwdConfig(64, 128, 2),
-             128: BwdConfig(80, 128, 2, True), 192: BwdConfig(64, 96, 2, False, True, 1),
+BWD_TILES = {64: BwdConfig(128, 128, 2, True, dq_per_wg=True), 96: BwdConfig(64, 128, 2),
+             128: BwdConfig(80, 128, 2, True, dq_per_wg=True),
+             192: BwdConfig(64, 96, 2, False, True, 1),
              256: BwdConfig(64, 48, 2, False, True, 1)}
 
 def bwd_tile(hdim: int, varlen: bool = False, short: bool = False) -> BwdConfig:
