@@ -22,6 +22,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from flash_cute.block_range import block_range, block_runs
+from flash_cute.convert import convert_pairs
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
@@ -470,7 +471,7 @@ class HopperFwd:
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv)
             rescale_o(acc_to_mn(acc_o), scores.to_p(acc_s, rng.n_block_max - 1 - i, False, None))
-            r_p.store(acc_s.load().to(self.dtype))
+            convert_pairs(acc_s, r_p)
             pipe_v.consumer_wait(kv)
             turns.begin()
             gemms.pv(r_p, acc_o, kv.index)
@@ -501,7 +502,7 @@ class HopperFwd:
             warpgroup.wait_group(0)
             pipe_k.consumer_release(k_state)
             scores.to_p(acc_s, n_max - 1, True, True)
-            r_p.store(acc_s.load().to(self.dtype))
+            convert_pairs(acc_s, r_p)
             v_state = k_state.clone()
             k_state.advance()
             step = OverlappedStep(gemms, scores, turns, pipe_k, pipe_v, acc_s, r_p, acc_o)
@@ -816,7 +817,7 @@ class OverlappedStep(DslState):
             warpgroup.wait_group(0)
         self.pipe_v.consumer_release(v_state)
         rescale_o(acc_to_mn(self.acc_o), row_scale)
-        self.r_p.store(self.acc_s.load().to(self.r_p.element_type))
+        convert_pairs(self.acc_s, self.r_p)
         k_state.advance()
         v_state.advance()
         # Returned so the caller's loop rebinds them (the DSL carries plain locals only).
