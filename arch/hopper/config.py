@@ -49,7 +49,7 @@ class FwdConfig(NamedTuple):
 # 408 B at 192 rows (118 TFLOP/s), so `HopperFwd` takes 192 rows persistent only.
 TILES = {64: FwdConfig(192, 128, 2, persistent=True), 96: FwdConfig(128, 128, 2),
          128: FwdConfig(128, 128, 2, persistent=True),
-         192: FwdConfig(128, 96, 2), 256: FwdConfig(128, 80, 2)}
+         192: FwdConfig(128, 96, 2), 256: FwdConfig(128, 80, 2, pingpong=False)}
 
 def with_switches(tile: FwdConfig, **switches) -> FwdConfig:
     """`tile` with some `FwdConfig` switches changed (for ablations and tests); a 192-row

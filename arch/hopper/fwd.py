@@ -22,6 +22,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from flash_cute.block_range import block_range, block_runs
+from flash_cute.convert import convert_pairs
 from flash_cute.dsl_state import DslState
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
@@ -470,7 +471,7 @@ class HopperFwd:
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv)
             rescale_o(acc_to_mn(acc_o), scores.to_p(acc_s, rng.n_block_max - 1 - i, False, None))
-            r_p.store(acc_s.load().to(self.dtype))
+            convert_pairs(acc_s, r_p)
             pipe_v.consumer_wait(kv)
             turns.begin()
             gemms.pv(r_p, acc_o, kv.index)
@@ -501,11 +502,20 @@ class HopperFwd:
             warpgroup.wait_group(0)
             pipe_k.consumer_release(k_state)
             scores.to_p(acc_s, n_max - 1, True, True)
-            r_p.store(acc_s.load().to(self.dtype))
+            convert_pairs(acc_s, r_p)
             v_state = k_state.clone()
             k_state.advance()
-            step = OverlappedStep(gemms, scores, turns, pipe_k, pipe_v, acc_s, r_p, acc_o)
+            prev_scale = None
+            if cutlass.const_expr(not self.pingpong):
+                # O's rescale waits for the next block's S to be issued (`OverlappedStep`).
+                prev_scale = cute.make_rmem_tensor(cute.size(acc_to_mn(acc_s), mode=[0]),
+                                                   Float32)
+                prev_scale.fill(1.0)
+            step = OverlappedStep(gemms, scores, turns, pipe_k, pipe_v, acc_s, r_p, acc_o,
+                                  prev_scale)
             k_state, v_state = self.overlapped_blocks(step, rng, k_state, v_state)
+            if cutlass.const_expr(prev_scale is not None):
+                rescale_o(acc_to_mn(acc_o), prev_scale)
             pipe_v.consumer_wait(v_state)
             turns.begin()
             gemms.pv(r_p, acc_o, v_state.index)
@@ -791,12 +801,21 @@ class ScoreStep(DslState):
 
 class OverlappedStep(DslState):
     """One block of `HopperFwd.mainloop_overlapped` after the first: issue S[n] and
-    O += P[n+1] V[n+1], softmax of S[n] under the PV, then rescale O and convert P[n]."""
+    O += P[n+1] V[n+1], softmax of S[n] under the PV, then rescale O and convert P[n].
 
-    def __init__(self, gemms, scores, turns, pipe_k, pipe_v, acc_s, r_p, acc_o):
+    `prev_scale` (an rmem vector; without ping-pong): O's rescale by block n's factors waits
+    for the next step, between issuing S[n-1] and the PV that reads O, so it runs while that
+    S is computed instead of between the PV landing and the next issue (FA4's order where it
+    runs without ping-pong: from the PV wait to the next S, FA4 ran 104 instructions at hdim
+    256 and we 290, static SASS). With ping-pong the turn would hold the other warpgroups'
+    GEMMs back for it."""
+
+    def __init__(self, gemms, scores, turns, pipe_k, pipe_v, acc_s, r_p, acc_o,
+                 prev_scale=None):
         self.gemms, self.scores, self.turns = gemms, scores, turns
         self.pipe_k, self.pipe_v = pipe_k, pipe_v
         self.acc_s, self.r_p, self.acc_o = acc_s, r_p, acc_o
+        self.prev_scale = prev_scale
 
     @cute.jit
     def run(self, k_state, v_state, n_block: Int32, masked: cutlass.Constexpr,
@@ -804,6 +823,8 @@ class OverlappedStep(DslState):
         self.pipe_k.consumer_wait(k_state)
         self.turns.begin()
         self.gemms.qk(self.acc_s, k_state.index)
+        if cutlass.const_expr(self.prev_scale is not None):
+            rescale_o(acc_to_mn(self.acc_o), self.prev_scale)
         self.pipe_v.consumer_wait(v_state)
         self.gemms.pv(self.r_p, self.acc_o, v_state.index)
         self.turns.end()
@@ -815,8 +836,12 @@ class OverlappedStep(DslState):
         if cutlass.const_expr(not drain):
             warpgroup.wait_group(0)
         self.pipe_v.consumer_release(v_state)
-        rescale_o(acc_to_mn(self.acc_o), row_scale)
-        self.r_p.store(self.acc_s.load().to(self.r_p.element_type))
+        if cutlass.const_expr(self.prev_scale is None):
+            rescale_o(acc_to_mn(self.acc_o), row_scale)
+        else:
+            for r in cutlass.range_constexpr(cute.size(self.prev_scale)):
+                self.prev_scale[r] = row_scale[r]
+        convert_pairs(self.acc_s, self.r_p)
         k_state.advance()
         v_state.advance()
         # Returned so the caller's loop rebinds them (the DSL carries plain locals only).
