@@ -186,7 +186,7 @@ def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
 
 def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce(inspected):
     """16-bit dK and dV leave as 128-bit row stores. dQ leaves through one bulk reduce-add
-    of a shared-memory tile, written by 128-bit stores in fragment order (`dq_accum`),
+    of a shared-memory tile (two, one per consumer warpgroup's half, with dq_per_wg), written by 128-bit stores in fragment order (`dq_accum`),
     wherever that tile fits
     (`bwd_smem_plan`; every default schedule), else through fp32 atomics (registered: hdim 256
     with two Q/dO stages, plain and deterministic); a deterministic kernel adds one int32
@@ -215,7 +215,9 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce
             assert ops.get("STG", 0) == dkv_elems // 8, "dK/dV: whole 128-bit row stores"
         atomics = ops.get("REDG", 0) + ops.get("ATOMG", 0) - semaphore
         if bwd_smem_plan(cfg["hdim"], cfg["hdim_v"], tile).dq_tma:
-            assert ops.get("UBLKRED", 0) == 1, "dQ is added by one bulk reduce per tile"
+            # dq_per_wg: one bulk reduce per consumer warpgroup's half of the tile.
+            assert ops.get("UBLKRED", 0) == (2 if tile.dq_per_wg else 1), \
+                "dQ is added by one bulk reduce per tile (or per half)"
             # Varlen and seqused_k also zero tile tails; without the rings dK/dV skip smem.
             if not (cfg["varlen"] or cfg.get("seqused_k")) and rings_fit:
                 per_thread = cfg["tile"][0] * cfg["hdim"] // 256
@@ -252,8 +254,8 @@ def test_hopper_dq_postprocess_stores_whole_rows(inspected):
         assert ops["STG"] == ops["LDS"] == vectors and ops["BAR"] == 1 and ops["STS"] > 0, e
 
 
-@pytest.mark.parametrize("tile, waits", [((64, 128, 2, False), (3, 1)),
-                                         ((80, 128, 2, True), (2, 2))])
+@pytest.mark.parametrize("tile, waits", [((64, 128, 2, False, False, None, True), (3, 1)),
+                                         ((80, 128, 2, True, False, None, True), (2, 2))])
 def test_hopper_bwd_waits_for_each_gemm_only_where_it_is_needed(tile, waits):
     """64 rows with P in shared memory: S runs under nothing but dP is issued before S is
     waited for (P's exp2 overlaps dP), dV under dS, dK under dQ's way out: `wgmma.wait_group 1`
