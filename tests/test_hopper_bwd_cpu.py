@@ -147,7 +147,7 @@ def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
     assert bwd_tile(128) == BWD_TILES[128]
     assert bwd_tile(64, short=True) == BWD_TILES[64]
     assert bwd_tile(256, short=True) == BWD_TILES[256]
-    assert bwd_tile(128, varlen=True, short=True) == BwdConfig(64, 128, 2)
+    assert bwd_tile(128, varlen=True, short=True) == BwdConfig(64, 128, 2, dq_per_wg=True)
 
     seen = []
     monkeypatch.setattr(jit, "current_arch", lambda: "sm_90a")
