@@ -38,8 +38,10 @@ class FwdConfig(NamedTuple):
 # (hdim 256: 64 + 2 * 40 + 2 * 40 KiB = 224 KiB) and the O accumulator (hdim_v / 2 registers
 # per thread), S (tile_n / 2) and, with the overlap, P (tile_n / 4) fit the 240-register
 # consumer budget.
-# Ping-pong is on where it measured faster on the H200 (docs/perf.md): hdim 256 +3 %, hdim 64
-# +1 % (session 7); hdim 128, once the masked blocks got loops of their own, +0.8 to +7.1 %
+# Ping-pong is on where it measured faster on the H200 (docs/perf.md): hdim 64 +1 % (session 7);
+# not at hdim 256 (within +-2 % in session 14; FA4 runs it without, and without it O's rescale
+# waits for the next S to be issued: with P converted in pairs +2.6 to +3.3 % non-causal,
+# session 16); hdim 128, once the masked blocks got loops of their own, +0.8 to +7.1 %
 # causal and −0.9 to +8.0 % non-causal (session 10; in session 7 it had cost 12 % causal).
 # Persistence is on where it measured faster (docs/perf.md, session 8, seqlen 2k and 8k):
 # hdim 64 +1 to +7 % (one cell -3 %), hdim 128 0 to +5 %; unmeasured at 96, 192, 256.
@@ -200,7 +202,8 @@ class BwdConfig(NamedTuple):
 # keys with dK/dV transposed keep two Q stages beside it: 1.18-1.33x 64 x 64 x 1 (2k-16k,
 # causal and not; session 14). At hdim 192 FA4's 96 keys with one dO stage: 1.06-1.11x
 # 64 x 64 x 2. Two dO stages leave no room for the dQ tile there (dQ falls back to atomics:
-# 0.5x).
+# 0.5x). dq_per_wg at hdim 64 and 128: +1 to +4 % in all 8 cells (2k/8k, causal or not,
+# 5 rounds; docs/perf.md, session 16); unmeasured at the other head dims.
 BWD_TILES = {64: BwdConfig(128, 128, 2, True, dq_per_wg=True), 96: BwdConfig(64, 128, 2),
              128: BwdConfig(80, 128, 2, True, dq_per_wg=True),
              192: BwdConfig(64, 96, 2, False, True, 1),
