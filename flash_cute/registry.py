@@ -195,11 +195,6 @@ def _hopper_bwd_configs():
         out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 128, 128,
                                 HOPPER_BWD_TILES[128]._replace(tile_m=64, swap_sdp=swap),
                                 _HOPPER_BWD, _flags(**{**plain, "causal": swap})))
-    # Causal key tiles heaviest first (BwdConfig.lpt).
-    for d in (64, 128):
-        out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", d, d,
-                                HOPPER_BWD_TILES[d]._replace(lpt=True), _HOPPER_BWD,
-                                _flags(**{**plain, "causal": True})))
     # 64 query rows at hdim 64 against the default 128 (shuffled LSE₂/Δ).
     out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 64, 64,
                             HOPPER_BWD_TILES[64]._replace(tile_m=64), _HOPPER_BWD,

@@ -141,17 +141,6 @@ class TileOrder(NamedTuple):
         return m_block, pair - batch * self.num_heads, batch
 
 
-def heavy_key_tile_first(t, num_n_blocks, num_heads, num_batches, section, *, imin=min):
-    """(n_block, head, batch) of CTA number `t` of a causal backward, which runs one CTA per
-    key tile (n_block, head, batch): the key tiles in LPT order. A causal key tile's work
-    (the query tiles at or below its diagonal) shrinks as n_block grows, so this is the
-    forward's LPT order (`TileOrder`, L2 sections of (head, batch) pairs, pair fastest) with
-    the block index reversed: the heaviest n_block of every pair of a section first."""
-    block, head, batch = TileOrder(num_n_blocks, num_heads, num_batches, section,
-                                   True).coords(t, imin=imin)
-    return num_n_blocks - 1 - block, head, batch
-
-
 def launch_grid(num_tiles, persistent: bool, num_sms: int, *, imin=min):
     """CTAs to launch: one per tile, or for a persistent kernel at most one per SM."""
     return imin(num_tiles, num_sms) if persistent else num_tiles

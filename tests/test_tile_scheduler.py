@@ -4,11 +4,10 @@ import random
 
 import pytest
 
-from flash_cute.block_range import block_range, m_block_range
+from flash_cute.block_range import block_range
 from flash_cute.models import schedule_makespan, tile_order
 from flash_cute.tile_scheduler import (DEFAULT_NUM_SMS, L2_KV_BYTES, TileOrder, floor_pow2,
-                                       heavy_key_tile_first, launch_grid, num_sms,
-                                       pairs_per_section)
+                                       launch_grid, num_sms, pairs_per_section)
 
 
 class Runtime:
@@ -189,44 +188,3 @@ def test_schedule_makespan():
     assert schedule_makespan([4, 3, 3, 2], 2, persistent=False) == 6
     assert schedule_makespan([4, 3, 3, 2], 2, persistent=True) == 7
     assert schedule_makespan([5, 1], 4, persistent=True) == 5
-
-
-def _key_tile_work(n_block, tile_m, tile_n, seqlen):
-    """Query tiles a causal backward's key tile walks, plus one for its K/V loads and dK/dV
-    epilogue."""
-    lo, hi = m_block_range(n_block, tile_m, tile_n, seqlen, seqlen, causal=True)
-    return max(hi - lo, 0) + 1
-
-
-@pytest.mark.parametrize("shape", list(_shapes(20, 7)))
-def test_heavy_key_tiles_first_cover_every_key_tile_once(shape):
-    n_blocks, heads, batches, section, _ = shape
-    args = (n_blocks, heads, batches, section)
-    tiles = [heavy_key_tile_first(t, *args) for t in range(n_blocks * heads * batches)]
-    assert sorted(tiles) == sorted((n, h, b) for n in range(n_blocks) for h in range(heads)
-                                   for b in range(batches))
-    # The kernel's Int32 values: arithmetic and imin only.
-    for t in range(0, len(tiles), 7):
-        got = heavy_key_tile_first(Runtime(t), *map(Runtime, args), imin=_imin)
-        assert tuple(v.v for v in got) == tiles[t]
-
-
-@pytest.mark.parametrize("hdim,tile_m,seqlen", [(64, 128, 1024), (64, 128, 8192),
-                                                (128, 80, 2048), (128, 80, 8192)])
-def test_heavy_key_tiles_first_shorten_the_causal_tail(hdim, tile_m, seqlen):
-    """Within a section the causal key tiles run heaviest first, and the greedy makespan on
-    132 SMs (`schedule_makespan`) is within 2 % of the ideal, where the grid's order (n_block
-    fastest: the last heads' heaviest tiles start in the last wave) is 2-7 % over it."""
-    tile_n, batch, heads = 128, 16384 // seqlen, 2048 // hdim
-    n_blocks = seqlen // tile_n
-    section = pairs_per_section(seqlen, 4 * hdim + hdim * 4 + 8)
-    lpt = [_key_tile_work(heavy_key_tile_first(t, n_blocks, heads, batch, section)[0], tile_m,
-                          tile_n, seqlen) for t in range(n_blocks * heads * batch)]
-    for start in range(0, len(lpt), section * n_blocks):
-        chunk = lpt[start:start + section * n_blocks]
-        assert chunk == sorted(chunk, reverse=True)
-    grid = [_key_tile_work(n, tile_m, tile_n, seqlen)
-            for _ in range(batch * heads) for n in range(n_blocks)]
-    ideal = sum(grid) / DEFAULT_NUM_SMS
-    assert schedule_makespan(lpt, DEFAULT_NUM_SMS, persistent=False) <= 1.02 * ideal
-    assert schedule_makespan(grid, DEFAULT_NUM_SMS, persistent=False) >= 1.02 * ideal

@@ -29,7 +29,6 @@ from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_stri
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo, clear_tails
 from flash_cute.softmax import fold_scales
-from flash_cute.tile_scheduler import heavy_key_tile_first, pairs_per_section
 from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import (BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS, BWD_NUM_THREADS,
@@ -172,7 +171,6 @@ class HopperBwd:
         self.num_consumer_threads = 128 * BWD_CONSUMER_WARPGROUPS
         self.deterministic = deterministic
         set_kernel_switches(self, variant)
-        self.lpt = config.lpt and self.causal and not deterministic and not self.varlen
         # LSE₂ and Δ tiles by TMA; varlen reads them from global memory (a TMA of the
         # [h, tq] vectors faulted with an illegal instruction on the H200, not yet understood).
         self.stats_tma = not self.varlen
@@ -244,16 +242,11 @@ class HopperBwd:
                     one_stage(sQ_layout) + stats_bytes, one_stage(sdO_layout) + stats_bytes)
         batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
         grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
-        section = Int32(1)
-        if cutlass.const_expr(self.lpt):
-            # What a (head, batch) pair streams through every key tile: Q, dO, dQaccum, LSE₂, Δ.
-            row_bytes = (self.hdim + self.hdim_v) * self.dtype.width // 8 + self.hdim * 4 + 8
-            section = pairs_per_section(mQ.shape[1], row_bytes, imax=cutlass.max)
         scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
         self.kernel(
             tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, mdQaccum, tma_lse, tLSE,
             tma_delta, tDelta, mdK, mdV, mdQsem, softmax_scale, scale_log2, scale_div_cap, window_left,
-            window_right, section, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, *layouts, *mmas,
+            window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, *layouts, *mmas,
             SharedStorage, tx_bytes,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -367,7 +360,7 @@ class HopperBwd:
                tma_lse: cute.CopyAtom, mLSElog2: cute.Tensor, tma_delta: cute.CopyAtom,
                mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mdQsem: Optional[cute.Tensor], softmax_scale: Float32, scale_log2: Float32,
-               scale_div_cap: Float32, window_left: Int32, window_right: Int32, section: Int32,
+               scale_div_cap: Float32, window_left: Int32, window_right: Int32,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
@@ -393,12 +386,6 @@ class HopperBwd:
         smem = SmemTiles(self, storage, layouts)
 
         n_block, head, batch = cute.arch.block_idx()
-        if cutlass.const_expr(self.lpt):
-            # The grid's linear index (the order the hardware starts CTAs in) to a key tile.
-            num_n, num_heads, num_batches = cute.arch.grid_dim()
-            n_block, head, batch = heavy_key_tile_first(
-                n_block + num_n * (head + num_heads * batch), num_n, num_heads, num_batches,
-                section, imin=cutlass.min)
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
         seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                       mSeqUsedK)

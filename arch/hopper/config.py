@@ -165,12 +165,7 @@ class BwdConfig(NamedTuple):
     dq_per_wg (FA4's dQ protocol): each consumer warpgroup hands its half of the shared dQ tile
     to the dQ writer on a full/empty barrier pair of its own, and the writer adds the halves
     separately, so the warpgroups do not meet there; without it all 256 consumer threads and
-    the writer meet at one barrier per query tile (one bulk add). Needs the dQ tile.
-
-    lpt: a causal backward (not deterministic, not varlen) takes its key tiles heaviest first
-    across the heads (`tile_scheduler.heavy_key_tile_first`, L2 sections of the pairs whose Q,
-    dO and dQaccum fit half the L2) instead of the grid's order (n_block fastest), where the
-    heaviest tiles of the last heads start in the last wave. Ignored elsewhere."""
+    the writer meet at one barrier per query tile (one bulk add). Needs the dQ tile."""
     tile_m: int
     tile_n: int
     q_stages: int
@@ -178,7 +173,6 @@ class BwdConfig(NamedTuple):
     swap_dkv: bool = False
     do_stages: Optional[int] = None
     dq_per_wg: bool = False
-    lpt: bool = False
 
     @property
     def dout_stages(self) -> int:
