@@ -542,7 +542,8 @@ class HopperBwd:
     def write_dq(self, mdQaccum, smem, seq, head, order, m_min, m_max):
         """Warp 1: the bulk reduce-add of each query tile's dQ partial from the shared dQ tile
         into its dQaccum tile (`dq_accum`; one lane issues it, bulk groups are that lane's,
-        and every lane waits on its own).
+        and every lane waits on its own). With `dq_per_wg` the tile is two parts, one per
+        consumer warpgroup, each added as soon as its warpgroup has filled it.
 
         The rows of a tile past seqlen_q are added too, into this sequence's own tile. They
         are exactly ±0: dS = P ∘ (dP − Δ) = ±0 there (padded: dO, hence dP, and Δ are TMA's
@@ -551,23 +552,26 @@ class HopperBwd:
         order, so determinism holds too. That needs finite values in the rows TMA reads: the
         consumers zero the Q, dO, K and V rows past a varlen sequence first
         (`BwdStep.clear_tail`)."""
-        if cutlass.const_expr(self.dq_per_wg):
-            self.write_dq_halves(mdQaccum, smem, seq, head, order, m_min, m_max)
-            return
-        full, empty = _dq_barriers(self)
+        parts = BWD_CONSUMER_WARPGROUPS if self.dq_per_wg else 1
+        barriers = [_dq_barriers(self, part) for part in range(parts)]
         for m_block in cutlass.range(m_min, m_max, unroll=1):
-            if cutlass.const_expr(not self.deterministic):
-                # The previous tile's add has read the tile (deterministic: it has completed).
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            empty.arrive()
+            for part in cutlass.range_constexpr(parts):
+                if cutlass.const_expr(not self.deterministic):
+                    # The previous tile's add of this part has read it (deterministic: it
+                    # has completed). Bulk groups complete in commit order, so part 0's is
+                    # the older of the `parts` outstanding.
+                    cute.arch.cp_async_bulk_wait_group(parts - 1 - part, read=True)
+                barriers[part][1].arrive()
             if cutlass.const_expr(self.deterministic):
                 order.wait(m_block)
                 # The adds before ours were observed through the generic proxy; ours go
                 # through the async one.
                 cute.arch.fence_proxy("async.global")
-            full.arrive_and_wait()
-            reduce_add_tile(mdQaccum, smem.sdQ, seq, head, m_block, self.tile_m, self.hdim)
-            cute.arch.cp_async_bulk_commit_group()
+            for part in cutlass.range_constexpr(parts):
+                barriers[part][0].arrive_and_wait()
+                reduce_add_tile(mdQaccum, smem.sdQ, seq, head, m_block, self.tile_m, self.hdim,
+                                part, parts)
+                cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
                 # The add must be done in global memory, not just read, before the next
                 # K/V tile's add may start.
@@ -576,34 +580,6 @@ class HopperBwd:
                 with cute.arch.elect_one():
                     order.signal(m_block)
         # Shared memory must outlive the last read.
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def write_dq_halves(self, mdQaccum, smem, seq, head, order, m_min, m_max):
-        """`write_dq` with `dq_per_wg`: per query tile, both halves' empty barriers once the
-        previous tile's add of that half has read it (bulk groups complete in commit order,
-        so half 0's is the older of the two outstanding), then each half's add as soon as its
-        warpgroup has filled it."""
-        wgs = BWD_CONSUMER_WARPGROUPS
-        barriers = [_dq_barriers(self, wg) for wg in range(wgs)]
-        for m_block in cutlass.range(m_min, m_max, unroll=1):
-            for wg in cutlass.range_constexpr(wgs):
-                if cutlass.const_expr(not self.deterministic):
-                    cute.arch.cp_async_bulk_wait_group(wgs - 1 - wg, read=True)
-                barriers[wg][1].arrive()
-            if cutlass.const_expr(self.deterministic):
-                order.wait(m_block)
-                cute.arch.fence_proxy("async.global")
-            for wg in cutlass.range_constexpr(wgs):
-                barriers[wg][0].arrive_and_wait()
-                reduce_add_tile(mdQaccum, smem.sdQ, seq, head, m_block, self.tile_m, self.hdim,
-                                wg, wgs)
-                cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.fence_proxy("async.global")
-                with cute.arch.elect_one():
-                    order.signal(m_block)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
