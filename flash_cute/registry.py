@@ -195,6 +195,10 @@ def _hopper_bwd_configs():
         out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 128, 128,
                                 HOPPER_BWD_TILES[128]._replace(tile_m=64, swap_sdp=swap),
                                 _HOPPER_BWD, _flags(**{**plain, "causal": swap})))
+    # The default hdim-128 tile with the whole dQ tile handed over at once (no dq_per_wg).
+    out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 128, 128,
+                            HOPPER_BWD_TILES[128]._replace(dq_per_wg=False), _HOPPER_BWD,
+                            _flags(**{**plain, "causal": True})))
     # 64 query rows at hdim 64 against the default 128 (shuffled LSE₂/Δ).
     out.append(KernelConfig("hopper.bwd", ("sm_90a",), "bf16", 64, 64,
                             HOPPER_BWD_TILES[64]._replace(tile_m=64), _HOPPER_BWD,

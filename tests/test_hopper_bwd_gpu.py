@@ -200,7 +200,7 @@ def _autograd_grads(fn, q, k, v, dout):
     (128, 8, 2, 333, 1029, {}),                            # GQA, 9 K/V tiles per query tile
     (128, 4, 4, 1029, 777, {"causal": True}),
     (64, 6, 3, 517, 901, {"window_size": (150, 30)}),      # local: turns start past block 0
-    (256, 4, 1, 300, 700, {"causal": True}),               # atomics path (no dQ tile), MQA
+    (256, 4, 1, 300, 700, {"causal": True}),               # the dQ tile in one part, MQA
 ])
 def test_hopper_deterministic_backward_is_bitwise_reproducible(hdim, h, hk, sq, sk, kw):
     """deterministic=True through flash_attn_func and autograd: dQ, dK, dV are bitwise equal
@@ -240,12 +240,16 @@ def test_hopper_deterministic_varlen_backward_is_bitwise_reproducible():
     _check(first, q, k, v, dout, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
-
-@pytest.mark.parametrize("tile,hdim,varlen", [((128, 128, 2, True, False, None, True), 64, False),
-                                              ((64, 128, 2, False, False, None, True), 128, True)])
-def test_dq_per_warpgroup_is_deterministic_and_handles_varlen(tile, hdim, varlen):
-    """dq_per_wg with deterministic=True: two bulk adds per query tile inside one turn of the
-    semaphore; bitwise equal over 5 runs, padded and varlen (tiles of different sequences)."""
+@pytest.mark.parametrize("tile,hdim,varlen", [
+    ((128, 128, 2, True, False, None, True), 64, False),     # dq_per_wg: two bulk adds
+    ((64, 128, 2, False, False, None, True), 128, True),
+    ((128, 128, 2, True, False, None, False), 64, False),    # the whole tile: one bulk add
+    ((64, 64, 2), 256, False),                               # no dQ tile: fp32 atomics
+])
+def test_each_dq_hand_over_is_deterministic_and_handles_varlen(tile, hdim, varlen):
+    """deterministic=True with each way dQ leaves: dq_per_wg's two bulk adds per query tile
+    inside one turn of the semaphore, one bulk add of the whole tile, fp32 atomics; bitwise
+    equal over 5 runs, padded and varlen (tiles of different sequences)."""
     from flash_cute.arch.hopper.api import backward
     from flash_cute.arch.hopper.config import BwdConfig
 

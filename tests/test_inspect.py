@@ -186,11 +186,11 @@ def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
 
 def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce(inspected):
     """16-bit dK and dV leave as 128-bit row stores. dQ leaves through one bulk reduce-add
-    of a shared-memory tile (two, one per consumer warpgroup's half, with dq_per_wg), written by 128-bit stores in fragment order (`dq_accum`),
-    wherever that tile fits
-    (`bwd_smem_plan`; every default schedule), else through fp32 atomics (registered: hdim 256
-    with two Q/dO stages, plain and deterministic); a deterministic kernel adds one int32
-    semaphore increment."""
+    of a shared-memory tile (two, one per consumer warpgroup's half, with dq_per_wg), written
+    by 128-bit stores in fragment order (`dq_accum`), wherever that tile fits (`bwd_smem_plan`;
+    every default schedule), else through fp32 atomics (registered: hdim 256 with two Q/dO
+    stages, plain and deterministic); a deterministic kernel adds one int32 semaphore
+    increment."""
     from flash_cute.arch.hopper.config import BwdConfig, bwd_smem_plan
 
     entries = [e for e in inspected if e["kernel"] == "hopper.bwd"]

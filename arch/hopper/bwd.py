@@ -4,8 +4,9 @@ pipelines + WGMMA, warp-specialized, the GEMMs running under the pointwise work.
 Parallel over K/V tiles, like `arch.ampere.bwd`: a CTA keeps dK and dV of its tile_n keys in
 registers while it walks the query tiles that see them (`m_block_range`), recomputing
 P = exp2(S · scale_log2 − LSE · log2 e). dQ gets a partial sum from every K/V tile, added into
-dQaccum (fp32) by one bulk reduce-add of a shared-memory tile kept in the WGMMA fragment order
-(`dq_accum`; `HopperDqPostprocess` scales and converts it), or, where that tile does not fit
+dQaccum (fp32) by bulk reduce-adds of a shared-memory tile kept in the WGMMA fragment order
+(one per tile, or one per consumer warpgroup's half with `dq_per_wg`; `dq_accum`;
+`HopperDqPostprocess` scales and converts it), or, where that tile does not fit
 (`config.bwd_smem_plan`), by fp32 atomics into a dQaccum laid out like Q (`bwd_postprocess`).
 """
 
@@ -49,12 +50,17 @@ _PDS_BARRIER_ID = 1
 _WG_P_BARRIER_ID = 2
 _DQ_FULL_BARRIER_ID = 4
 _DQ_EMPTY_BARRIER_ID = 5
-_DQ_WG_BARRIER_STRIDE = 4
+_DQ_WG1_FULL_BARRIER_ID = 8
 _DQ_WRITER_WARP = 1
 # 6: the 256 consumer threads, after zeroing tile rows past a varlen sequence.
 _TAIL_BARRIER_ID = 6
 # 7: the 256 consumer threads around the dK/dV epilogue tiles in shared memory.
 _EPILOGUE_BARRIER_ID = 7
+# Warpgroup w's dQ pair is (4, 5) + w * stride.
+_DQ_WG_BARRIER_STRIDE = _DQ_WG1_FULL_BARRIER_ID - _DQ_FULL_BARRIER_ID
+assert len({_PDS_BARRIER_ID, _WG_P_BARRIER_ID, _WG_P_BARRIER_ID + 1, _DQ_FULL_BARRIER_ID,
+            _DQ_EMPTY_BARRIER_ID, _DQ_WG1_FULL_BARRIER_ID, _DQ_EMPTY_BARRIER_ID
+            + _DQ_WG_BARRIER_STRIDE, _TAIL_BARRIER_ID, _EPILOGUE_BARRIER_ID}) == 9
 
 
 class HopperBwd:
@@ -75,6 +81,7 @@ class HopperBwd:
     | P, dS tiles (shared memory) | pds_stages | consumers                | their dV, dK, dQ      |
     |   (swap_sdp: dSᵀ only)      |            |                          | dQ                    |
     | dQ tile (named barriers)    | 1          | consumers: 4 (full)      | dQ writer: 5 (empty)  |
+    |   (dq_per_wg: per half)     |            | wg 0: 4, wg 1: 8         | 5, 9                  |
     | dK, dV tiles (in Q's, dO's  | 1          | consumers, between two   | their row stores      |
     |   rings, after the loop)    |            | barriers 7 of all 256    |                       |
 
@@ -122,7 +129,8 @@ class HopperBwd:
 
     The dQ writer, per tile: wait until the bulk add has read the previous tile, arrive empty,
     [deterministic: wait for its turn], wait full, bulk reduce-add of the tile into dQaccum
-    [deterministic: wait for the add to complete, pass the turn].
+    [deterministic: wait for the add to complete, pass the turn]; with `dq_per_wg` each half
+    on its own pair of barriers (both empties first, then each half's full and add).
 
     Then dK *= softmax_scale and dK, dV rows < seqlen_k go to global memory, per query head
     (the host sums a GQA group): 16-bit ones through the freed Q and dO rings as whole 128-bit
@@ -558,8 +566,8 @@ class HopperBwd:
             for part in cutlass.range_constexpr(parts):
                 if cutlass.const_expr(not self.deterministic):
                     # The previous tile's add of this part has read it (deterministic: it
-                    # has completed). Bulk groups complete in commit order, so part 0's is
-                    # the older of the `parts` outstanding.
+                    # has completed). wait_group(N) leaves at most the N newest groups
+                    # pending, and part 0's add is the older of the `parts` outstanding.
                     cute.arch.cp_async_bulk_wait_group(parts - 1 - part, read=True)
                 barriers[part][1].arrive()
             if cutlass.const_expr(self.deterministic):
@@ -616,9 +624,15 @@ def _dq_barriers(cfg: HopperBwd, wg: int = 0):
     """(full, empty) named barriers of the dQ tile: the 256 consumer threads and warp 1, or
     (`dq_per_wg`) of warpgroup `wg`'s half: its 128 threads and warp 1."""
     full, empty = dq_barrier_ids(cfg, wg)
-    n = (128 if cfg.dq_per_wg else cfg.num_consumer_threads) + 32
+    n = dq_barrier_threads(cfg)
     return (pipeline.NamedBarrier(barrier_id=full, num_threads=n),
             pipeline.NamedBarrier(barrier_id=empty, num_threads=n))
+
+
+def dq_barrier_threads(cfg: HopperBwd) -> int:
+    """Threads that meet at a dQ barrier: the consumers that fill the tile (one warpgroup's
+    with `dq_per_wg`) and the writer warp."""
+    return (128 if cfg.dq_per_wg else cfg.num_consumer_threads) + 32
 
 
 def dq_barrier_ids(cfg: HopperBwd, wg):
@@ -1056,7 +1070,7 @@ class BwdStep(DslState):
         """dQ partial into the shared dQ tile (`dq_per_wg`: this warpgroup's half), once the
         dQ writer's bulk add has read the last one."""
         full, empty = dq_barrier_ids(self.cfg, self.wg)
-        n = (128 if cutlass.const_expr(self.cfg.dq_per_wg) else self.cfg.num_consumer_threads) + 32
+        n = dq_barrier_threads(self.cfg)
         cute.arch.barrier(barrier_id=empty, number_of_threads=n)
         cute.autovec_copy(as_vectors(acc_dq), self.tdQsdQ)
         # The bulk add reads the tile through the async proxy.

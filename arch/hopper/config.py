@@ -39,10 +39,10 @@ class FwdConfig(NamedTuple):
 # per thread), S (tile_n / 2) and, with the overlap, P (tile_n / 4) fit the 240-register
 # consumer budget.
 # Ping-pong is on where it measured faster on the H200 (docs/perf.md): hdim 64 +1 % (session 7);
-# not at hdim 256 (within +-2 % in session 14; FA4 runs it without, and without it O's rescale
-# waits for the next S to be issued: with P converted in pairs +2.6 to +3.3 % non-causal,
-# session 16); hdim 128, once the masked blocks got loops of their own, +0.8 to +7.1 %
-# causal and −0.9 to +8.0 % non-causal (session 10; in session 7 it had cost 12 % causal).
+# hdim 128, once the masked blocks got loops of their own, +0.8 to +7.1 % causal and −0.9 to
+# +8.0 % non-causal (session 10; in session 7 it had cost 12 % causal); on, unmeasured, at 96
+# and 192. Not at hdim 256: within +-2 % there (session 14), and without it O's rescale waits
+# for the next S to be issued (FA4's order there): +2.6 to +3.3 % non-causal (session 16).
 # Persistence is on where it measured faster (docs/perf.md, session 8, seqlen 2k and 8k):
 # hdim 64 +1 to +7 % (one cell -3 %), hdim 128 0 to +5 %; unmeasured at 96, 192, 256.
 # hdim 64 takes 192-row tiles (three consumer warpgroups at 160 registers, FA4's choice):

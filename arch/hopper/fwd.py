@@ -89,7 +89,8 @@ class HopperFwd:
     operand; softcap, mask and the online softmax run in registers. The schedule (`FwdConfig`):
 
     * ``intra_wg_overlap``: S[n-1] and P[n] V[n] are issued together; the softmax of S[n-1]
-      runs while that PV is in flight, O is rescaled after it lands (`mainloop_overlapped`).
+      runs while that PV is in flight, O is rescaled after it lands, or without ping-pong
+      after the next S is issued (`mainloop_overlapped`, `OverlappedStep.prev_scale`).
       Off: S, wait, softmax, PV, wait (`mainloop_serial`).
     * ``pingpong``: the two consumer warpgroups take turns issuing their WGMMAs, so one's
       softmax overlaps the other's GEMMs (`GemmTurns`; the turns run on across tiles).
@@ -485,7 +486,8 @@ class HopperFwd:
     def mainloop_overlapped(self, gemms, scores, turns, pipes, acc_o, rng, k_state):
         """FA3's intra-warpgroup overlap: S[n-1] = Q K[n-1]ᵀ and O += P[n] V[n] are issued
         together, so the softmax of block n-1 runs while the PV WGMMA of block n is in flight;
-        O is rescaled once that PV has landed. Blocks run right to left; the first is always
+        O is rescaled once that PV has landed (without ping-pong: once the next S is issued,
+        `OverlappedStep.prev_scale`). Blocks run right to left; the first is always
         masked (harmless where it needs none), the others as `overlapped_blocks` arranges.
         Returns the K/V state of the next tile's first block."""
         _, pipe_k, pipe_v = pipes
@@ -801,7 +803,8 @@ class ScoreStep(DslState):
 
 class OverlappedStep(DslState):
     """One block of `HopperFwd.mainloop_overlapped` after the first: issue S[n] and
-    O += P[n+1] V[n+1], softmax of S[n] under the PV, then rescale O and convert P[n].
+    O += P[n+1] V[n+1], softmax of S[n] under the PV, then rescale O (or keep the factors for
+    the next step, `prev_scale`) and convert P[n].
 
     `prev_scale` (an rmem vector; without ping-pong): O's rescale by block n's factors waits
     for the next step, between issuing S[n-1] and the PV that reads O, so it runs while that
