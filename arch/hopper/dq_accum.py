@@ -2,9 +2,10 @@
 
 A query tile's dQ partial leaves the consumers' registers for one shared-memory tile and is
 added to global memory by one bulk reduce-add (`cp.reduce.async.bulk .add.f32`) of the whole
-tile (or one per consumer warpgroup's half, `BwdConfig.dq_per_wg`), so the tile is kept in the order the WGMMA accumulator fragments have, in shared and in
-global memory (FA3/FA4 do the same): element i of consumer thread t (warpgroup w = t // 128,
-n = tile_m * hdim / DQ_THREADS elements per thread) sits at
+tile (or of each consumer warpgroup's half, see below), so the tile is kept in the order the
+WGMMA accumulator fragments have, in shared and in global memory (FA3/FA4 do the same):
+element i of consumer thread t (warpgroup w = t // 128, n = tile_m * hdim / DQ_THREADS
+elements per thread) sits at
 
     w * 128 * n + (i // 4) * 4 * 128 + 4 * (t % 128) + i % 4
 
