@@ -1105,10 +1105,13 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.T
     loop would carry it as a loop value. `accumulate=False` zero-initializes acc. The fence
     orders earlier ordinary accesses to acc's registers before the WGMMAs."""
     atom = cute.make_mma_atom(tiled_mma.op)
+    # The stage first, then the k-blocks: each k-block's descriptor is then the stage's plus a
+    # constant (FA4's form), not rebuilt from (k, stage).
+    a, b = tA[None, None, None, stage_a], tB[None, None, None, stage_b]
     warpgroup.fence()
     for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
         atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
-        cute.gemm(atom, acc, tA[None, None, k, stage_a], tB[None, None, k, stage_b], acc)
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
     warpgroup.commit_group()
 
 
@@ -1140,9 +1143,10 @@ def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cut
     untouched until it completes."""
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, True)
+    b = tB[None, None, None, stage_b]
     warpgroup.fence()
     for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k, stage_b], acc)
+        cute.gemm(atom, acc, tA[None, None, k], b[None, None, k], acc)
     warpgroup.commit_group()
 
 
