@@ -760,11 +760,13 @@ class WgmmaOperands(DslState):
         # A fresh atom per GEMM: ACCUMULATE is atom state, and an atom reused across the
         # run-time loop would carry that state as a loop value.
         atom = cute.make_mma_atom(self.mma_qk.op)
+        # The stage first, then the k-blocks: each k-block's descriptor is the stage's plus a
+        # constant (FA4's form), not rebuilt from (k, stage).
+        q, k_tile = self.tSrQ[None, None, None, 0], self.tSrK[None, None, None, stage]
         warpgroup.fence()
         for k in cutlass.range_constexpr(cute.size(self.tSrQ, mode=[2])):
             atom.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(atom, acc_s, self.tSrQ[None, None, k, 0], self.tSrK[None, None, k, stage],
-                      acc_s)
+            cute.gemm(atom, acc_s, q[None, None, k], k_tile[None, None, k], acc_s)
         warpgroup.commit_group()
 
     @cute.jit
@@ -774,9 +776,10 @@ class WgmmaOperands(DslState):
         tOrP = acc_to_operand_a(r_p)
         atom = cute.make_mma_atom(self.mma_pv.op)
         atom.set(warpgroup.Field.ACCUMULATE, True)
+        v = self.tOrV[None, None, None, stage]
         warpgroup.fence()
         for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(atom, acc_o, tOrP[None, None, k], self.tOrV[None, None, k, stage], acc_o)
+            cute.gemm(atom, acc_o, tOrP[None, None, k], v[None, None, k], acc_o)
         warpgroup.commit_group()
 
 
