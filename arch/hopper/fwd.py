@@ -536,11 +536,11 @@ class HopperFwd:
         the top of the softmax instead of under it (15 % of the warps' stall samples at hdim
         128, docs/perf.md). The masked loops drain the PV before their softmax: with both loop
         bodies keeping a WGMMA in flight ptxas runs out of registers and serializes every
-        WGMMA of the kernel. At 192 rows (160 registers) even that spills, so one loop tests
-        at run time there."""
+        WGMMA of the kernel. (At 192 rows, 160 registers, the split spilled 256 B until P was
+        converted in pairs, `convert_pairs`.)"""
         runs = block_runs(rng, imin=cutlass.min)
         windowed = self.causal or self.has_window_left or self.has_window_right
-        if cutlass.const_expr(not windowed or self.num_wg > 2):
+        if cutlass.const_expr(not windowed):
             masked = None if windowed else False
             for i in cutlass.range(runs.end - rng.n_block_min, unroll=1):
                 k_state, v_state = step.run(k_state, v_state, runs.end - 1 - i, masked)
