@@ -26,6 +26,10 @@ from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import LOG2_E
 
 
+# fp32 values per 128-bit zero store (`BwdPreprocessKernel.zero_fill`).
+_ZERO_VEC = 4
+
+
 def _row_split(row_vectors: int, num_threads: int, vectors_per_thread: int) -> tuple:
     """(threads per row, rows per CTA) for rows of `row_vectors` 128-bit vectors.
 
@@ -97,6 +101,8 @@ class BwdPreprocessKernel:
     | 0-3   | all: 128-bit loads of O and dO, `threads_per_row` lanes per row, fp32 products |
     |       | summed in registers then by a butterfly shuffle; the row's first lane writes   |
     |       | Delta; LSElog2 one thread per row (coalesced)                                  |
+    | 0-3   | `zero_fill`: 128-bit zero stores of the CTA's share of a flat fp32 buffer (the |
+    |       | main kernel's dQaccum), so it needs no fill kernel of its own                  |
 
     O, dO: padded [b, sq, h, dv] or varlen [total_q, h, dv]; LSE, dLSE, Delta, LSElog2: fp32
     padded [b, h, sq] or varlen [h, total_q]. Rows past a sequence's length (seqused_q[b] when
@@ -108,8 +114,9 @@ class BwdPreprocessKernel:
     vectors_per_thread = 8
 
     def __init__(self, dtype, hdim_v: int, varlen: bool = False, has_dlse: bool = False,
-                 has_seqused: bool = False):
+                 has_seqused: bool = False, zero_fill: bool = False):
         self.vec = 128 // dtype.width
+        self.zero_fill = zero_fill
         if hdim_v % self.vec != 0:
             raise ValueError(f"hdim_v must be a multiple of {self.vec} (128-bit loads), "
                              f"got {hdim_v}")
@@ -125,23 +132,31 @@ class BwdPreprocessKernel:
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mdLSE: Optional[cute.Tensor], mDelta: cute.Tensor, mLSElog2: cute.Tensor,
                  mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-                 max_seqlen_q: Int32, stream: cuda.CUstream):
+                 max_seqlen_q: Int32, mZero: Optional[cute.Tensor], stream: cuda.CUstream):
         """Varlen: cu_seqlens_q [b + 1] int32; seqused_q [b] int32 or None; max_seqlen_q sizes
-        the grid."""
+        the grid. `zero_fill`: mZero, a 16-byte aligned fp32 vector whose length is a multiple
+        of 4, is set to 0 (else None)."""
         mO, mdO = (assume_aligned_strides(t, self.vec) for t in (mO, mdO))
         batch = SeqInfo.num_batches(mO, mCuSeqlensQ)
         grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mO.shape[-2], batch)
         load = row_copy(self.dtype, self.vec, self.threads_per_row, self.num_threads)
-        self.kernel(mO, mdO, mLSE, mdLSE, mDelta, mLSElog2, mCuSeqlensQ, mSeqUsedQ, load).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+        zeros = None
+        if cutlass.const_expr(self.zero_fill):
+            # (4, n / 4): one 128-bit piece per column.
+            zeros = cute.make_tensor(mZero.iterator, cute.make_layout(
+                (_ZERO_VEC, mZero.shape[0] // _ZERO_VEC), stride=(1, _ZERO_VEC)))
+        self.kernel(mO, mdO, mLSE, mdLSE, mDelta, mLSElog2, mCuSeqlensQ, mSeqUsedQ, zeros,
+                    load).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                mdLSE: Optional[cute.Tensor], mDelta: cute.Tensor, mLSElog2: cute.Tensor,
                mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-               load: cute.TiledCopy):
+               zeros: Optional[cute.Tensor], load: cute.TiledCopy):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.zero_fill):
+            self.zero_share(zeros, tidx)
         seq = SeqInfo(batch, mO.shape[1], mO.shape[1], mCuSeqlensQ, mCuSeqlensQ, mSeqUsedQ)
         valid_rows = seq.seqlen_q - m_block * self.tile_m
         if valid_rows > 0:
@@ -156,6 +171,21 @@ class BwdPreprocessKernel:
                              cute.local_tile(seq.q_view(mdO, head), tile, (m_block, 0)),
                              dlse, self.row_tile(seq.lse_view(mDelta, head), m_block),
                              load, valid_rows, tidx)
+
+    @cute.jit
+    def zero_share(self, zeros: cute.Tensor, tidx: Int32):
+        """This CTA's contiguous share of the (4, n) pieces of `zeros`, 128-bit stores of 0.
+        Every CTA of the grid takes part, whether or not it has rows to read (varlen)."""
+        num_x, num_y, _ = cute.arch.grid_dim()
+        bx, by, bz = cute.arch.block_idx()
+        pieces = cute.size(zeros, mode=[1])
+        per_cta = cute.ceil_div(pieces, num_x * num_y * cute.arch.grid_dim()[2])
+        first = (bx + num_x * (by + num_y * bz)) * per_cta
+        last = cutlass.min(first + per_cta, pieces)
+        zero = cute.make_rmem_tensor(cute.make_layout(_ZERO_VEC), Float32)
+        zero.fill(0.0)
+        for i in cutlass.range(first + tidx, last, self.num_threads, unroll=4):
+            cute.autovec_copy(zero, zeros[None, i])
 
     def row_tile(self, rows: cute.Tensor, m_block: Int32) -> cute.Tensor:
         """The tile_m entries of a per-row vector that this CTA owns."""
@@ -279,13 +309,14 @@ def build_for_inspect(cfg):
         return CompileSpec(kernel, (fake_tensor(Float32, shape), fake_tensor(dtype, shape),
                                     Float32(0.125), fake_stream()))
     kernel = BwdPreprocessKernel(dtype, cfg.hdim_v, flags["varlen"], flags["dlse"],
-                                 flags.get("seqused_q", False))
+                                 flags.get("seqused_q", False), flags.get("zero_fill", False))
     o = tuple(fake_tensor(dtype, q_rows + (cfg.hdim_v,)) for _ in range(2))
     vecs = [fake_tensor(Float32, row_vec, align=4) for _ in range(4)]
     dlse = vecs[1] if kernel.has_dlse else None
     cu, used = (fake_tensor(Int32, (dynamic_dim(),), align=4) if on else None
                 for on in (kernel.varlen, kernel.has_seqused))
-    args = o + (vecs[0], dlse, vecs[2], vecs[3], cu, used, Int32(1), fake_stream())
+    zero = fake_tensor(Float32, (dynamic_dim(),), align=16) if kernel.zero_fill else None
+    args = o + (vecs[0], dlse, vecs[2], vecs[3], cu, used, Int32(1), zero, fake_stream())
     return CompileSpec(kernel, args)
 
 
@@ -302,14 +333,16 @@ def _kernel(cls, *config):
 
 
 @functools.lru_cache(maxsize=None)
-def _preprocess(dtype, hdim_v: int, varlen: bool, dlse: bool, seqused: bool, arch: str):
+def _preprocess(dtype, hdim_v: int, varlen: bool, dlse: bool, seqused: bool, zero_fill: bool,
+                arch: str):
     """The preprocess kernel object and compile key of a configuration."""
     from flash_cute.jit import DTYPES, CompileKey
 
     name = dtype_name(dtype)
-    kernel = _kernel(BwdPreprocessKernel, DTYPES[name], hdim_v, varlen, dlse, seqused)
+    kernel = _kernel(BwdPreprocessKernel, DTYPES[name], hdim_v, varlen, dlse, seqused, zero_fill)
     key = CompileKey("blocks.bwd.preprocess", arch, name, None, hdim_v, (kernel.tile_m, hdim_v),
-                     (("dlse", dlse), ("varlen", varlen), ("seqused_q", seqused)))
+                     (("dlse", dlse), ("varlen", varlen), ("seqused_q", seqused),
+                      ("zero_fill", zero_fill)))
     return kernel, key
 
 
@@ -321,7 +354,7 @@ def _vector_arg(t):
 
 
 def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=None,
-                   delta=None, lse_log2=None, seqused_q=None):
+                   delta=None, lse_log2=None, seqused_q=None, zero=None):
     """Delta and LSElog2 on the GPU, for inputs as `validate_backward_inputs` accepts them.
 
     out, dout: padded [b, sq, h, dv] or varlen [total_q, h, dv] (bf16/fp16, 16-byte aligned
@@ -329,7 +362,8 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
     for varlen, with `max_seqlen_q` its longest sequence (computed, with a host sync, when None);
     seqused_q: int32 [b], the rows of each sequence used (at most `max_seqlen_q`). Returns (delta, lse_log2), fp32 shaped like lse, written into
     `delta`/`lse_log2` when given; entries of rows outside every sequence, or past
-    seqused_q[b], are left as they were.
+    seqused_q[b], are left as they were. `zero`: a contiguous fp32 tensor (16-byte aligned,
+    numel % 4 == 0, e.g. the main kernel's dQaccum) set to 0 by the same kernel.
     """
     import torch
 
@@ -343,12 +377,18 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
     if max_seqlen_q is None:
         max_seqlen_q = _longest_sequence(cu_seqlens_q) if varlen else out.shape[1]
     if delta.numel() == 0 or max_seqlen_q == 0:
+        if zero is not None:
+            zero.zero_()
         return delta, lse_log2
+    if zero is not None and not (zero.dtype == torch.float32 and zero.is_contiguous()
+                                 and zero.numel() % 4 == 0 and zero.data_ptr() % 16 == 0):
+        raise ValueError("zero: a contiguous, 16-byte aligned fp32 tensor with numel % 4 == 0")
     kernel, key = _preprocess(out.dtype, out.shape[-1], varlen, dlse is not None,
-                              seqused_q is not None, current_arch())
+                              seqused_q is not None, zero is not None, current_arch())
     args = (TensorArg(out), TensorArg(dout), _vector_arg(lse), _vector_arg(dlse),
             _vector_arg(delta), _vector_arg(lse_log2), _vector_arg(cu_seqlens_q),
-            _vector_arg(seqused_q), int(max_seqlen_q))
+            _vector_arg(seqused_q), int(max_seqlen_q),
+            None if zero is None else TensorArg(zero.view(-1), 16))
     launch_kernel(key, lambda: kernel, args)
     return delta, lse_log2
 

@@ -142,7 +142,8 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
     (a fresh allocation; 16 for a TMA). `row_stats_align`: the same for Δ and LSE·log2 e,
     whose rows (one per head) are then padded so every row starts that aligned (a TMA needs
     16-byte strides). `dq_layout`: None for dQaccum laid out like q (then `bwd_postprocess`),
-    else an object whose `alloc(q, problem)` makes the kernel's own dQaccum and whose
+    else an object whose `alloc(q, problem)` makes the kernel's own dQaccum (contiguous,
+    uninitialized: the preprocess zeroes it) and whose
     `finish(dq_accum, q, problem, cu_seqlens_q)` returns dQ (e.g. the Hopper kernel's
     fragment-order tiles, `arch.hopper.dq_accum.TiledDqAccum`).
     """
@@ -154,12 +155,13 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
     setup = _backward_setup(name, kernel_cls, problem, tile, arch, q.dtype, deterministic)
     used = seqused_args(kernel_cls, problem, seqused_q, seqused_k)
     delta, lse_log2 = row_stats_buffers(lse, row_stats_align)
+    # Uninitialized: the preprocess zeroes it (no fill kernel of its own).
+    dq_accum = (torch.empty(q.shape, dtype=torch.float32, device=q.device) if dq_layout is None
+                else dq_layout.alloc(q, problem))
     bwd_preprocess(out, dout, lse, dlse, cu_seqlens_q, problem.max_seqlen_q, delta, lse_log2,
-                   seqused_q=seqused_q)
+                   seqused_q=seqused_q, zero=dq_accum)
     if prepare is not None:
         q, k, v, dout = (prepare(t) for t in (q, k, v, dout))
-    dq_accum = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_layout is None
-                else dq_layout.alloc(q, problem))
     kv_lead = k.shape[:-2]
     dk = setup.alloc(*kv_lead, problem.nheads, problem.hdim, dtype=setup.dkv_dtype,
                      device=q.device)

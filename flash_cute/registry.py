@@ -252,7 +252,7 @@ CONFIGS = (
 _BWD_PREP = "flash_cute.bwd_prep:build_for_inspect"
 CONFIGS += (
     KernelConfig("blocks.bwd.preprocess", ARCHES, "bf16", None, 128, (64, 128), _BWD_PREP,
-                 _flags(dlse=False, varlen=False, seqused_q=False)),
+                 _flags(dlse=False, varlen=False, seqused_q=False, zero_fill=True)),
     KernelConfig("blocks.bwd.preprocess", ARCHES, "fp16", None, 64, (128, 64), _BWD_PREP,
                  _flags(dlse=True, varlen=True, seqused_q=False)),
     KernelConfig("blocks.bwd.preprocess", ARCHES, "bf16", None, 128, (64, 128), _BWD_PREP,

@@ -154,6 +154,42 @@ def test_preprocess_empty_inputs_launch_nothing():
     assert delta.shape == (3, 0)
 
 
+@pytest.mark.parametrize("shape,zero_numel,varlen", [
+    ((2, 301, 3, 64), 2 * 301 * 3 * 64, False),
+    # Far more pieces than threads in the grid, and fewer: each CTA's share, and empty ones.
+    ((1, 17, 1, 128), 1_000_004, False), ((1, 700, 4, 64), 12, False),
+    ((700, 4, 64), 700 * 4 * 64, True)])
+def test_preprocess_zeroes_the_dq_accumulator(shape, zero_numel, varlen):
+    """`zero`: the preprocess sets a NaN-poisoned fp32 buffer (the main kernel's dQaccum) to
+    exactly 0, every element, and still writes Delta and LSElog2."""
+    from flash_cute.bwd_prep import bwd_preprocess
+
+    out, dout = _inputs(shape, torch.bfloat16, 7)
+    if varlen:
+        cu = torch.tensor([0, 250, 251, 700], dtype=torch.int32, device="cuda")
+        lse = _row_vector((shape[1], shape[0]), 8)
+        kw = dict(cu_seqlens_q=cu, max_seqlen_q=449)
+    else:
+        lse = _row_vector((shape[0], shape[2], shape[1]), 8)
+        kw = {}
+    zero = torch.full((zero_numel,), NAN, device="cuda")
+    delta, lse_log2 = bwd_preprocess(out, dout, lse, zero=zero, **kw)
+    assert torch.count_nonzero(zero) == 0 and not zero.isnan().any()
+    if not varlen:
+        _check(delta, lse_log2, *_reference(out, dout, lse, None))
+
+
+def test_preprocess_rejects_a_zero_buffer_it_cannot_store_to():
+    from flash_cute.bwd_prep import bwd_preprocess
+
+    out, dout = _inputs((1, 8, 1, 64), torch.bfloat16, 9)
+    lse = _row_vector((1, 1, 8), 9)
+    for bad in (torch.zeros(6, device="cuda"), torch.zeros(9, device="cuda")[1:],
+                torch.zeros(8, 2, device="cuda").t(), torch.zeros(8, device="cuda").half()):
+        with pytest.raises(ValueError, match="zero"):
+            bwd_preprocess(out, dout, lse, zero=bad)
+
+
 def test_preprocess_compiles_once_for_new_lengths():
     from flash_cute.bwd_prep import bwd_preprocess
     from flash_cute.jit import compile_cache

@@ -232,7 +232,8 @@ class TiledDqAccum:
         else:
             shape = accum_shape(q.shape[0], q.shape[1], problem.nheads, self.tile_m,
                                 problem.hdim)
-        return torch.zeros(shape, dtype=torch.float32, device=q.device)
+        # Zeroed by `launch.backward`'s preprocess.
+        return torch.empty(shape, dtype=torch.float32, device=q.device)
 
     def finish(self, dq_accum, q, problem, cu_seqlens_q):
         """dQ shaped like q (varlen rows outside every sequence: 0)."""
