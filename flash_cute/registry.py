@@ -139,6 +139,10 @@ def _hopper_fwd_configs():
                  HOPPER_TILES[64]._replace(intra_wg_overlap=False)):
         out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", 64, 64, tile, _HOPPER_FWD,
                                 _flags(**{**plain, "causal": True})))
+    # hdim 256's short causal tile (64 key columns, `SHORT_CAUSAL_TILE_N`).
+    out.append(KernelConfig("hopper.fwd", ("sm_90a",), "bf16", 256, 256,
+                            hopper_fwd_tile(256, short=True), _HOPPER_FWD,
+                            _flags(**{**plain, "causal": True})))
     # The persistent scheduler flipped from the table's choice (on at hdim 128; hdim 64's
     # 192-row tile runs persistent only, and its 128-row one is persistent above): plain
     # and causal (LPT order), varlen (tiles past a sequence skipped), and O's shared tile

@@ -40,8 +40,8 @@ def test_fwd_tile_keeps_192_rows_only_where_they_compile_without_spills():
 
 def test_short_causal_problems_take_128_rows():
     """Causal problems up to SHORT_CAUSAL_ROWS query rows (a head's, times the packing) run
-    hdim 64 on 128-row tiles; longer ones, or without the mask, its 192-row tile; other head
-    dims keep theirs."""
+    hdim 64 on 128-row tiles and hdim 256 on 64 key columns; longer ones, or without the
+    mask, the head dim's tile; other head dims keep theirs."""
     from flash_cute.arch.hopper.config import SHORT_CAUSAL_ROWS, short_causal
 
     assert short_causal(True, 512, 512) and short_causal(True, SHORT_CAUSAL_ROWS, 300)
@@ -51,6 +51,8 @@ def test_short_causal_problems_take_128_rows():
     assert fwd_tile(64, short=True) == TILES[64]._replace(tile_m=128)
     assert fwd_tile(64) == TILES[64]
     assert fwd_tile(128, short=True) == TILES[128]
+    assert fwd_tile(256, short=True) == TILES[256]._replace(tile_n=64)
+    assert fwd_tile(256) == TILES[256]
 
 
 def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):

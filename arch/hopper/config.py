@@ -74,6 +74,12 @@ PACK_ROWS = 128
 # at 2k; from 4k up 192 rows lead (403 / 422, 427 / 460, 440 / 472 at 4k, 8k, 16k), and
 # without the mask at every length (2k-16k by 12-18 %).
 SHORT_CAUSAL_ROWS = 2048
+# ... and hdim 256 takes 64 key columns instead of 80 (a diagonal block computed whole is then
+# 20 % smaller). H200, hopper_fwd_ablation --rounds 3 (session 17), 80 against 64 columns,
+# causal, TFLOP/s: 281.9 / 298.8 at 512, 414.1 / 428.0 at 1k, 519.8 / 536.5 at 2k (607.0 /
+# 619.1 at 4k, 646.9 / 658.5 at 8k, 685.9 / 678.5 at 16k); without the mask 80 columns lead
+# (641.3 / 638.6 at 2k, 704.7 / 677.9 at 8k, 712.0 / 700.6 at 16k).
+SHORT_CAUSAL_TILE_N = {256: 64}
 # Backward, hdim 128: 64 rows instead of 80 (FA4's causal tile) up to this many. A key block
 # of 128 then starts on a query-tile boundary; 80-row tiles straddle it, and at 512 rows that
 # is a large part of each CTA's few tiles. 64 against 80 rows, TFLOP/s: 228.6 / 210.6 at 512
@@ -96,12 +102,14 @@ def fwd_tile(hdim: int, pack: int = 1, rows_past_sequence: bool = False,
     tile takes 128 rows instead where `pack` does not divide 192, or where packed O leaves by
     row stores (`rows_past_sequence`: varlen or seqused_q, see `o_smem_tile`): at 160
     registers ptxas then hoists the packed rows' addresses out of the main loop and spills
-    them (64 to 176 B). `short` (`short_causal`): a 192-row tile takes 128 rows."""
+    them (64 to 176 B). `short` (`short_causal`): a 192-row tile takes 128 rows, and hdim
+    256 `SHORT_CAUSAL_TILE_N` key columns."""
     tile = TILES[hdim]
     if pack > 1 and tile.tile_m > PACK_ROWS and (tile.tile_m % pack or rows_past_sequence):
         return tile._replace(tile_m=PACK_ROWS)
-    if short and tile.tile_m > 128:
-        return tile._replace(tile_m=128)
+    if short:
+        return tile._replace(tile_m=min(tile.tile_m, 128),
+                             tile_n=SHORT_CAUSAL_TILE_N.get(hdim, tile.tile_n))
     return tile
 
 
