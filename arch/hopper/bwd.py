@@ -1069,13 +1069,12 @@ class BwdStep(DslState):
     def dq_to_smem(self, acc_dq: cute.Tensor):
         """dQ partial into the shared dQ tile (`dq_per_wg`: this warpgroup's half), once the
         dQ writer's bulk add has read the last one."""
-        full, empty = dq_barrier_ids(self.cfg, self.wg)
-        n = dq_barrier_threads(self.cfg)
-        cute.arch.barrier(barrier_id=empty, number_of_threads=n)
+        full, empty = _dq_barriers(self.cfg, self.wg)
+        empty.arrive_and_wait()
         cute.autovec_copy(as_vectors(acc_dq), self.tdQsdQ)
         # The bulk add reads the tile through the async proxy.
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=full, number_of_threads=n)
+        full.arrive()
 
     @cute.jit
     def dq_atomic(self, acc_dq: cute.Tensor, m_block: Int32):
