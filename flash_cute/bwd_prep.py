@@ -176,10 +176,10 @@ class BwdPreprocessKernel:
     def zero_share(self, zeros: cute.Tensor, tidx: Int32):
         """This CTA's contiguous share of the (4, n) pieces of `zeros`, 128-bit stores of 0.
         Every CTA of the grid takes part, whether or not it has rows to read (varlen)."""
-        num_x, num_y, _ = cute.arch.grid_dim()
+        num_x, num_y, num_z = cute.arch.grid_dim()
         bx, by, bz = cute.arch.block_idx()
         pieces = cute.size(zeros, mode=[1])
-        per_cta = cute.ceil_div(pieces, num_x * num_y * cute.arch.grid_dim()[2])
+        per_cta = cute.ceil_div(pieces, num_x * num_y * num_z)
         first = (bx + num_x * (by + num_y * bz)) * per_cta
         last = cutlass.min(first + per_cta, pieces)
         zero = cute.make_rmem_tensor(cute.make_layout(_ZERO_VEC), Float32)

@@ -327,5 +327,6 @@ def bwd_compile_options(tile: tuple) -> str:
     """ptxas's level for a backward schedule: -O3 (FA4's) where dS is stored before dV; with
     that order it measured 4-7 % faster than the other order at -O1 at hdim 64 (session 15).
     Elsewhere -O1: at 80 rows (hdim 128) the other order spills 40 B at -O3 and FA4's order
-    at -O3 ran 2-3 % slower causal; at 64 rows (hdim 256) -O3 measured even."""
+    at -O3 ran 2-3 % slower causal (session 15; 0.97-1.00x of -O1 on top of the stage-first
+    descriptors, session 17); at 64 rows (hdim 256) -O3 measured even."""
     return "--opt-level 3" if ds_stored_before_dv(tile) else "--opt-level 1"
