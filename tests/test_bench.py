@@ -432,3 +432,38 @@ def test_ab_trees_peers_once_keeps_every_argument_but_the_providers():
     parsed = bench.add_arguments(argparse.ArgumentParser()).parse_args(ab_trees.ours_only(args))
     assert parsed.providers == ["flash_cute"]
     assert (parsed.direction, parsed.hdim) == ("bwd", [64])
+
+
+def _inspect_entry(kernel="hopper.fwd", target="sm_90a", hdim=128, regs=168, hgmma=40):
+    return {"kernel": kernel, "arch": target, "registers": regs, "smem_bytes": 1024,
+            "spill_bytes": 0, "sass": {"HGMMA.64x128x16.F32.BF16": hgmma, "FFMA": 10},
+            "config": {"dtype": "bf16", "hdim": hdim, "hdim_v": hdim, "tile": [128, 128, 2],
+                       "dout_stages": 2}}
+
+
+def test_sass_diff_names_each_changed_config(tmp_path, capsys):
+    """bench/sass_diff.py: identical outputs pass; a changed opcode count, a changed register
+    count and a config present on one side only are each named; --rename maps a renamed
+    config key."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sass_diff", "bench/sass_diff.py")
+    sass_diff = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_diff)
+    before = [_inspect_entry(), _inspect_entry(hdim=64)]
+    renamed = [dict(e, config={("do_stages" if k == "dout_stages" else k): v
+                               for k, v in e["config"].items()}) for e in before]
+    paths = {}
+    for name, entries in [("before", before), ("same", renamed),
+                          ("changed", [_inspect_entry(hgmma=41), _inspect_entry(hdim=96)])]:
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps([dict(e, target=e.pop("arch")) if name != "before"
+                                           else e for e in entries]))
+    assert sass_diff.main([str(paths["before"]), str(paths["same"]),
+                           "--rename", "dout_stages=do_stages"]) == 0
+    assert sass_diff.main([str(paths["before"]), str(paths["same"])]) == 1
+    capsys.readouterr()
+    assert sass_diff.main([str(paths["before"]), str(paths["changed"])]) == 1
+    out = capsys.readouterr().out
+    assert "sass.HGMMA.64x128x16.F32.BF16 40 -> 41" in out
+    assert '"hdim": 64' in out and '"hdim": 96' in out
