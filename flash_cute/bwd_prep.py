@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_cute.launch import dtype_name
+from flash_cute.variant import dtype_name
 from flash_cute.layouts import assume_aligned_strides
 from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import LOG2_E
@@ -288,36 +288,6 @@ class BwdPostprocessKernel:
         if cutlass.const_expr(self.varlen):
             return t[None, head, None]
         return t[batch, None, head, None]
-
-
-def build_for_inspect(cfg):
-    """Registry builder for ``blocks.bwd.preprocess`` and ``blocks.bwd.postprocess``."""
-    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
-
-    dtype = DTYPES[cfg.dtype]
-    flags = cfg.flag_dict
-    heads = dynamic_dim()
-    if flags["varlen"]:
-        total_q = dynamic_dim()
-        q_rows, row_vec = (total_q, heads), (heads, total_q)
-    else:
-        batch, seqlen_q = dynamic_dim(), dynamic_dim()
-        q_rows, row_vec = (batch, seqlen_q, heads), (batch, heads, seqlen_q)
-    if cfg.kernel == "blocks.bwd.postprocess":
-        kernel = BwdPostprocessKernel(dtype, cfg.hdim, flags["varlen"])
-        shape = q_rows + (cfg.hdim,)
-        return CompileSpec(kernel, (fake_tensor(Float32, shape), fake_tensor(dtype, shape),
-                                    Float32(0.125), fake_stream()))
-    kernel = BwdPreprocessKernel(dtype, cfg.hdim_v, flags["varlen"], flags["dlse"],
-                                 flags.get("seqused_q", False), flags.get("zero_fill", False))
-    o = tuple(fake_tensor(dtype, q_rows + (cfg.hdim_v,)) for _ in range(2))
-    vecs = [fake_tensor(Float32, row_vec, align=4) for _ in range(4)]
-    dlse = vecs[1] if kernel.has_dlse else None
-    cu, used = (fake_tensor(Int32, (dynamic_dim(),), align=4) if on else None
-                for on in (kernel.varlen, kernel.has_seqused))
-    zero = fake_tensor(Float32, (dynamic_dim(),), align=16) if kernel.zero_fill else None
-    args = o + (vecs[0], dlse, vecs[2], vecs[3], cu, used, Int32(1), zero, fake_stream())
-    return CompileSpec(kernel, args)
 
 
 def _longest_sequence(cu_seqlens) -> int:

@@ -1,119 +1,31 @@
 """Public API: `flash_attn_func` and `flash_attn_varlen_func`, with flash_attn.cute's names,
-layouts and return convention ``(out, lse)``, and the dispatch to an arch pipeline.
+layouts and return convention ``(out, lse)``; autograd; the plan cache.
 
-Dispatch picks the newest pipeline that is built and runs on the device; ``arch=`` forces one
-(e.g. ``arch="ampere"`` runs the sm80 pipeline on a Hopper GPU, for per-arch comparison). The
-backward runs in the forward's pipeline when it has one, else in the newest pipeline with a
-backward for the device: the forward's (O, LSE) are the same in every pipeline. A pipeline
-that lacks a capability a problem needs (seqused_q / seqused_k, declared by a pipeline's
-``SUPPORTS_SEQUSED``; ``pack_gqa=True``, by ``SUPPORTS_PACK_GQA``) is never the default for
-it, and refuses it before any launch.
+Which pipeline runs a call is `flash_cute.dispatch`'s choice (the newest that runs on the
+device and has the capabilities the problem needs); ``arch=`` forces one (e.g.
+``arch="ampere"`` runs the sm80 pipeline on a Hopper GPU, for per-arch comparison), which then
+refuses, before any launch, what it lacks.
 """
 
 import threading
 from collections import OrderedDict
-from importlib import import_module
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from flash_cute.device import capability_of
+from flash_cute.dispatch import check_capabilities, select_backward_pipeline, select_pipeline
+from flash_cute.pipeline import Pipeline, required_capabilities
 from flash_cute.validation import (AttentionProblem, validate_attention_inputs,
                                    validate_backward_inputs)
-
-# Pipelines by name: (compute capability majors it runs on, module with `forward`/`backward`).
-# mma.sync and cp.async run on every GPU from sm80 on; WGMMA exists on sm90 only.
-PIPELINES = {"ampere": (range(8, 13), "flash_cute.arch.ampere.api"),
-             "hopper": (range(9, 10), "flash_cute.arch.hopper.api")}
-# Pipelines the dispatcher may pick on its own, newest first. A pipeline still being validated
-# is in PIPELINES (reachable with arch=...) but not here.
-DEFAULT_ORDER = ("hopper", "ampere")
-
-
-def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=None) -> str:
-    """The pipeline to run on `device`: `arch` if given (and able to run there), else the newest
-    that takes `problem` by default (a pipeline's `default_for(problem)`, when it has one)."""
-    major = capability_of(device)[0]
-    if arch is not None:
-        if arch not in PIPELINES:
-            built = ", ".join(sorted(PIPELINES))
-            raise NotImplementedError(f"arch={arch!r}: no such pipeline is built (built: {built})")
-        majors = PIPELINES[arch][0]
-        if major not in majors:
-            raise ValueError(f"arch={arch!r} runs on compute capability {majors[0]}.x to "
-                             f"{majors[-1]}.x; {torch.cuda.get_device_name(device)} is {major}.x")
-        return arch
-    runs_here = [name for name in DEFAULT_ORDER if major in PIPELINES[name][0]]
-    for name in runs_here:
-        if _takes_by_default(name, problem):
-            return name
-    if runs_here and problem is not None:
-        # Pipelines run here but lack what the problem asks for: say what.
-        check_capabilities(runs_here[0], problem)
-    raise NotImplementedError(f"no pipeline runs on compute capability {major}.x")
-
-
-def _takes_by_default(name: str, problem) -> bool:
-    if problem is None:
-        return True
-    if missing_capability(name, problem) is not None:
-        return False
-    default_for = getattr(_pipeline_module(name), "default_for", None)
-    return default_for is None or default_for(problem)
-
-
-def missing_capability(name: str, problem) -> Optional[str]:
-    """What pipeline `name` lacks to run `problem` at all (None if nothing). A generic check
-    here, so a pipeline's own `check_supported` need not know every newer feature."""
-    module = _pipeline_module(name)
-    uses_seqused = problem.has_seqused_q or problem.has_seqused_k
-    if uses_seqused and not getattr(module, "SUPPORTS_SEQUSED", False):
-        return "seqused_q/seqused_k"
-    packs = problem.pack_gqa and problem.qheads_per_kvhead > 1
-    if packs and not getattr(module, "SUPPORTS_PACK_GQA", False):
-        return "pack_gqa=True"
-    return None
-
-
-def check_capabilities(name: str, problem) -> None:
-    """NotImplementedError, before any launch, when pipeline `name` cannot run `problem`."""
-    missing = missing_capability(name, problem)
-    if missing is not None:
-        takers = [n for n in PIPELINES if missing_capability(n, problem) is None]
-        raise NotImplementedError(f"{missing}: not supported by the {name} pipeline yet; "
-                                  f"pipelines that support it: {', '.join(takers) or 'none'}")
-
-
-def select_backward_pipeline(device: torch.device, forward_pipeline: str, problem=None) -> str:
-    """The forward's pipeline if it has a backward, else the newest default one that does (and
-    can run `problem`, when given)."""
-    if hasattr(_pipeline_module(forward_pipeline), "backward"):
-        return forward_pipeline
-    major = capability_of(device)[0]
-    for name in DEFAULT_ORDER:
-        if (major in PIPELINES[name][0] and hasattr(_pipeline_module(name), "backward")
-                and (problem is None or missing_capability(name, problem) is None)):
-            return name
-    raise NotImplementedError(f"no pipeline has a backward for compute capability {major}.x")
-
-
-_MODULES = {}
-
-
-def _pipeline_module(name: str):
-    module = _MODULES.get(name)
-    if module is None:
-        module = _MODULES[name] = import_module(PIPELINES[name][1])
-    return module
 
 
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                problem: AttentionProblem, pipeline: str, bwd_pipeline: Optional[str],
+                problem: AttentionProblem, pipeline: Pipeline, bwd_pipeline: Optional[Pipeline],
                 deterministic: bool):
-        out, lse = _pipeline_module(pipeline).forward(q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
-                                                      **_seqused_kwargs(seqused_q, seqused_k))
+        out, lse = pipeline.forward(q, k, v, problem, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                    seqused_k)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.problem, ctx.pipeline, ctx.deterministic = problem, bwd_pipeline, deterministic
         ctx.set_materialize_grads(False)
@@ -131,9 +43,9 @@ class _FlashAttnFunc(torch.autograd.Function):
             validate_backward_inputs(dout, q, k, v, out, lse, ctx.problem)
             _CHECKED_BACKWARDS.put(key, True)
         with torch.cuda.device(q.device):
-            dq, dk, dv = _pipeline_module(ctx.pipeline).backward(
+            dq, dk, dv = ctx.pipeline.backward(
                 dout, dlse, q, k, v, out, lse, ctx.problem, cu_seqlens_q, cu_seqlens_k,
-                ctx.deterministic, **_seqused_kwargs(seqused_q, seqused_k))
+                seqused_q, seqused_k, ctx.deterministic)
         return _not_differentiable(dq, dk, dv) + (None,) * 8
 
 
@@ -149,14 +61,6 @@ def _not_differentiable(*grads) -> tuple:
         b"flash-cute's attention backward is not differentiable (no second-order gradients)",
         len(grads))
     return err(*(g.detach().requires_grad_() for g in grads))
-
-
-def _seqused_kwargs(seqused_q, seqused_k) -> dict:
-    """The seqused keywords, only when given: a pipeline without seqused support (which
-    `check_capabilities` kept from getting them) has no such parameters."""
-    if seqused_q is None and seqused_k is None:
-        return {}
-    return {"seqused_q": seqused_q, "seqused_k": seqused_k}
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
@@ -260,8 +164,8 @@ def flash_attn_varlen_func(
 class _Plan(NamedTuple):
     """What validation and dispatch decide for a call: the problem and the pipelines."""
     problem: AttentionProblem
-    pipeline: str
-    bwd_pipeline: Optional[str]  # None when no gradient is needed
+    pipeline: Pipeline
+    bwd_pipeline: Optional[Pipeline]  # None when no gradient is needed
 
 
 class _BoundedCache:
@@ -349,18 +253,13 @@ def _call_key(tensors: tuple, options) -> Optional[tuple]:
 
 def _make_plan(q, k, v, problem, arch, deterministic) -> _Plan:
     pipeline = select_pipeline(q.device, arch, problem)
-    check_capabilities(pipeline, problem)
-    _pipeline_module(pipeline).check_supported(problem, q.device)
+    check_capabilities(pipeline, required_capabilities(problem))
+    pipeline.check_supported(problem, q.device)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     bwd_pipeline = None
     if needs_grad:
-        bwd_pipeline = select_backward_pipeline(q.device, pipeline, problem)
-        check_capabilities(bwd_pipeline, problem)
-        bwd_module = _pipeline_module(bwd_pipeline)
-        bwd_module.check_supported(problem, q.device, backward=True)
-        if deterministic and not bwd_module.DETERMINISTIC_BACKWARD:
-            raise NotImplementedError(f"deterministic=True: the {bwd_pipeline} pipeline's backward "
-                                      "adds dQ with atomics and is not deterministic")
+        bwd_pipeline = select_backward_pipeline(q.device, pipeline, problem, deterministic)
+        bwd_pipeline.check_supported(problem, q.device, backward=True)
     return _Plan(problem, pipeline, bwd_pipeline)
 
 

@@ -1,5 +1,4 @@
-"""JIT layer: the compile cache, TVM-FFI launches, fake tensors for compiling without a GPU,
-and artifacts.
+"""JIT layer: the compile cache, TVM-FFI launches, fake tensors for compiling without a GPU.
 
 The cache key holds only what changes the generated code: kernel, arch, dtype, head dims, flags,
 tile config and a variant hash (score/mask mods). Batch and sequence lengths are never in it:
@@ -11,14 +10,12 @@ import functools
 import hashlib
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
 import torch
-
-from flash_cute.sass import kernel_resources, opcode_counts
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
 
@@ -105,49 +102,6 @@ def fake_stream():
     return cute.runtime.make_fake_stream()
 
 
-@dataclass
-class CompileSpec:
-    """What a registry builder returns: the jit callable, its fake arguments, and extras."""
-
-    fn: Callable
-    args: tuple
-    dynamic_smem_bytes: int = 0
-    extra: dict = field(default_factory=dict)
-    options: str = ""
-
-
-@dataclass
-class Artifacts:
-    ptx: str
-    cubin: bytes
-    sass: str
-
-    def summary(self, dynamic_smem_bytes: int = 0) -> dict:
-        """registers / smem_bytes / spill_bytes of the main kernel, and SASS opcode counts."""
-        kernels = kernel_resources(self.cubin)
-        main = max(kernels, key=lambda k: k.registers)
-        return {
-            "registers": main.registers,
-            "smem_bytes": main.static_smem_bytes + dynamic_smem_bytes,
-            "spill_bytes": main.frame_bytes,
-            "sass": opcode_counts(self.sass),
-        }
-
-
-def compile_with_artifacts(spec: CompileSpec) -> Artifacts:
-    """Compile `spec` for this process's arch and keep PTX, cubin and SASS.
-
-    SASS needs nvdisasm (pip nvidia-cuda-nvdisasm>=13.4) and is written only when the target
-    arch equals CUTE_DSL_ARCH, which is why cross-compiles run one worker process per arch.
-    """
-    options = " ".join(filter(None, ["--keep-ptx --keep-cubin --keep-sass", spec.options]))
-    compiled = cute.compile(spec.fn, *spec.args, options=options)
-    art = compiled.artifacts
-    if not art.CUBIN or not art.SASS:
-        raise RuntimeError("compile produced no cubin/SASS: is nvidia-cuda-nvdisasm installed?")
-    return Artifacts(ptx=art.PTX or "", cubin=art.CUBIN, sass=art.SASS)
-
-
 class TensorArg(NamedTuple):
     """A torch tensor argument of `launch_kernel`, with the byte alignment the kernel may
     assume of its data pointer (strides are compiled with no divisibility; a kernel that
@@ -184,97 +138,46 @@ def _value(arg):
     return t.detach() if t.requires_grad else t
 
 
-def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args: tuple,
-                  options: str = ""):
+_ENTRY_SOURCE = "def entry({params}, stream):\n    kernel(record({params}), stream)\n"
+
+
+def record_entry(kernel, record_type):
+    """A `@cute.jit` function taking `record_type`'s fields one by one, then the stream, that
+    calls ``kernel(record_type(...), stream)``: what is compiled for a kernel whose `__call__`
+    takes an argument record, so that its TVM-FFI function takes the fields themselves (a
+    NamedTuple argument would be an ffi.Array built on every call). Written from the record's
+    field names, it holds no control flow, so the DSL need not preprocess it."""
+    params = ", ".join(record_type._fields)
+    namespace = {"kernel": kernel, "record": record_type}
+    exec(_ENTRY_SOURCE.format(params=params), namespace)
+    return cute.jit(preprocess=False)(namespace["entry"])
+
+
+def compile_record(kernel, record, stream, options: str = ""):
+    """`cute.compile` of `kernel` for an argument record of fake tensors and DSL scalars
+    (`record_entry`); the compiled function takes the record's fields, then the stream."""
+    entry = record_entry(kernel, type(record))
+    return cute.compile(entry, *record, stream, options=options)
+
+
+def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args, options: str = ""):
     """Launch a kernel class instance's `__call__` on the current torch stream, compiling it
     once per `key` through TVM-FFI (`--enable-tvm-ffi`): it is compiled against fake tensors
     (dynamic shapes and strides, `TensorArg.align`) and the stream the call finds current,
     then called with the torch tensors and Python numbers themselves, which skips the DLPack
     conversion and argument adaptation of a `JitExecutor` call (bench/launch_overhead.py).
-    `args`: the call's arguments before its stream, each a `TensorArg`, a Python float (a
-    Float32 parameter), int (Int32) or None; `key` must tell apart everything that changes
-    their specs (dtypes, ranks, which are None, int against float)."""
+    `args`: an argument record (`flash_cute.kernel_args`) for a kernel whose `__call__` takes
+    one, else a tuple of the arguments before the stream; each value a `TensorArg`, a Python
+    float (a Float32 parameter), int (Int32) or None. `key` must tell apart everything that
+    changes their specs (dtypes, ranks, which are None, int against float)."""
+    is_record = hasattr(args, "_fields")
 
     def build():
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        spec = tuple(_spec(a) for a in args) + (stream,)
-        return cute.compile(make_kernel(), *spec,
-                            options=f"{options} --enable-tvm-ffi".strip())
+        spec = tuple(_spec(a) for a in args)
+        opts = f"{options} --enable-tvm-ffi".strip()
+        if is_record:
+            return compile_record(make_kernel(), type(args)(*spec), stream, opts)
+        return cute.compile(make_kernel(), *spec, stream, options=opts)
 
     compile_cache.get(key, build)(*[_value(a) for a in args])
-
-
-def attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k):
-    """An attention kernel's arguments after its tensors, for a validated `AttentionProblem`:
-    (scale, softcap, window left, window right) and the cu_seqlens (None when padded)."""
-    # Cast: a float or int slot is fixed by the first compile of each key.
-    scalars = (float(problem.softmax_scale),
-               float(problem.softcap) if problem.softcap > 0 else 1.0,
-               int(problem.window_left or 0), int(problem.window_right or 0))
-    cu = (TensorArg(cu_seqlens_q, 4), TensorArg(cu_seqlens_k, 4)) if problem.varlen \
-        else (None, None)
-    return scalars, cu
-
-
-def fake_seqused_args(seqused_q: bool, seqused_k: bool) -> tuple:
-    """Fake (mSeqUsedQ, mSeqUsedK) of a kernel that takes them: int32 [batch] or None."""
-    from cutlass import Int32
-
-    return tuple(fake_tensor(Int32, (dynamic_dim(),), align=4) if used else None
-                 for used in (seqused_q, seqused_k))
-
-
-def _fake_layout(varlen: bool):
-    """Dynamic extents of a fake launch: (Q rows, K rows, heads, kv heads, per-row vector shape
-    [b, h, sq] or [h, tq], cu_seqlens pair or (None, None)), padded or varlen."""
-    from cutlass import Int32
-
-    heads, heads_kv = dynamic_dim(), dynamic_dim()
-    if varlen:
-        rows_q, rows_k, batch1 = (dynamic_dim(),), (dynamic_dim(),), dynamic_dim()
-        cu = (fake_tensor(Int32, (batch1,), align=4), fake_tensor(Int32, (batch1,), align=4))
-        return rows_q, rows_k, heads, heads_kv, (heads, rows_q[0]), cu
-    batch, seqlen_q, seqlen_k = dynamic_dim(), dynamic_dim(), dynamic_dim()
-    return (batch, seqlen_q), (batch, seqlen_k), heads, heads_kv, (batch, heads, seqlen_q), \
-        (None, None)
-
-
-def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=None,
-                       dkv_fp32: bool = False, stats_align: int = 4, dq_align: int = 4,
-                       semaphores=None) -> tuple:
-    """Fake arguments of a backward main kernel (the `launch.backward` argument list) with
-    dynamic batch, heads and lengths, padded or varlen, for cross-compiling. The alignments
-    are those the arch's launch promises (`launch.backward`'s row_stats_align, dq_accum_align);
-    `seqused`: as in `fake_forward_args`; `semaphores`: None for a kernel without the dQ
-    semaphore argument, else whether it gets one (deterministic)."""
-    from cutlass import Float32, Int32
-
-    rows_q, rows_k, h, hk, stats, cu = _fake_layout(varlen)
-    dkv_dtype, dkv_align = (Float32, 4) if dkv_fp32 else (dtype, 16)
-    used = () if seqused is None else fake_seqused_args(*seqused)
-    sem = () if semaphores is None else (
-        fake_tensor(Int32, (dynamic_dim(), h, dynamic_dim()), align=4) if semaphores else None,)
-    return (fake_tensor(dtype, rows_q + (h, hdim)), fake_tensor(dtype, rows_k + (hk, hdim)),
-            fake_tensor(dtype, rows_k + (hk, hdim_v)), fake_tensor(dtype, rows_q + (h, hdim_v)),
-            fake_tensor(Float32, stats, align=stats_align),
-            fake_tensor(Float32, stats, align=stats_align),
-            fake_tensor(Float32, rows_q + (h, hdim), align=dq_align),
-            fake_tensor(dkv_dtype, rows_k + (h, hdim), align=dkv_align),
-            fake_tensor(dkv_dtype, rows_k + (h, hdim_v), align=dkv_align),
-            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu + used + sem \
-        + (fake_stream(),)
-
-
-def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool, seqused=None) -> tuple:
-    """Fake arguments of an attention forward kernel (the `launch.forward` argument list) with
-    dynamic batch, heads and lengths, padded or varlen, for cross-compiling. `seqused`: None
-    for a kernel without the seqused arguments, else (seqused_q, seqused_k) bools."""
-    from cutlass import Float32, Int32
-
-    rows_q, rows_k, heads, heads_kv, lse_shape, cu = _fake_layout(varlen)
-    used = () if seqused is None else fake_seqused_args(*seqused)
-    return (fake_tensor(dtype, rows_q + (heads, hdim)), fake_tensor(dtype, rows_k + (heads_kv, hdim)),
-            fake_tensor(dtype, rows_k + (heads_kv, hdim_v)),
-            fake_tensor(dtype, rows_q + (heads, hdim_v)), fake_tensor(Float32, lse_shape, align=4),
-            Float32(0.125), Float32(1.0), Int32(0), Int32(0), Int32(1)) + cu + used \
-        + (fake_stream(),)

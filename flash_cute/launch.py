@@ -1,20 +1,14 @@
 """Host-side launch plumbing shared by every pipeline's `api.py`: output allocation, the cases
 that need no kernel, support checks, one compile-cached forward launch and one backward
-sequence. A kernel class that declares `SUPPORTS_SEQUSED` takes (mSeqUsedQ, mSeqUsedK) right
-after its cu_seqlens; the others' argument lists stay without them."""
+sequence, each building its kernel's argument record (`flash_cute.kernel_args`)."""
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from flash_cute.variant import Variant
-
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return DTYPE_NAMES[dtype]
+from flash_cute.kernel_args import BwdArgs, FwdArgs, score_scalars
+from flash_cute.variant import Variant, dtype_name
 
 
 def check_head_dims(pipeline: str, problem, supported) -> None:
@@ -91,94 +85,118 @@ def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
     return group if filled(problem.max_seqlen_q) < 0.9 * filled(problem.max_seqlen_q * group) else 1
 
 
-def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k, tile: tuple,
-            options: str, arch: str, prepare=None, seqused_q=None, seqused_k=None,
-            pack_gqa: int = 1):
+def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k, seqused_q,
+            seqused_k, tile: tuple, options: str, target: str, prepare=None, pack_gqa: int = 1):
     """Allocate, handle the no-work case, compile (cached) and launch one attention forward.
 
-    `kernel_cls(dtype, hdim, hdim_v, variant, tile=...)` is the arch's kernel class; `prepare`
-    adapts q/k/v first (e.g. TMA-ready strides). `seqused_q` / `seqused_k` (int32 [batch] or
-    None) go to a kernel class with `SUPPORTS_SEQUSED` right after the cu_seqlens.
+    `kernel_cls(dtype, hdim, hdim_v, variant, tile=...)` is the arch's kernel class, whose
+    `__call__` takes a `kernel_args.FwdArgs`; `prepare` adapts q/k/v first (e.g. TMA-ready
+    strides). `seqused_q` / `seqused_k`: int32 [batch] or None, as `problem` was validated.
     `pack_gqa`: query heads per tile (`packed_heads`), for a kernel class that packs them.
     """
-    from flash_cute.jit import (DTYPES, CompileKey, TensorArg, attention_runtime_args,
-                                launch_kernel)
+    from flash_cute.jit import DTYPES, CompileKey, TensorArg, launch_kernel, tensor_arg
 
+    _check_seqused(problem, seqused_q, seqused_k)
     out, lse = alloc_out_lse(q, problem)
     if has_no_work(q, k, problem):
         lse.fill_(-float("inf"))
         return out.zero_(), lse
-    used = seqused_args(kernel_cls, problem, seqused_q, seqused_k)
     if prepare is not None:
         q, k, v = (prepare(t) for t in (q, k, v))
     variant = Variant.from_problem(problem, pack_gqa)
     dtype = dtype_name(q.dtype)
-    key = CompileKey(name, arch, dtype, problem.hdim, problem.hdim_v, tile, variant.flags())
-    scalars, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
-    args = (TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(out), TensorArg(lse, 4)) \
-        + scalars + (int(problem.max_seqlen_q),) + cu + used
+    key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tile, variant.flags())
+    varlen = problem.varlen
+    args = FwdArgs(TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(out), TensorArg(lse, 4),
+                   **score_scalars(problem), max_seqlen_q=int(problem.max_seqlen_q),
+                   cu_seqlens_q=tensor_arg(cu_seqlens_q, 4) if varlen else None,
+                   cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
+                   seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4))
     launch_kernel(key, lambda: kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant,
                                           tile=tile), args, options)
     return out, lse
 
 
-def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
-             cu_seqlens_k, tile: tuple, options: str, arch: str, prepare=None,
-             deterministic=None, dq_accum_align: int = 4, row_stats_align: int = 4,
-             seqused_q=None, seqused_k=None, dq_layout=None):
-    """(dq, dk, dv) through a backward main kernel with `AmpereBwd.__call__`'s contract:
-    preprocess (Δ, LSE·log2 e), the main kernel (compile-cached), dQ's scale-and-convert.
+class RowDqAccum(NamedTuple):
+    """dQaccum laid out like q (fp32), added to by the main kernel (atomics) and turned into
+    dQ by `bwd_postprocess`; the default `BackwardPlan.dq_accum`. `align`: what the kernel may
+    assume of its address (a fresh allocation is 256-byte aligned; 4 promises only fp32)."""
 
-    `kernel_cls(dtype, hdim, hdim_v, variant, tile=...)`; `prepare` adapts q/k/v/dout first
-    (e.g. TMA-ready strides). With GQA the kernel writes fp32 dK/dV per query head and the
-    group is summed here, in a fixed order. Varlen dK/dV start at zero: rows after the last
-    sequence get no gradient; so do they with seqused_k (keys past seqused_k[b]). dQ rows past
-    seqused_q[b] get no atomics and stay 0 from dQaccum's zeros. `seqused_q` / `seqused_k`
-    as in `forward`.
+    align: int = 4
 
-    `deterministic` is None for a kernel without that switch; a bool for one whose constructor
-    takes `deterministic=` and whose call takes the dQ semaphores (`dq_semaphores`, or None)
-    before the stream. `dq_accum_align`: the byte alignment the kernel may assume of dQaccum
-    (a fresh allocation; 16 for a TMA). `row_stats_align`: the same for Δ and LSE·log2 e,
-    whose rows (one per head) are then padded so every row starts that aligned (a TMA needs
-    16-byte strides). `dq_layout`: None for dQaccum laid out like q (then `bwd_postprocess`),
-    else an object whose `alloc(q, problem)` makes the kernel's own dQaccum (contiguous,
-    uninitialized: the preprocess zeroes it) and whose
-    `finish(dq_accum, q, problem, cu_seqlens_q)` returns dQ (e.g. the Hopper kernel's
-    fragment-order tiles, `arch.hopper.dq_accum.TiledDqAccum`).
+    @staticmethod
+    def alloc(q, problem):
+        # Uninitialized: the preprocess zeroes it (no fill kernel of its own).
+        return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+    @staticmethod
+    def finish(dq_accum, q, problem, cu_seqlens_q):
+        from flash_cute.bwd_prep import bwd_postprocess
+
+        return bwd_postprocess(dq_accum, problem.softmax_scale, q.dtype)
+
+
+class BackwardPlan(NamedTuple):
+    """What an arch's backward main kernel needs of `backward`: its compile-key name, kernel
+    class (`kernel_cls(dtype, hdim, hdim_v, variant, tile=..., deterministic=...)`, whose
+    `__call__` takes a `kernel_args.BwdArgs`), schedule, compile options and target; `prepare`
+    adapts q/k/v/dout first (e.g. TMA-ready strides); `dq_accum`: how dQaccum is laid out,
+    allocated (`alloc(q, problem)`, uninitialized: the preprocess zeroes it) and turned into
+    dQ (`finish(dq_accum, q, problem, cu_seqlens_q)`), with the byte alignment the kernel may
+    assume of it (`align`); `row_stats_align`: the same for Δ and LSE·log2 e, whose rows (one
+    per head) are then padded so every row starts that aligned (a TMA needs 16-byte
+    strides)."""
+    name: str
+    kernel_cls: type
+    tile: tuple
+    options: str
+    target: str
+    prepare: Optional[Callable] = None
+    dq_accum: object = RowDqAccum()
+    row_stats_align: int = 4
+
+
+def backward(plan: BackwardPlan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
+             cu_seqlens_k, seqused_q=None, seqused_k=None, deterministic: bool = False):
+    """(dq, dk, dv): preprocess (Δ, LSE·log2 e; it also zeroes the uninitialized dQaccum), the
+    main kernel of `plan` (compile-cached), then dQ from dQaccum (`plan.dq_accum.finish`).
+
+    With GQA the kernel writes fp32 dK/dV per query head and the group is summed here, in a
+    fixed order. Varlen dK/dV start at zero: rows after the last sequence get no gradient; so
+    do they with seqused_k (keys past seqused_k[b]). dQ rows past seqused_q[b] get nothing
+    added and stay 0 from dQaccum's zeros. `deterministic`: the kernel adds dQ in a fixed
+    order, through zeroed per-query-tile semaphores (`dq_semaphores`).
     """
-    from flash_cute.bwd_prep import bwd_postprocess, bwd_preprocess
-    from flash_cute.jit import TensorArg, attention_runtime_args, launch_kernel
+    from flash_cute.bwd_prep import bwd_preprocess
+    from flash_cute.jit import TensorArg, launch_kernel, tensor_arg
 
+    _check_seqused(problem, seqused_q, seqused_k)
     if has_no_work(q, k, problem):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    setup = _backward_setup(name, kernel_cls, problem, tile, arch, q.dtype, deterministic)
-    used = seqused_args(kernel_cls, problem, seqused_q, seqused_k)
-    delta, lse_log2 = row_stats_buffers(lse, row_stats_align)
-    # Uninitialized: the preprocess zeroes it (no fill kernel of its own).
-    dq_accum = (torch.empty(q.shape, dtype=torch.float32, device=q.device) if dq_layout is None
-                else dq_layout.alloc(q, problem))
+    setup = _backward_setup(plan, problem, q.dtype, bool(deterministic))
+    delta, lse_log2 = row_stats_buffers(lse, plan.row_stats_align)
+    dq_accum = plan.dq_accum.alloc(q, problem)
     bwd_preprocess(out, dout, lse, dlse, cu_seqlens_q, problem.max_seqlen_q, delta, lse_log2,
                    seqused_q=seqused_q, zero=dq_accum)
-    if prepare is not None:
-        q, k, v, dout = (prepare(t) for t in (q, k, v, dout))
+    if plan.prepare is not None:
+        q, k, v, dout = (plan.prepare(t) for t in (q, k, v, dout))
     kv_lead = k.shape[:-2]
     dk = setup.alloc(*kv_lead, problem.nheads, problem.hdim, dtype=setup.dkv_dtype,
                      device=q.device)
     dv = setup.alloc(*kv_lead, problem.nheads, problem.hdim_v, dtype=setup.dkv_dtype,
                      device=q.device)
-    _, cu = attention_runtime_args(problem, cu_seqlens_q, cu_seqlens_k)
-    sem = ()
-    if deterministic is not None:
-        sem = (TensorArg(dq_semaphores(problem, tile[0], q.device), 4)
-               if deterministic else None,)
-    args = (TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(dout),
-            TensorArg(lse_log2, row_stats_align), TensorArg(delta, row_stats_align),
-            TensorArg(dq_accum, dq_accum_align), TensorArg(dk, setup.dkv_align),
-            TensorArg(dv, setup.dkv_align)) + setup.scalars + cu + used + sem
-    launch_kernel(setup.key, setup.make_kernel, args, options)
-    dq = (bwd_postprocess(dq_accum, problem.softmax_scale, q.dtype) if dq_layout is None
-          else dq_layout.finish(dq_accum, q, problem, cu_seqlens_q))
+    varlen, align = problem.varlen, plan.row_stats_align
+    sem = dq_semaphores(problem, plan.tile[0], q.device) if deterministic else None
+    args = BwdArgs(TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(dout),
+                   TensorArg(lse_log2, align), TensorArg(delta, align),
+                   TensorArg(dq_accum, plan.dq_accum.align), TensorArg(dk, setup.dkv_align),
+                   TensorArg(dv, setup.dkv_align), **setup.scalars,
+                   cu_seqlens_q=tensor_arg(cu_seqlens_q, 4) if varlen else None,
+                   cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
+                   seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4),
+                   dq_semaphores=tensor_arg(sem, 4))
+    launch_kernel(setup.key, setup.make_kernel, args, plan.options)
+    dq = plan.dq_accum.finish(dq_accum, q, problem, cu_seqlens_q)
     group = problem.qheads_per_kvhead
     if group > 1:
         dk = dk.view(*kv_lead, problem.nheads_kv, group, problem.hdim).sum(-2).to(q.dtype)
@@ -189,52 +207,41 @@ def backward(name: str, kernel_cls, dout, dlse, q, k, v, out, lse, problem, cu_s
 class _BackwardSetup(NamedTuple):
     key: object
     make_kernel: Callable
-    scalars: tuple
+    scalars: dict
     dkv_dtype: torch.dtype
     dkv_align: int
     alloc: Callable
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_setup(name, kernel_cls, problem, tile, arch, dtype, deterministic):
+def _backward_setup(plan: BackwardPlan, problem, dtype, deterministic: bool):
     """What `backward` works out from its configuration alone, once per configuration (a
     short backward's host time is on the GPU's critical path): the main kernel's compile key
-    and factory, its scalar arguments (softmax scale, softcap, window, max_seqlen_k), and
+    and factory, its scalar fields (softmax scale, softcap, window, max_seqlen_k), and
     dK/dV's dtype (fp32 per query head for GQA, summed afterwards), alignment and
     allocation (zeroed where rows may get no gradient: varlen, seqused_k)."""
-    from flash_cute.jit import DTYPES, attention_runtime_args
+    from flash_cute.jit import DTYPES
 
     group = problem.qheads_per_kvhead
     variant = Variant.from_problem(problem)
     dname = dtype_name(dtype)
-    kernel_kw = {} if deterministic is None else {"deterministic": deterministic}
-    scalars, _ = attention_runtime_args(problem, None, None)
 
     def make_kernel():
-        return kernel_cls(DTYPES[dname], problem.hdim, problem.hdim_v, variant, tile=tile,
-                          **kernel_kw)
+        return plan.kernel_cls(DTYPES[dname], problem.hdim, problem.hdim_v, variant,
+                               tile=plan.tile, deterministic=deterministic)
 
     return _BackwardSetup(
-        backward_compile_key(name, arch, dname, problem, tile, deterministic), make_kernel,
-        scalars + (int(problem.max_seqlen_k),), torch.float32 if group > 1 else dtype,
-        16 if group == 1 else 4,
+        backward_compile_key(plan.name, plan.target, dname, problem, plan.tile, deterministic),
+        make_kernel, {**score_scalars(problem), "max_seqlen_k": int(problem.max_seqlen_k)},
+        torch.float32 if group > 1 else dtype, 16 if group == 1 else 4,
         torch.zeros if problem.varlen or problem.has_seqused_k else torch.empty)
 
 
-def seqused_args(kernel_cls, problem, seqused_q, seqused_k) -> tuple:
-    """(mSeqUsedQ, mSeqUsedK) for a kernel class with `SUPPORTS_SEQUSED`, () for one without
-    (whose argument list has no such slots): that one refuses a problem that needs them."""
-    from flash_cute.jit import tensor_arg
-
+def _check_seqused(problem, seqused_q, seqused_k) -> None:
     given = (seqused_q is not None, seqused_k is not None)
     if given != (problem.has_seqused_q, problem.has_seqused_k):
         raise ValueError(f"seqused_q/seqused_k given: {given}, but the problem was validated "
                          f"with {(problem.has_seqused_q, problem.has_seqused_k)}")
-    if not getattr(kernel_cls, "SUPPORTS_SEQUSED", False):
-        if any(given):
-            raise NotImplementedError(f"{kernel_cls.__name__} does not take seqused_q/seqused_k")
-        return ()
-    return tuple(tensor_arg(t, 4) for t in (seqused_q, seqused_k))
 
 
 def row_stats_buffer(lse: torch.Tensor, align: int) -> torch.Tensor:
@@ -251,16 +258,14 @@ def row_stats_buffers(lse: torch.Tensor, align: int, count: int = 2) -> tuple:
     return tuple(buf[i, ..., :n] for i in range(count))
 
 
-def backward_compile_key(name: str, arch: str, dtype: str, problem, tile: tuple,
-                         deterministic=None):
-    """A backward main kernel's CompileKey: the variant, fp32 dK/dV for GQA and, for a kernel
-    that has the switch, deterministic dQ."""
+def backward_compile_key(name: str, target: str, dtype: str, problem, tile: tuple,
+                         deterministic: bool = False):
+    """A backward main kernel's CompileKey: the variant, fp32 dK/dV for GQA, deterministic dQ."""
     from flash_cute.jit import CompileKey
 
-    flags = Variant.from_problem(problem).flags() + (("dkv_fp32", problem.qheads_per_kvhead > 1),)
-    if deterministic is not None:
-        flags += (("deterministic", bool(deterministic)),)
-    return CompileKey(name, arch, dtype, problem.hdim, problem.hdim_v, tuple(tile), flags)
+    flags = Variant.from_problem(problem).flags() + (
+        ("dkv_fp32", problem.qheads_per_kvhead > 1), ("deterministic", bool(deterministic)))
+    return CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(tile), flags)
 
 
 def dq_semaphores(problem, tile_m: int, device) -> torch.Tensor:

@@ -90,21 +90,6 @@ class LseMergeKernel:
                 mLSE[row] = lse
 
 
-def build_for_inspect(cfg):
-    """Registry builder: the merge kernel with fake [splits, rows, d] inputs."""
-    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
-
-    splits, rows = dynamic_dim(), dynamic_dim()
-    args = (
-        fake_tensor(Float32, (splits, rows, cfg.hdim)),
-        fake_tensor(Float32, (splits, rows), align=4),
-        fake_tensor(DTYPES[cfg.dtype], (rows, cfg.hdim)),
-        fake_tensor(Float32, (rows,), align=4),
-        fake_stream(),
-    )
-    return CompileSpec(LseMergeKernel(DTYPES[cfg.dtype], cfg.hdim), args)
-
-
 def lse_merge(o_parts, lse_parts, out_dtype=None, out=None, lse=None):
     """Merge on the GPU: o_parts [splits, rows, d] fp32, lse_parts [splits, rows] fp32.
 
@@ -114,7 +99,7 @@ def lse_merge(o_parts, lse_parts, out_dtype=None, out=None, lse=None):
     import torch
 
     from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_arch, launch_kernel
-    from flash_cute.launch import dtype_name
+    from flash_cute.variant import dtype_name
 
     out_dtype = out_dtype or torch.bfloat16
     _, rows, hdim = o_parts.shape

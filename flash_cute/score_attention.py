@@ -150,27 +150,6 @@ class ScoreAttentionKernel:
                 mLSE[batch, row] = lse[r]
 
 
-def build_for_inspect(cfg):
-    """Registry builder: this kernel with fake [b, sq, sk] scores, for cross-compiling."""
-    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
-
-    flags = cfg.flag_dict
-    dtype = DTYPES[cfg.dtype]
-    batch, seqlen_q, seqlen_k = dynamic_dim(), dynamic_dim(), dynamic_dim(divisibility=4)
-    kernel = ScoreAttentionKernel(
-        dtype, cfg.hdim_v, causal=flags["causal"], has_window_left=flags["local"],
-        has_window_right=flags["local"], has_softcap=flags["softcap"],
-    )
-    args = (
-        fake_tensor(Float32, (batch, seqlen_q, seqlen_k)),
-        fake_tensor(dtype, (batch, seqlen_k, cfg.hdim_v)),
-        fake_tensor(dtype, (batch, seqlen_q, cfg.hdim_v)),
-        fake_tensor(Float32, (batch, seqlen_q), align=4),
-        Float32(0.125), Float32(1.0), Int32(0), Int32(0), fake_stream(),
-    )
-    return CompileSpec(kernel, args)
-
-
 def score_attention(scores, v, softmax_scale: float, causal: bool = False,
                     window_size=(None, None), softcap: float = 0.0, out=None, lse=None):
     """Run the kernel on CUDA tensors: scores [b, sq, sk] fp32, v [b, sk, dv] bf16/fp16.
@@ -181,7 +160,7 @@ def score_attention(scores, v, softmax_scale: float, causal: bool = False,
     import torch
 
     from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_arch, launch_kernel
-    from flash_cute.launch import dtype_name
+    from flash_cute.variant import dtype_name
 
     left, right = window_size
     batch, seqlen_q, _ = scores.shape

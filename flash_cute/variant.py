@@ -9,6 +9,14 @@ tile packs into its rows (1: none; see `flash_cute.launch.packed_heads`).
 
 from dataclasses import dataclass
 
+# Compile-key names of the tensor dtypes, by torch dtype name (no torch import here).
+_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def dtype_name(dtype) -> str:
+    """"bf16", "fp16" or "fp32" for a torch dtype."""
+    return _DTYPE_NAMES[str(dtype)]
+
 
 @dataclass(frozen=True)
 class Variant:

@@ -14,12 +14,54 @@ import sys
 import tempfile
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from importlib import import_module
+from dataclasses import dataclass
 from pathlib import Path
 
-from flash_cute.registry import CONFIGS, KernelConfig
+from flash_cute.kernel_config import CompileSpec, KernelConfig
+from flash_cute.registry import CONFIGS
 
 _MARK = "@@flash_cute_result@@ "
+
+
+@dataclass
+class Artifacts:
+    ptx: str
+    cubin: bytes
+    sass: str
+
+    def summary(self, dynamic_smem_bytes: int = 0) -> dict:
+        """registers / smem_bytes / spill_bytes of the main kernel, and SASS opcode counts."""
+        from flash_cute.sass import kernel_resources, opcode_counts
+
+        kernels = kernel_resources(self.cubin)
+        main = max(kernels, key=lambda k: k.registers)
+        return {
+            "registers": main.registers,
+            "smem_bytes": main.static_smem_bytes + dynamic_smem_bytes,
+            "spill_bytes": main.frame_bytes,
+            "sass": opcode_counts(self.sass),
+        }
+
+
+def compile_with_artifacts(spec: CompileSpec) -> Artifacts:
+    """Compile `spec` for this process's target and keep PTX, cubin and SASS.
+
+    SASS needs nvdisasm (pip nvidia-cuda-nvdisasm>=13.4) and is written only when the target
+    equals CUTE_DSL_ARCH, which is why cross-compiles run one worker process per target.
+    """
+    import cutlass.cute as cute
+
+    from flash_cute.jit import compile_record, fake_stream
+
+    options = " ".join(filter(None, ["--keep-ptx --keep-cubin --keep-sass", spec.options]))
+    if hasattr(spec.args, "_fields"):
+        compiled = compile_record(spec.fn, spec.args, fake_stream(), options)
+    else:
+        compiled = cute.compile(spec.fn, *spec.args, options=options)
+    art = compiled.artifacts
+    if not art.CUBIN or not art.SASS:
+        raise RuntimeError("compile produced no cubin/SASS: is nvidia-cuda-nvdisasm installed?")
+    return Artifacts(ptx=art.PTX or "", cubin=art.CUBIN, sass=art.SASS)
 
 
 def _artifact_stem(index: int, cfg: KernelConfig) -> str:
@@ -77,8 +119,6 @@ def cross_compile(configs=None, archs=None, out_dir=None, jobs=None, timeout=180
 
 def compile_for_arch(cfg: KernelConfig, arch: str, out_dir=None):
     """PTX (str), cubin (bytes) and SASS (str) of one registered config for `arch`."""
-    from flash_cute.jit import Artifacts
-
     (result,) = cross_compile([cfg], [arch], out_dir=out_dir)
     if "error" in result:
         raise RuntimeError(f"{cfg.kernel} [{cfg.label}] for {arch}: {result['error']}")
@@ -88,11 +128,8 @@ def compile_for_arch(cfg: KernelConfig, arch: str, out_dir=None):
 
 
 def _compile_one(index: int, arch: str, out: Path) -> dict:
-    from flash_cute.jit import compile_with_artifacts
-
     cfg = CONFIGS[index]
-    module, func = cfg.builder.split(":")
-    spec = getattr(import_module(module), func)(cfg)
+    spec = cfg.builder(cfg)
     art = compile_with_artifacts(spec)
     stem = out / _artifact_stem(index, cfg)
     paths = {"ptx": str(stem) + ".ptx", "cubin": str(stem) + ".cubin", "sass": str(stem) + ".sass"}

@@ -308,7 +308,7 @@ def test_varlen_nan_in_the_unused_tail_does_not_leak(pipeline):
 
 # --------------------------------------------------------------------------- seqused
 
-# Pipelines whose kernels take seqused_q / seqused_k (their api's SUPPORTS_SEQUSED).
+# Pipelines whose kernels take seqused_q / seqused_k ("seqused" in their capabilities).
 SEQUSED_PIPELINES = ["ampere", "hopper"]
 
 SEQUSED_CASES = [
@@ -425,20 +425,17 @@ def test_seqused_gqa_window_softcap_and_new_values_reuse_the_kernel(pipeline):
 
 def test_seqused_default_dispatch_and_pipelines_without_it():
     """arch=None picks a pipeline that takes seqused; one that does not refuses before launch."""
-    import importlib
-
-    from flash_cute.interface import PIPELINES as BUILT
+    from flash_cute.dispatch import PIPELINES as BUILT
 
     q, k, v, call_kw, ref_kw, _, _ = _seqused_inputs(
         "padded", [1] * 2, [300] * 2, None, [123, 7], 4, 4, 64, torch.bfloat16, seed=23)
     out, lse = flash_attn_varlen_func(q, k, v, causal=True, return_lse=True, **call_kw)
     check_forward(out, lse, q, k, v, causal=True, **ref_kw)
     major = torch.cuda.get_device_capability()[0]
-    for name, (majors, module) in BUILT.items():
-        if major in majors and not getattr(importlib.import_module(module), "SUPPORTS_SEQUSED",
-                                           False):
+    for pipeline in BUILT:
+        if pipeline.runs_on(major) and "seqused" not in pipeline.capabilities:
             with pytest.raises(NotImplementedError, match="seqused"):
-                flash_attn_varlen_func(q, k, v, arch=name, **call_kw)
+                flash_attn_varlen_func(q, k, v, arch=pipeline.name, **call_kw)
 
 
 @pytest.mark.parametrize("arch", BWD_PIPELINES)

@@ -87,13 +87,13 @@ def _problem(**kw):
     return p
 
 
-def test_backward_compile_key_has_the_deterministic_switch_only_where_a_kernel_has_it():
+def test_backward_compile_key_tells_deterministic_and_gqa_apart():
     p = _problem()
     det = backward_compile_key("hopper.bwd", "sm_90a", "bf16", p, (64, 128, 2), True)
     nondet = backward_compile_key("hopper.bwd", "sm_90a", "bf16", p, (64, 128, 2), False)
     assert det != nondet and ("deterministic", True) in det.flags
     ampere = backward_compile_key("ampere.bwd", "sm_80", "bf16", p, (64, 128, 8))
-    assert all(name != "deterministic" for name, _ in ampere.flags)
+    assert ("deterministic", False) in ampere.flags
     gqa = backward_compile_key("hopper.bwd", "sm_90a", "bf16", _problem(nheads_kv=2),
                                (64, 128, 2), False)
     assert ("dkv_fp32", True) in gqa.flags and ("dkv_fp32", False) in nondet.flags
@@ -136,8 +136,8 @@ def test_bwd_mma_splits_of_transposed_dkv():
 def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
     """hdim 128's 80-row tile takes 64 rows (still transposed scores) for causal problems up to
     SHORT_CAUSAL_BWD_ROWS query rows and keys; other head dims, varlen, longer and
-    non-causal problems keep theirs; `api.backward` hands the launcher that tile and the
-    dQaccum layout of it."""
+    non-causal problems keep theirs; `api.backward` hands the launcher a plan with that tile
+    and the dQaccum layout of it."""
     from flash_cute import jit, launch
     from flash_cute.arch.hopper import api
     from flash_cute.arch.hopper.config import bwd_tile
@@ -151,15 +151,15 @@ def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
 
     seen = []
     monkeypatch.setattr(jit, "current_arch", lambda: "sm_90a")
-    monkeypatch.setattr(launch, "backward", lambda *a, **kw: seen.append((a[12], kw)))
+    monkeypatch.setattr(launch, "backward", lambda plan, *a: seen.append(plan))
     for sq, sk, causal in [(512, 512, True), (513, 513, True), (500, 500, False),
                            (500, 2000, True)]:
         q = torch.randn(1, sq, 2, 128, dtype=torch.bfloat16)
         k = torch.randn(1, sk, 2, 128, dtype=torch.bfloat16)
         problem = validate_attention_inputs(q, k, k, causal=causal, require_cuda=False)
         api.backward(q, None, q, k, k, q, None, problem)
-    assert [t[0] for t, _ in seen] == [64, 80, 80, 80]
+    assert [plan.tile[0] for plan in seen] == [64, 80, 80, 80]
     # The dQ postprocess reads the tiles the main kernel wrote: 64 rows, dQ not transposed,
     # for the short problem; 80 rows of dQᵀ otherwise.
-    layouts = [(kw["dq_layout"].tile_m, kw["dq_layout"].swapped) for _, kw in seen]
+    layouts = [(plan.dq_accum.tile_m, plan.dq_accum.swapped) for plan in seen]
     assert layouts == [(64, False)] + [(80, True)] * 3

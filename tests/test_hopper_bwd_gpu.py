@@ -181,10 +181,11 @@ def test_hopper_backward_new_lengths_reuse_the_compiled_kernel():
 
 
 def test_dispatcher_runs_the_hopper_backward_after_the_hopper_forward():
-    from flash_cute.interface import select_backward_pipeline
+    from flash_cute.dispatch import pipeline_named, select_backward_pipeline
 
-    assert select_backward_pipeline(torch.device("cuda"), "hopper") == "hopper"
-    assert select_backward_pipeline(torch.device("cuda"), "ampere") == "ampere"
+    for name in ("hopper", "ampere"):
+        pipeline = pipeline_named(name)
+        assert select_backward_pipeline(torch.device("cuda"), pipeline) is pipeline
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

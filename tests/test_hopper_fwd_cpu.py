@@ -68,7 +68,7 @@ def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
     seen = []
     monkeypatch.setattr(jit, "current_arch", lambda: "sm_90a")
     monkeypatch.setattr(launch, "forward",
-                        lambda *a, **kw: seen.append((a[8][0], kw["pack_gqa"])))
+                        lambda *a, **kw: seen.append((a[10][0], kw["pack_gqa"])))
     for sq, sk, causal, heads_kv, pack in [(1024, 1024, True, 4, None),
                                            (4096, 4096, True, 4, None),
                                            (1024, 1024, False, 4, None),

@@ -1,45 +1,66 @@
 """Dispatch and API contracts that need no GPU."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import flash_cute
-from flash_cute import interface
+from flash_cute import dispatch, interface
 from flash_cute.arch.ampere import api as ampere_api
+from flash_cute.arch.ampere.pipeline import AMPERE
 from flash_cute.arch.hopper import api as hopper_api
+from flash_cute.arch.hopper.pipeline import HOPPER
+from flash_cute.pipeline import required_capabilities
 from flash_cute.validation import validate_attention_inputs
 
 
 @pytest.fixture
 def capability(monkeypatch):
     def set_cap(major, minor=0):
-        monkeypatch.setattr(interface, "capability_of", lambda device: (major, minor))
+        monkeypatch.setattr(dispatch, "capability_of", lambda device: (major, minor))
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"fake sm_{major}{minor}")
     return set_cap
 
 
+def _replace(monkeypatch, pipeline, **changes):
+    """Dispatch with `pipeline`'s descriptor changed (e.g. a capability taken away)."""
+    changed = dataclasses.replace(pipeline, **changes)
+    monkeypatch.setattr(dispatch, "PIPELINES",
+                        tuple(changed if p is pipeline else p for p in dispatch.PIPELINES))
+    return changed
+
+
 def test_dispatch_picks_the_newest_pipeline_that_runs_there(capability):
     capability(8, 0)
-    assert interface.select_pipeline(torch.device("cuda")) == "ampere"
+    assert dispatch.select_pipeline(torch.device("cuda")).name == "ampere"
     capability(9, 0)
-    assert interface.select_pipeline(torch.device("cuda")) == "hopper"
+    assert dispatch.select_pipeline(torch.device("cuda")).name == "hopper"
     capability(10, 0)  # WGMMA does not exist on sm100: the sm80 code runs there
-    assert interface.select_pipeline(torch.device("cuda")) == "ampere"
+    assert dispatch.select_pipeline(torch.device("cuda")).name == "ampere"
+
+
+def test_a_pipeline_not_run_on_hardware_is_opt_in(capability, monkeypatch):
+    """A compile-verified pipeline stays out of the default order; arch= still reaches it."""
+    capability(9, 0)
+    _replace(monkeypatch, HOPPER, hardware_tested=False)
+    assert dispatch.select_pipeline(torch.device("cuda")).name == "ampere"
+    assert dispatch.select_pipeline(torch.device("cuda"), "hopper").name == "hopper"
 
 
 def test_arch_override(capability):
     capability(9, 0)
-    assert interface.select_pipeline(torch.device("cuda"), "ampere") == "ampere"
+    assert dispatch.select_pipeline(torch.device("cuda"), "ampere") is AMPERE
     with pytest.raises(NotImplementedError, match="no such pipeline"):
-        interface.select_pipeline(torch.device("cuda"), "volta")
+        dispatch.select_pipeline(torch.device("cuda"), "volta")
 
 
 def test_old_gpus_are_refused(capability):
     capability(7, 5)
     with pytest.raises(NotImplementedError, match="7.x"):
-        interface.select_pipeline(torch.device("cuda"))
+        dispatch.select_pipeline(torch.device("cuda"))
     with pytest.raises(ValueError, match="runs on compute capability 8.x"):
-        interface.select_pipeline(torch.device("cuda"), "ampere")
+        dispatch.select_pipeline(torch.device("cuda"), "ampere")
 
 
 def test_ampere_supported_head_dims():
@@ -57,23 +78,37 @@ def test_ampere_supported_head_dims():
 
 def test_hopper_runs_on_sm90_only(capability):
     capability(9, 0)
-    assert interface.select_pipeline(torch.device("cuda"), "hopper") == "hopper"
+    assert dispatch.select_pipeline(torch.device("cuda"), "hopper") is HOPPER
     for major in (8, 10):
         capability(major, 0)
         with pytest.raises(ValueError, match="runs on compute capability 9.x"):
-            interface.select_pipeline(torch.device("cuda"), "hopper")
+            dispatch.select_pipeline(torch.device("cuda"), "hopper")
 
 
 def test_backward_runs_in_the_forward_pipeline(capability):
     capability(9, 0)
-    assert interface.select_backward_pipeline(torch.device("cuda"), "hopper") == "hopper"
-    assert interface.select_backward_pipeline(torch.device("cuda"), "ampere") == "ampere"
+    assert dispatch.select_backward_pipeline(torch.device("cuda"), HOPPER) is HOPPER
+    assert dispatch.select_backward_pipeline(torch.device("cuda"), AMPERE) is AMPERE
 
 
 def test_backward_falls_back_to_a_pipeline_that_has_one(capability, monkeypatch):
     capability(9, 0)
-    monkeypatch.delattr(hopper_api, "backward")
-    assert interface.select_backward_pipeline(torch.device("cuda"), "hopper") == "ampere"
+    forward_only = _replace(monkeypatch, HOPPER, backward=None,
+                            capabilities=HOPPER.capabilities - {"backward"})
+    assert dispatch.select_backward_pipeline(torch.device("cuda"), forward_only) is AMPERE
+
+
+def test_deterministic_backward_is_refused_by_name_where_dq_uses_atomics(capability):
+    capability(9, 0)
+    problem = validate_attention_inputs(*(torch.randn(1, 8, 2, 64, dtype=torch.bfloat16),) * 3,
+                                        require_cuda=False)
+    assert dispatch.select_backward_pipeline(torch.device("cuda"), HOPPER, problem,
+                                             deterministic=True) is HOPPER
+    with pytest.raises(NotImplementedError, match="deterministic=True: not supported by the "
+                                                  "ampere pipeline yet; pipelines that "
+                                                  "support it: hopper"):
+        dispatch.select_backward_pipeline(torch.device("cuda"), AMPERE, problem,
+                                          deterministic=True)
 
 
 def test_hopper_supported_head_dims():
@@ -170,7 +205,7 @@ def test_ampere_refuses_tiles_larger_than_the_gpus_shared_memory(monkeypatch):
 
 
 def test_varlen_is_sent_to_hopper_by_default(capability):
-    """The Hopper kernels zero the tile rows past a varlen sequence (hopper.api.default_for)."""
+    """The Hopper kernels zero the tile rows past a varlen sequence, so it takes varlen."""
     capability(9, 0)
     q = torch.randn(10, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
@@ -178,9 +213,9 @@ def test_varlen_is_sent_to_hopper_by_default(capability):
                                        max_seqlen_k=6, require_cuda=False)
     padded = validate_attention_inputs(q[None], q[None], q[None], require_cuda=False)
     device = torch.device("cuda")
-    assert interface.select_pipeline(device, None, varlen) == "hopper"
-    assert interface.select_pipeline(device, None, padded) == "hopper"
-    assert interface.select_pipeline(device, "hopper", varlen) == "hopper"
+    assert dispatch.select_pipeline(device, None, varlen) is HOPPER
+    assert dispatch.select_pipeline(device, None, padded) is HOPPER
+    assert dispatch.select_pipeline(device, "hopper", varlen) is HOPPER
 
 
 def test_every_compile_time_switch_is_in_the_cache_key():
@@ -223,16 +258,17 @@ def test_seqused_goes_to_a_pipeline_that_takes_it(capability, monkeypatch):
     capability(9, 0)
     device = torch.device("cuda")
     for problem in _seqused_problems():
-        assert interface.select_pipeline(device, None, problem) == "hopper"
-    monkeypatch.delattr(hopper_api, "SUPPORTS_SEQUSED")
+        assert dispatch.select_pipeline(device, None, problem) is HOPPER
+    without = _replace(monkeypatch, HOPPER, capabilities=HOPPER.capabilities - {"seqused"})
     for problem in _seqused_problems():
-        chosen = interface.select_pipeline(device, None, problem)
-        assert chosen == "ampere" and interface.missing_capability(chosen, problem) is None
-        interface.check_capabilities("ampere", problem)
+        needed = required_capabilities(problem)
+        chosen = dispatch.select_pipeline(device, None, problem)
+        assert chosen is AMPERE and chosen.missing(needed) is None
+        dispatch.check_capabilities(AMPERE, needed)
         with pytest.raises(NotImplementedError, match="seqused_q/seqused_k: not supported by "
                                                       "the hopper pipeline yet; pipelines that "
                                                       "support it: ampere"):
-            interface.check_capabilities("hopper", problem)
+            dispatch.check_capabilities(without, needed)
 
 
 def _gqa_problem(sq, h=8, hk=2, **kw):
@@ -248,20 +284,21 @@ def test_pack_gqa_request_is_validated_and_dispatched(capability):
     capability(9, 0)
     device = torch.device("cuda")
     forced = _gqa_problem(3, pack_gqa=True)
-    assert interface.missing_capability("ampere", forced) == "pack_gqa=True"
-    assert interface.missing_capability("hopper", forced) is None
+    needed = required_capabilities(forced)
+    assert AMPERE.missing(needed) == "pack_gqa=True"
+    assert HOPPER.missing(needed) is None
     with pytest.raises(NotImplementedError, match="pipelines that support it: hopper"):
-        interface.check_capabilities("ampere", forced)
-    assert interface.select_pipeline(device, None, forced) == "hopper"
+        dispatch.check_capabilities(AMPERE, needed)
+    assert dispatch.select_pipeline(device, None, forced) is HOPPER
     # MHA has nothing to pack: any pipeline takes pack_gqa=True.
-    assert interface.missing_capability("ampere", _gqa_problem(3, hk=8, pack_gqa=True)) is None
+    assert AMPERE.missing(required_capabilities(_gqa_problem(3, hk=8, pack_gqa=True))) is None
     capability(8, 0)
     for request in (None, False):
         problem = _gqa_problem(3, pack_gqa=request)
-        assert interface.select_pipeline(device, None, problem) == "ampere"
+        assert dispatch.select_pipeline(device, None, problem) is AMPERE
     # No pipeline here packs: the refusal names the request, not the device.
     with pytest.raises(NotImplementedError, match="pack_gqa=True: not supported by the ampere"):
-        interface.select_pipeline(device, None, forced)
+        dispatch.select_pipeline(device, None, forced)
 
 
 def test_packed_heads_decision():
@@ -307,12 +344,14 @@ def test_backward_fallback_skips_a_pipeline_without_seqused(capability, monkeypa
     capability(9, 0)
     _, padded = _seqused_problems()
     device = torch.device("cuda")
-    monkeypatch.delattr(hopper_api, "backward")
-    assert interface.select_backward_pipeline(device, "hopper", padded) == "ampere"
-    monkeypatch.delattr(ampere_api, "SUPPORTS_SEQUSED")
-    assert interface.select_backward_pipeline(device, "hopper") == "ampere"
-    with pytest.raises(NotImplementedError, match="no pipeline has a backward"):
-        interface.select_backward_pipeline(device, "hopper", padded)
+    forward_only = _replace(monkeypatch, HOPPER, backward=None,
+                            capabilities=HOPPER.capabilities - {"backward"})
+    assert dispatch.select_backward_pipeline(device, forward_only, padded) is AMPERE
+    _replace(monkeypatch, AMPERE, capabilities=AMPERE.capabilities - {"seqused"})
+    assert dispatch.select_backward_pipeline(device, forward_only).name == "ampere"
+    with pytest.raises(NotImplementedError, match="seqused_q/seqused_k: not supported by the "
+                                                  "ampere pipeline yet"):
+        dispatch.select_backward_pipeline(device, forward_only, padded)
 
 
 def test_seqused_changes_the_compile_keys():
@@ -345,22 +384,14 @@ def test_seqused_rows_of_the_outputs_are_defined_before_launch():
     assert torch.isneginf(lse).all()
 
 
-def test_a_kernel_without_seqused_slots_refuses_them():
-    """launch appends (mSeqUsedQ, mSeqUsedK) only for a kernel class with SUPPORTS_SEQUSED."""
+def test_launch_refuses_seqused_tensors_the_problem_was_not_validated_with():
     from flash_cute import launch
 
-    class NoSeqused:
-        pass
-
-    varlen, padded = _seqused_problems()
-    plain = validate_attention_inputs(*(torch.randn(1, 10, 2, 64, dtype=torch.bfloat16),) * 3,
-                                      require_cuda=False)
-    assert launch.seqused_args(NoSeqused, plain, None, None) == ()
-    used = torch.tensor([7], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="NoSeqused does not take seqused"):
-        launch.seqused_args(NoSeqused, padded, None, used)
+    _, padded = _seqused_problems()
+    q = torch.randn(1, 10, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="problem was validated"):
-        launch.seqused_args(NoSeqused, padded, None, None)
+        launch.forward("x", object, q, q, q, padded, None, None, None, None, (64, 64), "",
+                       "sm_90a")
 
 
 def test_call_key_holds_everything_validation_reads():
@@ -411,7 +442,7 @@ def test_a_repeated_call_is_validated_once(capability, monkeypatch):
     for causal in (False, False, True, False, True):
         flash_cute.flash_attn_func(q, q, q, causal=causal)
     assert validated == [False, True]
-    assert launched == [(c, "hopper") for c in (False, False, True, False, True)]
+    assert launched == [(c, HOPPER) for c in (False, False, True, False, True)]
     # Bad input is still refused after a good call of the same shape.
     with pytest.raises(ValueError, match="last"):
         flash_cute.flash_attn_func(q, q, q.transpose(-1, -2).contiguous().transpose(-1, -2))
@@ -470,18 +501,16 @@ def test_second_order_gradients_are_refused(capability, monkeypatch):
     """Second-order gradients through attention are not implemented: gradients taken with
     create_graph=True raise when differentiated again, not silently give zero."""
     import contextlib
-    import types
 
     from flash_cute.validation import validate_backward_inputs
 
     capability(9, 0)
-    fake = types.SimpleNamespace(
-        check_supported=lambda problem, device, backward=False: None,
-        forward=lambda q, k, v, problem, cu_q, cu_k: (
-            q * 2.0, torch.zeros(q.shape[0], q.shape[2], q.shape[1])),
-        backward=lambda dout, dlse, q, k, v, out, lse, problem, cu_q, cu_k, det: (
-            dout * 2.0, torch.zeros_like(k), torch.zeros_like(v)))
-    monkeypatch.setattr(interface, "_pipeline_module", lambda name: fake)
+    _replace(monkeypatch, HOPPER,
+             check_supported=lambda problem, device, backward=False: None,
+             forward=lambda q, k, v, problem, cu_q, cu_k, used_q, used_k: (
+                 q * 2.0, torch.zeros(q.shape[0], q.shape[2], q.shape[1])),
+             backward=lambda dout, dlse, q, k, v, out, lse, problem, cu_q, cu_k, used_q, used_k,
+             det: (dout * 2.0, torch.zeros_like(k), torch.zeros_like(v)))
     monkeypatch.setattr(interface, "validate_attention_inputs",
                         lambda *a, **kw: validate_attention_inputs(*a, **kw, require_cuda=False))
     monkeypatch.setattr(interface, "validate_backward_inputs",

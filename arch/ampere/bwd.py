@@ -14,6 +14,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flash_cute.dsl_state import DslState
+from flash_cute.kernel_args import BwdArgs
 from flash_cute.block_range import m_block_range
 from flash_cute.bwd_blocks import atomic_add_rows, p_and_ds, row_stats, store_acc_tile
 from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
@@ -46,11 +47,11 @@ class AmpereBwd:
     load and get no dQ atomics or dK/dV stores.
     """
 
-    # `flash_cute.launch` passes (mSeqUsedQ, mSeqUsedK) after the cu_seqlens.
-    SUPPORTS_SEQUSED = True
-
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
-                 variant: Variant = Variant(), tile: Optional[tuple] = None):
+                 variant: Variant = Variant(), tile: Optional[tuple] = None,
+                 deterministic: bool = False):
+        if deterministic:
+            raise ValueError("the ampere backward adds dQ with fp32 atomics: not deterministic")
         hdim_v = hdim if hdim_v is None else hdim_v
         self.dtype = dtype
         self.hdim, self.hdim_v = hdim, hdim_v
@@ -65,17 +66,12 @@ class AmpereBwd:
         return bwd_smem_bytes(self.hdim, self.hdim_v)
 
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor,
-                 mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, softcap: Float32,
-                 window_left: Int32, window_right: Int32, max_seqlen_k: Int32,
-                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-                 mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-                 stream: cuda.CUstream):
-        """Q/dO/dQaccum like Q, K/V like K, dK/dV [.., nheads, d] (per query head); LSElog2 and
-        Delta like the forward's LSE (see `flash_cute.bwd_prep`); seqused [b] or None."""
+    def __call__(self, args: BwdArgs, stream: cuda.CUstream):
+        """`args`: a `kernel_args.BwdArgs`, dQaccum laid out like Q (`launch.RowDqAccum`)."""
         vec = 128 // self.dtype.width
-        mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mdO))
+        mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v,
+                                                                      args.dout))
+        mCuSeqlensQ = args.cu_seqlens_q
         layouts = (smem_layout(self.tile_m, self.hdim, self.num_stages),
                    smem_layout(self.tile_m, self.hdim_v, self.num_stages),
                    smem_layout(self.tile_n, self.hdim), smem_layout(self.tile_n, self.hdim_v),
@@ -91,12 +87,13 @@ class AmpereBwd:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layouts[4])], 1024]
 
         batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
-        grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
-        scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
+        grid = (cute.ceil_div(args.max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
+        scale_log2, scale_div_cap = fold_scales(args.softmax_scale, args.softcap,
+                                                self.has_softcap)
         self.kernel(
-            mQ, mK, mV, mdO, mLSElog2, mDelta, mdQaccum, mdK, mdV, softmax_scale, scale_log2,
-            scale_div_cap, window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-            mSeqUsedK, *layouts,
+            mQ, mK, mV, mdO, args.lse_log2, args.delta, args.dq_accum, args.dk, args.dv,
+            args.softmax_scale, scale_log2, scale_div_cap, args.window_left, args.window_right,
+            mCuSeqlensQ, args.cu_seqlens_k, args.seqused_q, args.seqused_k, *layouts,
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
             tiled_mma(self.dtype, self.warps_sdp), tiled_mma(self.dtype, self.warps_dkv),
@@ -267,15 +264,3 @@ class BwdStep(DslState):
         g_dq = cute.local_tile(self.g_dq, (cfg.tile_m, cfg.hdim), (m_block, 0))
         atomic_add_rows(acc_to_mn(acc_dq), self.coord_dq, g_dq,
                         self.seq.seqlen_q - m_block * cfg.tile_m)
-
-
-def build_for_inspect(cfg):
-    """Registry builder: fake padded or varlen tensors (and seqused) with dynamic batch, heads
-    and lengths."""
-    from flash_cute.jit import DTYPES, CompileSpec, fake_backward_args
-
-    dtype = DTYPES[cfg.dtype]
-    kernel = AmpereBwd(dtype, cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict))
-    args = fake_backward_args(dtype, cfg.hdim, cfg.hdim_v, kernel.varlen,
-                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
-    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS)

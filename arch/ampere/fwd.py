@@ -14,6 +14,7 @@ from cutlass.cute.nvgpu import warp
 
 from flash_cute.block_range import block_range
 from flash_cute.dsl_state import DslState
+from flash_cute.kernel_args import FwdArgs
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
@@ -44,9 +45,6 @@ class AmpereFwd:
     on load, never stored, and the masks align to the used lengths.
     """
 
-    # `flash_cute.launch` passes (mSeqUsedQ, mSeqUsedK) after the cu_seqlens.
-    SUPPORTS_SEQUSED = True
-
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), tile: Optional[tuple] = None):
         self.dtype = dtype
@@ -62,15 +60,12 @@ class AmpereFwd:
     # ---------------------------------------------------------------- host side
 
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
-                 window_right: Int32, max_seqlen_q: Int32, mCuSeqlensQ: Optional[cute.Tensor],
-                 mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-                 mSeqUsedK: Optional[cute.Tensor], stream: cuda.CUstream):
-        """Padded: Q [b, sq, h, d], K/V [b, sk, hk, d], LSE [b, h, sq]. Varlen: Q [tq, h, d],
-        K/V [tk, hk, d], LSE [h, tq], cu_seqlens [b + 1]. Either: seqused [b] or None."""
+    def __call__(self, args: FwdArgs, stream: cuda.CUstream):
+        """`args`: a `kernel_args.FwdArgs` (its docstring gives the layouts)."""
         vec = 128 // self.dtype.width
-        mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mO))
+        mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v,
+                                                                     args.out))
+        mCuSeqlensQ = args.cu_seqlens_q
         sQ_layout = smem_layout(self.tile_m, self.hdim)
         sK_layout = smem_layout(self.tile_n, self.hdim)
         sV_layout = smem_layout(self.tile_n, self.hdim_v)
@@ -84,11 +79,13 @@ class AmpereFwd:
 
         mma = tiled_mma(self.dtype, (self.num_warps, 1))
         batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
-        grid = (cute.ceil_div(max_seqlen_q, self.tile_m), mQ.shape[-2], batch)
-        scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
+        grid = (cute.ceil_div(args.max_seqlen_q, self.tile_m), mQ.shape[-2], batch)
+        scale_log2, scale_div_cap = fold_scales(args.softmax_scale, args.softcap,
+                                                self.has_softcap)
         self.kernel(
-            mQ, mK, mV, mO, mLSE, scale_log2, scale_div_cap, window_left, window_right,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, sQ_layout, sK_layout, sV_layout,
+            mQ, mK, mV, mO, args.lse, scale_log2, scale_div_cap, args.window_left,
+            args.window_right, mCuSeqlensQ, args.cu_seqlens_k, args.seqused_q, args.seqused_k,
+            sQ_layout, sK_layout, sV_layout,
             sO_layout,
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
@@ -264,15 +261,3 @@ class MmaOperands(DslState):
             if cutlass.const_expr(k + 1 < num_k):
                 cute.copy(self.copy_v, self.tOsVt[None, None, k + 1], self.tOrVt_v[None, None, k + 1])
             cute.gemm(self.tiled_mma, acc_o, tOrP[None, None, k], self.tOrVt[None, None, k], acc_o)
-
-
-def build_for_inspect(cfg):
-    """Registry builder: fake padded or varlen Q/K/V/O/LSE (and seqused) with dynamic batch and
-    lengths."""
-    from flash_cute.jit import DTYPES, CompileSpec, fake_forward_args
-
-    kernel = AmpereFwd(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict),
-                       tile=tuple(cfg.tile))
-    args = fake_forward_args(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, kernel.varlen,
-                             seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
-    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS)

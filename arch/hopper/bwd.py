@@ -25,6 +25,7 @@ from flash_cute.bwd_blocks import (atomic_add_rows, dq_turn, ds_from_probs, p_an
 from flash_cute.block_range import m_block_range
 from flash_cute.bwd_prep import row_store, store_tile_rows
 from flash_cute.dsl_state import DslState
+from flash_cute.kernel_args import BwdArgs
 from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_strides,
                                 transpose_view)
 from flash_cute.mask import AttentionMask
@@ -148,9 +149,6 @@ class HopperBwd:
     Not yet: LSE₂ and Δ by TMA for varlen.
     """
 
-    # `flash_cute.launch` passes (mSeqUsedQ, mSeqUsedK) after the cu_seqlens.
-    SUPPORTS_SEQUSED = True
-
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), tile: Optional[tuple] = None,
                  deterministic: bool = False):
@@ -198,23 +196,18 @@ class HopperBwd:
     # ---------------------------------------------------------------- host side
 
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor,
-                 mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, softcap: Float32,
-                 window_left: Int32, window_right: Int32, max_seqlen_k: Int32,
-                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-                 mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-                 mdQsem: Optional[cute.Tensor], stream: cuda.CUstream):
-        """`AmpereBwd.__call__`'s contract: Q/dO like Q, K/V like K, dK/dV [.., nheads, d]
-        (per query head; dtype or fp32), LSElog2 and Delta like the forward's LSE (see
-        `flash_cute.bwd_prep`) with 16-byte aligned rows (`launch.row_stats_buffer`: they are
-        TMA-loaded); seqused [b] or None; plus, when deterministic, zeroed int32 semaphores
-        [batch, nheads, ceil(max_seqlen_q / tile_m)] (else None). dQaccum, zeroed: with the
-        shared dQ tile (`dq_tma`) the fragment-order tiles of `dq_accum.accum_shape`, else
-        like Q."""
+    def __call__(self, args: BwdArgs, stream: cuda.CUstream):
+        """`args`: a `kernel_args.BwdArgs` with LSE₂ and Δ rows 16-byte aligned
+        (`launch.row_stats_buffer`: they are TMA-loaded) and, when deterministic, the dQ
+        semaphores. dQaccum, zeroed: with the shared dQ tile (`dq_tma`) the fragment-order
+        tiles of `dq_accum.accum_shape`, else like Q."""
+        mLSElog2, mDelta, mdQaccum, mdK, mdV = (args.lse_log2, args.delta, args.dq_accum,
+                                                args.dk, args.dv)
+        mCuSeqlensQ = args.cu_seqlens_q
         vec = 128 // self.dtype.width
         # TMA needs 16-byte global strides; validation guarantees them, this tells the compiler.
-        mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mdO))
+        mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v,
+                                                                      args.dout))
         if cutlass.const_expr(mdK.element_type == self.dtype):
             # Allocated by `launch.backward`, compact: 128-bit row stores (`store_dkv_rows`).
             mdK, mdV = (assume_aligned_strides(t, vec) for t in (mdK, mdV))
@@ -249,12 +242,14 @@ class HopperBwd:
         tx_bytes = (one_stage(sK_layout) + one_stage(sV_layout),
                     one_stage(sQ_layout) + stats_bytes, one_stage(sdO_layout) + stats_bytes)
         batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
-        grid = (cute.ceil_div(max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
-        scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
+        grid = (cute.ceil_div(args.max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
+        scale_log2, scale_div_cap = fold_scales(args.softmax_scale, args.softcap,
+                                                self.has_softcap)
         self.kernel(
             tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, mdQaccum, tma_lse, tLSE,
-            tma_delta, tDelta, mdK, mdV, mdQsem, softmax_scale, scale_log2, scale_div_cap, window_left,
-            window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, *layouts, *mmas,
+            tma_delta, tDelta, mdK, mdV, args.dq_semaphores, args.softmax_scale, scale_log2,
+            scale_div_cap, args.window_left, args.window_right, mCuSeqlensQ, args.cu_seqlens_k,
+            args.seqused_q, args.seqused_k, *layouts, *mmas,
             SharedStorage, tx_bytes,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -1152,27 +1147,3 @@ def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cut
 def registers_per_role() -> dict:
     """setmaxnreg budgets of each role, for `inspect`."""
     return {"producer": BWD_PRODUCER_REGISTERS, "consumer": BWD_CONSUMER_REGISTERS}
-
-
-def build_for_inspect(cfg):
-    """Registry builder: fake padded or varlen tensors with dynamic batch, heads and lengths."""
-    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_backward_args, fake_tensor
-
-    dtype = DTYPES[cfg.dtype]
-    flags = cfg.flag_dict
-    kernel = HopperBwd(dtype, cfg.hdim, cfg.hdim_v, Variant.from_flags(flags),
-                       tile=tuple(cfg.tile), deterministic=flags.get("deterministic", False))
-    # `api.backward` promises TMA-ready (16-byte) rows of LSE₂, Δ and dQaccum.
-    args = fake_backward_args(dtype, cfg.hdim, cfg.hdim_v, kernel.varlen,
-                              dkv_fp32=flags.get("dkv_fp32", False), stats_align=16,
-                              dq_align=16, semaphores=kernel.deterministic,
-                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
-    if kernel.dq_tma:
-        # dQaccum in fragment-order tiles (`dq_accum.accum_shape`).
-        lead = (dynamic_dim(),) if kernel.varlen else (dynamic_dim(), dynamic_dim())
-        heads = args[0].shape[-2]
-        args = args[:6] + (fake_tensor(Float32, lead + (heads, cfg.tile[0] * cfg.hdim)),) \
-            + args[7:]
-    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
-                       options=bwd_compile_options(cfg.tile),
-                       extra={"registers_per_role": registers_per_role()})

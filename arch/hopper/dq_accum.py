@@ -183,33 +183,12 @@ class HopperDqPostprocess:
             store_tile_rows(store, tidx, sdQ, g, valid_rows)
 
 
-def build_postprocess_for_inspect(cfg):
-    """Registry builder for ``hopper.bwd.dq_postprocess``: fake padded or varlen tensors."""
-    from flash_cute.jit import DTYPES, CompileSpec, dynamic_dim, fake_stream, fake_tensor
-
-    dtype = DTYPES[cfg.dtype]
-    varlen = cfg.flag_dict["varlen"]
-    # The registered tile is the backward schedule whose dQaccum this kernel reads.
-    layout = TiledDqAccum.of(cfg.tile, cfg.hdim)
-    tile_m = layout.tile_m
-    kernel = HopperDqPostprocess(dtype, cfg.hdim, tile_m, layout.split, varlen, layout.swapped)
-    heads = dynamic_dim()
-    chunk = tile_m * cfg.hdim
-    if varlen:
-        accum = fake_tensor(Float32, (dynamic_dim(), heads, chunk))
-        dq = fake_tensor(dtype, (dynamic_dim(), heads, cfg.hdim))
-        cu = fake_tensor(Int32, (dynamic_dim(),), align=4)
-    else:
-        batch = dynamic_dim()
-        accum = fake_tensor(Float32, (batch, dynamic_dim(), heads, chunk))
-        dq = fake_tensor(dtype, (batch, dynamic_dim(), heads, cfg.hdim))
-        cu = None
-    return CompileSpec(kernel, (accum, dq, Float32(0.125), cu, Int32(1), fake_stream()))
-
-
 class TiledDqAccum:
     """`launch.backward`'s dQaccum for the Hopper kernels with the shared dQ tile: allocates
     the fragment-order tiles and turns them into dQ (`HopperDqPostprocess`)."""
+
+    # Fragment-order tiles, each 16-byte aligned for the bulk reduce-add.
+    align = 16
 
     def __init__(self, tile_m: int, split: tuple, swapped: bool = False):
         self.tile_m, self.split, self.swapped = tile_m, split, swapped
@@ -255,7 +234,7 @@ class TiledDqAccum:
     def _postprocess(self, dtype, hdim: int, varlen: bool, arch: str) -> tuple:
         """The postprocess's compile key and kernel factory, once per configuration."""
         from flash_cute.jit import DTYPES, CompileKey
-        from flash_cute.launch import dtype_name
+        from flash_cute.variant import dtype_name
 
         name = dtype_name(dtype)
         key = CompileKey("hopper.bwd.dq_postprocess", arch, name, hdim, None,

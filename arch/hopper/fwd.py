@@ -24,6 +24,7 @@ from cutlass.tensor_utils import LayoutEnum
 from flash_cute.block_range import block_range, block_runs
 from flash_cute.convert import convert_pairs
 from flash_cute.dsl_state import DslState
+from flash_cute.kernel_args import FwdArgs
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo, clear_tails
@@ -113,9 +114,6 @@ class HopperFwd:
     block range and mask see queries, not rows (their ``pack``).
     """
 
-    # `flash_cute.launch` passes (mSeqUsedQ, mSeqUsedK) after the cu_seqlens.
-    SUPPORTS_SEQUSED = True
-
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), tile: Optional[tuple] = None):
         self.dtype = dtype
@@ -161,16 +159,13 @@ class HopperFwd:
     # ---------------------------------------------------------------- host side
 
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale: Float32, softcap: Float32, window_left: Int32,
-                 window_right: Int32, max_seqlen_q: Int32, mCuSeqlensQ: Optional[cute.Tensor],
-                 mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-                 mSeqUsedK: Optional[cute.Tensor], stream: cuda.CUstream):
-        """Padded: Q [b, sq, h, d], K/V [b, sk, hk, d], LSE [b, h, sq]. Varlen: Q [tq, h, d],
-        K/V [tk, hk, d], LSE [h, tq], cu_seqlens [b + 1]. Either: seqused [b] or None."""
+    def __call__(self, args: FwdArgs, stream: cuda.CUstream):
+        """`args`: a `kernel_args.FwdArgs` (its docstring gives the layouts)."""
         vec = 128 // self.dtype.width
         # TMA needs 16-byte global strides; validation guarantees them, this tells the compiler.
-        mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (mQ, mK, mV, mO))
+        mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v,
+                                                                     args.out))
+        mLSE, mCuSeqlensQ = args.lse, args.cu_seqlens_q
         mma_qk, mma_pv = self._tiled_mmas()
         layouts = self._smem_layouts()
         sQ_layout, sK_layout, sV_layout, sO_layout = layouts
@@ -189,13 +184,14 @@ class HopperFwd:
                              f"{self.smem_bytes}), capacity {SMEM_CAPACITY}")
         tx_bytes = tuple(cute.size_in_bytes(self.dtype, cute.slice_(layout, (None, None, 0)))
                          for layout in (sQ_layout, sK_layout, sV_layout))
-        order = self._tile_order(tQ, mK, max_seqlen_q, mCuSeqlensQ)
+        order = self._tile_order(tQ, mK, args.max_seqlen_q, mCuSeqlensQ)
         grid = launch_grid(order.num_tiles, self.persistent, num_sms(), imin=cutlass.min)
-        scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
+        scale_log2, scale_div_cap = fold_scales(args.softmax_scale, args.softcap,
+                                                self.has_softcap)
         self.kernel(
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, mO, mLSE, scale_log2, scale_div_cap,
-            window_left, window_right, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout, sO_layout,
+            args.window_left, args.window_right, mCuSeqlensQ, args.cu_seqlens_k, args.seqused_q,
+            args.seqused_k, order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout, sO_layout,
             mma_qk, mma_pv, SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
@@ -905,15 +901,3 @@ def registers_per_role(kernel: HopperFwd) -> dict:
     """setmaxnreg budgets of each role, for `inspect` (the cubin reports only the launch-time
     register count, which ptxas caps at 65536 / threads)."""
     return {"producer": kernel.producer_registers, "consumer": kernel.consumer_registers}
-
-
-def build_for_inspect(cfg):
-    """Registry builder: fake padded or varlen Q/K/V/O/LSE with dynamic batch and lengths."""
-    from flash_cute.jit import DTYPES, CompileSpec, fake_forward_args
-
-    kernel = HopperFwd(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, Variant.from_flags(cfg.flag_dict),
-                       tile=tuple(cfg.tile))
-    args = fake_forward_args(DTYPES[cfg.dtype], cfg.hdim, cfg.hdim_v, kernel.varlen,
-                             seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
-    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=COMPILE_OPTIONS,
-                       extra={"registers_per_role": registers_per_role(kernel)})

@@ -1,0 +1,27 @@
+"""The ampere pipeline's descriptor: sm80 code (cp.async + mma.sync), which runs on every GPU
+from sm80 on."""
+
+from flash_cute import pipeline as caps
+from flash_cute.pipeline import Pipeline
+
+from . import api
+
+
+def _inspect_configs() -> tuple:
+    from .registry import CONFIGS
+
+    return CONFIGS
+
+
+AMPERE = Pipeline(
+    name="ampere",
+    majors=range(8, 13),
+    # dQ is added with fp32 atomics, so its rounding depends on the order CTAs finish: no
+    # deterministic backward.
+    capabilities=frozenset({caps.FORWARD, caps.BACKWARD, caps.CAUSAL, caps.LOCAL, caps.SOFTCAP,
+                            caps.GQA, caps.VARLEN, caps.SEQUSED}),
+    forward=api.forward,
+    backward=api.backward,
+    check_supported=api.check_supported,
+    inspect_configs=_inspect_configs,
+)

@@ -1,0 +1,75 @@
+"""The ampere pipeline's kernel configs for `inspect`, and how each is built for compiling."""
+
+from flash_cute.kernel_config import KernelConfig, config_flags
+
+from .config import BWD_TILES, COMPILE_OPTIONS, TILES
+
+TARGETS = ("sm_80",)
+# Every switch of an ampere config, off unless the entry turns it on.
+_SWITCHES = {"causal": False, "local": False, "softcap": False, "varlen": False,
+             "seqused_q": False, "seqused_k": False}
+
+
+def build_fwd(entry):
+    """Fake padded or varlen Q/K/V/O/LSE (and seqused) with dynamic batch and lengths."""
+    from flash_cute.jit import DTYPES
+    from flash_cute.kernel_args import fake_forward_args
+    from flash_cute.variant import Variant
+    from flash_cute.kernel_config import CompileSpec
+
+    from .fwd import AmpereFwd
+
+    kernel = AmpereFwd(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
+                       Variant.from_flags(entry.flag_dict), tile=tuple(entry.tile))
+    args = fake_forward_args(DTYPES[entry.dtype], entry.hdim, entry.hdim_v, kernel.varlen,
+                             seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
+    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
+                       options=COMPILE_OPTIONS)
+
+
+def build_bwd(entry):
+    """Fake padded or varlen tensors (and seqused) with dynamic batch, heads and lengths."""
+    from flash_cute.jit import DTYPES
+    from flash_cute.kernel_args import fake_backward_args
+    from flash_cute.variant import Variant
+    from flash_cute.kernel_config import CompileSpec
+
+    from .bwd import AmpereBwd
+
+    dtype = DTYPES[entry.dtype]
+    kernel = AmpereBwd(dtype, entry.hdim, entry.hdim_v, Variant.from_flags(entry.flag_dict))
+    args = fake_backward_args(dtype, entry.hdim, entry.hdim_v, kernel.varlen,
+                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
+    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
+                       options=COMPILE_OPTIONS)
+
+
+def _fwd_configs():
+    out = []
+    for (d, dv), flags in [((64, 64), {}), ((64, 64), {"causal": True}),
+                           ((96, 96), {}), ((128, 128), {}), ((128, 128), {"causal": True}),
+                           ((128, 128), {"local": True, "softcap": True}),
+                           ((128, 128), {"causal": True, "varlen": True}),
+                           ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
+                           ((256, 256), {"causal": True}),
+                           ((128, 128), {"causal": True, "varlen": True, "seqused_q": True,
+                                         "seqused_k": True})]:
+        out.append(KernelConfig("ampere.fwd", TARGETS, "bf16", d, dv, TILES[d], build_fwd,
+                                config_flags(**{**_SWITCHES, **flags})))
+    return tuple(out)
+
+
+def _bwd_configs():
+    out = []
+    for (d, dv), flags in [((64, 64), {}), ((64, 64), {"causal": True}), ((96, 96), {}),
+                           ((128, 128), {}), ((128, 128), {"causal": True}),
+                           ((128, 128), {"local": True, "softcap": True}),
+                           ((128, 128), {"causal": True, "varlen": True}),
+                           ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
+                           ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True})]:
+        out.append(KernelConfig("ampere.bwd", TARGETS, "bf16", d, dv, BWD_TILES[d][:3],
+                                build_bwd, config_flags(**{**_SWITCHES, **flags})))
+    return tuple(out)
+
+
+CONFIGS = _fwd_configs() + _bwd_configs()

@@ -1,0 +1,205 @@
+"""The hopper pipeline's kernel configs for `inspect`, and how each is built for compiling."""
+
+from flash_cute.kernel_config import KernelConfig, config_flags
+
+from .config import (BWD_TILES, COMPILE_OPTIONS, TILES, BwdConfig, bwd_compile_options, bwd_tile,
+                     fwd_tile)
+
+TARGETS = ("sm_90a",)
+
+
+def build_fwd(entry):
+    """Fake padded or varlen Q/K/V/O/LSE with dynamic batch and lengths."""
+    from flash_cute.jit import DTYPES
+    from flash_cute.kernel_args import fake_forward_args
+    from flash_cute.variant import Variant
+    from flash_cute.kernel_config import CompileSpec
+
+    from .fwd import HopperFwd, registers_per_role
+
+    kernel = HopperFwd(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
+                       Variant.from_flags(entry.flag_dict), tile=tuple(entry.tile))
+    args = fake_forward_args(DTYPES[entry.dtype], entry.hdim, entry.hdim_v, kernel.varlen,
+                             seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
+    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
+                       options=COMPILE_OPTIONS,
+                       extra={"registers_per_role": registers_per_role(kernel)})
+
+
+def build_bwd(entry):
+    """Fake padded or varlen tensors with dynamic batch, heads and lengths; the alignments
+    and dQaccum layout `api.backward` promises (TMA-ready 16-byte rows of LSE₂, Δ, dQaccum)."""
+    from flash_cute.jit import DTYPES
+    from flash_cute.kernel_args import fake_backward_args
+    from flash_cute.variant import Variant
+    from flash_cute.kernel_config import CompileSpec
+
+    from .bwd import HopperBwd, registers_per_role
+
+    dtype = DTYPES[entry.dtype]
+    flags = entry.flag_dict
+    kernel = HopperBwd(dtype, entry.hdim, entry.hdim_v, Variant.from_flags(flags),
+                       tile=tuple(entry.tile), deterministic=flags.get("deterministic", False))
+    args = fake_backward_args(dtype, entry.hdim, entry.hdim_v, kernel.varlen,
+                              dkv_fp32=flags.get("dkv_fp32", False), stats_align=16,
+                              dq_align=16, semaphores=kernel.deterministic,
+                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
+                              dq_accum_cols=entry.tile[0] * entry.hdim if kernel.dq_tma else None)
+    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
+                       options=bwd_compile_options(entry.tile),
+                       extra={"registers_per_role": registers_per_role()})
+
+
+def build_dq_postprocess(entry):
+    """``hopper.bwd.dq_postprocess``: fake padded or varlen tensors."""
+    from cutlass import Float32, Int32
+
+    from flash_cute.jit import DTYPES, dynamic_dim, fake_stream, fake_tensor
+    from flash_cute.kernel_config import CompileSpec
+
+    from .dq_accum import HopperDqPostprocess, TiledDqAccum
+
+    dtype = DTYPES[entry.dtype]
+    varlen = entry.flag_dict["varlen"]
+    # The registered tile is the backward schedule whose dQaccum this kernel reads.
+    layout = TiledDqAccum.of(entry.tile, entry.hdim)
+    tile_m = layout.tile_m
+    kernel = HopperDqPostprocess(dtype, entry.hdim, tile_m, layout.split, varlen, layout.swapped)
+    heads = dynamic_dim()
+    chunk = tile_m * entry.hdim
+    if varlen:
+        accum = fake_tensor(Float32, (dynamic_dim(), heads, chunk))
+        dq = fake_tensor(dtype, (dynamic_dim(), heads, entry.hdim))
+        cu = fake_tensor(Int32, (dynamic_dim(),), align=4)
+    else:
+        batch = dynamic_dim()
+        accum = fake_tensor(Float32, (batch, dynamic_dim(), heads, chunk))
+        dq = fake_tensor(dtype, (batch, dynamic_dim(), heads, entry.hdim))
+        cu = None
+    return CompileSpec(kernel, (accum, dq, Float32(0.125), cu, Int32(1), fake_stream()))
+
+
+def _fwd_configs():
+    out = []
+    for (d, dv), flags in [((64, 64), {}), ((64, 64), {"causal": True}), ((96, 96), {}),
+                           ((128, 128), {}), ((128, 128), {"causal": True}),
+                           ((128, 128), {"local": True, "softcap": True}),
+                           ((128, 128), {"causal": True, "varlen": True}),
+                           ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
+                           ((256, 256), {"causal": True}), ((64, 64), {"fp16": True}),
+                           ((256, 256), {"local": True, "softcap": True, "varlen": True}),
+                           ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True}),
+                           ((64, 64), {"varlen": True, "seqused_q": True, "seqused_k": True})]:
+        dtype = "fp16" if flags.pop("fp16", False) else "bf16"
+        full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
+        out.append(KernelConfig("hopper.fwd", TARGETS, dtype, d, dv, TILES[d],
+                                build_fwd, config_flags(**full)))
+    # The overlap ablation: each FA3 overlap on its own, and neither.
+    plain = {"causal": False, "local": False, "softcap": False, "varlen": False}
+    for overlap, pingpong in [(False, False), (True, False), (False, True)]:
+        tile = TILES[128]._replace(intra_wg_overlap=overlap, pingpong=pingpong)
+        out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", 128, 128, tile, build_fwd,
+                                config_flags(**plain)))
+    # hdim 64's 192-row tile (three consumer warpgroups) against two warpgroups' 128 rows
+    # (also the default for causal problems up to `SHORT_CAUSAL_ROWS` query rows), and with
+    # the ring of turns off, then the serial main loop (two turns per block).
+    for tile in (TILES[64]._replace(tile_m=128), TILES[64]._replace(pingpong=False),
+                 TILES[64]._replace(intra_wg_overlap=False)):
+        out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", 64, 64, tile, build_fwd,
+                                config_flags(**{**plain, "causal": True})))
+    # hdim 256's short causal tile (64 key columns, `SHORT_CAUSAL_TILE_N`).
+    out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", 256, 256,
+                            fwd_tile(256, short=True), build_fwd,
+                            config_flags(**{**plain, "causal": True})))
+    # The persistent scheduler flipped from the table's choice (on at hdim 128; hdim 64's
+    # 192-row tile runs persistent only, and its 128-row one is persistent above): plain
+    # and causal (LPT order), varlen (tiles past a sequence skipped), and O's shared tile
+    # aliasing Q (hdim 192 and 256).
+    for (d, dv), flags in [((128, 128), {}), ((128, 128), {"causal": True}),
+                           ((128, 128), {"causal": True, "varlen": True}),
+                           ((192, 192), {}), ((256, 256), {"causal": True})]:
+        tile = TILES[d]._replace(persistent=not TILES[d].persistent)
+        out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", d, dv, tile, build_fwd,
+                                config_flags(**{**plain, **flags})))
+    # Packed GQA (query heads of a K/V head in one tile): O by TMA store from its own tile or
+    # Q's, and by row stores (varlen, seqused_q).
+    for (d, dv), flags in [((128, 128), {"causal": True, "pack_gqa": 4}),
+                           ((256, 256), {"causal": True, "pack_gqa": 2}),
+                           ((64, 64), {"local": True, "softcap": True, "varlen": True,
+                                       "pack_gqa": 8}),
+                           ((128, 128), {"seqused_q": True, "seqused_k": True, "pack_gqa": 16})]:
+        rows_past_sequence = flags.get("varlen", False) or flags.get("seqused_q", False)
+        out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", d, dv,
+                                fwd_tile(d, flags["pack_gqa"], rows_past_sequence),
+                                build_fwd,
+                                config_flags(**{**plain, **flags})))
+    return tuple(out)
+
+
+def _bwd_configs():
+    out = []
+    for (d, dv), flags in [((64, 64), {}), ((64, 64), {"causal": True}), ((96, 96), {}),
+                           ((128, 128), {}), ((128, 128), {"causal": True}),
+                           ((128, 128), {"local": True, "softcap": True}),
+                           ((128, 128), {"causal": True, "varlen": True}),
+                           ((128, 128), {"dkv_fp32": True}), ((64, 64), {"fp16": True}),
+                           ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
+                           ((128, 128), {"causal": True, "deterministic": True}),
+                           ((128, 128), {"local": True, "varlen": True, "deterministic": True}),
+                           ((256, 256), {"causal": True, "deterministic": True}),
+                           ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True}),
+                           ((64, 64), {"varlen": True, "seqused_q": True, "seqused_k": True})]:
+        dtype = "fp16" if flags.pop("fp16", False) else "bf16"
+        full = {"causal": False, "local": False, "softcap": False, "varlen": False,
+                "dkv_fp32": False, "deterministic": False, **flags}
+        out.append(KernelConfig("hopper.bwd", TARGETS, dtype, d, dv,
+                                bwd_tile(d, full["varlen"]), build_bwd,
+                                config_flags(**full)))
+    plain = {"causal": False, "local": False, "softcap": False, "varlen": False,
+             "dkv_fp32": False, "deterministic": False}
+    # The default hdim-128 tile (80 query rows, transposed scores, dQᵀ) against 64 rows with
+    # P through shared memory and 64 rows with transposed scores (P kept in registers; also
+    # the default for causal problems up to `SHORT_CAUSAL_BWD_ROWS`).
+    for swap in (False, True):
+        out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 128, 128,
+                                BWD_TILES[128]._replace(tile_m=64, swap_sdp=swap),
+                                build_bwd, config_flags(**{**plain, "causal": swap})))
+    # The default hdim-128 tile with the whole dQ tile handed over at once (no dq_per_wg).
+    out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 128, 128,
+                            BWD_TILES[128]._replace(dq_per_wg=False), build_bwd,
+                            config_flags(**{**plain, "causal": True})))
+    # 64 query rows at hdim 64 against the default 128 (shuffled LSE₂/Δ).
+    out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 64, 64,
+                            BWD_TILES[64]._replace(tile_m=64), build_bwd,
+                            config_flags(**{**plain, "causal": True})))
+    # hdim 256 at 64 keys against the default 48 with dK/dV transposed: dQ by fp32 atomics
+    # (two Q/dO stages leave no room for the dQ tile), plain and deterministic, and one
+    # Q/dO stage with the bulk reduce-add (the default before swap_dkv).
+    for det in (False, True):
+        out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 256, 256,
+                                BwdConfig(64, 64, 2), build_bwd,
+                                config_flags(**{**plain, "causal": det, "deterministic": det})))
+    out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 256, 256,
+                            BwdConfig(64, 64, 1), build_bwd, config_flags(**plain)))
+    # hdim 192 at 64 keys, two Q/dO stages (the default before swap_dkv).
+    out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 192, 192,
+                            BwdConfig(64, 64, 2), build_bwd, config_flags(**plain)))
+    return tuple(out)
+
+
+def _dq_postprocess_configs():
+    """The postprocess of the Hopper backward's fragment-order dQaccum, per default tile (its
+    config's tile is the backward schedule it belongs to; `short`: `config.short_causal`)."""
+    return tuple(KernelConfig("hopper.bwd.dq_postprocess", TARGETS, dtype, d, None,
+                              bwd_tile(d, varlen, short), build_dq_postprocess,
+                              config_flags(varlen=varlen))
+                 for d, dtype, varlen, short in [(64, "bf16", False, False),
+                                                 (96, "bf16", False, False),
+                                                 (128, "bf16", False, False),
+                                                 (128, "fp16", True, False),
+                                                 (128, "bf16", False, True),
+                                                 (192, "bf16", False, False),
+                                                 (256, "bf16", True, False)])
+
+
+CONFIGS = _fwd_configs() + _bwd_configs() + _dq_postprocess_configs()

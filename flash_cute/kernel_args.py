@@ -1,0 +1,152 @@
+"""The argument records every attention kernel's `__call__` takes, by name.
+
+Host code builds one record per launch (`flash_cute.launch`); a kernel reads the fields it
+uses (``args.q``, ``args.seqused_k``) and ignores the rest, so a new optional field (a page
+table, split outputs, aux tensors) is one line here and a read in the kernels that use it.
+At the TVM-FFI boundary the record is passed field by field (`flash_cute.jit.launch_kernel`):
+a tuple argument would be converted to an ffi.Array on every call.
+
+Each field holds, at run time, a `jit.TensorArg` (a torch tensor and the alignment the kernel
+may assume), a Python float (a Float32 parameter), an int (Int32) or None (an absent optional
+tensor); when compiling, the matching fake tensor or DSL scalar (`fake_forward_args`,
+`fake_backward_args`). No CuTe DSL import at module level.
+"""
+
+from typing import Any, NamedTuple, Optional
+
+
+class FwdArgs(NamedTuple):
+    """An attention forward. Padded: q [b, sq, h, d], k/v [b, sk, hk, d], lse [b, h, sq].
+    Varlen: q [tq, h, d], k/v [tk, hk, d], lse [h, tq], cu_seqlens [b + 1]. seqused [b]."""
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    lse: Any
+    softmax_scale: Any
+    softcap: Any  # the cap (1.0 when the variant has none)
+    window_left: Any
+    window_right: Any
+    max_seqlen_q: Any
+    cu_seqlens_q: Optional[Any] = None
+    cu_seqlens_k: Optional[Any] = None
+    seqused_q: Optional[Any] = None
+    seqused_k: Optional[Any] = None
+
+
+class BwdArgs(NamedTuple):
+    """An attention backward main kernel: q/dout like q, k/v like k, dk/dv [.., h, d] (per query
+    head; dtype, or fp32 for GQA), lse_log2 and delta like the forward's lse (`bwd_prep`),
+    dq_accum in the layout of the arch's `DqAccum`, dq_semaphores (deterministic only) int32
+    [b, h, ceil(max_seqlen_q / tile_m)]."""
+    q: Any
+    k: Any
+    v: Any
+    dout: Any
+    lse_log2: Any
+    delta: Any
+    dq_accum: Any
+    dk: Any
+    dv: Any
+    softmax_scale: Any
+    softcap: Any
+    window_left: Any
+    window_right: Any
+    max_seqlen_k: Any
+    cu_seqlens_q: Optional[Any] = None
+    cu_seqlens_k: Optional[Any] = None
+    seqused_q: Optional[Any] = None
+    seqused_k: Optional[Any] = None
+    dq_semaphores: Optional[Any] = None
+
+
+def score_scalars(problem) -> dict:
+    """The scalar fields of a validated `AttentionProblem`, cast (a float or int slot is fixed
+    by the first compile of each key)."""
+    return {"softmax_scale": float(problem.softmax_scale),
+            "softcap": float(problem.softcap) if problem.softcap > 0 else 1.0,
+            "window_left": int(problem.window_left or 0),
+            "window_right": int(problem.window_right or 0)}
+
+
+def _fake_layout(varlen: bool):
+    """Dynamic extents of a fake launch: (Q rows, K rows, heads, kv heads, per-row vector shape
+    [b, h, sq] or [h, tq], cu_seqlens pair or (None, None)), padded or varlen."""
+    from cutlass import Int32
+
+    from flash_cute.jit import dynamic_dim, fake_tensor
+
+    heads, heads_kv = dynamic_dim(), dynamic_dim()
+    if varlen:
+        rows_q, rows_k, batch1 = (dynamic_dim(),), (dynamic_dim(),), dynamic_dim()
+        cu = (fake_tensor(Int32, (batch1,), align=4), fake_tensor(Int32, (batch1,), align=4))
+        return rows_q, rows_k, heads, heads_kv, (heads, rows_q[0]), cu
+    batch, seqlen_q, seqlen_k = dynamic_dim(), dynamic_dim(), dynamic_dim()
+    return (batch, seqlen_q), (batch, seqlen_k), heads, heads_kv, (batch, heads, seqlen_q), \
+        (None, None)
+
+
+def _fake_seqused(seqused_q: bool, seqused_k: bool) -> tuple:
+    from cutlass import Int32
+
+    from flash_cute.jit import dynamic_dim, fake_tensor
+
+    return tuple(fake_tensor(Int32, (dynamic_dim(),), align=4) if used else None
+                 for used in (seqused_q, seqused_k))
+
+
+def _fake_scalars() -> dict:
+    from cutlass import Float32, Int32
+
+    return {"softmax_scale": Float32(0.125), "softcap": Float32(1.0), "window_left": Int32(0),
+            "window_right": Int32(0)}
+
+
+def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
+                      seqused=(False, False)) -> FwdArgs:
+    """A forward record of fake tensors with dynamic batch, heads and lengths, padded or
+    varlen, for cross-compiling; `seqused`: (seqused_q, seqused_k) given."""
+    from cutlass import Float32, Int32
+
+    from flash_cute.jit import fake_tensor
+
+    rows_q, rows_k, heads, heads_kv, lse_shape, cu = _fake_layout(varlen)
+    used_q, used_k = _fake_seqused(*seqused)
+    return FwdArgs(
+        q=fake_tensor(dtype, rows_q + (heads, hdim)), k=fake_tensor(dtype, rows_k + (heads_kv, hdim)),
+        v=fake_tensor(dtype, rows_k + (heads_kv, hdim_v)),
+        out=fake_tensor(dtype, rows_q + (heads, hdim_v)),
+        lse=fake_tensor(Float32, lse_shape, align=4), **_fake_scalars(), max_seqlen_q=Int32(1),
+        cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], seqused_q=used_q, seqused_k=used_k)
+
+
+def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(False, False),
+                       dkv_fp32: bool = False, stats_align: int = 4, dq_align: int = 4,
+                       dq_accum_cols: Optional[int] = None,
+                       semaphores: bool = False) -> BwdArgs:
+    """A backward record of fake tensors, as `fake_forward_args`. The alignments are those the
+    arch's launch promises (`launch.BackwardPlan`); `dq_accum_cols`: dQaccum as [.., h, cols]
+    fragment-order tiles (`arch.hopper.dq_accum`) instead of laid out like q; `semaphores`:
+    the deterministic backward's dQ semaphores."""
+    from cutlass import Float32, Int32
+
+    from flash_cute.jit import dynamic_dim, fake_tensor
+
+    rows_q, rows_k, h, hk, stats, cu = _fake_layout(varlen)
+    dkv_dtype, dkv_align = (Float32, 4) if dkv_fp32 else (dtype, 16)
+    used_q, used_k = _fake_seqused(*seqused)
+    if dq_accum_cols is None:
+        dq_accum = fake_tensor(Float32, rows_q + (h, hdim), align=dq_align)
+    else:
+        lead = (dynamic_dim(),) if varlen else (dynamic_dim(), dynamic_dim())
+        dq_accum = fake_tensor(Float32, lead + (h, dq_accum_cols), align=dq_align)
+    sem = fake_tensor(Int32, (dynamic_dim(), h, dynamic_dim()), align=4) if semaphores else None
+    return BwdArgs(
+        q=fake_tensor(dtype, rows_q + (h, hdim)), k=fake_tensor(dtype, rows_k + (hk, hdim)),
+        v=fake_tensor(dtype, rows_k + (hk, hdim_v)), dout=fake_tensor(dtype, rows_q + (h, hdim_v)),
+        lse_log2=fake_tensor(Float32, stats, align=stats_align),
+        delta=fake_tensor(Float32, stats, align=stats_align), dq_accum=dq_accum,
+        dk=fake_tensor(dkv_dtype, rows_k + (h, hdim), align=dkv_align),
+        dv=fake_tensor(dkv_dtype, rows_k + (h, hdim_v), align=dkv_align), **_fake_scalars(),
+        max_seqlen_k=Int32(1), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], seqused_q=used_q,
+        seqused_k=used_k, dq_semaphores=sem)

@@ -1,0 +1,74 @@
+"""`KernelConfig`: one entry of the table of kernel configurations that `inspect` compiles.
+
+Data only (no CuTe DSL import): each pipeline lists its entries in `arch/<name>/registry.py`
+and `flash_cute.registry` gathers them with the shared blocks' own. An entry's `builder`,
+called inside a compile worker, returns what to compile (`flash_cute.xcompile.CompileSpec`).
+A kernel is named ``<pipeline>.<role>``: ``ampere.fwd``, ``hopper.bwd``, ... for the
+attention pipelines, ``blocks.*`` for the shared blocks' own kernels.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    kernel: str
+    archs: tuple
+    dtype: str
+    hdim: object
+    hdim_v: object
+    tile: tuple
+    builder: Callable = field(compare=False)
+    flags: tuple = field(default=())
+
+    @property
+    def flag_dict(self) -> dict:
+        return dict(self.flags)
+
+    @property
+    def label(self) -> str:
+        """Short unique description, e.g. ``bf16 d-/16 64x64 causal``."""
+        on = [k if v is True else f"{k}={v}" for k, v in self.flags if v is not False]
+        dims = f"d{self.hdim if self.hdim is not None else '-'}/{self.hdim_v}"
+        return " ".join([self.dtype, dims, tile_label(self.tile)] + on)
+
+    def config_dict(self) -> dict:
+        names = getattr(self.tile, "_fields", ())
+        nums = list(self.tile[:3]) if names else [x for x in self.tile if not isinstance(x, bool)]
+        cfg = {"dtype": self.dtype, "hdim": self.hdim, "hdim_v": self.hdim_v, "tile": nums}
+        # A schedule's named switches (e.g. the Hopper forward's overlaps) read like flags, and
+        # so do its named numbers past the leading three (the backward's do_stages), when set.
+        cfg.update({n: x for n, x in zip(names[3:], self.tile[3:]) if x is not None})
+        cfg.update(self.flag_dict)
+        return cfg
+
+
+def tile_label(tile) -> str:
+    """``128x128x2`` from the leading numbers; a named schedule switch that is on adds
+    ``+name``, a named number that is set ``+name=value`` (``64x48x2+swap_dkv+do_stages=1``)."""
+    names = getattr(tile, "_fields", ())
+    lead = [str(x) for x in tile[:3]] if names else [str(x) for x in tile]
+    extra = []
+    for n, x in zip(names[3:], tile[3:]):
+        if x is True:
+            extra.append(f"+{n}")
+        elif not isinstance(x, bool) and x is not None:
+            extra.append(f"+{n}={x}")
+    return "x".join(lead) + "".join(extra)
+
+
+def config_flags(**kw) -> tuple:
+    return tuple(sorted(kw.items()))
+
+
+@dataclass
+class CompileSpec:
+    """What a registry builder returns: the kernel, its fake argument record (or a tuple of
+    fake arguments, for a kernel whose `__call__` takes them one by one) and extras."""
+
+    fn: Callable
+    args: object
+    dynamic_smem_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+    options: str = ""
