@@ -69,18 +69,18 @@ def tile_row_values(coord_mn: cute.Tensor, valid_rows: Int32, t_rows: cute.Tenso
 
 @cute.jit
 def p_and_ds(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor, delta: cute.Tensor,
-             scale_log2: Float32, has_softcap: cutlass.Constexpr[bool]):
-    """In place: S → P = exp2(S·scale_log2 − LSE₂) and dP → dS = P ∘ (dP − Δ) [∘ (1 − tanh²)].
+             scale_log2: Float32, score_mod: cutlass.Constexpr = None):
+    """In place: S → P = exp2(S·scale_log2 − LSE₂) and dP → dS = P ∘ (dP − Δ) [∘ f'(s)].
 
-    With softcap S holds tanh(s·scale/cap): d/ds of cap·tanh(s·scale/cap) is scale·(1 − tanh²),
-    the scale being applied to dK and dQ at the end. Masked entries hold −inf; clamped to −1
-    their factor is 0 instead of NaN.
+    With a score mod (`flash_cute.score`; softcap) S holds the mod's output and dS takes its
+    derivative, `score_mod.grad` of that output (the softmax scale is applied to dK and dQ at
+    the end).
     """
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-        if cutlass.const_expr(has_softcap):
+        if cutlass.const_expr(score_mod is not None):
             for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-                t = cute.arch.fmax(s_mn[r, c], Float32(-1.0))
-                dp_mn[r, c] = (dp_mn[r, c] - delta[r]) * (Float32(1.0) - t * t)
+                grad = score_mod.grad(s_mn[r, c])
+                dp_mn[r, c] = (dp_mn[r, c] - delta[r]) * grad
         else:
             dp_mn[r, None].store(dp_mn[r, None].load() - delta[r])
         p = cute.math.exp2(s_mn[r, None].load() * scale_log2 - lse[r], fastmath=True)
@@ -90,7 +90,7 @@ def p_and_ds(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor, delta: cut
 
 @cute.jit
 def probs(s_mn: cute.Tensor, lse: cute.Tensor, scale_log2: Float32):
-    """In place: S → P = exp2(S·scale_log2 − LSE₂), the first half of `p_and_ds` (no softcap),
+    """In place: S → P = exp2(S·scale_log2 − LSE₂), the first half of `p_and_ds` (no score mod),
     for a kernel whose dP is still being computed."""
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
         s_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * scale_log2 - lse[r],
@@ -99,7 +99,7 @@ def probs(s_mn: cute.Tensor, lse: cute.Tensor, scale_log2: Float32):
 
 @cute.jit
 def ds_from_probs(p_mn: cute.Tensor, dp_mn: cute.Tensor, delta: cute.Tensor):
-    """In place: dP → dS = P ∘ (dP − Δ), the second half of `p_and_ds` (no softcap), rounded
+    """In place: dP → dS = P ∘ (dP − Δ), the second half of `p_and_ds` (no score mod), rounded
     as there."""
     for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
         dp_mn[r, None].store(p_mn[r, None].load() * (dp_mn[r, None].load() - delta[r]))

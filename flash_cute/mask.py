@@ -8,7 +8,7 @@ The block works on any arch's accumulator through two views that the arch builds
 ``acc_mn`` (a thread's scores as rows x cols) and ``coord_mn`` (the (row, col) coordinate of each
 of those elements inside the tile, from an identity tensor partitioned like the accumulator).
 Which tiles need a mask at all comes from `block_range`; this block only does the per-element
-work. Model: `flash_cute.reference.attention_mask`. With packed GQA (``pack`` > 1) tile row r
+work, which every kernel reaches through the score seam (`flash_cute.score.Scores`). Model: `flash_cute.reference.attention_mask`. With packed GQA (``pack`` > 1) tile row r
 is query ``(m_block * tile_m + r) // pack`` (see `flash_cute.block_range`).
 """
 
@@ -18,9 +18,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_cute.block_range import BlockRange, block_range, needs_mask
+from flash_cute.block_range import BlockRange, block_range
 from flash_cute.dsl_state import DslState
-from flash_cute.softmax import apply_softcap
 
 
 class AttentionMask(DslState):
@@ -63,31 +62,6 @@ class AttentionMask(DslState):
         return block_range(m_block, self.tile_m, self.tile_n, self.seqlen_q, self.seqlen_k,
                            self.causal, self.window_left, self.window_right, self.pack,
                            imin=cutlass.min, imax=cutlass.max)
-
-    @cute.jit
-    def prepare(
-        self,
-        acc_mn: cute.Tensor,
-        coord_mn: cute.Tensor,
-        m_block: Int32,
-        n_block: Int32,
-        softcap_scale: Optional[Float32] = None,
-        rng: Optional[BlockRange] = None,
-        masked: cutlass.Constexpr = None,
-    ):
-        """What every kernel does to a score tile before its softmax (or the backward's P):
-        softcap (`apply_softcap`, when `softcap_scale` is given; before the mask, so masked
-        entries stay -inf), then the mask where the block needs it. `masked`: True or False
-        when the caller knows, None to ask `needs_mask` at run time, with `rng` (the query
-        block's `block_range`, computed here when not given)."""
-        if cutlass.const_expr(softcap_scale is not None):
-            apply_softcap(acc_mn, softcap_scale)
-        if cutlass.const_expr(masked is None):
-            visited = self.block_range(m_block) if cutlass.const_expr(rng is None) else rng
-            if needs_mask(n_block, visited):
-                self.apply(acc_mn, coord_mn, m_block, n_block)
-        elif cutlass.const_expr(masked):
-            self.apply(acc_mn, coord_mn, m_block, n_block)
 
     @cute.jit
     def apply(

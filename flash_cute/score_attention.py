@@ -13,7 +13,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flash_cute.mask import AttentionMask
-from flash_cute.softmax import OnlineSoftmax, fold_scales, rescale_o
+from flash_cute.score import SOFTCAP, Scores, fold_scores
+from flash_cute.softmax import OnlineSoftmax, rescale_o
 
 
 class ScoreAttentionKernel:
@@ -51,7 +52,7 @@ class ScoreAttentionKernel:
         self.causal = causal
         self.has_window_left = has_window_left
         self.has_window_right = has_window_right and not causal
-        self.has_softcap = has_softcap
+        self.score_mod = SOFTCAP if has_softcap else None
 
     @cute.jit
     def __call__(
@@ -91,7 +92,7 @@ class ScoreAttentionKernel:
         win_left = window_left if cutlass.const_expr(self.has_window_left) else None
         win_right = window_right if cutlass.const_expr(self.has_window_right) else None
 
-        scale_log2, scale_div_cap = fold_scales(softmax_scale, softcap, self.has_softcap)
+        scale_log2, mod_scale = fold_scores(self.score_mod, softmax_scale, softcap)
 
         thr_layout = cute.make_layout((32, self.threads_per_row), stride=(self.threads_per_row, 1))
         tile_coord = cute.make_identity_tensor((self.tile_m, self.tile_n))
@@ -105,11 +106,11 @@ class ScoreAttentionKernel:
         mask = AttentionMask(
             self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal, win_left, win_right
         )
+        scores = Scores(self.score_mod, mod_scale, mask)
         rng = mask.block_range(m_block)
         for n_block in cutlass.range(rng.n_block_max - 1, rng.n_block_min - 1, -1, unroll=1):
             self.load_scores(mS, acc_s, coord_mn, batch, m_block, n_block, seqlen_q, seqlen_k)
-            mask.prepare(acc_s, coord_mn, m_block, n_block,
-                         scale_div_cap if cutlass.const_expr(self.has_softcap) else None, rng)
+            scores.prepare(acc_s, coord_mn, m_block, n_block, rng)
             row_scale = softmax.online_softmax(acc_s)
             rescale_o(acc_o, row_scale)
             self.accumulate_pv(mV, acc_s, acc_o, coord_mn, batch, n_block, seqlen_k)

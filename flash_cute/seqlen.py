@@ -10,7 +10,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, pipeline
+from cutlass import Int32
 
 from flash_cute.dsl_state import DslState
 
@@ -77,37 +77,3 @@ def _offset_and_length(batch: Int32, seqlen_static, cu_seqlens: Optional[cute.Te
     if cutlass.const_expr(cu_seqlens is not None):
         return offset, cu_seqlens[batch + 1] - offset
     return offset, Int32(seqlen_static)
-
-
-@cute.jit
-def clear_rows_past(tile: cute.Tensor, valid_rows: Int32, row_mode: cutlass.Constexpr[int],
-                    tid: Int32, num_threads: cutlass.Constexpr[int]):
-    """Zero the entries of a 2-D (shared-memory) tile whose coordinate along `row_mode` (0 or
-    1) is >= `valid_rows`, spread over `num_threads` threads (`tid` in [0, num_threads)).
-
-    A TMA zero-fills only what lies past the end of the tensor: in a varlen tile the rows
-    past a sequence hold the next sequence or the unused tail of the packed tensor, possibly
-    NaN or inf, and a probability of 0 times such a row is NaN in the GEMM. The caller makes
-    the zeros visible to the tensor cores (`clear_tails` does both)."""
-    rows = cute.size(tile, mode=[row_mode])
-    cols = cute.size(tile, mode=[1 - row_mode])
-    zero = tile.element_type(0)
-    for idx in cutlass.range(tid + valid_rows * cols, rows * cols, num_threads, unroll=1):
-        row = idx // cols
-        col = idx - row * cols
-        if cutlass.const_expr(row_mode == 0):
-            tile[row, col] = zero
-        else:
-            tile[col, row] = zero
-
-
-@cute.jit
-def clear_tails(tiles: tuple, valid_rows: Int32, row_mode: cutlass.Constexpr[int], tid: Int32,
-                num_threads: cutlass.Constexpr[int], barrier_id: cutlass.Constexpr[int]):
-    """`clear_rows_past` on each of `tiles`, then what makes the zeros visible to the tensor
-    cores: a fence to the async proxy and named barrier `barrier_id` over the `num_threads`
-    threads (every one of which must call this)."""
-    for t in cutlass.range_constexpr(len(tiles)):
-        clear_rows_past(tiles[t], valid_rows, row_mode, tid, num_threads)
-    cute.arch.fence_view_async_shared()
-    pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=num_threads).arrive_and_wait()

@@ -148,24 +148,3 @@ def rescale_o(acc_o_mn: cute.Tensor, row_scale: cute.Tensor):
     """Multiply each row of the output accumulator by its factor (online rescale or 1/l)."""
     for r in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[0])):
         acc_o_mn[r, None].store(acc_o_mn[r, None].load() * row_scale[r])
-
-
-def fold_scales(softmax_scale: Float32, softcap: Float32, has_softcap: bool):
-    """(scale_log2, scale_div_cap) for the exp2 path.
-
-    Without softcap: exp2 scale = softmax_scale·log2 e. With softcap the scores become
-    tanh(s·softmax_scale/cap) (see `apply_softcap`) and the exp2 scale is cap·log2 e.
-    """
-    if has_softcap:
-        return softcap * Float32(LOG2_E), softmax_scale / softcap
-    return softmax_scale * Float32(LOG2_E), Float32(1.0)
-
-
-@cute.jit
-def apply_softcap(acc_mn: cute.Tensor, scale_div_cap: Float32):
-    """s <- tanh(s * softmax_scale / softcap); the softmax then runs with scale = softcap.
-
-    Folding the scale this way keeps the exp2 path identical with and without softcap.
-    """
-    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-        acc_mn[r, None].store(cute.math.tanh(acc_mn[r, None].load() * scale_div_cap, fastmath=True))

@@ -62,11 +62,14 @@ class Variant:
 
 
 def set_kernel_switches(kernel, variant: Variant) -> None:
-    """The variant's switches as the attributes the kernels' `const_expr` branches read."""
+    """The variant's switches as the attributes the kernels' `const_expr` branches read; the
+    softcap switch as the kernel's score mod (`flash_cute.score`)."""
+    from flash_cute.score import score_mod_of
+
     kernel.causal = variant.causal
     kernel.has_window_left = variant.window_left
     kernel.has_window_right = variant.window_right
-    kernel.has_softcap = variant.softcap
+    kernel.score_mod = score_mod_of(variant)
     kernel.varlen = variant.varlen
     kernel.has_seqused_q = variant.seqused_q
     kernel.has_seqused_k = variant.seqused_k

@@ -20,7 +20,7 @@ from flash_cute.bwd_blocks import atomic_add_rows, p_and_ds, row_stats, store_ac
 from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.softmax import fold_scales
+from flash_cute.score import Scores, fold_scores
 from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import BWD_TILES, COMPILE_OPTIONS, bwd_smem_bytes
@@ -88,11 +88,10 @@ class AmpereBwd:
 
         batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
         grid = (cute.ceil_div(args.max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
-        scale_log2, scale_div_cap = fold_scales(args.softmax_scale, args.softcap,
-                                                self.has_softcap)
+        scale_log2, mod_scale = fold_scores(self.score_mod, args.softmax_scale, args.softcap)
         self.kernel(
             mQ, mK, mV, mdO, args.lse_log2, args.delta, args.dq_accum, args.dk, args.dv,
-            args.softmax_scale, scale_log2, scale_div_cap, args.window_left, args.window_right,
+            args.softmax_scale, scale_log2, mod_scale, args.window_left, args.window_right,
             mCuSeqlensQ, args.cu_seqlens_k, args.seqused_q, args.seqused_k, *layouts,
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
@@ -104,7 +103,7 @@ class AmpereBwd:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, scale_log2: Float32,
-               scale_div_cap: Float32, window_left: Int32, window_right: Int32,
+               mod_scale: Float32, window_left: Int32, window_right: Int32,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
@@ -154,7 +153,7 @@ class AmpereBwd:
             acc_dk = gemm_dk.new_acc((self.tile_n, self.hdim))
             acc_dv = gemm_dv.new_acc((self.tile_n, self.hdim_v))
             step = BwdStep(self, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum, head,
-                           sP, sdS, scale_log2, scale_div_cap, win_left, win_right)
+                           sP, sdS, scale_log2, mod_scale, win_left, win_right)
             for m_block in cutlass.range(m_min, m_max, unroll=1):
                 stage = (m_block - m_min) % self.num_stages
                 if cutlass.const_expr(self.num_stages > 1):
@@ -212,9 +211,9 @@ class BwdStep(DslState):
     """The per-query-tile math: P and dS into shared memory, and the dQ partial sum."""
 
     def __init__(self, cfg: AmpereBwd, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum,
-                 head, sP, sdS, scale_log2, scale_div_cap, win_left, win_right):
+                 head, sP, sdS, scale_log2, mod_scale, win_left, win_right):
         self.cfg, self.seq, self.head = cfg, seq, head
-        self.scale_log2, self.scale_div_cap = scale_log2, scale_div_cap
+        self.scale_log2 = scale_log2
         self.win_left, self.win_right = win_left, win_right
         thr_sdp = mma_sdp.get_slice(tidx)
         self.coord_s = acc_to_mn(thr_sdp.partition_C(
@@ -224,8 +223,9 @@ class BwdStep(DslState):
         self.g_lse = seq.lse_view(mLSElog2, head)
         self.g_delta = seq.lse_view(mDelta, head)
         self.g_dq = seq.q_view(mdQaccum, head)
-        self.mask = AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.causal,
-                                  win_left, win_right)
+        self.scores = Scores(cfg.score_mod, mod_scale,
+                             AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                           cfg.causal, win_left, win_right))
         r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cfg.dtype,
                                        num_bits_per_copy=2 * cfg.dtype.width)
         self.r2s_atom = r2s_atom
@@ -242,12 +242,11 @@ class BwdStep(DslState):
         acc_s = gemm_s.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_s.run(acc_s, stage)
         s_mn = acc_to_mn(acc_s)
-        self.mask.prepare(s_mn, self.coord_s, m_block, n_block,
-                          self.scale_div_cap if cutlass.const_expr(cfg.has_softcap) else None)
+        self.scores.prepare(s_mn, self.coord_s, m_block, n_block)
         acc_dp = gemm_dp.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_dp.run(acc_dp, stage)
         dp_mn = acc_to_mn(acc_dp)
-        p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.has_softcap)
+        p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod)
         r_p = cute.make_rmem_tensor_like(acc_s, cfg.dtype)
         r_p.store(acc_s.load().to(cfg.dtype))
         r_ds = cute.make_rmem_tensor_like(acc_dp, cfg.dtype)

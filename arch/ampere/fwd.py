@@ -18,7 +18,8 @@ from flash_cute.kernel_args import FwdArgs
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.softmax import OnlineSoftmax, fold_scales, rescale_o
+from flash_cute.score import Scores, fold_scores
+from flash_cute.softmax import OnlineSoftmax, rescale_o
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 
 from .config import COMPILE_OPTIONS, TILES, fwd_smem_bytes
@@ -80,10 +81,9 @@ class AmpereFwd:
         mma = tiled_mma(self.dtype, (self.num_warps, 1))
         batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
         grid = (cute.ceil_div(args.max_seqlen_q, self.tile_m), mQ.shape[-2], batch)
-        scale_log2, scale_div_cap = fold_scales(args.softmax_scale, args.softcap,
-                                                self.has_softcap)
+        scale_log2, mod_scale = fold_scores(self.score_mod, args.softmax_scale, args.softcap)
         self.kernel(
-            mQ, mK, mV, mO, args.lse, scale_log2, scale_div_cap, args.window_left,
+            mQ, mK, mV, mO, args.lse, scale_log2, mod_scale, args.window_left,
             args.window_right, mCuSeqlensQ, args.cu_seqlens_k, args.seqused_q, args.seqused_k,
             sQ_layout, sK_layout, sV_layout,
             sO_layout,
@@ -97,7 +97,7 @@ class AmpereFwd:
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, scale_log2: Float32, scale_div_cap: Float32,
+               mLSE: cute.Tensor, scale_log2: Float32, mod_scale: Float32,
                window_left: Int32, window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
@@ -124,8 +124,9 @@ class AmpereFwd:
             win_right = window_right if cutlass.const_expr(self.has_window_right) else None
             rng = block_range(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                               self.causal, win_left, win_right, imin=cutlass.min, imax=cutlass.max)
-            mask = AttentionMask(self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                 self.causal, win_left, win_right)
+            scores = Scores(self.score_mod, mod_scale,
+                            AttentionMask(self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                          self.causal, win_left, win_right))
 
             thr_mma = tiled_mma.get_slice(tidx)
             acc_o = cute.make_rmem_tensor(
@@ -160,9 +161,7 @@ class AmpereFwd:
                 cute.arch.cp_async_commit_group()
                 acc_s = mma.qk()
                 acc_s_mn = acc_to_mn(acc_s)
-                mask.prepare(acc_s_mn, coord_mn, m_block, n_block,
-                             scale_div_cap if cutlass.const_expr(self.has_softcap) else None,
-                             rng)
+                scores.prepare(acc_s_mn, coord_mn, m_block, n_block, rng)
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()
                 if n_block > rng.n_block_min:

@@ -2,9 +2,8 @@
 
 import functools
 
-import torch
-
 from flash_cute import launch
+from flash_cute.arch.sm90plus.host import tma_ready
 from flash_cute.validation import AttentionProblem
 
 from .config import (BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, PACK_ROWS, SHORT_CAUSAL_BWD_ROWS,
@@ -19,22 +18,6 @@ def check_supported(problem: AttentionProblem, device=None, backward: bool = Fal
     launch.packed_heads(problem, PACK_ROWS)
     if backward:
         launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """`t` with the strides of its size-1 dims made compact.
-
-    Validation ignores those strides (the kernel never steps along them), but a TMA descriptor
-    encodes every stride and rejects one that is not a multiple of 16 bytes.
-    """
-    shape, stride = t.shape, t.stride()
-    if all(s % 8 == 0 or n != 1 for n, s in zip(shape[:-1], stride[:-1])):
-        return t
-    strides, step = [], 1
-    for size, st in reversed(list(zip(shape, stride))):
-        strides.append(step if size == 1 else st)
-        step = max(step, size * strides[-1])
-    return t.as_strided(t.shape, tuple(reversed(strides)))
 
 
 def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -54,7 +37,7 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
                                   short_causal(problem.causal, problem.max_seqlen_q * pack,
                                                problem.max_seqlen_k)))
     return launch.forward("hopper.fwd", HopperFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k, tile, COMPILE_OPTIONS, arch, prepare=_tma_ready,
+                          seqused_q, seqused_k, tile, COMPILE_OPTIONS, arch, prepare=tma_ready,
                           pack_gqa=pack)
 
 
@@ -90,5 +73,5 @@ def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, tile, target: s
     dq_accum = (TiledDqAccum.of(tile, hdim) if bwd_smem_plan(hdim, hdim_v, tile).dq_tma
                 else launch.RowDqAccum(16))
     return launch.BackwardPlan("hopper.bwd", HopperBwd, tuple(tile), bwd_compile_options(tile),
-                               target, prepare=_tma_ready, dq_accum=dq_accum,
+                               target, prepare=tma_ready, dq_accum=dq_accum,
                                row_stats_align=16)

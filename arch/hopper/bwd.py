@@ -10,6 +10,7 @@ dQaccum (fp32) by bulk reduce-adds of a shared-memory tile kept in the WGMMA fra
 (`config.bwd_smem_plan`), by fp32 atomics into a dQaccum laid out like Q (`bwd_postprocess`).
 """
 
+import enum
 import math
 from typing import Optional
 
@@ -20,17 +21,20 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
+from flash_cute.arch.sm90plus.barriers import named_barriers
+from flash_cute.arch.sm90plus.tma import (ROWS_FIRST, clear_tails, make_tma_pipelines, permute,
+                                          smem_tile, swizzled_layout, tma_load_atom,
+                                          tma_partition)
+from flash_cute.block_range import m_block_range
 from flash_cute.bwd_blocks import (atomic_add_rows, dq_turn, ds_from_probs, p_and_ds, pass_turn,
                                    probs, store_acc_tile, tile_row_values, wait_turn)
-from flash_cute.block_range import m_block_range
-from flash_cute.bwd_prep import row_store, store_tile_rows
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import BwdArgs
 from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_strides,
                                 transpose_view)
 from flash_cute.mask import AttentionMask
-from flash_cute.seqlen import SeqInfo, clear_tails
-from flash_cute.softmax import fold_scales
+from flash_cute.seqlen import SeqInfo
+from flash_cute.score import Scores, fold_scores
 from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import (BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS, BWD_NUM_THREADS,
@@ -38,30 +42,29 @@ from .config import (BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS, BWD_NUM_TH
                      BwdConfig, bwd_compile_options, bwd_mma_splits, bwd_smem_plan, dq_swapped,
                      ds_stored_before_dv, stats_stage_rows)
 from .dq_accum import DQ_THREADS, as_vectors, reduce_add_tile, thread_view
-from .tma import (ROWS_FIRST, make_tma_pipelines, permute, smem_tile, swizzled_layout,
-                  tma_load_atom, tma_partition)
+from .row_copy import row_store, store_tile_rows
 from .wgmma import wgmma_slice
 
-# Named barriers (0 is sync_threads'; the pipelines use mbarriers). 1: the 256 consumer
-# threads around the shared P and dS tiles (and around a deterministic turn of dQ atomics);
-# 2, 3: one consumer warpgroup's P, when its dV reads only the P columns it wrote itself;
-# 4, 5: the dQ tile full / empty, between the 256 consumer threads and the dQ-writer warp
-# (`dq_per_wg`: between warpgroup 0 and the writer; 8, 9 the same for warpgroup 1);
-_PDS_BARRIER_ID = 1
-_WG_P_BARRIER_ID = 2
-_DQ_FULL_BARRIER_ID = 4
-_DQ_EMPTY_BARRIER_ID = 5
-_DQ_WG1_FULL_BARRIER_ID = 8
 _DQ_WRITER_WARP = 1
-# 6: the 256 consumer threads, after zeroing tile rows past a varlen sequence.
-_TAIL_BARRIER_ID = 6
-# 7: the 256 consumer threads around the dK/dV epilogue tiles in shared memory.
-_EPILOGUE_BARRIER_ID = 7
-# Warpgroup w's dQ pair is (4, 5) + w * stride.
-_DQ_WG_BARRIER_STRIDE = _DQ_WG1_FULL_BARRIER_ID - _DQ_FULL_BARRIER_ID
-assert len({_PDS_BARRIER_ID, _WG_P_BARRIER_ID, _WG_P_BARRIER_ID + 1, _DQ_FULL_BARRIER_ID,
-            _DQ_EMPTY_BARRIER_ID, _DQ_WG1_FULL_BARRIER_ID, _DQ_EMPTY_BARRIER_ID
-            + _DQ_WG_BARRIER_STRIDE, _TAIL_BARRIER_ID, _EPILOGUE_BARRIER_ID}) == 9
+
+
+@named_barriers
+class BwdBarrier(enum.IntEnum):
+    """The backward's named barriers (the pipelines use mbarriers)."""
+    PDS = 1  # the 256 consumer threads around the shared P and dS tiles (and a deterministic
+    #          turn of dQ atomics)
+    WG0_P = 2  # 2 + w: consumer warpgroup w's P, when its dV reads only the P columns it wrote
+    WG1_P = 3
+    DQ_FULL = 4  # the dQ tile full / empty: the consumers (`dq_per_wg`: warpgroup 0) and the
+    DQ_EMPTY = 5  # dQ-writer warp
+    TAIL = 6  # the 256 consumer threads, after zeroing tile rows past a varlen sequence
+    EPILOGUE = 7  # the 256 consumer threads around the dK/dV epilogue tiles in shared memory
+    DQ_FULL_WG1 = 8  # `dq_per_wg`: warpgroup 1's dQ half full / empty
+    DQ_EMPTY_WG1 = 9
+
+
+# Warpgroup w's dQ pair is (DQ_FULL, DQ_EMPTY) + w * stride.
+_DQ_WG_BARRIER_STRIDE = BwdBarrier.DQ_FULL_WG1.value - BwdBarrier.DQ_FULL.value
 
 
 class HopperBwd:
@@ -193,6 +196,12 @@ class HopperBwd:
     def smem_bytes(self) -> int:
         return self.plan.smem_bytes
 
+    @property
+    def ds_reads_scores(self) -> bool:
+        """Whether dS needs the (modded) scores, which P overwrites in place: softcap's
+        derivative is 1 − tanh², of the tanh that S holds."""
+        return self.score_mod is not None and self.score_mod.grad_reads_scores
+
     # ---------------------------------------------------------------- host side
 
     @cute.jit
@@ -243,12 +252,11 @@ class HopperBwd:
                     one_stage(sQ_layout) + stats_bytes, one_stage(sdO_layout) + stats_bytes)
         batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
         grid = (cute.ceil_div(args.max_seqlen_k, self.tile_n), mQ.shape[-2], batch)
-        scale_log2, scale_div_cap = fold_scales(args.softmax_scale, args.softcap,
-                                                self.has_softcap)
+        scale_log2, mod_scale = fold_scores(self.score_mod, args.softmax_scale, args.softcap)
         self.kernel(
             tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, mdQaccum, tma_lse, tLSE,
             tma_delta, tDelta, mdK, mdV, args.dq_semaphores, args.softmax_scale, scale_log2,
-            scale_div_cap, args.window_left, args.window_right, mCuSeqlensQ, args.cu_seqlens_k,
+            mod_scale, args.window_left, args.window_right, mCuSeqlensQ, args.cu_seqlens_k,
             args.seqused_q, args.seqused_k, *layouts, *mmas,
             SharedStorage, tx_bytes,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -363,7 +371,7 @@ class HopperBwd:
                tma_lse: cute.CopyAtom, mLSElog2: cute.Tensor, tma_delta: cute.CopyAtom,
                mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mdQsem: Optional[cute.Tensor], softmax_scale: Float32, scale_log2: Float32,
-               scale_div_cap: Float32, window_left: Int32, window_right: Int32,
+               mod_scale: Float32, window_left: Int32, window_right: Int32,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
@@ -415,7 +423,7 @@ class HopperBwd:
                 cute.arch.setmaxregister_increase(BWD_CONSUMER_REGISTERS)
                 tidx = cute.arch.thread_idx()[0] - 128
                 step = BwdStep(self, tidx, seq, mmas, smem, (mLSElog2, mDelta), mdQaccum, head,
-                               scale_log2, scale_div_cap, win_left, win_right, order)
+                               scale_log2, mod_scale, win_left, win_right, order)
                 self.consume(step, smem, pipes, m_min, m_max, n_block)
                 self.store_dkv(step, mmas, tidx, seq, smem, mdK, mdV, head, n_block,
                                softmax_scale)
@@ -457,7 +465,7 @@ class HopperBwd:
         16-byte chunks. With swap_dkv the accumulators hold dKᵀ and dVᵀ and go in through a
         transposed view, one 16-bit store per element (FA4 transposes with stmatrix; not
         done here yet)."""
-        epilogue = pipeline.NamedBarrier(barrier_id=_EPILOGUE_BARRIER_ID,
+        epilogue = pipeline.NamedBarrier(barrier_id=BwdBarrier.EPILOGUE.value,
                                          num_threads=self.num_consumer_threads)
         epilogue.arrive_and_wait()
         dkv_n = self.splits["dkv"][1]
@@ -634,7 +642,7 @@ def dq_barrier_ids(cfg: HopperBwd, wg):
     """(full, empty) barrier ids of warpgroup `wg`'s dQ half (an int, or the warp-uniform
     run-time index), or of the whole tile without `dq_per_wg`."""
     step = _DQ_WG_BARRIER_STRIDE * wg if cfg.dq_per_wg else 0
-    return _DQ_FULL_BARRIER_ID + step, _DQ_EMPTY_BARRIER_ID + step
+    return BwdBarrier.DQ_FULL.value + step, BwdBarrier.DQ_EMPTY.value + step
 
 
 class ShuffledRows:
@@ -709,9 +717,9 @@ class BwdStep(DslState):
     and dV accumulators across the loop."""
 
     def __init__(self, cfg: HopperBwd, tidx, seq, mmas, smem: SmemTiles, stats, mdQaccum, head,
-                 scale_log2, scale_div_cap, win_left, win_right, order):
+                 scale_log2, mod_scale, win_left, win_right, order):
         self.cfg, self.seq, self.tidx, self.order = cfg, seq, tidx, order
-        self.scale_log2, self.scale_div_cap = scale_log2, scale_div_cap
+        self.scale_log2 = scale_log2
         self.win_left, self.win_right = win_left, win_right
         mma_sdp, mma_dk, mma_dv, mma_dq = mmas
         self.mma_sdp, self.mma_dk, self.mma_dv, self.mma_dq = mmas
@@ -735,8 +743,9 @@ class BwdStep(DslState):
         self.sQ, self.sdO = smem.sQ, smem.sdO
         # Without their TMA (varlen): the (seqlen_q,) global views.
         self.g_lse, self.g_delta = (seq.lse_view(t, head) for t in stats)
-        self.mask = AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k, cfg.causal,
-                                  win_left, win_right)
+        self.scores = Scores(cfg.score_mod, mod_scale,
+                             AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                           cfg.causal, win_left, win_right))
         # P and dS leave the S accumulator layout by stmatrix: four 8x8 blocks per
         # instruction, one row address per lane, so few shared-memory addresses stay live.
         # A warpgroup's tile_n / 2 keys: 24 at tile_n 48 (swap_dkv) take pairs of blocks.
@@ -748,9 +757,9 @@ class BwdStep(DslState):
         self.thr_r2s = cute.make_tiled_copy_C(self.r2s_atom, mma_sdp).get_slice(tidx)
         self.tPsP = None if cfg.swap_sdp else self.thr_r2s.partition_D(smem.sP)
         self.tdSsdS = self.thr_r2s.partition_D(smem.sdS)
-        self.pds_barrier = pipeline.NamedBarrier(barrier_id=_PDS_BARRIER_ID,
+        self.pds_barrier = pipeline.NamedBarrier(barrier_id=BwdBarrier.PDS.value,
                                                  num_threads=cfg.num_consumer_threads)
-        self.wg, self.wg_p_barrier_id = wg, _WG_P_BARRIER_ID + wg
+        self.wg, self.wg_p_barrier_id = wg, BwdBarrier.WG0_P.value + wg
         self._init_dq(cfg, tidx, seq, mma_dq, smem, mdQaccum, head)
 
     def _init_operands(self, cfg, wg, smem):
@@ -807,13 +816,13 @@ class BwdStep(DslState):
     @cute.jit
     def clear_tail(self, tiles, valid_rows: Int32, rows: int):
         """Zero the rows >= valid_rows of (shared-memory) tiles TMA loaded past the end of a
-        varlen or seqused sequence (`seqlen.clear_tails`). Keys there have P = 0 and queries
+        varlen or seqused sequence (`sm90plus.tma.clear_tails`). Keys there have P = 0 and queries
         P = 0 (LSE₂ = +inf), but NaN or inf in those rows (the next sequence, or the unused tail of
         the packed tensor) would still reach dP = dO Vᵀ, S = Q Kᵀ, dQ = dS K or dV = Pᵀ dO as
         0 x NaN. Uniform over the CTA, so both warpgroups meet at its barrier."""
         if valid_rows < rows:
             clear_tails(tiles, valid_rows, 0, self.tidx, self.cfg.num_consumer_threads,
-                        _TAIL_BARRIER_ID)
+                        BwdBarrier.TAIL.value)
 
     @cute.jit
     def clear_q_tail(self, pipe_do, q_state, do_state, m_block: Int32):
@@ -907,7 +916,7 @@ class BwdStep(DslState):
         s_qk, dp_qk = self.scores_view(acc_s), self.scores_view(acc_dp)
         if cutlass.const_expr(cfg.pds_stages == 1):
             self.pds_barrier.arrive_and_wait()
-        warpgroup.wait_group(0 if cutlass.const_expr(cfg.has_softcap) else 1)
+        warpgroup.wait_group(0 if cutlass.const_expr(cfg.ds_reads_scores) else 1)
         self.mask_scores(s_qk, m_block, n_block)
         # A thread holds 16 (at 80 rows 20, at 128 rows 32) queries' columns here, not 2 rows:
         # LSE₂ and Δ are each read just before their use, so that both are never live at once.
@@ -915,15 +924,15 @@ class BwdStep(DslState):
         # that dV reads from registers are never all live (with them, ptxas spills and
         # serializes the WGMMAs); dV then overlaps only dK and dQ. At 128 rows dS is also
         # stored first (`config.ds_stored_before_dv`).
-        ds_first = cfg.has_softcap or cfg.tile_m != 64
+        ds_first = cfg.ds_reads_scores or cfg.tile_m != 64
         if cutlass.const_expr(ds_first):
-            if cutlass.const_expr(not cfg.has_softcap):
+            if cutlass.const_expr(not cfg.ds_reads_scores):
                 warpgroup.wait_group(0)
                 probs(s_qk, self.row_values(m_block, stage, True), self.scale_log2)
                 ds_from_probs(s_qk, dp_qk, self.row_values(m_block, stage, False))
             else:
                 lse, delta = self.row_stats(m_block, stage, stage)
-                p_and_ds(s_qk, dp_qk, lse, delta, self.scale_log2, True)
+                p_and_ds(s_qk, dp_qk, lse, delta, self.scale_log2, cfg.score_mod)
             r_p = self.to_dtype(acc_s)
             if cutlass.const_expr(cfg.ds_stored_first):
                 r_ds = self.store_ds(acc_dp, pds)
@@ -970,11 +979,12 @@ class BwdStep(DslState):
         if cutlass.const_expr(cfg.pds_stages == 1):
             # One P/dS buffer: both warpgroups' GEMMs of the previous tile are done with it.
             self.pds_barrier.arrive_and_wait()
-        # Softcap: dS needs tanh(S), which P overwrites, so S and dP are both waited for.
-        warpgroup.wait_group(0 if cutlass.const_expr(cfg.has_softcap) else 1)
+        # A score mod's derivative (softcap's) reads S, which P overwrites: S and dP are both
+        # waited for.
+        warpgroup.wait_group(0 if cutlass.const_expr(cfg.ds_reads_scores) else 1)
         self.mask_scores(s_mn, m_block, n_block)
-        if cutlass.const_expr(cfg.has_softcap):
-            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, True)
+        if cutlass.const_expr(cfg.ds_reads_scores):
+            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod)
         else:
             probs(s_mn, lse, self.scale_log2)
         self.to_smem(acc_s, self.tPsP, pds)
@@ -986,7 +996,7 @@ class BwdStep(DslState):
             gemm(self.mma_dv, self.acc_dv, self.tdVrdOt, self.tdVrPt, do_stage, pds, True)
         else:
             gemm(self.mma_dv, self.acc_dv, self.tdVrPt, self.tdVrdOt, pds, do_stage, True)
-        if cutlass.const_expr(not cfg.has_softcap):
+        if cutlass.const_expr(not cfg.ds_reads_scores):
             warpgroup.wait_group(1)  # dP; dV still runs
             ds_from_probs(s_mn, dp_mn, delta)
         self.to_smem(acc_dp, self.tdSsdS, pds)
@@ -1022,9 +1032,9 @@ class BwdStep(DslState):
 
     @cute.jit
     def mask_scores(self, s_mn: cute.Tensor, m_block: Int32, n_block: Int32):
-        """Softcap, then the mask where this block needs it (`AttentionMask.prepare`)."""
-        self.mask.prepare(s_mn, self.coord_s, m_block, n_block,
-                          self.scale_div_cap if cutlass.const_expr(self.cfg.has_softcap) else None)
+        """The score seam: score mod, then the mask where this block needs it
+        (`flash_cute.score.Scores`)."""
+        self.scores.prepare(s_mn, self.coord_s, m_block, n_block)
 
     @cute.jit
     def p_barrier(self):

@@ -35,12 +35,12 @@ from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.experimental.primitives.nvvm_wrapper import (CpReduceOp, CpReduceType,
                                                           cp_reduce_async_bulk_global_shared_cta)
 
-from flash_cute.bwd_prep import row_store, store_tile_rows
+from flash_cute.arch.sm90plus.tma import smem_tile, swizzled_layout
 from flash_cute.layouts import assume_aligned_strides, transpose_view
 from flash_cute.seqlen import SeqInfo
 
 from .config import BWD_CONSUMER_WARPGROUPS
-from .tma import smem_tile, swizzled_layout
+from .row_copy import row_store, store_tile_rows
 
 DQ_THREADS = 128 * BWD_CONSUMER_WARPGROUPS
 _VEC = 4

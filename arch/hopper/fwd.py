@@ -11,6 +11,8 @@ share one producer/consumer state (stage i of the K ring and stage i of the V ri
 block); the states carry from tile to tile.
 """
 
+import enum
+import functools
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -21,29 +23,38 @@ from cutlass import Float32, Int32, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from flash_cute.arch.sm90plus.barriers import named_barriers
+from flash_cute.arch.sm90plus.convert import convert_pairs
+from flash_cute.arch.sm90plus.tma import (COLS_FIRST, ROWS_FIRST, clear_tails, make_tma_pipelines,
+                                          packed_tma_atom, permute, smem_tile, tma_load_atom,
+                                          tma_partition)
 from flash_cute.block_range import block_range, block_runs
-from flash_cute.convert import convert_pairs
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
-from flash_cute.seqlen import SeqInfo, clear_tails
-from flash_cute.softmax import OnlineSoftmax, fold_scales, rescale_o
+from flash_cute.seqlen import SeqInfo
+from flash_cute.score import Scores, fold_scores
+from flash_cute.softmax import OnlineSoftmax, rescale_o
 from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
+from flash_cute.work_loop import for_each_tile
 
 from .config import (COMPILE_OPTIONS, ROLE_REGISTERS, SMEM_CAPACITY, TILES, FwdConfig,
                      o_smem_tile, smem_bytes)
-from .tma import (COLS_FIRST, ROWS_FIRST, make_tma_pipelines, packed_tma_atom, permute,
-                  smem_tile, tma_load_atom, tma_partition)
 from .wgmma import WARPGROUP_THREADS, wgmma_slice
 
-# Named barriers 1 to 3: the consumer warpgroups' ping-pong turns (0 is sync_threads').
-_PINGPONG_BARRIER_ID = 1
-# Named barrier 4: the consumer threads around O's shared-memory tile (`OutputStore`).
-_O_TILE_BARRIER_ID = 4
-# Named barrier 5: the consumer threads, after zeroing V rows past a varlen sequence.
-_V_TAIL_BARRIER_ID = 5
+
+
+@named_barriers
+class FwdBarrier(enum.IntEnum):
+    """The forward's named barriers (the pipelines use mbarriers)."""
+    PINGPONG = 1  # 1 + w: consumer warpgroup w's ping-pong turn (`GemmTurns`)
+    PINGPONG_WG1 = 2
+    PINGPONG_WG2 = 3
+    O_TILE = 4  # the consumer threads around O's shared-memory tile (`OutputStore`)
+    V_TAIL = 5  # the consumer threads, after zeroing V rows past a varlen sequence
+
 # The consumer warp that issues O's TMA store (the first of consumer warpgroup 1).
 _O_STORE_WARP = 4
 
@@ -186,10 +197,9 @@ class HopperFwd:
                          for layout in (sQ_layout, sK_layout, sV_layout))
         order = self._tile_order(tQ, mK, args.max_seqlen_q, mCuSeqlensQ)
         grid = launch_grid(order.num_tiles, self.persistent, num_sms(), imin=cutlass.min)
-        scale_log2, scale_div_cap = fold_scales(args.softmax_scale, args.softcap,
-                                                self.has_softcap)
+        scale_log2, mod_scale = fold_scores(self.score_mod, args.softmax_scale, args.softcap)
         self.kernel(
-            tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, mO, mLSE, scale_log2, scale_div_cap,
+            tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, mO, mLSE, scale_log2, mod_scale,
             args.window_left, args.window_right, mCuSeqlensQ, args.cu_seqlens_k, args.seqused_q,
             args.seqused_k, order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout, sO_layout,
             mma_qk, mma_pv, SharedStorage, tx_bytes,
@@ -285,7 +295,7 @@ class HopperFwd:
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: Optional[cute.CopyAtom],
-               mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, scale_div_cap: Float32,
+               mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, mod_scale: Float32,
                window_left: Int32, window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], num_m_blocks: Int32, section: Int32,
@@ -326,22 +336,16 @@ class HopperFwd:
             out = OutputStore(self, mma_pv, tidx, tma_o, sO, mO, mLSE,
                               warp_idx == _O_STORE_WARP)
             self.consume(mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
-                         scale_div_cap)
+                         mod_scale)
 
     @cute.jit
     def produce(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles):
         """Warp 0 of the producer warpgroup, all 32 lanes, over this CTA's tiles."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        first = cute.arch.block_idx()[0]
-        if cutlass.const_expr(self.persistent):
-            for tile in cutlass.range(first, tiles.num_numbers, cute.arch.grid_dim()[0],
-                                      unroll=1):
-                q_state, kv = self.produce_tile(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV,
-                                                pipes, tiles, tile, q_state, kv)
-        else:
-            self.produce_tile(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles, first,
-                              q_state, kv)
+        step = functools.partial(self.produce_tile, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV,
+                                 pipes, tiles)
+        for_each_tile(tiles, self.persistent, step, (q_state, kv))
 
     @cute.jit
     def produce_tile(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles,
@@ -378,7 +382,7 @@ class HopperFwd:
 
     @cute.jit
     def consume(self, mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
-                scale_div_cap):
+                mod_scale):
         """One consumer warpgroup's 64 rows of each of this CTA's tiles (thread index relative
         to the first consumer, so the tiled MMAs place warpgroup 1 on rows 0..63, warpgroup 2
         on rows 64..127 and so on). Ping-pong turns start once and run on across tiles: every
@@ -391,21 +395,15 @@ class HopperFwd:
         turns.start()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        first = cute.arch.block_idx()[0]
-        if cutlass.const_expr(self.persistent):
-            for tile in cutlass.range(first, tiles.num_numbers, cute.arch.grid_dim()[0],
-                                      unroll=1):
-                q_state, kv = self.consume_tile(gemms, coord_mn, turns, pipes, tiles, out, tile,
-                                                q_state, kv, scale_log2, scale_div_cap)
-        else:
-            self.consume_tile(gemms, coord_mn, turns, pipes, tiles, out, first, q_state, kv,
-                              scale_log2, scale_div_cap)
+        step = functools.partial(self.consume_tile, gemms, coord_mn, turns, pipes, tiles, out,
+                                 scale_log2, mod_scale)
+        for_each_tile(tiles, self.persistent, step, (q_state, kv))
         turns.finish()
         out.drain()
 
     @cute.jit
-    def consume_tile(self, gemms, coord_mn, turns, pipes, tiles, out, tile: Int32, q_state, kv,
-                     scale_log2, scale_div_cap):
+    def consume_tile(self, gemms, coord_mn, turns, pipes, tiles, out, scale_log2, mod_scale,
+                     tile: Int32, q_state, kv):
         """One tile: main loop, softmax finalize, epilogue. Returns the Q and K/V states for
         the next tile."""
         pipe_q = pipes[0]
@@ -416,8 +414,8 @@ class HopperFwd:
             acc_o.fill(0.0)
             softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4)
             softmax.reset()
-            scores = ScoreStep(self, softmax, tiles.mask(seq), coord_mn, m_block, rng,
-                               scale_div_cap)
+            seam = Scores(self.score_mod, mod_scale, tiles.mask(seq))
+            scores = SoftmaxStep(self, softmax, seam, coord_mn, m_block, rng)
             # Q is waited for even when no block is visited: its TMA must land before the
             # consumers release it (and before the CTA exits).
             pipe_q.consumer_wait(q_state)
@@ -448,7 +446,7 @@ class HopperFwd:
                 pipe_v.consumer_wait(v_state)
                 clear_tails((sV[None, None, v_state.index],), valid, 1,
                             cute.arch.thread_idx()[0] - 128, 128 * self.num_wg,
-                            _V_TAIL_BARRIER_ID)
+                            FwdBarrier.V_TAIL.value)
 
     @cute.jit
     def mainloop_serial(self, gemms, scores, turns, pipes, acc_o, rng, kv):
@@ -649,7 +647,7 @@ class OutputStore(DslState):
                 cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), cfg.dtype)
             self.thr_r2s = cute.make_tiled_copy_C(self.r2s_atom, mma_pv).get_slice(tidx)
             self.tOsO = self.thr_r2s.partition_D(sO[None, None, 0])
-            self.barrier = pipeline.NamedBarrier(barrier_id=_O_TILE_BARRIER_ID,
+            self.barrier = pipeline.NamedBarrier(barrier_id=FwdBarrier.O_TILE.value,
                                                  num_threads=128 * cfg.num_wg)
 
     @cute.jit
@@ -779,14 +777,19 @@ class WgmmaOperands(DslState):
         warpgroup.commit_group()
 
 
-class ScoreStep(DslState):
-    """S of one block to unnormalized P in place: softcap, mask where the block needs it,
-    online softmax. Returns the factor the O accumulator must be rescaled by."""
+class SoftmaxStep(DslState):
+    """S of one block to unnormalized P in place: the score seam (`flash_cute.score.Scores`:
+    score mod, then the mask where the block needs it), then the online softmax. Returns the
+    factor the O accumulator must be rescaled by."""
 
-    def __init__(self, cfg: HopperFwd, softmax: OnlineSoftmax, mask: AttentionMask, coord_mn,
-                 m_block, rng, scale_div_cap):
-        self.cfg, self.softmax, self.mask, self.coord_mn = cfg, softmax, mask, coord_mn
-        self.m_block, self.rng, self.scale_div_cap = m_block, rng, scale_div_cap
+    def __init__(self, cfg: HopperFwd, softmax: OnlineSoftmax, scores: Scores, coord_mn,
+                 m_block, rng):
+        self.cfg, self.softmax, self.scores, self.coord_mn = cfg, softmax, scores, coord_mn
+        self.m_block, self.rng = m_block, rng
+
+    @property
+    def mask(self) -> AttentionMask:
+        return self.scores.mask
 
     @cute.jit
     def to_p(self, acc_s: cute.Tensor, n_block: Int32, is_first: cutlass.Constexpr[bool],
@@ -794,9 +797,7 @@ class ScoreStep(DslState):
         """`masked`: True or False when the caller knows whether the block needs the mask,
         None to decide at run time (`needs_mask`)."""
         acc_s_mn = acc_to_mn(acc_s)
-        softcap = self.scale_div_cap if cutlass.const_expr(self.cfg.has_softcap) else None
-        self.mask.prepare(acc_s_mn, self.coord_mn, self.m_block, n_block, softcap, self.rng,
-                          masked)
+        self.scores.prepare(acc_s_mn, self.coord_mn, self.m_block, n_block, self.rng, masked)
         return self.softmax.online_softmax(acc_s_mn, is_first=is_first)
 
 
@@ -868,7 +869,7 @@ class GemmTurns(DslState):
         self.enabled, self.wg, self.num_wg = enabled, wg, num_wg
 
     def _bar(self, wg):
-        return pipeline.NamedBarrier(barrier_id=_PINGPONG_BARRIER_ID + wg, num_threads=256)
+        return pipeline.NamedBarrier(barrier_id=FwdBarrier.PINGPONG.value + wg, num_threads=256)
 
     @cute.jit
     def start(self):

@@ -1,10 +1,11 @@
-"""TMA plumbing shared by the Hopper kernels: mode orders that put a tile's (rows, cols) first,
-swizzled shared-memory tiles, TMA load atoms over whole tensors, their partitions, and the
-mbarrier pipelines they fill."""
+"""TMA plumbing of the sm90+ kernels: mode orders that put a tile's (rows, cols) first,
+swizzled shared-memory tiles, TMA load atoms over whole tensors, their partitions, the
+mbarrier pipelines they fill, and the zeroing of rows a TMA loaded past a sequence."""
 
+import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import pipeline
+from cutlass import Int32, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -91,3 +92,37 @@ def make_tma_pipelines(specs, consumer_warps: int):
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
     return pipes
+
+
+@cute.jit
+def clear_rows_past(tile: cute.Tensor, valid_rows: Int32, row_mode: cutlass.Constexpr[int],
+                    tid: Int32, num_threads: cutlass.Constexpr[int]):
+    """Zero the entries of a 2-D (shared-memory) tile whose coordinate along `row_mode` (0 or
+    1) is >= `valid_rows`, spread over `num_threads` threads (`tid` in [0, num_threads)).
+
+    A TMA zero-fills only what lies past the end of the tensor: in a varlen tile the rows
+    past a sequence hold the next sequence or the unused tail of the packed tensor, possibly
+    NaN or inf, and a probability of 0 times such a row is NaN in the GEMM. The caller makes
+    the zeros visible to the tensor cores (`clear_tails` does both)."""
+    rows = cute.size(tile, mode=[row_mode])
+    cols = cute.size(tile, mode=[1 - row_mode])
+    zero = tile.element_type(0)
+    for idx in cutlass.range(tid + valid_rows * cols, rows * cols, num_threads, unroll=1):
+        row = idx // cols
+        col = idx - row * cols
+        if cutlass.const_expr(row_mode == 0):
+            tile[row, col] = zero
+        else:
+            tile[col, row] = zero
+
+
+@cute.jit
+def clear_tails(tiles: tuple, valid_rows: Int32, row_mode: cutlass.Constexpr[int], tid: Int32,
+                num_threads: cutlass.Constexpr[int], barrier_id: cutlass.Constexpr[int]):
+    """`clear_rows_past` on each of `tiles`, then what makes the zeros visible to the tensor
+    cores: a fence to the async proxy and named barrier `barrier_id` over the `num_threads`
+    threads (every one of which must call this)."""
+    for t in cutlass.range_constexpr(len(tiles)):
+        clear_rows_past(tiles[t], valid_rows, row_mode, tid, num_threads)
+    cute.arch.fence_view_async_shared()
+    pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=num_threads).arrive_and_wait()

@@ -1,0 +1,106 @@
+"""The score seam: the one step every kernel takes from raw scores S = Q Kᵀ to what its
+softmax (forward) or its P and dS (backward) see.
+
+Three parts, all arch-neutral, on the (rows, cols) view of a thread's scores (`acc_to_mn`):
+
+* a score mod (`ScoreMod`), compile-time: a transform of the scaled scores applied before the
+  mask. Softcap, ``cap · tanh(s · scale / cap)``, is the built-in one (`SOFTCAP`); later
+  user-written mods plug in here, arch modules untouched.
+* `fold_scores` (host side, in a kernel's `__call__`): what the mod folds into the exp2 scale
+  and what it keeps for itself (`mod_scale`), so the softmax costs one FFMA and one MUFU.EX2
+  per score whatever the mod.
+* `Scores` (device side): the mod, then the mask (`AttentionMask`) where the block needs it;
+  its backward counterpart is `ScoreMod.grad`, the mod's derivative, which the backward
+  blocks apply to dS (`bwd_blocks.p_and_ds`).
+"""
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from flash_cute.block_range import BlockRange, needs_mask
+from flash_cute.dsl_state import DslState
+from flash_cute.mask import AttentionMask
+from flash_cute.softmax import LOG2_E
+
+
+class ScoreMod:
+    """A transform f of the scores, applied before the mask; masked entries stay -inf.
+
+    `fold(softmax_scale, param)` (host side) returns (scale_log2, mod_scale): the factor the
+    softmax's exp2 takes, and the run-time value the mod keeps. `apply(acc_mn, mod_scale)`
+    overwrites raw scores with what the softmax sees; `grad(value)` is d(softmax input)/d(raw
+    score) divided by the softmax scale (applied to dK and dQ at the end), as a function of
+    the value `apply` stored. `grad_reads_scores`: the derivative needs that value, so the
+    backward must not overwrite S with P before dS is formed."""
+
+    name = "identity"
+    grad_reads_scores = False
+
+    def fold(self, softmax_scale: Float32, param: Float32):
+        return softmax_scale * Float32(LOG2_E), Float32(1.0)
+
+
+class Softcap(ScoreMod):
+    """s ↦ cap · tanh(s · scale / cap). The cap folds into the exp2 scale: the mod stores
+    tanh(s · scale / cap) and the softmax runs with scale_log2 = cap · log2 e, so the exp2
+    path is the same with and without softcap. Its derivative with respect to s, over the
+    scale, is 1 − tanh² (masked entries hold −inf: clamped to −1 their factor is 0, not
+    NaN)."""
+
+    name = "softcap"
+    grad_reads_scores = True
+
+    def fold(self, softmax_scale: Float32, param: Float32):
+        return param * Float32(LOG2_E), softmax_scale / param
+
+    @cute.jit
+    def apply(self, acc_mn: cute.Tensor, mod_scale: Float32):
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            acc_mn[r, None].store(cute.math.tanh(acc_mn[r, None].load() * mod_scale,
+                                                 fastmath=True))
+
+    def grad(self, value: Float32) -> Float32:
+        t = cute.arch.fmax(value, Float32(-1.0))
+        return Float32(1.0) - t * t
+
+
+IDENTITY = ScoreMod()
+SOFTCAP = Softcap()
+
+
+def score_mod_of(variant) -> Optional[ScoreMod]:
+    """The compile-time score mod of a `Variant` (None: scores go to the mask as they are)."""
+    return SOFTCAP if variant.softcap else None
+
+
+def fold_scores(score_mod: Optional[ScoreMod], softmax_scale: Float32, param: Float32):
+    """(scale_log2, mod_scale) of a kernel's scores, from its `FwdArgs`/`BwdArgs` scalars
+    (`param`: the softcap field)."""
+    return (score_mod or IDENTITY).fold(softmax_scale, param)
+
+
+class Scores(DslState):
+    """A kernel thread's score step: the mod (when the kernel has one), then the mask."""
+
+    def __init__(self, score_mod: Optional[ScoreMod], mod_scale: Float32, mask: AttentionMask):
+        self.score_mod, self.mod_scale, self.mask = score_mod, mod_scale, mask
+
+    @cute.jit
+    def prepare(self, acc_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32,
+                n_block: Int32, rng: Optional[BlockRange] = None,
+                masked: cutlass.Constexpr = None):
+        """In place, before the softmax (or the backward's P): the mod, then the mask where
+        the block needs it (masked entries stay -inf). `masked`: True or False when the
+        caller knows, None to ask `needs_mask` at run time, with `rng` (the query block's
+        `block_range`, computed here when not given)."""
+        if cutlass.const_expr(self.score_mod is not None):
+            self.score_mod.apply(acc_mn, self.mod_scale)
+        if cutlass.const_expr(masked is None):
+            visited = self.mask.block_range(m_block) if cutlass.const_expr(rng is None) else rng
+            if needs_mask(n_block, visited):
+                self.mask.apply(acc_mn, coord_mn, m_block, n_block)
+        elif cutlass.const_expr(masked):
+            self.mask.apply(acc_mn, coord_mn, m_block, n_block)
