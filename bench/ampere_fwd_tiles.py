@@ -45,7 +45,7 @@ def main():
                 tiles = CANDIDATES[hdim] if not args.tiles else [
                     tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]
                 for tile in tiles:
-                    fn = lambda: api.forward(q, k, v, problem, tile=tile)  # noqa: E731
+                    fn = lambda: api.forward(q, k, v, problem, schedule=tile)  # noqa: E731
                     err = (fn()[0].float() - ref.float()).abs().max().item()
                     ms = triton.testing.do_bench(fn, return_mode="median")
                     rows.append((hdim, seqlen, causal, "x".join(map(str, tile)), flops / ms / 1e9, err))

@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute.arch.hopper import api
-from flash_cute.arch.hopper.config import TILES, FwdConfig, with_switches
+from flash_cute.arch.hopper.config import FWD_SCHEDULES, FwdSchedule, with_switches
 from flash_cute.bench import ablation_rows, ablation_table, make_timer
 from flash_cute.validation import validate_attention_inputs
 
@@ -28,21 +28,21 @@ _SWITCHES = {"ov": "intra_wg_overlap", "pp": "pingpong", "ps": "persistent",
              "persistent": "persistent"}
 
 
-def parse_config(text: str) -> FwdConfig:
+def parse_config(text: str) -> FwdSchedule:
     dims, *switches = text.split("+")
     unknown = set(switches) - set(_SWITCHES)
     if unknown:
         raise SystemExit(f"unknown switch(es) {sorted(unknown)} in {text!r}: use +ov, +pp, +ps")
     on = {_SWITCHES[s] for s in switches}
-    return FwdConfig(*map(int, dims.split("x")), **{f: f in on for f in set(_SWITCHES.values())})
+    return FwdSchedule(*map(int, dims.split("x")), **{f: f in on for f in set(_SWITCHES.values())})
 
 
-def label(cfg: FwdConfig) -> str:
-    return ("x".join(map(str, cfg[:3])) + "+ov" * cfg.intra_wg_overlap + "+pp" * cfg.pingpong
-            + "+ps" * cfg.persistent)
+def label(schedule: FwdSchedule) -> str:
+    return ("x".join(map(str, schedule[:3])) + "+ov" * schedule.intra_wg_overlap
+            + "+pp" * schedule.pingpong + "+ps" * schedule.persistent)
 
 
-def default_configs(base: FwdConfig) -> list:
+def default_configs(base: FwdSchedule) -> list:
     """The table's schedule, it with persistence flipped (a 192-row tile runs persistent
     only: without, 128 rows), and each overlap on and off."""
     overlaps = [base._replace(intra_wg_overlap=o, pingpong=pp)
@@ -78,7 +78,7 @@ def main():
     timer = make_timer(25, 100)
     rows = []
     for hdim in map(int, args.hdim.split(",")):
-        base = TILES[hdim]
+        base = FWD_SCHEDULES[hdim]
         configs = ([parse_config(c) for c in args.configs.split(",")] if args.configs else
                    default_configs(base))
         for seqlen in map(int, args.seqlen.split(",")):
@@ -92,10 +92,10 @@ def main():
                 ref = fns["sdpa_flash"]().transpose(1, 2)
                 errs = {}
                 problem = validate_attention_inputs(q, k, v, causal=causal)
-                for cfg in configs:
-                    fn = functools.partial(api.forward, q, k, v, problem, tile=cfg)
-                    fns[label(cfg)] = fn
-                    errs[label(cfg)] = f"{(fn()[0].float() - ref.float()).abs().max().item():.1e}"
+                for schedule in configs:
+                    fn = functools.partial(api.forward, q, k, v, problem, schedule=schedule)
+                    fns[label(schedule)] = fn
+                    errs[label(schedule)] = f"{(fn()[0].float() - ref.float()).abs().max().item():.1e}"
                 rows += ablation_rows(cell, fns, errs, flops, args.rounds, timer)
     print("\n" + ablation_table(rows, "fwd TFLOP/s", "max err vs sdpa_flash"))
 

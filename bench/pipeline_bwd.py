@@ -18,19 +18,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute import flash_attn_func
 from flash_cute.bench import ablation_rows, ablation_table, make_timer
-from flash_cute.registry import tile_label
+from flash_cute.registry import schedule_label
 from flash_cute.validation import validate_attention_inputs
 
 
 def _parse_tile(pipeline: str, text: str):
-    """``64x128x2`` -> (64, 128, 2); ``+name`` turns on a switch of the pipeline's BwdConfig
+    """``64x128x2`` -> (64, 128, 2); ``+name`` turns on a switch of the pipeline's BwdSchedule
     (``64x128x2+swap_sdp``), ``+name=N`` sets a number (``64x48x2+swap_dkv+do_stages=1``);
     without them the numbers fill the config's first fields and its defaults the rest (so
     ``64x128x2`` is the schedule with every switch off)."""
     nums, *flags = text.split("+")
     values = tuple(map(int, nums.split("x")))
     config = getattr(importlib.import_module(f"flash_cute.arch.{pipeline}.config"),
-                     "BwdConfig", None)
+                     "BwdSchedule", None)
     if config is None:
         if flags:
             raise SystemExit(f"{pipeline} has no backward schedule switches: {text}")
@@ -97,10 +97,10 @@ def main():
                 tiles = [None] if not args.tiles else [
                     _parse_tile(args.pipeline, t) for t in args.tiles.split(",")]
                 for tile in tiles:
-                    kw = {} if tile is None else {"tile": tile}
+                    kw = {} if tile is None else {"schedule": tile}
                     fn = functools.partial(mod.backward, do, None, q, k, v, out, lse, problem,
                                            **kw)
-                    label = args.pipeline + ("" if tile is None else "-" + tile_label(tile))
+                    label = args.pipeline + ("" if tile is None else "-" + schedule_label(tile))
                     fns[label] = fn
                     errs[label] = f"{_rel_err(fn(), ref):.1e}"
                 rows += ablation_rows(cell, fns, errs, flops, args.rounds, timer)

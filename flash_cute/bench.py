@@ -140,7 +140,7 @@ def tflops_per_s(flops: float, ms: float) -> float:
 # ------------------------------------------------------------------------ records
 
 def make_record(
-    cfg: BenchConfig,
+    cell: BenchConfig,
     provider: str,
     status: str,
     ms: float | None = None,
@@ -151,9 +151,9 @@ def make_record(
     """One result: config fields + provider, status ("ok", "unavailable", "error"),
     time, TFLOP/s, sanity-check diffs (forward output; for bwd cells also the gradients,
     relative to their largest entry), WRONG flag and the reason when not ok."""
-    flops = attention_flops(cfg.batch, cfg.nheads, cfg.seqlen, cfg.seqlen, cfg.hdim,
-                            causal=cfg.causal, direction=cfg.direction)
-    record = asdict(cfg)
+    flops = attention_flops(cell.batch, cell.nheads, cell.seqlen, cell.seqlen, cell.hdim,
+                            causal=cell.causal, direction=cell.direction)
+    record = asdict(cell)
     record.update(
         provider=provider,
         status=status,
@@ -540,12 +540,12 @@ def load_provider(name: str, arch: str = "auto") -> Provider:
 
 # -------------------------------------------------------------------- device cells
 
-def make_inputs(cfg: BenchConfig, dtype, device: str = "cuda"):
+def make_inputs(cell: BenchConfig, dtype, device: str = "cuda"):
     """Fresh random q, k, v (requires_grad for bwd cells) and dout, all [b, s, h, d]."""
     import torch
 
-    shape = (cfg.batch, cfg.seqlen, cfg.nheads, cfg.hdim)
-    grad = cfg.direction == "bwd"
+    shape = (cell.batch, cell.seqlen, cell.nheads, cell.hdim)
+    grad = cell.direction == "bwd"
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=grad)
                for _ in range(3))
     dout = torch.randn(shape, device=device, dtype=dtype) if grad else None
@@ -642,7 +642,7 @@ def _warning_reason(caught: list) -> str:
     return "; ".join(t for t in texts if t)[:300]
 
 
-def bench_provider(provider: Provider, cfg: BenchConfig, inputs, ref, timer,
+def bench_provider(provider: Provider, cell: BenchConfig, inputs, ref, timer,
                    device: str = "cuda", ref_grads=None) -> dict:
     """Sanity-check then time one provider on one cell; every failure becomes a record.
 
@@ -652,7 +652,7 @@ def bench_provider(provider: Provider, cfg: BenchConfig, inputs, ref, timer,
     import torch
 
     if provider.unavailable:
-        return make_record(cfg, provider.name, "unavailable", reason=provider.unavailable)
+        return make_record(cell, provider.name, "unavailable", reason=provider.unavailable)
     q, k, v, dout = inputs
     diff = gdiff = None
     out = fn = None
@@ -661,50 +661,50 @@ def bench_provider(provider: Provider, cfg: BenchConfig, inputs, ref, timer,
             with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    out = provider.forward(q, k, v, cfg.causal)
+                    out = provider.forward(q, k, v, cell.causal)
                 except Unavailable as exc:
                     detail = _warning_reason(caught)
                     raise Unavailable(f"{exc} ({detail})" if detail else str(exc)) from exc
             diff = max_abs_diff(out, ref)
             out = None
-            fn = _timed_callable(provider, cfg, q, k, v, dout)
+            fn = _timed_callable(provider, cell, q, k, v, dout)
             first = fn()  # first call compiles / raises here, outside the timed region
-            if cfg.direction == "bwd":
+            if cell.direction == "bwd":
                 gdiff = grad_rel_diff(first, ref_grads)
             first = None
             ms = timer(fn)
-        return make_record(cfg, provider.name, "ok", ms=ms, max_abs_diff=diff, grad_rel_diff=gdiff)
+        return make_record(cell, provider.name, "ok", ms=ms, max_abs_diff=diff, grad_rel_diff=gdiff)
     except Exception as exc:
         status, reason = classify_error(exc)
-        return make_record(cfg, provider.name, status, max_abs_diff=diff, reason=reason,
+        return make_record(cell, provider.name, status, max_abs_diff=diff, reason=reason,
                            grad_rel_diff=gdiff)
     finally:
         del out, fn
         _free(device)
 
 
-def _timed_callable(provider: Provider, cfg: BenchConfig, q, k, v, dout) -> Callable:
+def _timed_callable(provider: Provider, cell: BenchConfig, q, k, v, dout) -> Callable:
     import torch
 
-    if cfg.direction == "fwd":
-        return lambda: provider.forward(q, k, v, cfg.causal)
-    out = provider.forward(q, k, v, cfg.causal)
+    if cell.direction == "fwd":
+        return lambda: provider.forward(q, k, v, cell.causal)
+    out = provider.forward(q, k, v, cell.causal)
     if out.grad_fn is None:
         raise NotImplementedError("forward output has no grad_fn (no backward pass)")
     return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
 
-def run_cell(cfg: BenchConfig, providers: Sequence[Provider], dtype, timer,
+def run_cell(cell: BenchConfig, providers: Sequence[Provider], dtype, timer,
              device: str = "cuda", reference_provider: Provider | None = None) -> list[dict]:
     """All providers on one cell, on the same fresh inputs; records carry the name of
     the reference used for the sanity check."""
-    inputs = make_inputs(cfg, dtype, device)
-    ref, ref_name = reference_output(*inputs[:3], cfg.causal, reference_provider)
+    inputs = make_inputs(cell, dtype, device)
+    ref, ref_name = reference_output(*inputs[:3], cell.causal, reference_provider)
     ref_grads = None
-    if cfg.direction == "bwd":
-        ref_grads = reference_grads(*inputs, cfg.causal, reference_provider)
+    if cell.direction == "bwd":
+        ref_grads = reference_grads(*inputs, cell.causal, reference_provider)
     try:
-        records = [bench_provider(p, cfg, inputs, ref, timer, device, ref_grads) for p in providers]
+        records = [bench_provider(p, cell, inputs, ref, timer, device, ref_grads) for p in providers]
     finally:
         del ref, ref_grads, inputs
         _free(device)
@@ -906,11 +906,12 @@ def _run_on_gpu(args: argparse.Namespace, configs: list[BenchConfig], timer,
     aborted = False
     write_json(build_report(results, env, settings_of(args)), json_path)
     try:
-        for i, cfg in enumerate(configs, 1):
-            cell = run_cell(cfg, providers, dtype, timer, device, reference)
-            results += cell
-            print(f"[{i}/{len(configs)}] {cfg.label()}: " + ", ".join(
-                f"{r['provider']} {format_cell(r)}" for r in cell), file=sys.stderr, flush=True)
+        for i, cell in enumerate(configs, 1):
+            records = run_cell(cell, providers, dtype, timer, device, reference)
+            results += records
+            print(f"[{i}/{len(configs)}] {cell.label()}: " + ", ".join(
+                f"{r['provider']} {format_cell(r)}" for r in records), file=sys.stderr,
+                flush=True)
             write_json(build_report(results, env, settings_of(args)), json_path)
             if not cuda_healthy(device):
                 print("bench: CUDA context is broken (sticky error); stopping early",

@@ -320,7 +320,7 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
     """
     import torch
 
-    from flash_cute.jit import TensorArg, current_arch, launch_kernel
+    from flash_cute.jit import TensorArg, current_target, launch_kernel
 
     varlen = cu_seqlens_q is not None
     if delta is None:
@@ -337,7 +337,7 @@ def bwd_preprocess(out, dout, lse, dlse=None, cu_seqlens_q=None, max_seqlen_q=No
                                  and zero.numel() % 4 == 0 and zero.data_ptr() % 16 == 0):
         raise ValueError("zero: a contiguous, 16-byte aligned fp32 tensor with numel % 4 == 0")
     kernel, key = _preprocess(out.dtype, out.shape[-1], varlen, dlse is not None,
-                              seqused_q is not None, zero is not None, current_arch())
+                              seqused_q is not None, zero is not None, current_target())
     args = (TensorArg(out), TensorArg(dout), _vector_arg(lse), _vector_arg(dlse),
             _vector_arg(delta), _vector_arg(lse_log2), _vector_arg(cu_seqlens_q),
             _vector_arg(seqused_q), int(max_seqlen_q),
@@ -355,7 +355,7 @@ def bwd_postprocess(dq_accum, scale: float, dtype, out=None):
     """
     import torch
 
-    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_arch, launch_kernel
+    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_target, launch_kernel
 
     if out is None:
         out = torch.empty(dq_accum.shape, dtype=dtype, device=dq_accum.device)
@@ -363,7 +363,7 @@ def bwd_postprocess(dq_accum, scale: float, dtype, out=None):
         return out
     name, hdim, varlen = dtype_name(dtype), dq_accum.shape[-1], dq_accum.dim() == 3
     kernel = _kernel(BwdPostprocessKernel, DTYPES[name], hdim, varlen)
-    key = CompileKey("blocks.bwd.postprocess", current_arch(), name, hdim, None,
+    key = CompileKey("blocks.bwd.postprocess", current_target(), name, hdim, None,
                      (kernel.tile_m, hdim), (("varlen", varlen),))
     launch_kernel(key, lambda: kernel, (TensorArg(dq_accum), TensorArg(out), float(scale)))
     return out

@@ -1,7 +1,7 @@
 """JIT layer: the compile cache, TVM-FFI launches, fake tensors for compiling without a GPU.
 
-The cache key holds only what changes the generated code: kernel, arch, dtype, head dims, flags,
-tile config and a variant hash (score/mask mods). Batch and sequence lengths are never in it:
+The cache key holds only what changes the generated code: kernel, SM target, dtype, head dims,
+flags, schedule and a variant hash (score/mask mods). Batch and sequence lengths are never in it:
 kernels take them as dynamic shapes, so a new length reuses the compiled kernel.
 ``cute.compile`` is not thread-safe, so compiles are serialized by a lock.
 """
@@ -23,11 +23,11 @@ DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Flo
 @dataclass(frozen=True)
 class CompileKey:
     kernel: str
-    arch: str
+    target: str
     dtype: str
     hdim: Optional[int]
     hdim_v: Optional[int]
-    tile: tuple
+    schedule: tuple
     flags: tuple = ()
     variant: str = ""
 
@@ -66,19 +66,19 @@ class CompileCache:
 compile_cache = CompileCache()
 
 
-def current_arch() -> str:
-    """Arch label of this process for cache keys and arch checks: CUTE_DSL_ARCH, else the
-    current GPU's family (sm_80 for any 8.x, sm_90a for 9.0, sm_100a for 10.x)."""
+def current_target() -> str:
+    """The SM target of this process, for cache keys and target checks: CUTE_DSL_ARCH, else
+    the current GPU's family (sm_80 for any 8.x, sm_90a for 9.0, sm_100a for 10.x)."""
     env = os.environ.get("CUTE_DSL_ARCH")
     if env:
         return env
     if not (torch.cuda.is_initialized() or torch.cuda.is_available()):
-        raise RuntimeError("no CUDA GPU and CUTE_DSL_ARCH is unset: name an arch to cross-compile")
-    return _arch_label(torch.cuda.current_device())
+        raise RuntimeError("no CUDA GPU and CUTE_DSL_ARCH is unset: name a target to cross-compile")
+    return _target_label(torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _arch_label(device_index: int) -> str:
+def _target_label(device_index: int) -> str:
     from flash_cute.device import device_capability
 
     major, minor = device_capability(device_index)

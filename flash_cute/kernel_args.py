@@ -113,7 +113,8 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
     rows_q, rows_k, heads, heads_kv, lse_shape, cu = _fake_layout(varlen)
     used_q, used_k = _fake_seqused(*seqused)
     return FwdArgs(
-        q=fake_tensor(dtype, rows_q + (heads, hdim)), k=fake_tensor(dtype, rows_k + (heads_kv, hdim)),
+        q=fake_tensor(dtype, rows_q + (heads, hdim)),
+        k=fake_tensor(dtype, rows_k + (heads_kv, hdim)),
         v=fake_tensor(dtype, rows_k + (heads_kv, hdim_v)),
         out=fake_tensor(dtype, rows_q + (heads, hdim_v)),
         lse=fake_tensor(Float32, lse_shape, align=4), **_fake_scalars(), max_seqlen_q=Int32(1),

@@ -14,11 +14,11 @@ from typing import Callable
 @dataclass(frozen=True)
 class KernelConfig:
     kernel: str
-    archs: tuple
+    targets: tuple
     dtype: str
     hdim: object
     hdim_v: object
-    tile: tuple
+    schedule: tuple
     builder: Callable = field(compare=False)
     flags: tuple = field(default=())
 
@@ -31,26 +31,27 @@ class KernelConfig:
         """Short unique description, e.g. ``bf16 d-/16 64x64 causal``."""
         on = [k if v is True else f"{k}={v}" for k, v in self.flags if v is not False]
         dims = f"d{self.hdim if self.hdim is not None else '-'}/{self.hdim_v}"
-        return " ".join([self.dtype, dims, tile_label(self.tile)] + on)
+        return " ".join([self.dtype, dims, schedule_label(self.schedule)] + on)
 
     def config_dict(self) -> dict:
-        names = getattr(self.tile, "_fields", ())
-        nums = list(self.tile[:3]) if names else [x for x in self.tile if not isinstance(x, bool)]
-        cfg = {"dtype": self.dtype, "hdim": self.hdim, "hdim_v": self.hdim_v, "tile": nums}
+        names = getattr(self.schedule, "_fields", ())
+        nums = (list(self.schedule[:3]) if names
+                else [x for x in self.schedule if not isinstance(x, bool)])
+        out = {"dtype": self.dtype, "hdim": self.hdim, "hdim_v": self.hdim_v, "schedule": nums}
         # A schedule's named switches (e.g. the Hopper forward's overlaps) read like flags, and
         # so do its named numbers past the leading three (the backward's do_stages), when set.
-        cfg.update({n: x for n, x in zip(names[3:], self.tile[3:]) if x is not None})
-        cfg.update(self.flag_dict)
-        return cfg
+        out.update({n: x for n, x in zip(names[3:], self.schedule[3:]) if x is not None})
+        out.update(self.flag_dict)
+        return out
 
 
-def tile_label(tile) -> str:
+def schedule_label(schedule) -> str:
     """``128x128x2`` from the leading numbers; a named schedule switch that is on adds
     ``+name``, a named number that is set ``+name=value`` (``64x48x2+swap_dkv+do_stages=1``)."""
-    names = getattr(tile, "_fields", ())
-    lead = [str(x) for x in tile[:3]] if names else [str(x) for x in tile]
+    names = getattr(schedule, "_fields", ())
+    lead = [str(x) for x in schedule[:3]] if names else [str(x) for x in schedule]
     extra = []
-    for n, x in zip(names[3:], tile[3:]):
+    for n, x in zip(names[3:], schedule[3:]):
         if x is True:
             extra.append(f"+{n}")
         elif not isinstance(x, bool) and x is not None:

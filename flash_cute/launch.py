@@ -86,10 +86,11 @@ def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
 
 
 def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k, seqused_q,
-            seqused_k, tile: tuple, options: str, target: str, prepare=None, pack_gqa: int = 1):
+            seqused_k, schedule: tuple, options: str, target: str, prepare=None,
+            pack_gqa: int = 1):
     """Allocate, handle the no-work case, compile (cached) and launch one attention forward.
 
-    `kernel_cls(dtype, hdim, hdim_v, variant, tile=...)` is the arch's kernel class, whose
+    `kernel_cls(dtype, hdim, hdim_v, variant, schedule=...)` is the arch's kernel class, whose
     `__call__` takes a `kernel_args.FwdArgs`; `prepare` adapts q/k/v first (e.g. TMA-ready
     strides). `seqused_q` / `seqused_k`: int32 [batch] or None, as `problem` was validated.
     `pack_gqa`: query heads per tile (`packed_heads`), for a kernel class that packs them.
@@ -105,7 +106,8 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
         q, k, v = (prepare(t) for t in (q, k, v))
     variant = Variant.from_problem(problem, pack_gqa)
     dtype = dtype_name(q.dtype)
-    key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tile, variant.flags())
+    key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, schedule,
+                     variant.flags())
     varlen = problem.varlen
     args = FwdArgs(TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(out), TensorArg(lse, 4),
                    **score_scalars(problem), max_seqlen_q=int(problem.max_seqlen_q),
@@ -113,7 +115,7 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                    cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
                    seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4))
     launch_kernel(key, lambda: kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant,
-                                          tile=tile), args, options)
+                                          schedule=schedule), args, options)
     return out, lse
 
 
@@ -138,7 +140,7 @@ class RowDqAccum(NamedTuple):
 
 class BackwardPlan(NamedTuple):
     """What an arch's backward main kernel needs of `backward`: its compile-key name, kernel
-    class (`kernel_cls(dtype, hdim, hdim_v, variant, tile=..., deterministic=...)`, whose
+    class (`kernel_cls(dtype, hdim, hdim_v, variant, schedule=..., deterministic=...)`, whose
     `__call__` takes a `kernel_args.BwdArgs`), schedule, compile options and target; `prepare`
     adapts q/k/v/dout first (e.g. TMA-ready strides); `dq_accum`: how dQaccum is laid out,
     allocated (`alloc(q, problem)`, uninitialized: the preprocess zeroes it) and turned into
@@ -148,7 +150,7 @@ class BackwardPlan(NamedTuple):
     strides)."""
     name: str
     kernel_cls: type
-    tile: tuple
+    schedule: tuple
     options: str
     target: str
     prepare: Optional[Callable] = None
@@ -186,7 +188,7 @@ def backward(plan: BackwardPlan, dout, dlse, q, k, v, out, lse, problem, cu_seql
     dv = setup.alloc(*kv_lead, problem.nheads, problem.hdim_v, dtype=setup.dkv_dtype,
                      device=q.device)
     varlen, align = problem.varlen, plan.row_stats_align
-    sem = dq_semaphores(problem, plan.tile[0], q.device) if deterministic else None
+    sem = dq_semaphores(problem, plan.schedule[0], q.device) if deterministic else None
     args = BwdArgs(TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(dout),
                    TensorArg(lse_log2, align), TensorArg(delta, align),
                    TensorArg(dq_accum, plan.dq_accum.align), TensorArg(dk, setup.dkv_align),
@@ -228,10 +230,10 @@ def _backward_setup(plan: BackwardPlan, problem, dtype, deterministic: bool):
 
     def make_kernel():
         return plan.kernel_cls(DTYPES[dname], problem.hdim, problem.hdim_v, variant,
-                               tile=plan.tile, deterministic=deterministic)
+                               schedule=plan.schedule, deterministic=deterministic)
 
     return _BackwardSetup(
-        backward_compile_key(plan.name, plan.target, dname, problem, plan.tile, deterministic),
+        backward_compile_key(plan.name, plan.target, dname, problem, plan.schedule, deterministic),
         make_kernel, {**score_scalars(problem), "max_seqlen_k": int(problem.max_seqlen_k)},
         torch.float32 if group > 1 else dtype, 16 if group == 1 else 4,
         torch.zeros if problem.varlen or problem.has_seqused_k else torch.empty)
@@ -258,14 +260,14 @@ def row_stats_buffers(lse: torch.Tensor, align: int, count: int = 2) -> tuple:
     return tuple(buf[i, ..., :n] for i in range(count))
 
 
-def backward_compile_key(name: str, target: str, dtype: str, problem, tile: tuple,
+def backward_compile_key(name: str, target: str, dtype: str, problem, schedule: tuple,
                          deterministic: bool = False):
     """A backward main kernel's CompileKey: the variant, fp32 dK/dV for GQA, deterministic dQ."""
     from flash_cute.jit import CompileKey
 
     flags = Variant.from_problem(problem).flags() + (
         ("dkv_fp32", problem.qheads_per_kvhead > 1), ("deterministic", bool(deterministic)))
-    return CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(tile), flags)
+    return CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(schedule), flags)
 
 
 def dq_semaphores(problem, tile_m: int, device) -> torch.Tensor:

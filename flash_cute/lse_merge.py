@@ -98,7 +98,7 @@ def lse_merge(o_parts, lse_parts, out_dtype=None, out=None, lse=None):
     """
     import torch
 
-    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_arch, launch_kernel
+    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_target, launch_kernel
     from flash_cute.variant import dtype_name
 
     out_dtype = out_dtype or torch.bfloat16
@@ -108,7 +108,7 @@ def lse_merge(o_parts, lse_parts, out_dtype=None, out=None, lse=None):
     if lse is None:
         lse = torch.empty(rows, dtype=torch.float32, device=o_parts.device)
     dtype = dtype_name(out_dtype)
-    key = CompileKey("blocks.lse_merge", current_arch(), dtype, hdim, hdim,
+    key = CompileKey("blocks.lse_merge", current_target(), dtype, hdim, hdim,
                      (LseMergeKernel.rows_per_cta, hdim))
     args = (TensorArg(o_parts), TensorArg(lse_parts, 4), TensorArg(out), TensorArg(lse, 4))
     launch_kernel(key, lambda: LseMergeKernel(DTYPES[dtype], hdim), args)

@@ -4,9 +4,9 @@ reached through its descriptor's `inspect_configs`). Tooling: the runtime never 
 """
 
 from flash_cute.dispatch import PIPELINES
-from flash_cute.kernel_config import KernelConfig, config_flags, tile_label  # noqa: F401
+from flash_cute.kernel_config import KernelConfig, config_flags, schedule_label  # noqa: F401
 
-ARCHES = ("sm_80", "sm_90a", "sm_100a")
+TARGETS = ("sm_80", "sm_90a", "sm_100a")
 
 
 def build_softmax_rows(entry):
@@ -88,22 +88,22 @@ def build_bwd_prep(entry):
 
 
 _BLOCKS = (
-    KernelConfig("blocks.softmax_rows", ARCHES, "bf16", None, 16, (64, 64), build_softmax_rows,
+    KernelConfig("blocks.softmax_rows", TARGETS, "bf16", None, 16, (64, 64), build_softmax_rows,
                  config_flags(causal=False, local=False, softcap=False)),
-    KernelConfig("blocks.softmax_rows", ARCHES, "bf16", None, 16, (64, 64), build_softmax_rows,
+    KernelConfig("blocks.softmax_rows", TARGETS, "bf16", None, 16, (64, 64), build_softmax_rows,
                  config_flags(causal=True, local=False, softcap=True)),
-    KernelConfig("blocks.softmax_rows", ARCHES, "fp16", None, 16, (64, 64), build_softmax_rows,
+    KernelConfig("blocks.softmax_rows", TARGETS, "fp16", None, 16, (64, 64), build_softmax_rows,
                  config_flags(causal=False, local=True, softcap=False)),
-    KernelConfig("blocks.lse_merge", ARCHES, "bf16", 128, 128, (4, 128), build_lse_merge),
+    KernelConfig("blocks.lse_merge", TARGETS, "bf16", 128, 128, (4, 128), build_lse_merge),
 )
 _BWD_PREP = (
-    KernelConfig("blocks.bwd.preprocess", ARCHES, "bf16", None, 128, (64, 128), build_bwd_prep,
+    KernelConfig("blocks.bwd.preprocess", TARGETS, "bf16", None, 128, (64, 128), build_bwd_prep,
                  config_flags(dlse=False, varlen=False, seqused_q=False, zero_fill=True)),
-    KernelConfig("blocks.bwd.preprocess", ARCHES, "fp16", None, 64, (128, 64), build_bwd_prep,
+    KernelConfig("blocks.bwd.preprocess", TARGETS, "fp16", None, 64, (128, 64), build_bwd_prep,
                  config_flags(dlse=True, varlen=True, seqused_q=False)),
-    KernelConfig("blocks.bwd.preprocess", ARCHES, "bf16", None, 128, (64, 128), build_bwd_prep,
+    KernelConfig("blocks.bwd.preprocess", TARGETS, "bf16", None, 128, (64, 128), build_bwd_prep,
                  config_flags(dlse=False, varlen=True, seqused_q=True)),
-    KernelConfig("blocks.bwd.postprocess", ARCHES, "bf16", 128, None, (32, 128),
+    KernelConfig("blocks.bwd.postprocess", TARGETS, "bf16", 128, None, (32, 128),
                  build_bwd_prep, config_flags(varlen=False)),
 )
 
@@ -111,14 +111,15 @@ CONFIGS = _BLOCKS + tuple(c for p in reversed(PIPELINES) for c in p.inspect_conf
     + _BWD_PREP
 
 
-def registered_configs(kernel=None, arch=None) -> list:
-    """Configs whose kernel name matches `kernel` (exact, or a prefix ending in '.') and arch."""
+def registered_configs(kernel=None, target=None) -> list:
+    """Configs whose kernel name matches `kernel` (exact, or a prefix ending in '.') and that
+    compile for `target`."""
     out = []
     for entry in CONFIGS:
         if kernel and not (entry.kernel == kernel
                            or entry.kernel.startswith(kernel.rstrip(".") + ".")):
             continue
-        if arch and arch not in entry.archs:
+        if target and target not in entry.targets:
             continue
         out.append(entry)
     return out

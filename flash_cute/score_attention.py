@@ -160,7 +160,7 @@ def score_attention(scores, v, softmax_scale: float, causal: bool = False,
     """
     import torch
 
-    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_arch, launch_kernel
+    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_target, launch_kernel
     from flash_cute.variant import dtype_name
 
     left, right = window_size
@@ -172,7 +172,7 @@ def score_attention(scores, v, softmax_scale: float, causal: bool = False,
     dtype = dtype_name(v.dtype)
     flags = (("causal", causal), ("left", left is not None), ("right", right is not None),
              ("softcap", softcap > 0))
-    key = CompileKey("blocks.softmax_rows", current_arch(), dtype, None, v.shape[2],
+    key = CompileKey("blocks.softmax_rows", current_target(), dtype, None, v.shape[2],
                      (ScoreAttentionKernel.tile_m, ScoreAttentionKernel.tile_n), flags)
     args = (TensorArg(scores, 4), TensorArg(v), TensorArg(out), TensorArg(lse, 4),
             float(softmax_scale), float(softcap if softcap > 0 else 1.0),

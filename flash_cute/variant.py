@@ -76,12 +76,12 @@ def set_kernel_switches(kernel, variant: Variant) -> None:
     kernel.pack_gqa = variant.pack_gqa
 
 
-def kernel_head_dims(arch: str, hdim: int, hdim_v, tiles: dict, tile) -> tuple:
-    """(hdim, hdim_v) of a forward kernel: a tile exists (or is given) and hdim_v ≤ hdim is a
-    multiple of 32 (O reuses Q's shared-memory tile)."""
+def kernel_head_dims(pipeline: str, hdim: int, hdim_v, schedules: dict, schedule) -> tuple:
+    """(hdim, hdim_v) of a forward kernel: a schedule exists (or is given) and hdim_v ≤ hdim is
+    a multiple of 32 (O reuses Q's shared-memory tile)."""
     hdim_v = hdim if hdim_v is None else hdim_v
-    if hdim not in tiles and tile is None:
-        raise ValueError(f"no {arch} tile config for hdim {hdim}; have {sorted(tiles)}")
+    if hdim not in schedules and schedule is None:
+        raise ValueError(f"no {pipeline} schedule for hdim {hdim}; have {sorted(schedules)}")
     if hdim_v > hdim or hdim_v % 32:
         raise ValueError(f"hdim_v must be a multiple of 32 and <= hdim, got {hdim_v}/{hdim}")
     return hdim, hdim_v

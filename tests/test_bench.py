@@ -15,13 +15,13 @@ def parse(argv):
     return bench.add_arguments(argparse.ArgumentParser()).parse_args(argv)
 
 
-def cfg(direction="fwd", hdim=64, causal=False, batch=2, seqlen=1024, nheads=None):
+def cell(direction="fwd", hdim=64, causal=False, batch=2, seqlen=1024, nheads=None):
     return bench.BenchConfig(direction, hdim, causal, batch, seqlen,
                              nheads or bench.MODEL_DIM // hdim)
 
 
 def record(provider, status="ok", ms=1.0, diff=0.0, reason=None, **kw):
-    return bench.make_record(cfg(**kw), provider, status, ms=ms if status == "ok" else None,
+    return bench.make_record(cell(**kw), provider, status, ms=ms if status == "ok" else None,
                              max_abs_diff=diff, reason=reason)
 
 
@@ -238,7 +238,7 @@ def fake_timer(fn):
 
 def run_tiny(providers, direction="fwd", causal=True):
     torch.manual_seed(0)
-    c = cfg(direction=direction, causal=causal, **TINY)
+    c = cell(direction=direction, causal=causal, **TINY)
     reference = bench.load_provider("sdpa_flash")
     return {r["provider"]: r for r in bench.run_cell(c, providers, torch.bfloat16, fake_timer,
                                                       device="cpu", reference_provider=reference)}
@@ -256,7 +256,7 @@ def test_cell_on_cpu(direction):
 
 
 def test_reference_falls_back_to_math():
-    q, k, v, _ = bench.make_inputs(cfg(**TINY), torch.bfloat16, "cpu")
+    q, k, v, _ = bench.make_inputs(cell(**TINY), torch.bfloat16, "cpu")
     ref, name = bench.reference_output(q, k, v, True, bench.load_provider("sdpa_cudnn"))
     assert name == "math_fp32" and ref.dtype == torch.float32 and ref.shape == q.shape
     chunked = bench.math_reference(q, k, v, True, max_bytes=1)  # one head at a time
@@ -266,10 +266,10 @@ def test_reference_falls_back_to_math():
 
 
 def test_inputs_are_random_and_grad_only_for_bwd():
-    q, k, v, dout = bench.make_inputs(cfg(**TINY), torch.bfloat16, "cpu")
+    q, k, v, dout = bench.make_inputs(cell(**TINY), torch.bfloat16, "cpu")
     assert q.shape == (1, 64, 2, 32) and dout is None and not q.requires_grad
     assert q.abs().sum() > 0 and not torch.equal(q, k)
-    q, k, v, dout = bench.make_inputs(cfg(direction="bwd", **TINY), torch.bfloat16, "cpu")
+    q, k, v, dout = bench.make_inputs(cell(direction="bwd", **TINY), torch.bfloat16, "cpu")
     assert q.requires_grad and dout.shape == q.shape and not dout.requires_grad
 
 
@@ -327,7 +327,7 @@ def test_measuring_loop_on_cpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(flash_cute, "flash_attn_func", func, raising=False)
     args = parse(["--out", str(tmp_path / "run"),
                   "--providers", "flash_cute,sdpa_flash,sdpa_cudnn"])
-    configs = [cfg(direction=d, causal=True, **TINY) for d in ("fwd", "bwd")]
+    configs = [cell(direction=d, causal=True, **TINY) for d in ("fwd", "bwd")]
     assert bench._run_on_gpu(args, configs, fake_timer, device="cpu") == 1
     out = capsys.readouterr()
     assert "| dir" in out.out and "WRONG" in out.out and "n/a" in out.out
@@ -437,7 +437,7 @@ def test_ab_trees_peers_once_keeps_every_argument_but_the_providers():
 def _inspect_entry(kernel="hopper.fwd", target="sm_90a", hdim=128, regs=168, hgmma=40):
     return {"kernel": kernel, "arch": target, "registers": regs, "smem_bytes": 1024,
             "spill_bytes": 0, "sass": {"HGMMA.64x128x16.F32.BF16": hgmma, "FFMA": 10},
-            "config": {"dtype": "bf16", "hdim": hdim, "hdim_v": hdim, "tile": [128, 128, 2],
+            "config": {"dtype": "bf16", "hdim": hdim, "hdim_v": hdim, "schedule": [128, 128, 2],
                        "dout_stages": 2}}
 
 

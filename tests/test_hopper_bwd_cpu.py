@@ -8,24 +8,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flash_cute.arch.hopper.config import (BWD_SUPPORTED_HDIMS, BWD_TILES, SMEM_CAPACITY,
-                                           BwdConfig, bwd_mma_splits, bwd_smem_plan)
+from flash_cute.arch.hopper.config import (BWD_SUPPORTED_HDIMS, BWD_SCHEDULES, SMEM_CAPACITY,
+                                           BwdSchedule, bwd_mma_splits, bwd_smem_plan, do_stages)
 from flash_cute.block_range import block_range, m_block_range
 from flash_cute.launch import backward_compile_key, dq_semaphores
 
 
 @pytest.mark.parametrize("hdim,hdim_v", sorted(BWD_SUPPORTED_HDIMS))
 def test_bwd_smem_plan_fits_and_keeps_dq_out_of_atomics(hdim, hdim_v):
-    tile = BWD_TILES[hdim]
+    tile = BWD_SCHEDULES[hdim]
     plan = bwd_smem_plan(hdim, hdim_v, tile)
     assert plan.smem_bytes <= SMEM_CAPACITY
     assert plan.dq_tma
     # P/dS follow the rings' stages only where Q and dO have as many (else one buffer).
-    assert plan.pds_stages == (tile.q_stages if tile.dout_stages == tile.q_stages else 1)
+    assert plan.pds_stages == (tile.q_stages if do_stages(tile) == tile.q_stages else 1)
 
 
 def test_bwd_smem_plan_falls_back_to_atomics_where_the_dq_tile_does_not_fit():
-    plan = bwd_smem_plan(256, 256, BwdConfig(64, 64, 2))
+    plan = bwd_smem_plan(256, 256, BwdSchedule(64, 64, 2))
     assert not plan.dq_tma and plan.smem_bytes <= SMEM_CAPACITY
 
 
@@ -107,28 +107,28 @@ def test_dq_semaphores_one_zeroed_int32_per_query_tile_head_and_batch():
 def test_lse_and_delta_stages_start_128_byte_aligned():
     """A TMA destination must be 128-byte aligned: each stage of the LSE₂/Δ rings is padded
     to a multiple of 32 floats (80 query rows: 96), and the shared-memory plan counts that."""
-    from flash_cute.arch.hopper.config import BwdConfig, bwd_smem_plan, stats_stage_rows
+    from flash_cute.arch.hopper.config import BwdSchedule, bwd_smem_plan, stats_stage_rows
 
     assert [stats_stage_rows(m) for m in (64, 80, 128)] == [64, 96, 128]
-    plan = bwd_smem_plan(128, 128, BwdConfig(80, 128, 2, True))
+    plan = bwd_smem_plan(128, 128, BwdSchedule(80, 128, 2, True))
     assert plan.dq_tma and plan.pds_stages == 2 and plan.smem_bytes <= 227 * 1024
 
 
 def test_bwd_smem_plan_fits_fa4_hdim_256_schedule_with_two_q_stages():
     """48 keys with dK/dV transposed (FA4's hdim-256 schedule): two Q stages, one dO stage and
     the dQ tile fit, with one P/dS buffer; two dO stages would not leave room for the tile."""
-    plan = bwd_smem_plan(256, 256, BwdConfig(64, 48, 2, swap_dkv=True, do_stages=1))
+    plan = bwd_smem_plan(256, 256, BwdSchedule(64, 48, 2, swap_dkv=True, do_stages=1))
     assert plan.dq_tma and plan.pds_stages == 1 and plan.smem_bytes <= SMEM_CAPACITY
-    assert not bwd_smem_plan(256, 256, BwdConfig(64, 48, 2, swap_dkv=True)).dq_tma
+    assert not bwd_smem_plan(256, 256, BwdSchedule(64, 48, 2, swap_dkv=True)).dq_tma
 
 
 def test_bwd_mma_splits_of_transposed_dkv():
     """swap_dkv: the head dim on WGMMA's M, split by warpgroup where it is a multiple of 128,
     else the keys; separate Q/dO stage counts and odd key tiles only with it."""
-    assert bwd_mma_splits(BwdConfig(64, 48, 2, swap_dkv=True), 256)["dkv"] == (2, 1)
-    assert bwd_mma_splits(BwdConfig(64, 96, 2, swap_dkv=True), 192)["dkv"] == (1, 2)
-    for bad in (BwdConfig(64, 48, 2), BwdConfig(64, 64, 2, do_stages=1),
-                BwdConfig(64, 40, 2, swap_dkv=True), BwdConfig(80, 48, 2, swap_dkv=True)):
+    assert bwd_mma_splits(BwdSchedule(64, 48, 2, swap_dkv=True), 256)["dkv"] == (2, 1)
+    assert bwd_mma_splits(BwdSchedule(64, 96, 2, swap_dkv=True), 192)["dkv"] == (1, 2)
+    for bad in (BwdSchedule(64, 48, 2), BwdSchedule(64, 64, 2, do_stages=1),
+                BwdSchedule(64, 40, 2, swap_dkv=True), BwdSchedule(80, 48, 2, swap_dkv=True)):
         with pytest.raises(ValueError):
             bwd_mma_splits(bad, 256)
 
@@ -140,17 +140,17 @@ def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
     and the dQaccum layout of it."""
     from flash_cute import jit, launch
     from flash_cute.arch.hopper import api
-    from flash_cute.arch.hopper.config import bwd_tile
+    from flash_cute.arch.hopper.config import bwd_schedule
     from flash_cute.validation import validate_attention_inputs
 
-    assert bwd_tile(128, short=True) == BWD_TILES[128]._replace(tile_m=64)
-    assert bwd_tile(128) == BWD_TILES[128]
-    assert bwd_tile(64, short=True) == BWD_TILES[64]
-    assert bwd_tile(256, short=True) == BWD_TILES[256]
-    assert bwd_tile(128, varlen=True, short=True) == BwdConfig(64, 128, 2, dq_per_wg=True)
+    assert bwd_schedule(128, short=True) == BWD_SCHEDULES[128]._replace(tile_m=64)
+    assert bwd_schedule(128) == BWD_SCHEDULES[128]
+    assert bwd_schedule(64, short=True) == BWD_SCHEDULES[64]
+    assert bwd_schedule(256, short=True) == BWD_SCHEDULES[256]
+    assert bwd_schedule(128, varlen=True, short=True) == BwdSchedule(64, 128, 2, dq_per_wg=True)
 
     seen = []
-    monkeypatch.setattr(jit, "current_arch", lambda: "sm_90a")
+    monkeypatch.setattr(jit, "current_target", lambda: "sm_90a")
     monkeypatch.setattr(launch, "backward", lambda plan, *a: seen.append(plan))
     for sq, sk, causal in [(512, 512, True), (513, 513, True), (500, 500, False),
                            (500, 2000, True)]:
@@ -158,7 +158,7 @@ def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
         k = torch.randn(1, sk, 2, 128, dtype=torch.bfloat16)
         problem = validate_attention_inputs(q, k, k, causal=causal, require_cuda=False)
         api.backward(q, None, q, k, k, q, None, problem)
-    assert [plan.tile[0] for plan in seen] == [64, 80, 80, 80]
+    assert [plan.schedule[0] for plan in seen] == [64, 80, 80, 80]
     # The dQ postprocess reads the tiles the main kernel wrote: 64 rows, dQ not transposed,
     # for the short problem; 80 rows of dQᵀ otherwise.
     layouts = [(plan.dq_accum.tile_m, plan.dq_accum.swapped) for plan in seen]

@@ -159,12 +159,12 @@ def test_hopper_backward_every_schedule(tile, hdim, kw):
     keys: every schedule passes the float64 rule (301 queries and 413 keys: a partial last
     tile of each size)."""
     from flash_cute.arch.hopper.api import backward
-    from flash_cute.arch.hopper.config import BwdConfig
+    from flash_cute.arch.hopper.config import BwdSchedule
 
     q, k, v, dout = _inputs(2, 301, 413, 4, 2, hdim, hdim, torch.bfloat16, seed=hdim + tile[0])
     problem = validate_attention_inputs(q, k, v, **kw)
     out, lse = flash_attn_func(q, k, v, return_lse=True, arch="hopper", **kw)
-    grads = backward(dout, None, q, k, v, out, lse, problem, tile=BwdConfig(*tile))
+    grads = backward(dout, None, q, k, v, out, lse, problem, schedule=BwdSchedule(*tile))
     _check(grads, q, k, v, dout, **kw)
 
 
@@ -252,7 +252,7 @@ def test_each_dq_hand_over_is_deterministic_and_handles_varlen(tile, hdim, varle
     inside one turn of the semaphore, one bulk add of the whole tile, fp32 atomics; bitwise
     equal over 5 runs, padded and varlen (tiles of different sequences)."""
     from flash_cute.arch.hopper.api import backward
-    from flash_cute.arch.hopper.config import BwdConfig
+    from flash_cute.arch.hopper.config import BwdSchedule
 
     if varlen:
         lens = [300, 0, 77, 513]
@@ -268,14 +268,14 @@ def test_each_dq_hand_over_is_deterministic_and_handles_varlen(tile, hdim, varle
                                           return_lse=True, arch="hopper")
         problem = validate_attention_inputs(q, k, v, **kw)
         run = lambda: backward(dout, None, q, k, v, out, lse, problem, cu, cu,  # noqa: E731
-                               deterministic=True, tile=BwdConfig(*tile))
+                               deterministic=True, schedule=BwdSchedule(*tile))
         ref_kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
     else:
         q, k, v, dout = _inputs(2, 517, 901, 4, 2, hdim, hdim, torch.bfloat16, seed=41)
         out, lse = flash_attn_func(q, k, v, return_lse=True, arch="hopper")
         problem = validate_attention_inputs(q, k, v)
         run = lambda: backward(dout, None, q, k, v, out, lse, problem,  # noqa: E731
-                               deterministic=True, tile=BwdConfig(*tile))
+                               deterministic=True, schedule=BwdSchedule(*tile))
         ref_kw = {}
     first = run()
     for _ in range(4):

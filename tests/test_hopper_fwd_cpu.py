@@ -1,11 +1,11 @@
 """CPU checks of the Hopper forward's host-side choices: the schedule per head dim and packing
-(`config.fwd_tile`, `config.with_switches`), the register split per number of consumer
+(`config.fwd_schedule`, `config.with_switches`), the register split per number of consumer
 warpgroups, and what `HopperFwd` refuses before any compile."""
 
 import pytest
 
 from flash_cute.arch.hopper.config import (PACK_ROWS, ROLE_REGISTERS, SMEM_CAPACITY,
-                                           SUPPORTED_HDIMS, TILES, FwdConfig, fwd_tile,
+                                           SUPPORTED_HDIMS, FWD_SCHEDULES, FwdSchedule, fwd_schedule,
                                            smem_bytes, with_switches)
 
 
@@ -24,18 +24,18 @@ def test_role_registers_give_the_launch_budget_to_the_roles(consumers):
 @pytest.mark.parametrize("rows_past_sequence", [False, True])
 def test_every_schedule_fits_shared_memory(hdim, hdim_v, rows_past_sequence):
     for pack in (1, 2, 8, PACK_ROWS):
-        tile = fwd_tile(hdim, pack, rows_past_sequence)
+        tile = fwd_schedule(hdim, pack, rows_past_sequence)
         assert tile.tile_m % pack == 0 or pack == 1
         assert smem_bytes(hdim, hdim_v, tile, rows_past_sequence) <= SMEM_CAPACITY
 
 
 def test_fwd_tile_keeps_192_rows_only_where_they_compile_without_spills():
-    assert TILES[64].tile_m == 192 and TILES[64].persistent
-    assert fwd_tile(64) == TILES[64]
-    assert fwd_tile(64, 8) == TILES[64]                        # padded packed: O by TMA
-    assert fwd_tile(64, 8, rows_past_sequence=True).tile_m == 128
-    assert fwd_tile(64, PACK_ROWS).tile_m == 128               # 128 heads do not divide 192
-    assert fwd_tile(128, 8, rows_past_sequence=True) == TILES[128]
+    assert FWD_SCHEDULES[64].tile_m == 192 and FWD_SCHEDULES[64].persistent
+    assert fwd_schedule(64) == FWD_SCHEDULES[64]
+    assert fwd_schedule(64, 8) == FWD_SCHEDULES[64]                        # padded packed: O by TMA
+    assert fwd_schedule(64, 8, rows_past_sequence=True).tile_m == 128
+    assert fwd_schedule(64, PACK_ROWS).tile_m == 128               # 128 heads do not divide 192
+    assert fwd_schedule(128, 8, rows_past_sequence=True) == FWD_SCHEDULES[128]
 
 
 def test_short_causal_problems_take_128_rows():
@@ -48,11 +48,11 @@ def test_short_causal_problems_take_128_rows():
     assert not short_causal(True, SHORT_CAUSAL_ROWS + 1, 512)
     assert not short_causal(False, 512, 512) and not short_causal(True, 0, 512)
     assert not short_causal(True, 512, SHORT_CAUSAL_ROWS + 1)   # keys far past the queries
-    assert fwd_tile(64, short=True) == TILES[64]._replace(tile_m=128)
-    assert fwd_tile(64) == TILES[64]
-    assert fwd_tile(128, short=True) == TILES[128]
-    assert fwd_tile(256, short=True) == TILES[256]._replace(tile_n=64)
-    assert fwd_tile(256) == TILES[256]
+    assert fwd_schedule(64, short=True) == FWD_SCHEDULES[64]._replace(tile_m=128)
+    assert fwd_schedule(64) == FWD_SCHEDULES[64]
+    assert fwd_schedule(128, short=True) == FWD_SCHEDULES[128]
+    assert fwd_schedule(256, short=True) == FWD_SCHEDULES[256]._replace(tile_n=64)
+    assert fwd_schedule(256) == FWD_SCHEDULES[256]
 
 
 def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
@@ -66,7 +66,7 @@ def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
     from flash_cute.validation import validate_attention_inputs
 
     seen = []
-    monkeypatch.setattr(jit, "current_arch", lambda: "sm_90a")
+    monkeypatch.setattr(jit, "current_target", lambda: "sm_90a")
     monkeypatch.setattr(launch, "forward",
                         lambda *a, **kw: seen.append((a[10][0], kw["pack_gqa"])))
     for sq, sk, causal, heads_kv, pack in [(1024, 1024, True, 4, None),
@@ -84,10 +84,10 @@ def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
 
 
 def test_with_switches_runs_192_rows_persistent_only():
-    base = TILES[64]
+    base = FWD_SCHEDULES[64]
     assert with_switches(base, pingpong=False) == base._replace(pingpong=False)
     assert with_switches(base, persistent=False) == base._replace(tile_m=128, persistent=False)
-    assert with_switches(TILES[128], persistent=False).tile_m == 128
+    assert with_switches(FWD_SCHEDULES[128], persistent=False).tile_m == 128
 
 
 def test_hopper_fwd_refuses_schedules_it_cannot_run():
@@ -97,9 +97,9 @@ def test_hopper_fwd_refuses_schedules_it_cannot_run():
     from flash_cute.variant import Variant
 
     with pytest.raises(ValueError, match="192-row tiles run persistent only"):
-        HopperFwd(BFloat16, 64, tile=FwdConfig(192, 128, 2, persistent=False))
+        HopperFwd(BFloat16, 64, schedule=FwdSchedule(192, 128, 2, persistent=False))
     with pytest.raises(ValueError, match="tile_m must be 64 x"):
-        HopperFwd(BFloat16, 64, tile=FwdConfig(256, 128, 2, persistent=True))
+        HopperFwd(BFloat16, 64, schedule=FwdSchedule(256, 128, 2, persistent=True))
     with pytest.raises(ValueError, match="pack_gqa 3 must divide tile_m 128"):
         HopperFwd(BFloat16, 128, variant=Variant(pack_gqa=3))
     kernel = HopperFwd(BFloat16, 64)

@@ -29,9 +29,9 @@ def _needs_sm90():
 
 def _tile(d, overlap, pingpong, persistent):
     """The head dim's schedule with the switches set (`config.with_switches`)."""
-    from flash_cute.arch.hopper.config import TILES, with_switches
+    from flash_cute.arch.hopper.config import FWD_SCHEDULES, with_switches
 
-    return with_switches(TILES[d], intra_wg_overlap=overlap, pingpong=pingpong,
+    return with_switches(FWD_SCHEDULES[d], intra_wg_overlap=overlap, pingpong=pingpong,
                          persistent=persistent)
 
 
@@ -42,7 +42,7 @@ def _forward(q, k, v, overlap, pingpong, cu_q=None, cu_k=None, max_q=None, max_k
     problem = validate_attention_inputs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                         max_seqlen_q=max_q, max_seqlen_k=max_k, **kw)
     tile = _tile(q.shape[-1], overlap, pingpong, persistent)
-    return api.forward(q, k, v, problem, cu_q, cu_k, tile=tile)
+    return api.forward(q, k, v, problem, cu_q, cu_k, schedule=tile)
 
 
 def _inputs(shape_q, shape_k, seed, d=128, dtype=torch.bfloat16, dv=None):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flash_cute.registry import ARCHES, CONFIGS, registered_configs
+from flash_cute.registry import TARGETS, CONFIGS, registered_configs
 from flash_cute.sass import _sval_attrs, loop_bodies, opcode_counts
 
 
@@ -23,23 +23,23 @@ def inspected():
 
 def test_every_config_compiles_for_each_of_its_archs(inspected):
     want = sorted((c.kernel, json.dumps(c.config_dict(), sort_keys=True), a)
-                  for c in CONFIGS for a in c.archs)
-    got = sorted((e["kernel"], json.dumps(e["config"], sort_keys=True), e["arch"]) for e in inspected)
+                  for c in CONFIGS for a in c.targets)
+    got = sorted((e["kernel"], json.dumps(e["config"], sort_keys=True), e["target"]) for e in inspected)
     assert got == want
     assert all("error" not in e for e in inspected)
 
 
 def test_each_arch_has_a_kernel_with_sass(inspected):
-    for arch in ARCHES:
-        entries = [e for e in inspected if e["arch"] == arch]
-        assert entries, f"no kernel for {arch}"
+    for target in TARGETS:
+        entries = [e for e in inspected if e["target"] == target]
+        assert entries, f"no kernel for {target}"
         assert all(sum(e["sass"].values()) > 0 for e in entries)
 
 
 def test_json_schema(inspected):
     for e in inspected:
-        assert set(e) >= {"kernel", "arch", "config", "registers", "smem_bytes", "spill_bytes", "sass"}
-        assert set(e["config"]) >= {"dtype", "hdim", "hdim_v", "tile"}
+        assert set(e) >= {"kernel", "target", "config", "registers", "smem_bytes", "spill_bytes", "sass"}
+        assert set(e["config"]) >= {"dtype", "hdim", "hdim_v", "schedule"}
         assert "." in e["kernel"]
         assert 0 < e["registers"] <= 255
 
@@ -56,7 +56,7 @@ def test_blocks_use_exp2_and_do_not_spill(inspected):
             assert e["spill_bytes"] == 0, e
             assert e["sass"].get("LDL", 0) == 0 and e["sass"].get("STL", 0) == 0
         if _does_softmax(e["kernel"]):
-            assert e["sass"].get("MUFU.EX2", 0) > 0, f"{e['kernel']} on {e['arch']} has no MUFU.EX2"
+            assert e["sass"].get("MUFU.EX2", 0) > 0, f"{e['kernel']} on {e['target']} has no MUFU.EX2"
 
 
 def test_softmax_rows_reduces_over_quads(inspected):
@@ -67,26 +67,26 @@ def test_softmax_rows_reduces_over_quads(inspected):
 
 
 def test_inspect_filters_and_table():
-    proc = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--arch", "sm_90a",
+    proc = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--target", "sm_90a",
                            "--kernel", "blocks.lse_merge"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[0].split()[:3] == ["kernel", "arch", "config"]
+    assert lines[0].split()[:3] == ["kernel", "target", "config"]
     assert len(lines) == 1 + len(registered_configs("blocks.lse_merge", "sm_90a"))
     assert all("sm_90a" in line for line in lines[1:])
 
 
-def test_inspect_rejects_unknown_arch():
-    proc = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--arch", "sm_75"],
+def test_inspect_rejects_unknown_target():
+    proc = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--target", "sm_75"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "unknown arch" in proc.stderr
+    assert proc.returncode == 2 and "unknown target" in proc.stderr
 
 
 def test_compile_for_arch_returns_ptx_cubin_sass(tmp_path):
-    from flash_cute.xcompile import compile_for_arch
+    from flash_cute.xcompile import compile_for_target
 
-    cfg = registered_configs("blocks.lse_merge")[0]
-    art = compile_for_arch(cfg, "sm_80", out_dir=tmp_path)
+    entry = registered_configs("blocks.lse_merge")[0]
+    art = compile_for_target(entry, "sm_80", out_dir=tmp_path)
     assert ".target sm_80" in art.ptx
     assert art.cubin[:4] == b"\x7fELF"
     assert "EF_CUDA_SM80" in art.sass
@@ -121,7 +121,7 @@ def test_compile_key_has_no_batch_or_seqlen():
 
     fields = set(CompileKey.__dataclass_fields__)
     assert not fields & {"batch", "seqlen", "seqlen_q", "seqlen_k", "total_q", "max_seqlen_q"}
-    assert fields >= {"kernel", "arch", "dtype", "hdim", "hdim_v", "tile", "flags", "variant"}
+    assert fields >= {"kernel", "target", "dtype", "hdim", "hdim_v", "schedule", "flags", "variant"}
 
 
 def test_compile_cache_builds_once_per_key():
@@ -137,7 +137,7 @@ def test_compile_cache_builds_once_per_key():
 
 def test_ampere_fwd_is_an_sm80_mma_sync_pipeline(inspected):
     entries = [e for e in inspected if e["kernel"] == "ampere.fwd"]
-    assert {e["arch"] for e in entries} == {"sm_80"}
+    assert {e["target"] for e in entries} == {"sm_80"}
     hdims = {(e["config"]["hdim"], e["config"]["hdim_v"]) for e in entries}
     assert hdims >= {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
     for e in entries:
@@ -153,7 +153,7 @@ def test_ampere_fwd_is_an_sm80_mma_sync_pipeline(inspected):
 
 def test_ampere_bwd_uses_mma_sync_and_fp32_atomics(inspected):
     entries = [e for e in inspected if e["kernel"] == "ampere.bwd"]
-    assert {e["arch"] for e in entries} == {"sm_80"} and len(entries) >= 6
+    assert {e["target"] for e in entries} == {"sm_80"} and len(entries) >= 6
     for e in entries:
         ops = e["sass"]
         assert ops.get("HMMA", 0) > 0 and ops.get("LDSM", 0) > 0 and ops.get("LDGSTS", 0) > 0
@@ -162,7 +162,7 @@ def test_ampere_bwd_uses_mma_sync_and_fp32_atomics(inspected):
 
 def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
     entries = [e for e in inspected if e["kernel"] == "hopper.fwd"]
-    assert {e["arch"] for e in entries} == {"sm_90a"}
+    assert {e["target"] for e in entries} == {"sm_90a"}
     hdims = {(e["config"]["hdim"], e["config"]["hdim_v"]) for e in entries}
     assert hdims >= {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
     for e in entries:
@@ -175,7 +175,7 @@ def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
         assert e["spill_bytes"] == 0, e
         # Every register the CTA gets at launch goes to a role: 128 producer threads, 64 rows
         # per consumer warpgroup.
-        roles, consumers = e["registers_per_role"], e["config"]["tile"][0] // 64
+        roles, consumers = e["registers_per_role"], e["config"]["schedule"][0] // 64
         assert roles["producer"] + consumers * roles["consumer"] \
             == (1 + consumers) * e["registers"], e
         assert 0 < e["smem_bytes"] <= 227 * 1024
@@ -191,40 +191,40 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce
     every default schedule), else through fp32 atomics (registered: hdim 256 with two Q/dO
     stages, plain and deterministic); a deterministic kernel adds one int32 semaphore
     increment."""
-    from flash_cute.arch.hopper.config import BwdConfig, bwd_smem_plan
+    from flash_cute.arch.hopper.config import BwdSchedule, bwd_smem_plan
 
     entries = [e for e in inspected if e["kernel"] == "hopper.bwd"]
-    assert {e["arch"] for e in entries} == {"sm_90a"}
+    assert {e["target"] for e in entries} == {"sm_90a"}
     hdims = {(e["config"]["hdim"], e["config"]["hdim_v"]) for e in entries}
     assert hdims >= {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
     assert any(e["config"]["deterministic"] for e in entries)
     atomic_configs = 0
     for e in entries:
-        ops, cfg = e["sass"], e["config"]
+        ops, config = e["sass"], e["config"]
         assert ops.get("HGMMA", 0) > 0, "S, dP, dV, dK and dQ must run on WGMMA"
         assert ops.get("UTMALDG", 0) > 0, "Q, dO, K and V must be loaded with TMA"
         assert ops.get("USETMAXREG", 0) >= 2, "producer and consumers re-balance registers"
         assert ops.get("STSM", 0) > 0, "P and dS go to shared memory by stmatrix"
-        semaphore = 1 if cfg["deterministic"] else 0
+        semaphore = 1 if config["deterministic"] else 0
         # dK and dV elements per consumer thread; 16-bit ones leave as 128-bit rows.
-        dkv_elems = cfg["tile"][1] * (cfg["hdim"] + cfg["hdim_v"]) // 256
-        tile = BwdConfig(*cfg["tile"], **{f: cfg[f] for f in BwdConfig._fields[3:] if f in cfg})
+        dkv_elems = config["schedule"][1] * (config["hdim"] + config["hdim_v"]) // 256
+        tile = BwdSchedule(*config["schedule"], **{f: config[f] for f in BwdSchedule._fields[3:] if f in config})
         # Through the freed rings where Q's holds tile_n rows (`HopperBwd.store_dkv`).
         rings_fit = tile.q_stages * tile.tile_m >= tile.tile_n
-        if not cfg["dkv_fp32"] and rings_fit:
+        if not config["dkv_fp32"] and rings_fit:
             assert ops.get("STG", 0) == dkv_elems // 8, "dK/dV: whole 128-bit row stores"
         atomics = ops.get("REDG", 0) + ops.get("ATOMG", 0) - semaphore
-        if bwd_smem_plan(cfg["hdim"], cfg["hdim_v"], tile).dq_tma:
+        if bwd_smem_plan(config["hdim"], config["hdim_v"], tile).dq_tma:
             # dq_per_wg: one bulk reduce per consumer warpgroup's half of the tile.
             assert ops.get("UBLKRED", 0) == (2 if tile.dq_per_wg else 1), \
                 "dQ is added by one bulk reduce per tile (or per half)"
             # Varlen and seqused_k also zero tile tails; without the rings dK/dV skip smem.
-            if not (cfg["varlen"] or cfg.get("seqused_k")) and rings_fit:
-                per_thread = cfg["tile"][0] * cfg["hdim"] // 256
+            if not (config["varlen"] or config.get("seqused_k")) and rings_fit:
+                per_thread = config["schedule"][0] * config["hdim"] // 256
                 # 16-bit dK/dV go to shared memory too, one 32-bit store per column pair;
                 # transposed (swap_dkv) a thread's pairs run down a column: one 16-bit store
                 # per element.
-                dkv = 0 if cfg["dkv_fp32"] else dkv_elems // (1 if cfg.get("swap_dkv") else 2)
+                dkv = 0 if config["dkv_fp32"] else dkv_elems // (1 if config.get("swap_dkv") else 2)
                 assert ops.get("STS", 0) == per_thread // 4 + dkv, "dQ: one 128-bit store per 4"
             assert atomics == 0, "no fp32 atomics where the bulk reduce adds dQ"
         else:
@@ -248,7 +248,7 @@ def test_hopper_dq_postprocess_stores_whole_rows(inspected):
     entries = [e for e in inspected if e["kernel"] == "hopper.bwd.dq_postprocess"]
     assert entries
     for e in entries:
-        tile_m, hdim = e["config"]["tile"][0], e["config"]["hdim"]
+        tile_m, hdim = e["config"]["schedule"][0], e["config"]["hdim"]
         vectors = tile_m * hdim * 2 // 16 // 256  # 16-byte pieces of the tile per thread
         ops = e["sass"]
         assert ops["STG"] == ops["LDS"] == vectors and ops["BAR"] == 1 and ops["STS"] > 0, e
@@ -263,14 +263,14 @@ def test_hopper_bwd_waits_for_each_gemm_only_where_it_is_needed(tile, waits):
     fp32 P, dP and 16-bit P are never all live): S and dP are waited for before P's exp2 (at
     80 and 128 rows the other warpgroup's GEMMs fill that wait; docs/perf.md, session 14),
     and dK runs under dQ's way out."""
-    from flash_cute.xcompile import compile_for_arch
+    from flash_cute.xcompile import compile_for_target
 
-    from flash_cute.arch.hopper.config import BwdConfig
+    from flash_cute.arch.hopper.config import BwdSchedule
 
-    cfg = next(c for c in registered_configs("hopper.bwd")
-               if c.hdim == 128 and c.dtype == "bf16" and c.tile == BwdConfig(*tile)
+    entry = next(c for c in registered_configs("hopper.bwd")
+               if c.hdim == 128 and c.dtype == "bf16" and c.schedule == BwdSchedule(*tile)
                and not any(c.flag_dict.values()))
-    sass = compile_for_arch(cfg, "sm_90a").sass
+    sass = compile_for_target(entry, "sm_90a").sass
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == waits[0]
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == waits[1]
     assert sass.count("WARPGROUP.ARRIVE") == 5
@@ -291,12 +291,12 @@ def _inner_loops(sass: str, issues: str) -> list:
 
 def _hopper_config(kernel: str, hdim: int, **flags):
     """The registered config of the head dim's default tile with exactly these flags on."""
-    from flash_cute.arch.hopper.config import BWD_TILES, TILES
+    from flash_cute.arch.hopper.config import BWD_SCHEDULES, FWD_SCHEDULES
 
-    tile = (TILES if kernel == "hopper.fwd" else BWD_TILES)[hdim]
+    tile = (FWD_SCHEDULES if kernel == "hopper.fwd" else BWD_SCHEDULES)[hdim]
     return next(c for c in registered_configs(kernel)
                 if c.hdim == hdim and c.hdim_v == hdim and c.dtype == "bf16"
-                and tuple(c.tile) == tuple(tile)
+                and tuple(c.schedule) == tuple(tile)
                 and {k: v for k, v in c.flag_dict.items() if v} == flags)
 
 
@@ -306,11 +306,11 @@ def test_hopper_fwd_softmax_runs_under_the_pv_wgmma(causal):
     some of its exp2s), not before it, and builds no WGMMA descriptor in vector registers
     (R2UR): docs/perf.md, session 10. Causal also has a loop for its masked blocks, which
     waits for both WGMMAs before masking (`drain`)."""
-    from flash_cute.xcompile import compile_for_arch
+    from flash_cute.xcompile import compile_for_target
 
     cfg = _hopper_config("hopper.fwd", 128, **({"causal": True} if causal else {}))
     masking = re.compile(r"FSEL R\d+, R\d+, -INF")
-    inner = _inner_loops(compile_for_arch(cfg, "sm_90a").sass, _PV_WGMMA.pattern)
+    inner = _inner_loops(compile_for_target(cfg, "sm_90a").sass, _PV_WGMMA.pattern)
     loops = [b for b in inner if not any(masking.search(x) for x in b)]
     masked = [b for b in inner if any(masking.search(x) for x in b)]
     assert len(loops) == 1 and len(masked) == int(causal), ([len(b) for b in loops],
@@ -328,9 +328,9 @@ def test_hopper_fwd_softmax_runs_under_the_pv_wgmma(causal):
 def test_hopper_bwd_builds_wgmma_descriptors_in_uniform_registers():
     """Shared-memory operands partitioned per warpgroup (`wgmma.wgmma_slice`): no R2UR in the
     query-tile loop (there were 64 per iteration at hdim 128, docs/perf.md session 10)."""
-    from flash_cute.xcompile import compile_for_arch
+    from flash_cute.xcompile import compile_for_target
 
-    sass = compile_for_arch(_hopper_config("hopper.bwd", 128), "sm_90a").sass
+    sass = compile_for_target(_hopper_config("hopper.bwd", 128), "sm_90a").sass
     loops = _inner_loops(sass, r"HGMMA")
     assert loops and all(not any(x.startswith("R2UR") for x in b) for b in loops)
 

@@ -102,7 +102,8 @@ for varlen, causal in ((False, True), (True, False), (False, False)):
     # varlen: 64 rows, P in shared memory; a causal problem of 37 rows: 64 rows (short
     # causal); without the mask the head dim's 80 rows. The postprocess reads those tiles.
     want = (64, 128, 2, False) if varlen else ((64 if causal else 80), 128, 2, True)
-    assert main.tile[:4] == want and post.tile[0] == want[0], (main.tile, post.tile)
+    assert main.schedule[:4] == want and post.schedule[0] == want[0], (main.schedule,
+                                                                       post.schedule)
     dk, dv = a[7], a[8]
     # GQA (varlen call): fp32 per query head, zeroed (rows past every sequence get nothing).
     assert dk.dtype == (torch.float32 if varlen else torch.bfloat16)

@@ -105,37 +105,37 @@ def _check_block_range(bm, bn, sq, sk, causal, left, right, pack=1):
         rows = mask[m_block * bm : (m_block + 1) * bm]  # in-bounds rows only
         n_min, n_max, nm_min, nm_max = block_range(m_block, bm, bn, sq, sk, causal, left, right,
                                                    pack)
-        cfg = (bm, bn, sq, sk, causal, left, right, pack, m_block,
+        case = (bm, bn, sq, sk, causal, left, right, pack, m_block,
                (n_min, n_max, nm_min, nm_max))
-        assert 0 <= n_min <= n_blocks and 0 <= n_max <= n_blocks, cfg
+        assert 0 <= n_min <= n_blocks and 0 <= n_max <= n_blocks, case
         any_visible = [bool(rows[:, n * bn : (n + 1) * bn].any()) for n in range(n_blocks)]
         all_visible = [bool(rows[:, n * bn : (n + 1) * bn].all()) for n in range(n_blocks)]
         visited = range(n_min, max(n_min, n_max))
         # Complete: every block holding a visible entry is visited.
-        assert all(n in visited for n in range(n_blocks) if any_visible[n]), cfg
+        assert all(n in visited for n in range(n_blocks) if any_visible[n]), case
         # Tight: the range ends hold visible entries; empty exactly when nothing is visible.
         if visited:
-            assert any_visible[n_min] and any_visible[n_max - 1], cfg
+            assert any_visible[n_min] and any_visible[n_max - 1], case
         else:
-            assert not any(any_visible), cfg
+            assert not any(any_visible), case
         # No-mask range: a sub-range, and exactly the visited blocks needing no mask.
-        assert n_min <= nm_min <= nm_max <= max(n_min, n_max), cfg
+        assert n_min <= nm_min <= nm_max <= max(n_min, n_max), case
         for n in visited:
-            assert (nm_min <= n < nm_max) == all_visible[n], cfg
+            assert (nm_min <= n < nm_max) == all_visible[n], case
         if visited:
             _check_block_runs(block_runs(BlockRange(n_min, n_max, nm_min, nm_max)), n_min,
-                              all_visible, causal or left is not None or right is not None, cfg)
+                              all_visible, causal or left is not None or right is not None, case)
 
 
-def _check_block_runs(runs, n_min, all_visible, windowed, cfg):
+def _check_block_runs(runs, n_min, all_visible, windowed, case):
     """`block_runs`: the blocks after the first in three ordered runs, masked where they
     need it, and no masked run without a window (the forward then runs them unmasked)."""
     end, unmasked_end, unmasked_begin = runs
-    assert n_min <= unmasked_begin <= unmasked_end <= end, (cfg, runs)
+    assert n_min <= unmasked_begin <= unmasked_end <= end, (case, runs)
     for n in range(n_min, end):
-        assert all_visible[n] == (unmasked_begin <= n < unmasked_end), (cfg, runs, n)
+        assert all_visible[n] == (unmasked_begin <= n < unmasked_end), (case, runs, n)
     if not windowed:
-        assert unmasked_begin == n_min and unmasked_end == end, (cfg, runs)
+        assert unmasked_begin == n_min and unmasked_end == end, (case, runs)
 
 
 def test_block_range_hand_examples():
@@ -436,9 +436,9 @@ def test_m_block_range_is_tight_against_the_mask():
             cols = visible[:, n * tn:(n + 1) * tn].any(dim=1)
             seen = {i // tm for i in range(sq) if cols[i]}
             m_min, m_max = m_block_range(n, tm, tn, sq, sk, causal, left, right)
-            cfg = (sq, sk, tm, tn, causal, left, right, n)
+            case = (sq, sk, tm, tn, causal, left, right, n)
             if seen:
-                assert (m_min, m_max) == (min(seen), max(seen) + 1), cfg
-                assert seen == set(range(m_min, m_max)), cfg
+                assert (m_min, m_max) == (min(seen), max(seen) + 1), case
+                assert seen == set(range(m_min, m_max)), case
             else:
-                assert m_max <= m_min, cfg
+                assert m_max <= m_min, case

@@ -3,7 +3,7 @@
 from flash_cute import launch
 from flash_cute.validation import AttentionProblem
 
-from .config import (BWD_TILES, COMPILE_OPTIONS, SUPPORTED_HDIMS, TILES, bwd_smem_bytes,
+from .config import (BWD_SCHEDULES, COMPILE_OPTIONS, SUPPORTED_HDIMS, FWD_SCHEDULES, bwd_smem_bytes,
                      fwd_smem_bytes)
 
 
@@ -13,34 +13,34 @@ def check_supported(problem: AttentionProblem, device=None, backward: bool = Fal
     launch.check_head_dims("ampere", problem, SUPPORTED_HDIMS)
     if device is not None:
         launch.check_shared_memory("ampere forward", fwd_smem_bytes(
-            problem.hdim, problem.hdim_v, TILES[problem.hdim]), device)
+            problem.hdim, problem.hdim_v, FWD_SCHEDULES[problem.hdim]), device)
         if backward:
             launch.check_shared_memory("ampere backward",
                                        bwd_smem_bytes(problem.hdim, problem.hdim_v), device)
 
 
 def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, tile=None):
-    """(out, lse) for validated inputs. `tile` overrides (tile_m, tile_n, num_warps) for
+            seqused_q=None, seqused_k=None, schedule=None):
+    """(out, lse) for validated inputs. `schedule` overrides (tile_m, tile_n, num_warps) for
     ablations; seqused_q/seqused_k: int32 [batch] or None, as `problem` was validated."""
-    from flash_cute.jit import current_arch
+    from flash_cute.jit import current_target
 
     from .fwd import AmpereFwd
 
     return launch.forward("ampere.fwd", AmpereFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k, tuple(tile or TILES[problem.hdim]),
-                          COMPILE_OPTIONS, current_arch())
+                          seqused_q, seqused_k, tuple(schedule or FWD_SCHEDULES[problem.hdim]),
+                          COMPILE_OPTIONS, current_target())
 
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False):
     """(dq, dk, dv) through `AmpereBwd` (see `flash_cute.launch.backward`); dQ is added by fp32
     atomics, so `deterministic` is refused (the descriptor does not list it)."""
-    from flash_cute.jit import current_arch
+    from flash_cute.jit import current_target
 
     from .bwd import AmpereBwd
 
-    plan = launch.BackwardPlan("ampere.bwd", AmpereBwd, BWD_TILES[problem.hdim],
-                               COMPILE_OPTIONS, current_arch())
+    plan = launch.BackwardPlan("ampere.bwd", AmpereBwd, BWD_SCHEDULES[problem.hdim],
+                               COMPILE_OPTIONS, current_target())
     return launch.backward(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
                            cu_seqlens_k, seqused_q, seqused_k, deterministic)

@@ -23,7 +23,7 @@ from flash_cute.seqlen import SeqInfo
 from flash_cute.score import Scores, fold_scores
 from flash_cute.variant import Variant, set_kernel_switches
 
-from .config import BWD_TILES, COMPILE_OPTIONS, bwd_smem_bytes
+from .config import BWD_SCHEDULES, bwd_smem_bytes
 from .mma import SmemGemm, tiled_mma
 from .tiles import gmem_tiled_copy, load_rows, smem_layout
 
@@ -48,16 +48,16 @@ class AmpereBwd:
     """
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
-                 variant: Variant = Variant(), tile: Optional[tuple] = None,
+                 variant: Variant = Variant(), schedule: Optional[tuple] = None,
                  deterministic: bool = False):
         if deterministic:
             raise ValueError("the ampere backward adds dQ with fp32 atomics: not deterministic")
         hdim_v = hdim if hdim_v is None else hdim_v
         self.dtype = dtype
         self.hdim, self.hdim_v = hdim, hdim_v
-        cfg = tile or BWD_TILES[hdim]
-        self.tile_m, self.tile_n, self.num_warps = cfg[:3]
-        self.warps_sdp, self.warps_dkv, self.warps_dq, self.num_stages = cfg[3:]
+        schedule = schedule or BWD_SCHEDULES[hdim]
+        self.tile_m, self.tile_n, self.num_warps = schedule[:3]
+        self.warps_sdp, self.warps_dkv, self.warps_dq, self.num_stages = schedule[3:]
         self.num_threads = 32 * self.num_warps
         set_kernel_switches(self, variant)
 

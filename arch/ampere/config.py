@@ -4,11 +4,11 @@
 # owning 32 query rows reuses each K/V fragment twice and beats 16 rows per warp; among the
 # 4-warp shapes these are the fastest that keep every variant (causal, local+softcap, varlen)
 # free of spills (128x64 spills at hdim 96 varlen and 128; 128x128 at hdim 64 and 128).
-TILES = {64: (128, 64, 4), 96: (64, 128, 4), 128: (128, 32, 4), 192: (128, 64, 8),
+FWD_SCHEDULES = {64: (128, 64, 4), 96: (64, 128, 4), 128: (128, 32, 4), 192: (128, 64, 8),
          256: (128, 64, 8)}
 
 # (hdim, hdim_v) pairs with a kernel: equal dims, and 192/128 (hdim_v <= hdim, multiple of 32).
-SUPPORTED_HDIMS = frozenset({(d, d) for d in TILES} | {(192, 128)})
+SUPPORTED_HDIMS = frozenset({(d, d) for d in FWD_SCHEDULES} | {(192, 128)})
 
 COMPILE_OPTIONS = "--opt-level 2"
 
@@ -17,7 +17,7 @@ COMPILE_OPTIONS = "--opt-level 2"
 # 128, 64 x 64 beyond, so that dK and dV (in registers for the whole loop) plus S, dP and dQ fit
 # one thread. Two Q/dO stages let tile m+1 load under tile m's GEMMs; at hdim 192/256 a second
 # stage would pass sm80's 164 KiB of shared memory.
-BWD_TILES = {
+BWD_SCHEDULES = {
     64: (64, 128, 8, (2, 4), (4, 2), (4, 2), 2),
     96: (64, 128, 8, (2, 4), (4, 2), (4, 2), 2),
     128: (64, 128, 8, (2, 4), (4, 2), (2, 4), 2),
@@ -39,7 +39,7 @@ def fwd_smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
 
 def bwd_smem_bytes(hdim: int, hdim_v: int) -> int:
     """Backward: staged Q and dO, K, V, and the P and dS tiles."""
-    tile_m, tile_n, *_, stages = BWD_TILES[hdim]
+    tile_m, tile_n, *_, stages = BWD_SCHEDULES[hdim]
     return (_tile_bytes(tile_m * stages, hdim) + _tile_bytes(tile_m * stages, hdim_v)
             + _tile_bytes(tile_n, hdim) + _tile_bytes(tile_n, hdim_v)
             + 2 * _tile_bytes(tile_m, tile_n))

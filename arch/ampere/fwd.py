@@ -22,7 +22,7 @@ from flash_cute.score import Scores, fold_scores
 from flash_cute.softmax import OnlineSoftmax, rescale_o
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 
-from .config import COMPILE_OPTIONS, TILES, fwd_smem_bytes
+from .config import FWD_SCHEDULES, fwd_smem_bytes
 from .mma import tiled_mma
 from .tiles import gmem_tiled_copy, load_rows, smem_layout
 
@@ -47,10 +47,11 @@ class AmpereFwd:
     """
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
-                 variant: Variant = Variant(), tile: Optional[tuple] = None):
+                 variant: Variant = Variant(), schedule: Optional[tuple] = None):
         self.dtype = dtype
-        self.hdim, self.hdim_v = kernel_head_dims("sm80", hdim, hdim_v, TILES, tile)
-        self.tile_m, self.tile_n, self.num_warps = tile or TILES[hdim]
+        self.hdim, self.hdim_v = kernel_head_dims("ampere", hdim, hdim_v, FWD_SCHEDULES,
+                                                  schedule)
+        self.tile_m, self.tile_n, self.num_warps = schedule or FWD_SCHEDULES[hdim]
         self.num_threads = 32 * self.num_warps
         set_kernel_switches(self, variant)
 

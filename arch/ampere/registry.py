@@ -2,7 +2,7 @@
 
 from flash_cute.kernel_config import KernelConfig, config_flags
 
-from .config import BWD_TILES, COMPILE_OPTIONS, TILES
+from .config import BWD_SCHEDULES, COMPILE_OPTIONS, FWD_SCHEDULES
 
 TARGETS = ("sm_80",)
 # Every switch of an ampere config, off unless the entry turns it on.
@@ -20,7 +20,7 @@ def build_fwd(entry):
     from .fwd import AmpereFwd
 
     kernel = AmpereFwd(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
-                       Variant.from_flags(entry.flag_dict), tile=tuple(entry.tile))
+                       Variant.from_flags(entry.flag_dict), schedule=tuple(entry.schedule))
     args = fake_forward_args(DTYPES[entry.dtype], entry.hdim, entry.hdim_v, kernel.varlen,
                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
@@ -54,7 +54,7 @@ def _fwd_configs():
                            ((256, 256), {"causal": True}),
                            ((128, 128), {"causal": True, "varlen": True, "seqused_q": True,
                                          "seqused_k": True})]:
-        out.append(KernelConfig("ampere.fwd", TARGETS, "bf16", d, dv, TILES[d], build_fwd,
+        out.append(KernelConfig("ampere.fwd", TARGETS, "bf16", d, dv, FWD_SCHEDULES[d], build_fwd,
                                 config_flags(**{**_SWITCHES, **flags})))
     return tuple(out)
 
@@ -67,7 +67,7 @@ def _bwd_configs():
                            ((128, 128), {"causal": True, "varlen": True}),
                            ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
                            ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True})]:
-        out.append(KernelConfig("ampere.bwd", TARGETS, "bf16", d, dv, BWD_TILES[d][:3],
+        out.append(KernelConfig("ampere.bwd", TARGETS, "bf16", d, dv, BWD_SCHEDULES[d][:3],
                                 build_bwd, config_flags(**{**_SWITCHES, **flags})))
     return tuple(out)
 

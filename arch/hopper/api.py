@@ -6,9 +6,10 @@ from flash_cute import launch
 from flash_cute.arch.sm90plus.host import tma_ready
 from flash_cute.validation import AttentionProblem
 
-from .config import (BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, PACK_ROWS, SHORT_CAUSAL_BWD_ROWS,
-                     SUPPORTED_HDIMS, TILES, BwdConfig, bwd_compile_options, bwd_smem_plan,
-                     bwd_tile, fwd_tile, short_causal)
+from .config import (BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, FWD_SCHEDULES, PACK_ROWS,
+                     SHORT_CAUSAL_BWD_ROWS, SUPPORTED_HDIMS, BwdSchedule, bwd_compile_options,
+                     bwd_schedule, bwd_smem_plan, fwd_schedule, short_causal)
+
 
 def check_supported(problem: AttentionProblem, device=None, backward: bool = False) -> None:
     """Head dims with a kernel (the tiles are sized for the H100/H200's 227 KiB), and a
@@ -21,57 +22,58 @@ def check_supported(problem: AttentionProblem, device=None, backward: bool = Fal
 
 
 def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, tile=None):
-    """(out, lse) for validated inputs. `tile` overrides the `config.FwdConfig` for ablations;
-    seqused_q/seqused_k: int32 [batch] or None, as `problem` was validated."""
-    from flash_cute.jit import current_arch
+            seqused_q=None, seqused_k=None, schedule=None):
+    """(out, lse) for validated inputs. `schedule` overrides the `config.FwdSchedule` for
+    ablations; seqused_q/seqused_k: int32 [batch] or None, as `problem` was validated."""
+    from flash_cute.jit import current_target
 
     from .fwd import HopperFwd
 
-    arch = current_arch()
-    if arch != "sm_90a":
+    target = current_target()
+    if target != "sm_90a":
         # WGMMA and setmaxnreg exist on sm_90a only; newer GPUs run their own pipeline.
-        raise NotImplementedError(f"the hopper pipeline runs on sm_90a only, not {arch}")
-    pack = launch.packed_heads(problem, PACK_ROWS, TILES[problem.hdim].tile_m)
-    tile = tuple(tile or fwd_tile(problem.hdim, pack, problem.varlen or problem.has_seqused_q,
-                                  short_causal(problem.causal, problem.max_seqlen_q * pack,
-                                               problem.max_seqlen_k)))
+        raise NotImplementedError(f"the hopper pipeline runs on sm_90a only, not {target}")
+    pack = launch.packed_heads(problem, PACK_ROWS, FWD_SCHEDULES[problem.hdim].tile_m)
+    short = short_causal(problem.causal, problem.max_seqlen_q * pack, problem.max_seqlen_k)
+    schedule = tuple(schedule or fwd_schedule(problem.hdim, pack,
+                                              problem.varlen or problem.has_seqused_q, short))
     return launch.forward("hopper.fwd", HopperFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k, tile, COMPILE_OPTIONS, arch, prepare=tma_ready,
-                          pack_gqa=pack)
+                          seqused_q, seqused_k, schedule, COMPILE_OPTIONS, target,
+                          prepare=tma_ready, pack_gqa=pack)
 
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
-             tile=None):
+             schedule=None):
     """(dq, dk, dv) through `HopperBwd` (see `flash_cute.launch.backward`); `deterministic`
-    makes dQ bitwise reproducible. `tile` overrides the `config.BwdConfig` for ablations."""
-    from flash_cute.jit import current_arch
+    makes dQ bitwise reproducible. `schedule` overrides the `config.BwdSchedule` for
+    ablations."""
+    from flash_cute.jit import current_target
 
-    arch = current_arch()
-    if arch != "sm_90a":
-        raise NotImplementedError(f"the hopper backward runs on sm_90a only, not {arch}")
+    target = current_target()
+    if target != "sm_90a":
+        raise NotImplementedError(f"the hopper backward runs on sm_90a only, not {target}")
     launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
     plan = _bwd_plan(problem.hdim, problem.hdim_v, problem.varlen,
                      short_causal(problem.causal, problem.max_seqlen_q, problem.max_seqlen_k,
                                   SHORT_CAUSAL_BWD_ROWS),
-                     None if tile is None else tuple(tile), arch)
+                     None if schedule is None else tuple(schedule), target)
     return launch.backward(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
                            cu_seqlens_k, seqused_q, seqused_k, deterministic)
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, tile, target: str):
-    """The `launch.BackwardPlan` of a backward configuration, worked out once: the tile (`tile`
-    or the head dim's default, `short`: `config.short_causal`), where the dQ tile fits in
-    shared memory the fragment-order dQaccum (`TiledDqAccum`), else one laid out like q, and
-    `config.bwd_compile_options`; LSE₂ and Δ rows 16-byte aligned for their TMA."""
+def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, schedule, target: str):
+    """The `launch.BackwardPlan` of a backward configuration, worked out once: the schedule
+    (`schedule` or the head dim's default, `short`: `config.short_causal`), where the dQ tile
+    fits in shared memory the fragment-order dQaccum (`TiledDqAccum`), else one laid out like
+    q, and `config.bwd_compile_options`; LSE₂ and Δ rows 16-byte aligned for their TMA."""
     from .bwd import HopperBwd
     from .dq_accum import TiledDqAccum
 
-    tile = BwdConfig(*(tile or bwd_tile(hdim, varlen, short)))
-    dq_accum = (TiledDqAccum.of(tile, hdim) if bwd_smem_plan(hdim, hdim_v, tile).dq_tma
-                else launch.RowDqAccum(16))
-    return launch.BackwardPlan("hopper.bwd", HopperBwd, tuple(tile), bwd_compile_options(tile),
-                               target, prepare=tma_ready, dq_accum=dq_accum,
-                               row_stats_align=16)
+    schedule = BwdSchedule(*(schedule or bwd_schedule(hdim, varlen, short)))
+    dq_accum = (TiledDqAccum.of(schedule, hdim)
+                if bwd_smem_plan(hdim, hdim_v, schedule).dq_tma else launch.RowDqAccum(16))
+    return launch.BackwardPlan("hopper.bwd", HopperBwd, tuple(schedule),
+                               bwd_compile_options(schedule), target, prepare=tma_ready,
+                               dq_accum=dq_accum, row_stats_align=16)

@@ -38,8 +38,8 @@ from flash_cute.score import Scores, fold_scores
 from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import (BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS, BWD_NUM_THREADS,
-                     BWD_PRODUCER_REGISTERS, BWD_SUPPORTED_HDIMS, BWD_TILES, SMEM_CAPACITY,
-                     BwdConfig, bwd_compile_options, bwd_mma_splits, bwd_smem_plan, dq_swapped,
+                     BWD_PRODUCER_REGISTERS, BWD_SCHEDULES, BWD_SUPPORTED_HDIMS, SMEM_CAPACITY,
+                     BwdSchedule, bwd_mma_splits, bwd_smem_plan, do_stages, dq_swapped,
                      ds_stored_before_dv, stats_stage_rows)
 from .dq_accum import DQ_THREADS, as_vectors, reduce_add_tile, thread_view
 from .row_copy import row_store, store_tile_rows
@@ -108,7 +108,7 @@ class HopperBwd:
     5. wait for dV and dQ: release dO[m]; while dK runs, dQ goes to the shared dQ tile (wait
        empty, write, fence, arrive full) or to dQaccum by atomics; wait for dK: release Q[m].
 
-    With `swap_sdp` (`config.BwdConfig`; tile_n 128 only, the default at hdim 64, 128) steps 1-4
+    With `swap_sdp` (`config.BwdSchedule`; tile_n 128 only, the default at hdim 64, 128) steps 1-4
     run transposed: each warpgroup computes Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for its own 64 keys,
     so Pᵀ and dSᵀ sit in its registers in the layout of the A operand of dV += Pᵀ dO and
     dK += dSᵀ Q (register-A WGMMAs; no P tile, no P barrier), and only dSᵀ goes to shared
@@ -153,24 +153,24 @@ class HopperBwd:
     """
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
-                 variant: Variant = Variant(), tile: Optional[tuple] = None,
+                 variant: Variant = Variant(), schedule: Optional[tuple] = None,
                  deterministic: bool = False):
         hdim_v = hdim if hdim_v is None else hdim_v
-        if tile is None and (hdim, hdim_v) not in BWD_SUPPORTED_HDIMS:
+        if schedule is None and (hdim, hdim_v) not in BWD_SUPPORTED_HDIMS:
             raise ValueError(f"no sm90 backward for hdim {hdim}/{hdim_v}; "
                              f"have {sorted(BWD_SUPPORTED_HDIMS)}")
         self.dtype = dtype
         self.hdim, self.hdim_v = hdim, hdim_v
-        config = BwdConfig(*(tile or BWD_TILES[hdim]))
-        self.tile_m, self.tile_n, self.q_stages, self.swap_sdp, self.swap_dkv = config[:5]
-        self.do_stages, self.dq_per_wg = config.dout_stages, config.dq_per_wg
-        self.splits = bwd_mma_splits(config, hdim)
-        self.plan = bwd_smem_plan(hdim, hdim_v, config)
+        schedule = BwdSchedule(*(schedule or BWD_SCHEDULES[hdim]))
+        self.tile_m, self.tile_n, self.q_stages, self.swap_sdp, self.swap_dkv = schedule[:5]
+        self.do_stages, self.dq_per_wg = do_stages(schedule), schedule.dq_per_wg
+        self.splits = bwd_mma_splits(schedule, hdim)
+        self.plan = bwd_smem_plan(hdim, hdim_v, schedule)
         self.pds_stages, self.dq_tma = self.plan.pds_stages, self.plan.dq_tma
-        self.dq_swap = dq_swapped(config)
-        self.ds_stored_first = ds_stored_before_dv(config)
+        self.dq_swap = dq_swapped(schedule)
+        self.ds_stored_first = ds_stored_before_dv(schedule)
         if self.dq_per_wg and not self.dq_tma:
-            raise ValueError(f"dq_per_wg needs the shared dQ tile, which {config} leaves no room "
+            raise ValueError(f"dq_per_wg needs the shared dQ tile, which {schedule} leaves no room "
                              f"for at hdim {hdim}")
         if self.dq_swap and (hdim != 2 * 64 or not self.dq_tma):
             raise ValueError(f"dQᵀ ({self.tile_m} query rows) needs hdim 128 (64 per consumer "
@@ -272,16 +272,16 @@ class HopperBwd:
     def _shared_storage(self, layouts):
         """The CTA's shared memory, as `config.bwd_smem_plan` sizes it."""
         sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout = layouts
-        q_stages, do_stages, dtype = self.q_stages, self.do_stages, self.dtype
+        q_stages, do_count, dtype = self.q_stages, self.do_stages, self.dtype
         stats_rows = stats_stage_rows(self.tile_m)
 
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * q_stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * do_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * do_count]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, stats_rows * q_stages], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stats_rows * do_stages], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, stats_rows * do_count], 128]
             sQ: smem_tile(dtype, sQ_layout)
             sdO: smem_tile(dtype, sdO_layout)
             sK: smem_tile(dtype, sK_layout)

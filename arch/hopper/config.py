@@ -16,7 +16,7 @@ ROLE_REGISTERS = {2: (24, 240), 3: (32, 160)}
 BWD_PRODUCER_REGISTERS, BWD_CONSUMER_REGISTERS = ROLE_REGISTERS[BWD_CONSUMER_WARPGROUPS]
 
 
-class FwdConfig(NamedTuple):
+class FwdSchedule(NamedTuple):
     """A forward kernel's compile-time schedule: its tile, K/V ring depth, the two FA3
     overlaps and the persistent tile scheduler (each switchable so that `inspect` and
     `bench/hopper_fwd_ablation.py` compare them; see `HopperFwd`)."""
@@ -29,11 +29,11 @@ class FwdConfig(NamedTuple):
     # keys) puts the persistent grid's makespan (causal tiles folded into heavy/light pairs)
     # within 5 % of the hardware's own one-CTA-per-tile LPT schedule, mostly within 3 %; what
     # it saves per tile (the next tile's loads under the epilogue) is measured in
-    # docs/perf.md. Off by default; `TILES` turns it on where it measured faster.
+    # docs/perf.md. Off by default; `FWD_SCHEDULES` turns it on where it measured faster.
     persistent: bool = False
 
 
-# hdim -> FwdConfig. tile_m is 128 (two consumer warpgroups) or 192 (three); tile_n shrinks as the
+# hdim -> FwdSchedule. tile_m is 128 (two consumer warpgroups) or 192 (three); tile_n shrinks as the
 # head dim grows so that Q + 2 stages of K and V stay inside the H200's 227 KiB of shared memory
 # (hdim 256: 64 + 2 * 40 + 2 * 40 KiB = 224 KiB) and the O accumulator (hdim_v / 2 registers
 # per thread), S (tile_n / 2) and, with the overlap, P (tile_n / 4) fit the 240-register
@@ -49,17 +49,17 @@ class FwdConfig(NamedTuple):
 # +2 to +13 % over 128 rows (docs/perf.md, session 9). Not at hdim 96: its P and O do not fit
 # 160 registers (ptxas spills and serializes the WGMMAs). Without persistence ptxas spills
 # 408 B at 192 rows (118 TFLOP/s), so `HopperFwd` takes 192 rows persistent only.
-TILES = {64: FwdConfig(192, 128, 2, persistent=True), 96: FwdConfig(128, 128, 2),
-         128: FwdConfig(128, 128, 2, persistent=True),
-         192: FwdConfig(128, 96, 2), 256: FwdConfig(128, 80, 2, pingpong=False)}
+FWD_SCHEDULES = {64: FwdSchedule(192, 128, 2, persistent=True), 96: FwdSchedule(128, 128, 2),
+         128: FwdSchedule(128, 128, 2, persistent=True),
+         192: FwdSchedule(128, 96, 2), 256: FwdSchedule(128, 80, 2, pingpong=False)}
 
-def with_switches(tile: FwdConfig, **switches) -> FwdConfig:
-    """`tile` with some `FwdConfig` switches changed (for ablations and tests); a 192-row
+def with_switches(schedule: FwdSchedule, **switches) -> FwdSchedule:
+    """`schedule` with some `FwdSchedule` switches changed (for ablations and tests); a 192-row
     tile without persistence takes 128 rows (`HopperFwd` runs 192 rows persistent only)."""
-    tile = tile._replace(**switches)
-    if not tile.persistent and tile.tile_m > 128:
-        return tile._replace(tile_m=128)
-    return tile
+    schedule = schedule._replace(**switches)
+    if not schedule.persistent and schedule.tile_m > 128:
+        return schedule._replace(tile_m=128)
+    return schedule
 
 
 # Packed GQA packs groups that divide 128 rows (every head dim has a 128-row schedule).
@@ -96,25 +96,26 @@ def short_causal(causal: bool, rows: int, keys: int, limit: int = SHORT_CAUSAL_R
     return causal and 0 < rows <= limit and keys <= limit
 
 
-def fwd_tile(hdim: int, pack: int = 1, rows_past_sequence: bool = False,
-             short: bool = False) -> FwdConfig:
+def fwd_schedule(hdim: int, pack: int = 1, rows_past_sequence: bool = False,
+             short: bool = False) -> FwdSchedule:
     """The forward schedule of a head dim for a packing of `pack` heads per tile. A 192-row
     tile takes 128 rows instead where `pack` does not divide 192, or where packed O leaves by
     row stores (`rows_past_sequence`: varlen or seqused_q, see `o_smem_tile`): at 160
     registers ptxas then hoists the packed rows' addresses out of the main loop and spills
     them (64 to 176 B). `short` (`short_causal`): a 192-row tile takes 128 rows, and hdim
     256 `SHORT_CAUSAL_TILE_N` key columns."""
-    tile = TILES[hdim]
-    if pack > 1 and tile.tile_m > PACK_ROWS and (tile.tile_m % pack or rows_past_sequence):
-        return tile._replace(tile_m=PACK_ROWS)
+    schedule = FWD_SCHEDULES[hdim]
+    if pack > 1 and schedule.tile_m > PACK_ROWS and (schedule.tile_m % pack
+                                                      or rows_past_sequence):
+        return schedule._replace(tile_m=PACK_ROWS)
     if short:
-        return tile._replace(tile_m=min(tile.tile_m, 128),
-                             tile_n=SHORT_CAUSAL_TILE_N.get(hdim, tile.tile_n))
-    return tile
+        return schedule._replace(tile_m=min(schedule.tile_m, 128),
+                                 tile_n=SHORT_CAUSAL_TILE_N.get(hdim, schedule.tile_n))
+    return schedule
 
 
 # (hdim, hdim_v) pairs with a kernel: equal dims, and 192/128 (DeepSeek's shape).
-SUPPORTED_HDIMS = frozenset({(d, d) for d in TILES} | {(192, 128)})
+SUPPORTED_HDIMS = frozenset({(d, d) for d in FWD_SCHEDULES} | {(192, 128)})
 
 SMEM_CAPACITY = 227 * 1024
 
@@ -125,15 +126,15 @@ def _align(b: int) -> int:
     return -(-b // 1024) * 1024
 
 
-def _mainloop_smem_bytes(hdim: int, hdim_v: int, tile: tuple) -> int:
+def _mainloop_smem_bytes(hdim: int, hdim_v: int, schedule: tuple) -> int:
     """The mbarriers (full + empty per stage of Q, K and V) padded to the 1 KiB alignment of
     the swizzled tiles, then Q and the K and V rings."""
-    tile_m, tile_n, stages = tile[:3]
+    tile_m, tile_n, stages = schedule[:3]
     return _align(8 * (2 + 4 * stages)) + _align(tile_m * hdim * 2) \
         + _align(stages * tile_n * hdim * 2) + _align(stages * tile_n * hdim_v * 2)
 
 
-def o_smem_tile(hdim: int, hdim_v: int, tile: tuple, rows_past_sequence: bool) -> str:
+def o_smem_tile(hdim: int, hdim_v: int, schedule: tuple, rows_past_sequence: bool) -> str:
     """Where the forward's epilogue stages O for its TMA store: "own" (a tile of its own),
     "q" (Q's tile, when an own one does not fit: hdim 192 and 256; hdim_v <= hdim, so O fits)
     or "none" (`rows_past_sequence`, varlen or seqused_q: O goes from registers to global
@@ -141,20 +142,21 @@ def o_smem_tile(hdim: int, hdim_v: int, tile: tuple, rows_past_sequence: bool) -
     sequence's or padding that stays 0, which a TMA store would overwrite)."""
     if rows_past_sequence:
         return "none"
-    own = _mainloop_smem_bytes(hdim, hdim_v, tile) + _align(tile[0] * hdim_v * 2)
+    own = _mainloop_smem_bytes(hdim, hdim_v, schedule) + _align(schedule[0] * hdim_v * 2)
     return "own" if own <= SMEM_CAPACITY else "q"
 
 
-def smem_bytes(hdim: int, hdim_v: int, tile: tuple, rows_past_sequence: bool = False) -> int:
+def smem_bytes(hdim: int, hdim_v: int, schedule: tuple, rows_past_sequence: bool = False) -> int:
     """Dynamic shared memory of one forward CTA, laid out as `HopperFwd`'s SharedStorage: the
     main loop's barriers and tiles, then O's tile where it has one of its own."""
-    own_o = o_smem_tile(hdim, hdim_v, tile, rows_past_sequence) == "own"
-    return _mainloop_smem_bytes(hdim, hdim_v, tile) + own_o * _align(tile[0] * hdim_v * 2)
+    own_o = o_smem_tile(hdim, hdim_v, schedule, rows_past_sequence) == "own"
+    return (_mainloop_smem_bytes(hdim, hdim_v, schedule)
+            + own_o * _align(schedule[0] * hdim_v * 2))
 
 
 # ---------------------------------------------------------------- backward
 
-class BwdConfig(NamedTuple):
+class BwdSchedule(NamedTuple):
     """A backward kernel's compile-time schedule: the CTA owns tile_n keys (dK and dV stay in
     the consumers' registers for the whole query loop) and streams tile_m query rows at a time
     through a q_stages ring of Q (with LSE₂) and a do_stages ring of dO (with Δ; None: as
@@ -182,13 +184,9 @@ class BwdConfig(NamedTuple):
     do_stages: Optional[int] = None
     dq_per_wg: bool = False
 
-    @property
-    def dout_stages(self) -> int:
-        """The dO ring's stages (`do_stages`, else Q's)."""
-        return self.q_stages if self.do_stages is None else self.do_stages
 
 
-# hdim -> BwdConfig. FA3's shapes: 64 x 128 up to hdim 128 (dK + dV = hdim/2 + hdim_v/2
+# hdim -> BwdSchedule. FA3's shapes: 64 x 128 up to hdim 128 (dK + dV = hdim/2 + hdim_v/2
 # registers per thread, S and dP 32 each); beyond, fewer keys so that dK/dV still fit and
 # the rings, K, V, P, dS and the 64 KiB dQ tile stay inside 227 KiB (hdim 256 at 48 keys: Q
 # 2 x 32, dO 32, K 24, V 24, P and dS 6 each, dQ 64 KiB; what fits is `bwd_smem_plan`'s).
@@ -206,36 +204,36 @@ class BwdConfig(NamedTuple):
 # 64 x 64 x 2. Two dO stages leave no room for the dQ tile there (dQ falls back to atomics:
 # 0.5x). dq_per_wg at hdim 64 and 128: +1 to +4 % in all 8 cells (2k/8k, causal or not,
 # 5 rounds; docs/perf.md, session 16); unmeasured at the other head dims.
-BWD_TILES = {64: BwdConfig(128, 128, 2, True, dq_per_wg=True), 96: BwdConfig(64, 128, 2),
-             128: BwdConfig(80, 128, 2, True, dq_per_wg=True),
-             192: BwdConfig(64, 96, 2, False, True, 1),
-             256: BwdConfig(64, 48, 2, False, True, 1)}
+BWD_SCHEDULES = {64: BwdSchedule(128, 128, 2, True, dq_per_wg=True), 96: BwdSchedule(64, 128, 2),
+             128: BwdSchedule(80, 128, 2, True, dq_per_wg=True),
+             192: BwdSchedule(64, 96, 2, False, True, 1),
+             256: BwdSchedule(64, 48, 2, False, True, 1)}
 
-def bwd_tile(hdim: int, varlen: bool = False, short: bool = False) -> BwdConfig:
+def bwd_schedule(hdim: int, varlen: bool = False, short: bool = False) -> BwdSchedule:
     """The backward schedule of a head dim. Varlen below 128 query rows takes 64 rows with P in
     shared memory: it reads LSE₂ and Δ from global memory (`HopperBwd.stats_tma`), and with
     swap_sdp a thread's query columns of them (and their addresses) spill; at 128 rows they
     are shared by shuffles (`bwd.ShuffledRows`) and fit. `short` (`short_causal`): 80 rows
     take 64 (dQ then not transposed)."""
-    tile = BWD_TILES[hdim]
-    if varlen and tile.tile_m < 128:
-        return tile._replace(tile_m=64, swap_sdp=False)
-    if short and tile.tile_m == 80:
-        return tile._replace(tile_m=64)
-    return tile
+    schedule = BWD_SCHEDULES[hdim]
+    if varlen and schedule.tile_m < 128:
+        return schedule._replace(tile_m=64, swap_sdp=False)
+    if short and schedule.tile_m == 80:
+        return schedule._replace(tile_m=64)
+    return schedule
 
 
-BWD_SUPPORTED_HDIMS = frozenset({(d, d) for d in BWD_TILES} | {(192, 128)})
+BWD_SUPPORTED_HDIMS = frozenset({(d, d) for d in BWD_SCHEDULES} | {(192, 128)})
 
 
-def dq_swapped(tile: tuple) -> bool:
+def dq_swapped(schedule: tuple) -> bool:
     """Whether dQ is computed transposed, dQᵀ = Kᵀ dSᵀ (FA3/FA4's dQ_swapAB): where tile_m is
     no multiple of WGMMA's 64-row M (80 query rows), so hdim takes M (64 per warpgroup; hdim
     128 only) and the queries N."""
-    return BwdConfig(*tile).tile_m % 64 != 0
+    return BwdSchedule(*schedule).tile_m % 64 != 0
 
 
-def bwd_mma_splits(tile: tuple, hdim: int) -> dict:
+def bwd_mma_splits(schedule: tuple, hdim: int) -> dict:
     """How the two consumer warpgroups split each GEMM's (M, N) (WGMMA's M is 64 per
     warpgroup): S/dP (tile_m x tile_n) split N, as tile_m is then 64; dQ (tile_m x hdim) N
     at 64 query rows, M at 128; dK/dV (tile_n x hdim) split M when tile_n is 128, else N.
@@ -243,30 +241,36 @@ def bwd_mma_splits(tile: tuple, hdim: int) -> dict:
     rows. At 80 query rows (FA4's hdim-128 tile) dQᵀ (hdim x tile_m) splits M, its head dim.
     With swap_dkv, dKᵀ/dVᵀ (hdim x tile_n) split M where the head dim is a multiple of 128
     (`hdim`), else N (the keys)."""
-    cfg = BwdConfig(*tile)
-    if cfg.swap_dkv:
-        if cfg.tile_m != 64 or cfg.tile_n % 16 or cfg.swap_sdp:
+    s = BwdSchedule(*schedule)
+    if s.swap_dkv:
+        if s.tile_m != 64 or s.tile_n % 16 or s.swap_sdp:
             raise ValueError(f"swap_dkv needs 64 query rows, tile_n a multiple of 16 and no "
-                             f"swap_sdp, got {cfg}")
+                             f"swap_sdp, got {s}")
         dkv = (2, 1) if hdim % 128 == 0 else (1, 2)
-        if dkv == (1, 2) and cfg.tile_n % 32:
-            raise ValueError(f"swap_dkv split over the keys needs tile_n % 32 == 0, got {cfg}")
+        if dkv == (1, 2) and s.tile_n % 32:
+            raise ValueError(f"swap_dkv split over the keys needs tile_n % 32 == 0, got {s}")
         return {"sdp": (1, 2), "dq": (1, 2), "dkv": dkv}
-    if (cfg.tile_m, cfg.tile_n) not in ((64, 64), (64, 128), (80, 128), (128, 128)):
+    if (s.tile_m, s.tile_n) not in ((64, 64), (64, 128), (80, 128), (128, 128)):
         raise ValueError(f"backward tile must be 64 x (64 | 128), 80 x 128 or 128 x 128, got "
-                         f"{cfg.tile_m} x {cfg.tile_n}")
-    if cfg.swap_sdp and cfg.tile_n != 128:
+                         f"{s.tile_m} x {s.tile_n}")
+    if s.swap_sdp and s.tile_n != 128:
         raise ValueError("swap_sdp needs tile_n = 128 (64 keys per consumer warpgroup)")
-    if cfg.tile_m in (80, 128) and not cfg.swap_sdp:
-        raise ValueError(f"a {cfg.tile_m}-row query tile needs swap_sdp (S and P would not fit "
+    if s.tile_m in (80, 128) and not s.swap_sdp:
+        raise ValueError(f"a {s.tile_m}-row query tile needs swap_sdp (S and P would not fit "
                          "240 registers beside dK and dV, or WGMMA's M)")
-    if cfg.dout_stages != cfg.q_stages:
-        raise ValueError(f"separate Q and dO stage counts need swap_dkv, got {cfg}")
-    dkv = (2, 1) if cfg.tile_n == 128 else (1, 2)
+    if do_stages(s) != s.q_stages:
+        raise ValueError(f"separate Q and dO stage counts need swap_dkv, got {s}")
+    dkv = (2, 1) if s.tile_n == 128 else (1, 2)
     # 128 query rows: dQ splits its rows, 64 per warpgroup, like the forward's O; dQᵀ its
     # head dim.
-    dq = (2, 1) if cfg.tile_m == 128 or dq_swapped(cfg) else (1, 2)
-    return {"sdp": (2, 1) if cfg.swap_sdp else (1, 2), "dq": dq, "dkv": dkv}
+    dq = (2, 1) if s.tile_m == 128 or dq_swapped(s) else (1, 2)
+    return {"sdp": (2, 1) if s.swap_sdp else (1, 2), "dq": dq, "dkv": dkv}
+
+
+def do_stages(schedule: tuple) -> int:
+    """The dO ring's stages: the schedule's `do_stages`, or Q's where that is None."""
+    s = BwdSchedule(*schedule)
+    return s.q_stages if s.do_stages is None else s.do_stages
 
 
 def stats_stage_rows(tile_m: int) -> int:
@@ -289,44 +293,44 @@ class BwdSmemPlan(NamedTuple):
     smem_bytes: int
 
 
-def bwd_smem_plan(hdim: int, hdim_v: int, tile: tuple) -> BwdSmemPlan:
+def bwd_smem_plan(hdim: int, hdim_v: int, schedule: tuple) -> BwdSmemPlan:
     """The largest layout that fits SMEM_CAPACITY: the dQ tile first (it replaces hdim / 4
     fp32 atomics per consumer thread and query tile by one TMA), then double-buffered P and dS
     (one barrier less per query tile; only where Q and dO have as many stages). Sizes follow
     `HopperBwd`'s SharedStorage: mbarriers (K/V once, full + empty per stage of Q and dO)
     with the LSE₂ and Δ rings, then the Q and dO rings, K, V, P and dS, the dQ tile, each
     1 KiB aligned."""
-    cfg = BwdConfig(*tile)
-    tile_m, tile_n, q_stages, do_stages = cfg.tile_m, cfg.tile_n, cfg.q_stages, cfg.dout_stages
+    s = BwdSchedule(*schedule)
+    tile_m, tile_n, q_stages, do_count = s.tile_m, s.tile_n, s.q_stages, do_stages(s)
     align = lambda b, to=1024: -(-b // to) * to  # noqa: E731
     # The barriers, then the LSE₂ and Δ rings (fp32, 128-byte aligned for their TMA).
     rows = stats_stage_rows(tile_m) * 4
-    head = align(align(8 * (2 + 2 * q_stages + 2 * do_stages), 128)
-                 + align(q_stages * rows, 128) + align(do_stages * rows, 128))
+    head = align(align(8 * (2 + 2 * q_stages + 2 * do_count), 128)
+                 + align(q_stages * rows, 128) + align(do_count * rows, 128))
     base = (head + align(q_stages * tile_m * hdim * 2)
-            + align(do_stages * tile_m * hdim_v * 2) + align(tile_n * hdim * 2)
+            + align(do_count * tile_m * hdim_v * 2) + align(tile_n * hdim * 2)
             + align(tile_n * hdim_v * 2))
     pds, dq = align(tile_m * tile_n * 2), align(tile_m * hdim * 4)
-    tiles = 1 if cfg.swap_sdp else 2
-    pds_stages = (q_stages, 1) if q_stages == do_stages else (1,)
+    tiles = 1 if s.swap_sdp else 2
+    pds_stages = (q_stages, 1) if q_stages == do_count else (1,)
     plans = [BwdSmemPlan(p, d, base + tiles * p * pds + d * dq)
              for d in (True, False) for p in pds_stages]
     return next(p for p in plans if p.smem_bytes <= SMEM_CAPACITY)
 
 
-def ds_stored_before_dv(tile: tuple) -> bool:
+def ds_stored_before_dv(schedule: tuple) -> bool:
     """Whether a consumer converts dS and stores it to shared memory before it issues dV
     (FA4's order) rather than while dV runs. At 128 query rows (hdim 64) it must for -O3:
     with the fp32 dP still to convert while dV reads the 16-bit P from registers, ptxas
     -O2/-O3 serializes the WGMMAs (C7512). At 80 rows (hdim 128) this order measured 5 %
     slower causal (docs/perf.md, session 15), so there dS is stored while dV runs."""
-    return BwdConfig(*tile).tile_m >= 128
+    return BwdSchedule(*schedule).tile_m >= 128
 
 
-def bwd_compile_options(tile: tuple) -> str:
+def bwd_compile_options(schedule: tuple) -> str:
     """ptxas's level for a backward schedule: -O3 (FA4's) where dS is stored before dV; with
     that order it measured 4-7 % faster than the other order at -O1 at hdim 64 (session 15).
     Elsewhere -O1: at 80 rows (hdim 128) the other order spills 40 B at -O3 and FA4's order
     at -O3 ran 2-3 % slower causal (session 15; 0.97-1.00x of -O1 on top of the stage-first
     descriptors, session 17); at 64 rows (hdim 256) -O3 measured even."""
-    return "--opt-level 3" if ds_stored_before_dv(tile) else "--opt-level 1"
+    return "--opt-level 3" if ds_stored_before_dv(schedule) else "--opt-level 1"

@@ -11,7 +11,7 @@ elements per thread) sits at
 
 of its tile's tile_m * hdim floats, so each thread's four consecutive values are one 128-bit
 store, a warp's store covers 512 contiguous bytes (no bank conflicts) and each warpgroup's
-half is contiguous (a bulk add of its own, `BwdConfig.dq_per_wg`). The layout it
+half is contiguous (a bulk add of its own, `BwdSchedule.dq_per_wg`). The layout it
 replaced (rows like Q, a 128-byte swizzled tile for a TMA tensor reduce) took 16 64-bit stores
 per thread at twice the ideal wavefronts; this one is 1-2 % faster at hdim 128, although
 dropping the stores altogether gains 17 % (docs/perf.md, session 11).
@@ -197,9 +197,9 @@ class TiledDqAccum:
     def of(cls, tile: tuple, hdim: int) -> "TiledDqAccum":
         """The dQaccum of backward schedule `tile`: its query rows, the dQ WGMMA's split over
         the consumer warpgroups and whether dQ is computed transposed."""
-        from .config import BwdConfig, bwd_mma_splits, dq_swapped
+        from .config import BwdSchedule, bwd_mma_splits, dq_swapped
 
-        tile = BwdConfig(*tile)
+        tile = BwdSchedule(*tile)
         return cls(tile.tile_m, bwd_mma_splits(tile, hdim)["dq"], dq_swapped(tile))
 
     def alloc(self, q, problem):
@@ -218,13 +218,13 @@ class TiledDqAccum:
         """dQ shaped like q (varlen rows outside every sequence: 0)."""
         import torch
 
-        from flash_cute.jit import TensorArg, current_arch, launch_kernel, tensor_arg
+        from flash_cute.jit import TensorArg, current_target, launch_kernel, tensor_arg
 
         dq = (torch.zeros_like if problem.varlen else torch.empty_like)(q)
         if dq.numel() == 0:
             return dq
         key, make_kernel = self._postprocess(q.dtype, problem.hdim, problem.varlen,
-                                             current_arch())
+                                             current_target())
         args = (TensorArg(dq_accum), TensorArg(dq), float(problem.softmax_scale),
                 tensor_arg(cu_seqlens_q, 4), int(problem.max_seqlen_q))
         launch_kernel(key, make_kernel, args)

@@ -40,8 +40,8 @@ from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 from flash_cute.work_loop import for_each_tile
 
-from .config import (COMPILE_OPTIONS, ROLE_REGISTERS, SMEM_CAPACITY, TILES, FwdConfig,
-                     o_smem_tile, smem_bytes)
+from .config import (FWD_SCHEDULES, ROLE_REGISTERS, SMEM_CAPACITY, FwdSchedule, o_smem_tile,
+                     smem_bytes)
 from .wgmma import WARPGROUP_THREADS, wgmma_slice
 
 
@@ -98,7 +98,7 @@ class HopperFwd:
 
     K/V blocks are visited right to left over `block_range` (masked blocks first). S = Q K[n]ᵀ
     runs with both operands in shared memory, O += P V[n] with P (16-bit) as the register A
-    operand; softcap, mask and the online softmax run in registers. The schedule (`FwdConfig`):
+    operand; softcap, mask and the online softmax run in registers. The schedule (`FwdSchedule`):
 
     * ``intra_wg_overlap``: S[n-1] and P[n] V[n] are issued together; the softmax of S[n-1]
       runs while that PV is in flight, O is rescaled after it lands, or without ping-pong
@@ -126,14 +126,15 @@ class HopperFwd:
     """
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
-                 variant: Variant = Variant(), tile: Optional[tuple] = None):
+                 variant: Variant = Variant(), schedule: Optional[tuple] = None):
         self.dtype = dtype
-        self.hdim, self.hdim_v = kernel_head_dims("sm90", hdim, hdim_v, TILES, tile)
+        self.hdim, self.hdim_v = kernel_head_dims("hopper", hdim, hdim_v, FWD_SCHEDULES,
+                                                  schedule)
         set_kernel_switches(self, variant)
-        config = FwdConfig(*(tile or TILES[hdim]))
-        self.tile_m, self.tile_n, self.kv_stages = config[:3]
-        self.intra_wg_overlap, self.pingpong = config.intra_wg_overlap, config.pingpong
-        self.persistent = config.persistent
+        schedule = FwdSchedule(*(schedule or FWD_SCHEDULES[hdim]))
+        self.tile_m, self.tile_n, self.kv_stages = schedule[:3]
+        self.intra_wg_overlap, self.pingpong = schedule.intra_wg_overlap, schedule.pingpong
+        self.persistent = schedule.persistent
         self.num_wg = self.tile_m // 64
         if self.tile_m % 64 or self.num_wg not in ROLE_REGISTERS:
             raise ValueError(f"tile_m must be 64 x {sorted(ROLE_REGISTERS)} (64 rows per "
@@ -149,7 +150,8 @@ class HopperFwd:
         self.num_threads = 128 * (1 + self.num_wg)
         # Longest-processing-time-first where a query tile's work grows with m_block.
         self.lpt = self.causal or self.has_window_right
-        self.o_tile = o_smem_tile(self.hdim, self.hdim_v, self._tile, self._rows_past_sequence)
+        self.o_tile = o_smem_tile(self.hdim, self.hdim_v, self._smem_schedule,
+                                  self._rows_past_sequence)
 
     @property
     def _rows_past_sequence(self) -> bool:
@@ -159,13 +161,13 @@ class HopperFwd:
         return self.varlen or self.has_seqused_q
 
     @property
-    def _tile(self) -> tuple:
+    def _smem_schedule(self) -> tuple:
         return (self.tile_m, self.tile_n, self.kv_stages)
 
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory (the kernel's SharedStorage; checked against it at compile)."""
-        return smem_bytes(self.hdim, self.hdim_v, self._tile, self._rows_past_sequence)
+        return smem_bytes(self.hdim, self.hdim_v, self._smem_schedule, self._rows_past_sequence)
 
     # ---------------------------------------------------------------- host side
 
@@ -201,7 +203,8 @@ class HopperFwd:
         self.kernel(
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, mO, mLSE, scale_log2, mod_scale,
             args.window_left, args.window_right, mCuSeqlensQ, args.cu_seqlens_k, args.seqused_q,
-            args.seqused_k, order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout, sO_layout,
+            args.seqused_k, order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout,
+            sO_layout,
             mma_qk, mma_pv, SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)

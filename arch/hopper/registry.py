@@ -2,8 +2,8 @@
 
 from flash_cute.kernel_config import KernelConfig, config_flags
 
-from .config import (BWD_TILES, COMPILE_OPTIONS, TILES, BwdConfig, bwd_compile_options, bwd_tile,
-                     fwd_tile)
+from .config import (BWD_SCHEDULES, COMPILE_OPTIONS, FWD_SCHEDULES, BwdSchedule,
+                     bwd_compile_options, bwd_schedule, fwd_schedule)
 
 TARGETS = ("sm_90a",)
 
@@ -18,7 +18,7 @@ def build_fwd(entry):
     from .fwd import HopperFwd, registers_per_role
 
     kernel = HopperFwd(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
-                       Variant.from_flags(entry.flag_dict), tile=tuple(entry.tile))
+                       Variant.from_flags(entry.flag_dict), schedule=tuple(entry.schedule))
     args = fake_forward_args(DTYPES[entry.dtype], entry.hdim, entry.hdim_v, kernel.varlen,
                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
@@ -39,14 +39,16 @@ def build_bwd(entry):
     dtype = DTYPES[entry.dtype]
     flags = entry.flag_dict
     kernel = HopperBwd(dtype, entry.hdim, entry.hdim_v, Variant.from_flags(flags),
-                       tile=tuple(entry.tile), deterministic=flags.get("deterministic", False))
+                       schedule=tuple(entry.schedule),
+                       deterministic=flags.get("deterministic", False))
     args = fake_backward_args(dtype, entry.hdim, entry.hdim_v, kernel.varlen,
                               dkv_fp32=flags.get("dkv_fp32", False), stats_align=16,
                               dq_align=16, semaphores=kernel.deterministic,
                               seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
-                              dq_accum_cols=entry.tile[0] * entry.hdim if kernel.dq_tma else None)
+                              dq_accum_cols=(entry.schedule[0] * entry.hdim if kernel.dq_tma
+                                             else None))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
-                       options=bwd_compile_options(entry.tile),
+                       options=bwd_compile_options(entry.schedule),
                        extra={"registers_per_role": registers_per_role()})
 
 
@@ -61,8 +63,8 @@ def build_dq_postprocess(entry):
 
     dtype = DTYPES[entry.dtype]
     varlen = entry.flag_dict["varlen"]
-    # The registered tile is the backward schedule whose dQaccum this kernel reads.
-    layout = TiledDqAccum.of(entry.tile, entry.hdim)
+    # The registered schedule is the backward's whose dQaccum this kernel reads.
+    layout = TiledDqAccum.of(entry.schedule, entry.hdim)
     tile_m = layout.tile_m
     kernel = HopperDqPostprocess(dtype, entry.hdim, tile_m, layout.split, varlen, layout.swapped)
     heads = dynamic_dim()
@@ -92,24 +94,25 @@ def _fwd_configs():
                            ((64, 64), {"varlen": True, "seqused_q": True, "seqused_k": True})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
-        out.append(KernelConfig("hopper.fwd", TARGETS, dtype, d, dv, TILES[d],
+        out.append(KernelConfig("hopper.fwd", TARGETS, dtype, d, dv, FWD_SCHEDULES[d],
                                 build_fwd, config_flags(**full)))
     # The overlap ablation: each FA3 overlap on its own, and neither.
     plain = {"causal": False, "local": False, "softcap": False, "varlen": False}
     for overlap, pingpong in [(False, False), (True, False), (False, True)]:
-        tile = TILES[128]._replace(intra_wg_overlap=overlap, pingpong=pingpong)
-        out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", 128, 128, tile, build_fwd,
+        schedule = FWD_SCHEDULES[128]._replace(intra_wg_overlap=overlap, pingpong=pingpong)
+        out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", 128, 128, schedule, build_fwd,
                                 config_flags(**plain)))
     # hdim 64's 192-row tile (three consumer warpgroups) against two warpgroups' 128 rows
     # (also the default for causal problems up to `SHORT_CAUSAL_ROWS` query rows), and with
     # the ring of turns off, then the serial main loop (two turns per block).
-    for tile in (TILES[64]._replace(tile_m=128), TILES[64]._replace(pingpong=False),
-                 TILES[64]._replace(intra_wg_overlap=False)):
-        out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", 64, 64, tile, build_fwd,
+    hdim64 = FWD_SCHEDULES[64]
+    for schedule in (hdim64._replace(tile_m=128), hdim64._replace(pingpong=False),
+                     hdim64._replace(intra_wg_overlap=False)):
+        out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", 64, 64, schedule, build_fwd,
                                 config_flags(**{**plain, "causal": True})))
     # hdim 256's short causal tile (64 key columns, `SHORT_CAUSAL_TILE_N`).
     out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", 256, 256,
-                            fwd_tile(256, short=True), build_fwd,
+                            fwd_schedule(256, short=True), build_fwd,
                             config_flags(**{**plain, "causal": True})))
     # The persistent scheduler flipped from the table's choice (on at hdim 128; hdim 64's
     # 192-row tile runs persistent only, and its 128-row one is persistent above): plain
@@ -118,8 +121,8 @@ def _fwd_configs():
     for (d, dv), flags in [((128, 128), {}), ((128, 128), {"causal": True}),
                            ((128, 128), {"causal": True, "varlen": True}),
                            ((192, 192), {}), ((256, 256), {"causal": True})]:
-        tile = TILES[d]._replace(persistent=not TILES[d].persistent)
-        out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", d, dv, tile, build_fwd,
+        schedule = FWD_SCHEDULES[d]._replace(persistent=not FWD_SCHEDULES[d].persistent)
+        out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", d, dv, schedule, build_fwd,
                                 config_flags(**{**plain, **flags})))
     # Packed GQA (query heads of a K/V head in one tile): O by TMA store from its own tile or
     # Q's, and by row stores (varlen, seqused_q).
@@ -130,7 +133,7 @@ def _fwd_configs():
                            ((128, 128), {"seqused_q": True, "seqused_k": True, "pack_gqa": 16})]:
         rows_past_sequence = flags.get("varlen", False) or flags.get("seqused_q", False)
         out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", d, dv,
-                                fwd_tile(d, flags["pack_gqa"], rows_past_sequence),
+                                fwd_schedule(d, flags["pack_gqa"], rows_past_sequence),
                                 build_fwd,
                                 config_flags(**{**plain, **flags})))
     return tuple(out)
@@ -153,7 +156,7 @@ def _bwd_configs():
         full = {"causal": False, "local": False, "softcap": False, "varlen": False,
                 "dkv_fp32": False, "deterministic": False, **flags}
         out.append(KernelConfig("hopper.bwd", TARGETS, dtype, d, dv,
-                                bwd_tile(d, full["varlen"]), build_bwd,
+                                bwd_schedule(d, full["varlen"]), build_bwd,
                                 config_flags(**full)))
     plain = {"causal": False, "local": False, "softcap": False, "varlen": False,
              "dkv_fp32": False, "deterministic": False}
@@ -162,36 +165,37 @@ def _bwd_configs():
     # the default for causal problems up to `SHORT_CAUSAL_BWD_ROWS`).
     for swap in (False, True):
         out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 128, 128,
-                                BWD_TILES[128]._replace(tile_m=64, swap_sdp=swap),
+                                BWD_SCHEDULES[128]._replace(tile_m=64, swap_sdp=swap),
                                 build_bwd, config_flags(**{**plain, "causal": swap})))
     # The default hdim-128 tile with the whole dQ tile handed over at once (no dq_per_wg).
     out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 128, 128,
-                            BWD_TILES[128]._replace(dq_per_wg=False), build_bwd,
+                            BWD_SCHEDULES[128]._replace(dq_per_wg=False), build_bwd,
                             config_flags(**{**plain, "causal": True})))
     # 64 query rows at hdim 64 against the default 128 (shuffled LSE₂/Δ).
     out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 64, 64,
-                            BWD_TILES[64]._replace(tile_m=64), build_bwd,
+                            BWD_SCHEDULES[64]._replace(tile_m=64), build_bwd,
                             config_flags(**{**plain, "causal": True})))
     # hdim 256 at 64 keys against the default 48 with dK/dV transposed: dQ by fp32 atomics
     # (two Q/dO stages leave no room for the dQ tile), plain and deterministic, and one
     # Q/dO stage with the bulk reduce-add (the default before swap_dkv).
     for det in (False, True):
         out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 256, 256,
-                                BwdConfig(64, 64, 2), build_bwd,
+                                BwdSchedule(64, 64, 2), build_bwd,
                                 config_flags(**{**plain, "causal": det, "deterministic": det})))
     out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 256, 256,
-                            BwdConfig(64, 64, 1), build_bwd, config_flags(**plain)))
+                            BwdSchedule(64, 64, 1), build_bwd, config_flags(**plain)))
     # hdim 192 at 64 keys, two Q/dO stages (the default before swap_dkv).
     out.append(KernelConfig("hopper.bwd", TARGETS, "bf16", 192, 192,
-                            BwdConfig(64, 64, 2), build_bwd, config_flags(**plain)))
+                            BwdSchedule(64, 64, 2), build_bwd, config_flags(**plain)))
     return tuple(out)
 
 
 def _dq_postprocess_configs():
-    """The postprocess of the Hopper backward's fragment-order dQaccum, per default tile (its
-    config's tile is the backward schedule it belongs to; `short`: `config.short_causal`)."""
+    """The postprocess of the Hopper backward's fragment-order dQaccum, per default schedule
+    (its entry's schedule is the backward schedule it belongs to; `short`:
+    `config.short_causal`)."""
     return tuple(KernelConfig("hopper.bwd.dq_postprocess", TARGETS, dtype, d, None,
-                              bwd_tile(d, varlen, short), build_dq_postprocess,
+                              bwd_schedule(d, varlen, short), build_dq_postprocess,
                               config_flags(varlen=varlen))
                  for d, dtype, varlen, short in [(64, "bf16", False, False),
                                                  (96, "bf16", False, False),
