@@ -25,7 +25,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--hdim", default="64,128")
     p.add_argument("--seqlen", default="2048,8192")
-    p.add_argument("--tiles", default=None, help="e.g. 128x32x4,64x128x4 (default: all candidates)")
+    p.add_argument("--schedules", "--tiles", dest="schedules", default=None,
+                   help="e.g. 128x32x4,64x128x4 (default: all candidates)")
     args = p.parse_args()
     rows = []
     for hdim in map(int, args.hdim.split(",")):
@@ -42,8 +43,8 @@ def main():
                     ms = triton.testing.do_bench(ref_fn, return_mode="median")
                 rows.append((hdim, seqlen, causal, "sdpa_flash", flops / ms / 1e9, 0.0))
                 problem = validate_attention_inputs(q, k, v, causal=causal)
-                tiles = CANDIDATES[hdim] if not args.tiles else [
-                    tuple(map(int, t.split("x"))) for t in args.tiles.split(",")]
+                tiles = CANDIDATES[hdim] if not args.schedules else [
+                    tuple(map(int, t.split("x"))) for t in args.schedules.split(",")]
                 for tile in tiles:
                     fn = lambda: api.forward(q, k, v, problem, schedule=tile)  # noqa: E731
                     err = (fn()[0].float() - ref.float()).abs().max().item()

@@ -1,7 +1,7 @@
 """Backward of one pipeline, called directly (no dispatcher), next to FA4 and SDPA in one run.
 
     python bench/pipeline_bwd.py [--pipeline hopper] [--hdim 64,128] [--seqlen 2048,8192]
-                                 [--tiles 64x128x2,64x128x2+swap_sdp,...] [--rounds 3]
+                                 [--schedules 64x128x2,64x128x2+swap_sdp,...] [--rounds 3]
 
 Prints TFLOP/s (2.5 x 4·b·h·s²·d, ÷2 causal), the median of `--rounds` rounds that time every
 provider and tile in turn, with the rounds' spread, and the largest |dq|, |dk|, |dv|
@@ -71,8 +71,8 @@ def main():
     p.add_argument("--hdim", default="64,128")
     p.add_argument("--seqlen", default="2048,8192")
     p.add_argument("--causal", default="0,1")
-    p.add_argument("--tiles", default=None, help="e.g. 64x128x2,64x128x2+swap_sdp (default: the "
-                   "pipeline's table)")
+    p.add_argument("--schedules", "--tiles", dest="schedules", default=None,
+                   help="e.g. 64x128x2,64x128x2+swap_sdp (default: the pipeline's table)")
     p.add_argument("--rounds", type=int, default=3, help="round-robin rounds per cell (median)")
     args = p.parse_args()
     timer = make_timer(25, 100)
@@ -94,8 +94,8 @@ def main():
                 errs = {}
                 problem = validate_attention_inputs(q, k, v, causal=causal)
                 out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
-                tiles = [None] if not args.tiles else [
-                    _parse_tile(args.pipeline, t) for t in args.tiles.split(",")]
+                tiles = [None] if not args.schedules else [
+                    _parse_tile(args.pipeline, t) for t in args.schedules.split(",")]
                 for tile in tiles:
                     kw = {} if tile is None else {"schedule": tile}
                     fn = functools.partial(mod.backward, do, None, q, k, v, out, lse, problem,

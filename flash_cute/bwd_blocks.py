@@ -1,4 +1,4 @@
-"""Backward blocks shared by every arch (seed 10.3.2, recompute from LSE).
+"""Backward blocks shared by every arch (recompute from LSE).
 
 Like the forward blocks they see only (rows, cols) views of a thread's fragments (`acc_to_mn`)
 and the matching coordinate views, never an MMA layout.

@@ -1,7 +1,7 @@
 """The backward pass's two arch-neutral helper kernels, run around every arch's main bwd kernel.
 
 * Preprocess (before): ``Delta = rowsum(dO ∘ O) − dLSE`` enters ``dS = P ∘ (dP − Delta)``
-  (seed 10.3.2; the dLSE term is the gradient through a returned LSE), and
+  (the dLSE term is the gradient through a returned LSE), and
   ``LSElog2 = LSE · log2 e`` lets the main kernel recompute
   ``P = exp2(S · scale_log2 − LSElog2)`` with one FFMA per element. A row that saw no key
   (LSE = −inf) gets LSElog2 = +inf, so its P is exactly 0 rather than inf or NaN.
@@ -90,7 +90,7 @@ class BwdPreprocessKernel:
     O, dO: padded [b, sq, h, dv] or varlen [total_q, h, dv]; LSE, dLSE, Delta, LSElog2: fp32
     padded [b, h, sq] or varlen [h, total_q]. Rows past a sequence's length (seqused_q[b] when
     given) are neither read nor written: the main kernels never read their Delta or LSElog2
-    (`bwd_blocks.row_stats` and `tile_row_stats` stand in P = 0 for them).
+    (`bwd_blocks.row_stats` and `bwd_blocks.tile_row_values` stand in P = 0 for them).
     """
 
     num_threads = 128

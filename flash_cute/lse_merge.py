@@ -1,8 +1,8 @@
 """LSE merge: combine attention results computed over disjoint key ranges.
 
-For parts k with outputs O_k and log-sum-exps LSE_k over disjoint key sets (seed 10.3.2):
-``LSE = ln(sum_k exp(LSE_k))`` and ``O = sum_k exp(LSE_k - LSE) O_k``. Split-KV decode (10.3.7)
-and ring attention (10.3.5) both rest on it. `merge_lse_row` is the per-row block; the kernel
+For parts k with outputs O_k and log-sum-exps LSE_k over disjoint key sets:
+``LSE = ln(sum_k exp(LSE_k))`` and ``O = sum_k exp(LSE_k - LSE) O_k``. Split-KV decode
+and ring attention both rest on it. `merge_lse_row` is the per-row block; the kernel
 merges a [splits, rows, d] stack. Model: `flash_cute.models.lse_merge`.
 """
 

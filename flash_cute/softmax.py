@@ -1,6 +1,6 @@
 """Online softmax: the running row max m, row sum l and the rescale of the output accumulator.
 
-Seed 10.3.2. Every arch keeps a thread's share of an S tile in registers, viewed as (rows, cols)
+Every arch keeps a thread's share of an S tile in registers, viewed as (rows, cols)
 (`acc_mn`), with `threads_per_row` threads holding the columns of each row between them (4 for
 the mma.sync and WGMMA accumulators, 1 for tcgen05 where a thread owns a row). The block never
 sees an arch's MMA layout: `layouts.acc_to_mn` makes that view first.

@@ -261,7 +261,7 @@ def test_hopper_bwd_waits_for_each_gemm_only_where_it_is_needed(tile, waits):
     waited for (P's exp2 overlaps dP), dV under dS, dK under dQ's way out: `wgmma.wait_group 1`
     three times per query tile. 80 rows (transposed scores, dS before dV is issued, so the
     fp32 P, dP and 16-bit P are never all live): S and dP are waited for before P's exp2 (at
-    80 and 128 rows the other warpgroup's GEMMs fill that wait; docs/perf.md, session 14),
+    80 and 128 rows the other warpgroup's GEMMs fill that wait; session 14 in the archived log),
     and dK runs under dQ's way out."""
     from flash_cute.xcompile import compile_for_target
 
@@ -304,13 +304,13 @@ def _hopper_config(kernel: str, hdim: int, **flags):
 def test_hopper_fwd_softmax_runs_under_the_pv_wgmma(causal):
     """The loop over blocks that need no mask waits for the PV WGMMA inside the softmax (after
     some of its exp2s), not before it, and builds no WGMMA descriptor in vector registers
-    (R2UR): docs/perf.md, session 10. Causal also has a loop for its masked blocks, which
-    waits for both WGMMAs before masking (`drain`)."""
+    (R2UR; docs/decisions.md, D-HF-SPLIT and D-WGMMA-SLICE). Causal also has a loop for its
+    masked blocks, which waits for both WGMMAs before masking (`drain`)."""
     from flash_cute.xcompile import compile_for_target
 
-    cfg = _hopper_config("hopper.fwd", 128, **({"causal": True} if causal else {}))
+    entry = _hopper_config("hopper.fwd", 128, **({"causal": True} if causal else {}))
     masking = re.compile(r"FSEL R\d+, R\d+, -INF")
-    inner = _inner_loops(compile_for_target(cfg, "sm_90a").sass, _PV_WGMMA.pattern)
+    inner = _inner_loops(compile_for_target(entry, "sm_90a").sass, _PV_WGMMA.pattern)
     loops = [b for b in inner if not any(masking.search(x) for x in b)]
     masked = [b for b in inner if any(masking.search(x) for x in b)]
     assert len(loops) == 1 and len(masked) == int(causal), ([len(b) for b in loops],
@@ -327,7 +327,7 @@ def test_hopper_fwd_softmax_runs_under_the_pv_wgmma(causal):
 
 def test_hopper_bwd_builds_wgmma_descriptors_in_uniform_registers():
     """Shared-memory operands partitioned per warpgroup (`wgmma.wgmma_slice`): no R2UR in the
-    query-tile loop (there were 64 per iteration at hdim 128, docs/perf.md session 10)."""
+    query-tile loop (there were 64 per iteration at hdim 128; D-WGMMA-SLICE)."""
     from flash_cute.xcompile import compile_for_target
 
     sass = compile_for_target(_hopper_config("hopper.bwd", 128), "sm_90a").sass

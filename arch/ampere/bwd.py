@@ -1,4 +1,4 @@
-"""FlashAttention-2 backward on sm80 (seed 10.3.2 recompute, 10.3.3 work split).
+"""FlashAttention-2 backward on sm80 (recompute from LSE, FA2's work split).
 
 Parallel over K/V tiles: a CTA keeps dK and dV of its keys in registers while it walks the query
 tiles that see them, recomputing P = exp2(S · scale_log2 − LSE · log2 e) from the forward's LSE.

@@ -1,11 +1,9 @@
 """Compile-time choices of the Ampere pipeline (no CuTe DSL import, so the registry can read it)."""
 
-# hdim -> (tile_m, tile_n, num_warps). Measured on the H200 (docs/perf.md, tile ablation): a warp
-# owning 32 query rows reuses each K/V fragment twice and beats 16 rows per warp; among the
-# 4-warp shapes these are the fastest that keep every variant (causal, local+softcap, varlen)
-# free of spills (128x64 spills at hdim 96 varlen and 128; 128x128 at hdim 64 and 128).
+# hdim -> (tile_m, tile_n, num_warps): the fastest spill-free shapes of a tile ablation
+# (docs/decisions.md, D-AF-TILE).
 FWD_SCHEDULES = {64: (128, 64, 4), 96: (64, 128, 4), 128: (128, 32, 4), 192: (128, 64, 8),
-         256: (128, 64, 8)}
+                 256: (128, 64, 8)}
 
 # (hdim, hdim_v) pairs with a kernel: equal dims, and 192/128 (hdim_v <= hdim, multiple of 32).
 SUPPORTED_HDIMS = frozenset({(d, d) for d in FWD_SCHEDULES} | {(192, 128)})

@@ -1,4 +1,4 @@
-"""FlashAttention-2 forward on sm80: cp.async + ldmatrix + mma.sync (seed 10.3.3).
+"""FlashAttention-2 forward on sm80: cp.async + ldmatrix + mma.sync.
 
 Every warp owns tile_m / num_warps query rows and runs the whole loop for them (the FA2 work
 split: K and V are shared through shared memory, nothing else is exchanged between warps).

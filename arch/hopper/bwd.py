@@ -1,4 +1,4 @@
-"""FlashAttention-3 backward on sm90a (seed 10.3.2 recompute, 10.3.4 FA3): TMA + mbarrier
+"""FlashAttention-3 backward on sm90a (recompute from LSE): TMA + mbarrier
 pipelines + WGMMA, warp-specialized, the GEMMs running under the pointwise work.
 
 Parallel over K/V tiles, like `arch.ampere.bwd`: a CTA keeps dK and dV of its tile_n keys in
@@ -180,14 +180,10 @@ class HopperBwd:
         self.num_consumer_threads = 128 * BWD_CONSUMER_WARPGROUPS
         self.deterministic = deterministic
         set_kernel_switches(self, variant)
-        # LSE₂ and Δ tiles by TMA; varlen reads them from global memory (a TMA of the
-        # [h, tq] vectors faulted with an illegal instruction on the H200, not yet understood).
+        # LSE₂ and Δ tiles by TMA; varlen reads them from global memory (D-HB-STATSTMA).
         self.stats_tma = not self.varlen
-        # Padded, without seqused_q, the rows of a tile past seqlen_q are the TMA's zero fill
-        # in Q, dO, LSE₂ and Δ alike: P = exp2(0 − 0) = 1 there, but dV += Pᵀ dO adds 0,
-        # dP = dO Vᵀ = 0 and dS = P ∘ (dP − Δ) = 0, so nothing reaches dV, dK or dQ and the
-        # rows need no +inf / 0 in place of what was read (`tile_row_values`' checks cost
-        # ~20 instructions per query tile, ~170 with swap_sdp's 16 columns per thread).
+        # Padded, without seqused_q, the rows of a tile past seqlen_q are TMA's zero fill in
+        # Q, dO, LSE₂ and Δ alike, so P ∘ dO = 0 and dS = 0 there: no check (D-HB-STATS).
         self.stats_checked = self.varlen or self.has_seqused_q
         # 32 query columns per thread (swap_sdp, 128 rows): statistics shared by shuffles.
         self.shuffle_stats = self.swap_sdp and self.tile_m == 128

@@ -7,11 +7,8 @@ from typing import NamedTuple, Optional
 # forward tile (`HopperFwd` derives its own from its tile).
 BWD_CONSUMER_WARPGROUPS = 2
 BWD_NUM_THREADS = 128 * (1 + BWD_CONSUMER_WARPGROUPS)
-# setmaxnreg budgets (multiples of 8) by the number of consumer warpgroups, as FA3 and the
-# CUTLASS Hopper FMHA use: every register the CTA gets at launch goes to a role. Two
-# consumers: ptxas gives a 384-thread CTA 168 registers per thread (65536 / 384, rounded down
-# to 8), and 128 * 24 + 256 * 240 = 384 * 168. Three: 512 threads at 128, and
-# 128 * 32 + 384 * 160 = 512 * 128.
+# setmaxnreg budgets by the number of consumer warpgroups: every register the CTA gets at
+# launch goes to a role (docs/decisions.md, D-HF-ROLES).
 ROLE_REGISTERS = {2: (24, 240), 3: (32, 160)}
 BWD_PRODUCER_REGISTERS, BWD_CONSUMER_REGISTERS = ROLE_REGISTERS[BWD_CONSUMER_WARPGROUPS]
 
@@ -25,33 +22,18 @@ class FwdSchedule(NamedTuple):
     kv_stages: int
     intra_wg_overlap: bool = True
     pingpong: bool = True
-    # The plain-Python model (`flash_cute.models.schedule_makespan`, hdim 64-256, 512-16k
-    # keys) puts the persistent grid's makespan (causal tiles folded into heavy/light pairs)
-    # within 5 % of the hardware's own one-CTA-per-tile LPT schedule, mostly within 3 %; what
-    # it saves per tile (the next tile's loads under the epilogue) is measured in
-    # docs/perf.md. Off by default; `FWD_SCHEDULES` turns it on where it measured faster.
+    # Off unless `FWD_SCHEDULES` turns it on where it measured faster (D-HF-PERS).
     persistent: bool = False
 
 
-# hdim -> FwdSchedule. tile_m is 128 (two consumer warpgroups) or 192 (three); tile_n shrinks as the
-# head dim grows so that Q + 2 stages of K and V stay inside the H200's 227 KiB of shared memory
-# (hdim 256: 64 + 2 * 40 + 2 * 40 KiB = 224 KiB) and the O accumulator (hdim_v / 2 registers
-# per thread), S (tile_n / 2) and, with the overlap, P (tile_n / 4) fit the 240-register
-# consumer budget.
-# Ping-pong is on where it measured faster on the H200 (docs/perf.md): hdim 64 +1 % (session 7);
-# hdim 128, once the masked blocks got loops of their own, +0.8 to +7.1 % causal and −0.9 to
-# +8.0 % non-causal (session 10; in session 7 it had cost 12 % causal); on, unmeasured, at 96
-# and 192. Not at hdim 256: within +-2 % there (session 14), and without it O's rescale waits
-# for the next S to be issued (FA4's order there): +2.6 to +3.3 % non-causal (session 16).
-# Persistence is on where it measured faster (docs/perf.md, session 8, seqlen 2k and 8k):
-# hdim 64 +1 to +7 % (one cell -3 %), hdim 128 0 to +5 %; unmeasured at 96, 192, 256.
-# hdim 64 takes 192-row tiles (three consumer warpgroups at 160 registers, FA4's choice):
-# +2 to +13 % over 128 rows (docs/perf.md, session 9). Not at hdim 96: its P and O do not fit
-# 160 registers (ptxas spills and serializes the WGMMAs). Without persistence ptxas spills
-# 408 B at 192 rows (118 TFLOP/s), so `HopperFwd` takes 192 rows persistent only.
+# hdim -> FwdSchedule. tile_n shrinks as the head dim grows so that Q and two K/V stages fit
+# shared memory and O, S and P the consumers' registers (D-HF-TILE); hdim 64 takes 192 rows
+# (D-HF-192, persistent only: D-HF-192P); ping-pong (D-HF-PP) and persistence (D-HF-PERS)
+# where they measured faster.
 FWD_SCHEDULES = {64: FwdSchedule(192, 128, 2, persistent=True), 96: FwdSchedule(128, 128, 2),
-         128: FwdSchedule(128, 128, 2, persistent=True),
-         192: FwdSchedule(128, 96, 2), 256: FwdSchedule(128, 80, 2, pingpong=False)}
+                 128: FwdSchedule(128, 128, 2, persistent=True),
+                 192: FwdSchedule(128, 96, 2), 256: FwdSchedule(128, 80, 2, pingpong=False)}
+
 
 def with_switches(schedule: FwdSchedule, **switches) -> FwdSchedule:
     """`schedule` with some `FwdSchedule` switches changed (for ablations and tests); a 192-row
@@ -67,24 +49,11 @@ PACK_ROWS = 128
 
 
 # Causal problems of at most this many query rows per head (times the packing) run shorter
-# query tiles: the diagonal blocks are computed whole, so they are a larger share of a tall
-# tile (at 512 rows 59 % of a 192-row tile's computed scores are kept, 80 % of a 128-row
-# tile's). Forward, hdim 64: 128 rows instead of 192; H200, hopper_fwd_ablation --rounds 3
-# (session 14), 128 against 192 rows, TFLOP/s: 225 / 192 at 512, 306 / 267 at 1k, 369 / 360
-# at 2k; from 4k up 192 rows lead (403 / 422, 427 / 460, 440 / 472 at 4k, 8k, 16k), and
-# without the mask at every length (2k-16k by 12-18 %).
+# query tiles, since the diagonal blocks are computed whole: 128 rows at hdim 64 (D-HF-SHORT)
+# and 64 key columns at hdim 256 (D-HF-SHORTN) in the forward; 64 rows at hdim 128 up to
+# `SHORT_CAUSAL_BWD_ROWS` in the backward (D-HB-SHORT).
 SHORT_CAUSAL_ROWS = 2048
-# ... and hdim 256 takes 64 key columns instead of 80 (a diagonal block computed whole is then
-# 20 % smaller). H200, hopper_fwd_ablation --rounds 3 (session 17), 80 against 64 columns,
-# causal, TFLOP/s: 281.9 / 298.8 at 512, 414.1 / 428.0 at 1k, 519.8 / 536.5 at 2k (607.0 /
-# 619.1 at 4k, 646.9 / 658.5 at 8k, 685.9 / 678.5 at 16k); without the mask 80 columns lead
-# (641.3 / 638.6 at 2k, 704.7 / 677.9 at 8k, 712.0 / 700.6 at 16k).
 SHORT_CAUSAL_TILE_N = {256: 64}
-# Backward, hdim 128: 64 rows instead of 80 (FA4's causal tile) up to this many. A key block
-# of 128 then starts on a query-tile boundary; 80-row tiles straddle it, and at 512 rows that
-# is a large part of each CTA's few tiles. 64 against 80 rows, TFLOP/s: 228.6 / 210.6 at 512
-# (pipeline_bwd, session 13) and 228.0 / 211.4 (public API, session 14); at 1k 323.3 /
-# 330.8, at 2k 411.8 / 408.1 and at 8k 512.4 / 536.2 (80 rows ahead from 1k up).
 SHORT_CAUSAL_BWD_ROWS = 512
 
 
@@ -101,8 +70,8 @@ def fwd_schedule(hdim: int, pack: int = 1, rows_past_sequence: bool = False,
     """The forward schedule of a head dim for a packing of `pack` heads per tile. A 192-row
     tile takes 128 rows instead where `pack` does not divide 192, or where packed O leaves by
     row stores (`rows_past_sequence`: varlen or seqused_q, see `o_smem_tile`): at 160
-    registers ptxas then hoists the packed rows' addresses out of the main loop and spills
-    them (64 to 176 B). `short` (`short_causal`): a 192-row tile takes 128 rows, and hdim
+    registers ptxas then spills the packed rows' addresses (D-HF-PACK). `short`
+    (`short_causal`): a 192-row tile takes 128 rows, and hdim
     256 `SHORT_CAUSAL_TILE_N` key columns."""
     schedule = FWD_SCHEDULES[hdim]
     if pack > 1 and schedule.tile_m > PACK_ROWS and (schedule.tile_m % pack
@@ -119,7 +88,7 @@ SUPPORTED_HDIMS = frozenset({(d, d) for d in FWD_SCHEDULES} | {(192, 128)})
 
 SMEM_CAPACITY = 227 * 1024
 
-COMPILE_OPTIONS = "--opt-level 2"
+COMPILE_OPTIONS = "--opt-level 2"  # D-HF-OPT
 
 
 def _align(b: int) -> int:
@@ -186,35 +155,22 @@ class BwdSchedule(NamedTuple):
 
 
 
-# hdim -> BwdSchedule. FA3's shapes: 64 x 128 up to hdim 128 (dK + dV = hdim/2 + hdim_v/2
-# registers per thread, S and dP 32 each); beyond, fewer keys so that dK/dV still fit and
-# the rings, K, V, P, dS and the 64 KiB dQ tile stay inside 227 KiB (hdim 256 at 48 keys: Q
-# 2 x 32, dO 32, K 24, V 24, P and dS 6 each, dQ 64 KiB; what fits is `bwd_smem_plan`'s).
-# swap_sdp where it measured faster on the H200: hdim 64 +2-5 % (docs/perf.md, 2026-11-29);
-# at hdim 96 it was 1-2 % slower (session 13), so P stays in shared memory there. hdim 128
-# takes FA4's 80 query rows (swap_sdp, dQ transposed): +4-6 % over 64 rows non-causal at
-# 2k-8k tokens; causal -8 % at 512, -1 % at 2k, +4 % at 8k (session 13; FA4 takes 64 rows
-# for causal).
-# hdim 64 takes 128 query rows (FA3's 128 x 128; swap_sdp with shuffled LSE₂/Δ): +4 to +7 %
-# over 64 rows (docs/perf.md, session 9). hdim 256: one Q/dO stage at 64 keys freed the
-# 64 KiB of the fp32 dQ tile (one bulk reduce-add per query tile instead of 64 fp32 atomics
-# per thread: 1.6-2.0x the two-stage ring with atomics, docs/perf.md, session 11); FA4's 48
-# keys with dK/dV transposed keep two Q stages beside it: 1.18-1.33x 64 x 64 x 1 (2k-16k,
-# causal and not; session 14). At hdim 192 FA4's 96 keys with one dO stage: 1.06-1.11x
-# 64 x 64 x 2. Two dO stages leave no room for the dQ tile there (dQ falls back to atomics:
-# 0.5x). dq_per_wg at hdim 64 and 128: +1 to +4 % in all 8 cells (2k/8k, causal or not,
-# 5 rounds; docs/perf.md, session 16); unmeasured at the other head dims.
-BWD_SCHEDULES = {64: BwdSchedule(128, 128, 2, True, dq_per_wg=True), 96: BwdSchedule(64, 128, 2),
-             128: BwdSchedule(80, 128, 2, True, dq_per_wg=True),
-             192: BwdSchedule(64, 96, 2, False, True, 1),
-             256: BwdSchedule(64, 48, 2, False, True, 1)}
+# hdim -> BwdSchedule: FA3's 128 keys up to hdim 128, fewer beyond so dK/dV, the rings and
+# the dQ tile fit (D-HB-TILE); swap_sdp at hdim 64 and 128 (D-HB-SWAP); 128 query rows at hdim
+# 64 (D-HB-128), FA4's 80 at 128 (D-HB-80); FA4's transposed dK/dV at 192 and 256 (D-HB-192,
+# D-HB-256); dq_per_wg at 64 and 128 (D-HB-DQWG).
+BWD_SCHEDULES = {64: BwdSchedule(128, 128, 2, True, dq_per_wg=True),
+                 96: BwdSchedule(64, 128, 2),
+                 128: BwdSchedule(80, 128, 2, True, dq_per_wg=True),
+                 192: BwdSchedule(64, 96, 2, False, True, 1),
+                 256: BwdSchedule(64, 48, 2, False, True, 1)}
+
 
 def bwd_schedule(hdim: int, varlen: bool = False, short: bool = False) -> BwdSchedule:
     """The backward schedule of a head dim. Varlen below 128 query rows takes 64 rows with P in
-    shared memory: it reads LSE₂ and Δ from global memory (`HopperBwd.stats_tma`), and with
-    swap_sdp a thread's query columns of them (and their addresses) spill; at 128 rows they
-    are shared by shuffles (`bwd.ShuffledRows`) and fit. `short` (`short_causal`): 80 rows
-    take 64 (dQ then not transposed)."""
+    shared memory (D-HB-VARLEN; at 128 rows the statistics are shared by shuffles,
+    `bwd.ShuffledRows`, and fit). `short` (`short_causal`): 80 rows take 64 (dQ then not
+    transposed)."""
     schedule = BWD_SCHEDULES[hdim]
     if varlen and schedule.tile_m < 128:
         return schedule._replace(tile_m=64, swap_sdp=False)
@@ -320,17 +276,12 @@ def bwd_smem_plan(hdim: int, hdim_v: int, schedule: tuple) -> BwdSmemPlan:
 
 def ds_stored_before_dv(schedule: tuple) -> bool:
     """Whether a consumer converts dS and stores it to shared memory before it issues dV
-    (FA4's order) rather than while dV runs. At 128 query rows (hdim 64) it must for -O3:
-    with the fp32 dP still to convert while dV reads the 16-bit P from registers, ptxas
-    -O2/-O3 serializes the WGMMAs (C7512). At 80 rows (hdim 128) this order measured 5 %
-    slower causal (docs/perf.md, session 15), so there dS is stored while dV runs."""
+    (FA4's order) rather than while dV runs: at 128 query rows, so that ptxas does not
+    serialize the WGMMAs; not at 80 rows, where it measured slower (D-HB-ORDER)."""
     return BwdSchedule(*schedule).tile_m >= 128
 
 
 def bwd_compile_options(schedule: tuple) -> str:
-    """ptxas's level for a backward schedule: -O3 (FA4's) where dS is stored before dV; with
-    that order it measured 4-7 % faster than the other order at -O1 at hdim 64 (session 15).
-    Elsewhere -O1: at 80 rows (hdim 128) the other order spills 40 B at -O3 and FA4's order
-    at -O3 ran 2-3 % slower causal (session 15; 0.97-1.00x of -O1 on top of the stage-first
-    descriptors, session 17); at 64 rows (hdim 256) -O3 measured even."""
+    """ptxas's level for a backward schedule: -O3 (FA4's) where dS is stored before dV, else
+    -O1 (D-HB-OPT)."""
     return "--opt-level 3" if ds_stored_before_dv(schedule) else "--opt-level 1"

@@ -11,10 +11,8 @@ elements per thread) sits at
 
 of its tile's tile_m * hdim floats, so each thread's four consecutive values are one 128-bit
 store, a warp's store covers 512 contiguous bytes (no bank conflicts) and each warpgroup's
-half is contiguous (a bulk add of its own, `BwdSchedule.dq_per_wg`). The layout it
-replaced (rows like Q, a 128-byte swizzled tile for a TMA tensor reduce) took 16 64-bit stores
-per thread at twice the ideal wavefronts; this one is 1-2 % faster at hdim 128, although
-dropping the stores altogether gains 17 % (docs/perf.md, session 11).
+half is contiguous (a bulk add of its own, `BwdSchedule.dq_per_wg`); see docs/decisions.md,
+D-HB-DQPOST.
 
 dQaccum is [b, ceil(sq / tile_m), h, tile_m * hdim] (varlen: [total_q // tile_m + b, h,
 tile_m * hdim], sequence b's tiles starting at cu_seqlens_q[b] // tile_m + b, so tiles of
@@ -121,8 +119,8 @@ class HopperDqPostprocess:
 
     One CTA per (query tile, head, batch); every row of every sequence is written (tiles no
     K/V tile reached, e.g. past seqused_q, hold zeros). The shared tile makes the global
-    stores whole rows: stored straight from the fragment, each warp instruction wrote 16-byte
-    pieces of 8 rows, and the kernel ran at 1.5 TB/s against FA4's 3.9 (docs/perf.md)."""
+    stores whole rows (straight from the fragment a warp instruction writes 16-byte pieces of
+    8 rows: D-HB-DQPOST)."""
 
     def __init__(self, dtype, hdim: int, tile_m: int, split: tuple, varlen: bool,
                  swapped: bool = False):

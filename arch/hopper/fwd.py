@@ -1,5 +1,5 @@
 """FlashAttention-3 forward on sm90a: TMA + mbarrier pipelines + WGMMA, warp-specialized, with
-FA3's intra-warpgroup overlap and inter-warpgroup ping-pong, each switchable (seed 10.3.4), a
+FA3's intra-warpgroup overlap and inter-warpgroup ping-pong, each switchable, a
 persistent tile scheduler and a TMA-store epilogue.
 
 Each CTA works through (query tile of 128 or 192 rows, head, batch) tiles (packed GQA: the
@@ -141,7 +141,7 @@ class HopperFwd:
                              f"consumer warpgroup), got {self.tile_m}")
         self.producer_registers, self.consumer_registers = ROLE_REGISTERS[self.num_wg]
         if self.num_wg == 3 and not self.persistent:
-            raise ValueError("192-row tiles run persistent only (one CTA per tile spills 408 B "
+            raise ValueError("192-row tiles run persistent only (one CTA per tile spills "
                              "at 160 registers)")
         if self.tile_n % 16:
             raise ValueError("tile_n must be a multiple of 16 (the K of the P V WGMMA)")
@@ -529,12 +529,9 @@ class HopperFwd:
         """The blocks after the first, right to left, in the runs of `block_runs`. Without a
         window only the first block can need the mask, so one loop runs them all unmasked.
         With one, the masked runs get loops of their own where registers allow: a run-time
-        mask test inside the loop splits its body, and ptxas then waits for the PV WGMMA at
-        the top of the softmax instead of under it (15 % of the warps' stall samples at hdim
-        128, docs/perf.md). The masked loops drain the PV before their softmax: with both loop
-        bodies keeping a WGMMA in flight ptxas runs out of registers and serializes every
-        WGMMA of the kernel. (At 192 rows, 160 registers, the split spilled 256 B until P was
-        converted in pairs, `convert_pairs`.)"""
+        mask test inside the loop would split its body and make ptxas wait for the PV WGMMA at
+        the top of the softmax. The masked loops drain the PV before their softmax: with both
+        loop bodies keeping a WGMMA in flight ptxas serializes every WGMMA (D-HF-SPLIT)."""
         runs = block_runs(rng, imin=cutlass.min)
         windowed = self.causal or self.has_window_left or self.has_window_right
         if cutlass.const_expr(not windowed):
@@ -811,10 +808,9 @@ class OverlappedStep(DslState):
 
     `prev_scale` (an rmem vector; without ping-pong): O's rescale by block n's factors waits
     for the next step, between issuing S[n-1] and the PV that reads O, so it runs while that
-    S is computed instead of between the PV landing and the next issue (FA4's order where it
-    runs without ping-pong: from the PV wait to the next S, FA4 ran 104 instructions at hdim
-    256 and we 290, static SASS). With ping-pong the turn would hold the other warpgroups'
-    GEMMs back for it."""
+    S is computed instead of between the PV landing and the next issue (FA4's order without
+    ping-pong, D-HF-RESCALE). With ping-pong the turn would hold the other warpgroups' GEMMs
+    back for it."""
 
     def __init__(self, gemms, scores, turns, pipe_k, pipe_v, acc_s, r_p, acc_o,
                  prev_scale=None):

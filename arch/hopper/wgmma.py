@@ -13,8 +13,7 @@ def wgmma_slice(tiled_mma: cute.TiledMma, wg: Int32):
     warpgroup's first thread from `wg`, a warp-uniform warpgroup index
     (`cute.arch.make_warp_uniform`). Sliced at the thread index instead, the operand addresses
     depend on a per-thread register, and ptxas builds every WGMMA descriptor in vector
-    registers and moves it to uniform ones (R2UR): at hdim 128 that was 17 M R2UR and 14 M
-    IMAD per forward and 134 M and 154 M per backward (docs/perf.md, session 10).
+    registers and moves it to uniform ones (docs/decisions.md, D-WGMMA-SLICE).
     Accumulators, and an A operand taken from registers, are per thread: they need the
     thread's own slice (`get_slice(tidx)`)."""
     return tiled_mma.get_slice(wg * WARPGROUP_THREADS)
