@@ -118,3 +118,18 @@ def test_the_graph_reader_sees_the_imports_it_should():
         graph["flash_cute.arch.hopper.pipeline"]
     assert any(t == "flash_cute.arch.hopper.fwd" and f == "forward"
                for t, f in graph["flash_cute.arch.hopper.api"])
+
+
+def test_import_flash_cute_is_light():
+    """`import flash_cute` (the API and every pipeline descriptor) imports no CuTe DSL and none
+    of the tooling: it must stay cheap for a training script that only calls the API."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flash_cute, flash_cute.dispatch as d; "
+            "assert d.PIPELINES; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cutlass', 'tvm_ffi') "
+            "or m in %r))" % sorted(TOOLING))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]", out
