@@ -18,11 +18,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute import flash_attn_func
 from flash_cute.bench import ablation_rows, ablation_table, make_timer
-from flash_cute.registry import schedule_label
+from flash_cute.kernel_config import schedule_label
 from flash_cute.validation import validate_attention_inputs
 
 
-def _parse_tile(pipeline: str, text: str):
+def _parse_schedule(pipeline: str, text: str):
     """``64x128x2`` -> (64, 128, 2); ``+name`` turns on a switch of the pipeline's BwdSchedule
     (``64x128x2+swap_sdp``), ``+name=N`` sets a number (``64x48x2+swap_dkv+do_stages=1``);
     without them the numbers fill the config's first fields and its defaults the rest (so
@@ -95,7 +95,7 @@ def main():
                 problem = validate_attention_inputs(q, k, v, causal=causal)
                 out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
                 tiles = [None] if not args.schedules else [
-                    _parse_tile(args.pipeline, t) for t in args.schedules.split(",")]
+                    _parse_schedule(args.pipeline, t) for t in args.schedules.split(",")]
                 for tile in tiles:
                     kw = {} if tile is None else {"schedule": tile}
                     fn = functools.partial(mod.backward, do, None, q, k, v, out, lse, problem,

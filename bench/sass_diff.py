@@ -38,7 +38,7 @@ def index(entries: list, renames: dict) -> dict:
         if key in out:
             if any(out[key].get(f) != e.get(f) for f in COMPARED):
                 raise ValueError(f"config listed twice with different results: {key}")
-            print(f"note: listed twice (identical): {' '.join(key)}")
+            print(f"note: listed twice (identical): {' '.join(map(str, key))}")
         out[key] = e
     return out
 

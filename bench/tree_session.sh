@@ -8,12 +8,15 @@
 #   ab        bench/ab_trees.py --quick, both trees interleaved, peers once
 # Run after `source .gpu-host/setup.sh`; logs go to $OUT (or results/tree-session-<date>).
 set -uo pipefail
+[ $# -ge 1 ] || { echo "usage: bash bench/tree_session.sh BASE_TREE [tests|overhead|ab]..."; exit 2; }
 base="$(realpath "$1")"; shift
 steps="${*:-tests overhead ab}"
 out="${OUT:-results/tree-session-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-new="$(mktemp -d)/new"
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+new="$scratch/new"
 mkdir -p "$new" && cp -r flash_cute bench "$new/" && cp -r arch "$new/flash_cute/arch"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$out/gpu.txt"
 for step in $steps; do
@@ -25,7 +28,7 @@ for step in $steps; do
       for round in 1 2; do
         for tree in "$base" "$new"; do
           echo "== round $round: $tree" | tee -a "$out/overhead.log"
-          (cd "$tree" && PYTHONPATH="$tree:$PYTHONPATH" timeout 120 python3 bench/launch_overhead.py \
+          (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 120 python3 bench/launch_overhead.py \
              --calls 500) 2>&1 | tee -a "$out/overhead.log" | tail -6
         done
       done ;;

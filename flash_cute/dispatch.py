@@ -28,11 +28,10 @@ def pipeline_named(name: str) -> Pipeline:
     raise NotImplementedError(f"arch={name!r}: no such pipeline is built (built: {built})")
 
 
-def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=None,
-                    needed: Optional[tuple] = None) -> Pipeline:
+def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=None) -> Pipeline:
     """The pipeline to run on `device`: `arch` if given (and able to run there), else the
-    newest hardware-tested one that has the capabilities `needed` (default: what `problem`'s
-    forward needs) and takes `problem`."""
+    newest hardware-tested one that has the capabilities `problem`'s forward needs and takes
+    it (`Pipeline.takes`)."""
     major = capability_of(device)[0]
     if arch is not None:
         chosen = pipeline_named(arch)
@@ -41,8 +40,7 @@ def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=No
             raise ValueError(f"arch={arch!r} runs on compute capability {majors[0]}.x to "
                              f"{majors[-1]}.x; {torch.cuda.get_device_name(device)} is {major}.x")
         return chosen
-    if needed is None:
-        needed = () if problem is None else required_capabilities(problem)
+    needed = () if problem is None else required_capabilities(problem)
     runs_here = [p for p in PIPELINES if p.runs_on(major) and p.hardware_tested]
     for p in runs_here:
         if p.missing(needed) is None and (problem is None or p.takes is None or p.takes(problem)):
@@ -50,6 +48,8 @@ def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=No
     if runs_here:
         # Pipelines run here but lack what the problem asks for: say what.
         check_capabilities(runs_here[0], needed)
+        raise NotImplementedError(f"no pipeline on compute capability {major}.x takes this "
+                                  "problem")
     raise NotImplementedError(f"no pipeline runs on compute capability {major}.x")
 
 

@@ -6,6 +6,7 @@ kernels take them as dynamic shapes, so a new length reuses the compiled kernel.
 ``cute.compile`` is not thread-safe, so compiles are serialized by a lock.
 """
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -41,20 +42,39 @@ def variant_hash(*objs) -> str:
 
 
 class CompileCache:
-    """Compiled kernels by CompileKey; `get` compiles on a miss, one compile at a time."""
+    """Compiled kernels by CompileKey; `get` compiles on a miss, one compile at a time. Behind
+    the in-memory table sits the persistent one (`disk_cache.KernelStore`): a miss here first
+    looks on disk, and a kernel compiled here is written there."""
 
     def __init__(self):
         self._entries = {}
         self._lock = threading.Lock()
+        self._store = None
+        self._store_ready = False
 
-    def get(self, key: CompileKey, build: Callable[[], object]):
+    def get(self, key: CompileKey, build: Callable[[], object], options: str = ""):
         hit = self._entries.get(key)
         if hit is not None:
             return hit
         with self._lock:
             if key not in self._entries:
-                self._entries[key] = build()
+                self._entries[key] = self._build(key, build, options)
             return self._entries[key]
+
+    def _build(self, key, build, options: str):
+        if not self._store_ready:
+            from flash_cute.disk_cache import KernelStore
+
+            self._store, self._store_ready = KernelStore.default(), True
+        if self._store is None:
+            return build()
+        return self._store.get_or_build(f"{key!r} {options}", build)
+
+    def clear(self):
+        """Forget the compiled kernels of this process (the disk cache keeps them)."""
+        with self._lock:
+            self._entries.clear()
+            self._store_ready = False
 
     def __len__(self):
         return len(self._entries)
@@ -147,6 +167,9 @@ def record_entry(kernel, record_type):
     takes an argument record, so that its TVM-FFI function takes the fields themselves (a
     NamedTuple argument would be an ffi.Array built on every call). Written from the record's
     field names, it holds no control flow, so the DSL need not preprocess it."""
+    if {"kernel", "record", "stream"} & set(record_type._fields):
+        raise ValueError(f"{record_type.__name__}: a field may not be named kernel, record or "
+                         "stream (the entry's own names)")
     params = ", ".join(record_type._fields)
     namespace = {"kernel": kernel, "record": record_type}
     exec(_ENTRY_SOURCE.format(params=params), namespace)
@@ -171,13 +194,34 @@ def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args, op
     float (a Float32 parameter), int (Int32) or None. `key` must tell apart everything that
     changes their specs (dtypes, ranks, which are None, int against float)."""
     is_record = hasattr(args, "_fields")
+    opts = f"{options} --enable-tvm-ffi".strip()
 
     def build():
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         spec = tuple(_spec(a) for a in args)
-        opts = f"{options} --enable-tvm-ffi".strip()
         if is_record:
             return compile_record(make_kernel(), type(args)(*spec), stream, opts)
         return cute.compile(make_kernel(), *spec, stream, options=opts)
 
-    compile_cache.get(key, build)(*[_value(a) for a in args])
+    compiled = compile_cache.get(key, build, opts)
+    if not _COMPILE_ONLY.on:
+        compiled(*[_value(a) for a in args])
+
+
+class _CompileOnly(threading.local):
+    on = False
+
+
+_COMPILE_ONLY = _CompileOnly()
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Within it, `launch_kernel` compiles (and caches) but launches nothing: for filling the
+    disk cache ahead of time, also on a machine without the GPU (tensors on the meta device,
+    CUTE_DSL_ARCH naming the target)."""
+    _COMPILE_ONLY.on = True
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.on = False

@@ -37,7 +37,7 @@ class FwdArgs(NamedTuple):
 class BwdArgs(NamedTuple):
     """An attention backward main kernel: q/dout like q, k/v like k, dk/dv [.., h, d] (per query
     head; dtype, or fp32 for GQA), lse_log2 and delta like the forward's lse (`bwd_prep`),
-    dq_accum in the layout of the arch's `DqAccum`, dq_semaphores (deterministic only) int32
+    dq_accum in the layout of the arch's `launch.BackwardPlan.dq_accum`, dq_semaphores (deterministic only) int32
     [b, h, ceil(max_seqlen_q / tile_m)]."""
     q: Any
     k: Any

@@ -2,7 +2,7 @@
 
 Data only (no CuTe DSL import): each pipeline lists its entries in `arch/<name>/registry.py`
 and `flash_cute.registry` gathers them with the shared blocks' own. An entry's `builder`,
-called inside a compile worker, returns what to compile (`flash_cute.xcompile.CompileSpec`).
+called inside a compile worker, returns what to compile (`CompileSpec`).
 A kernel is named ``<pipeline>.<role>``: ``ampere.fwd``, ``hopper.bwd``, ... for the
 attention pipelines, ``blocks.*`` for the shared blocks' own kernels.
 """

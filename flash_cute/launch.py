@@ -109,8 +109,9 @@ def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
     key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, schedule,
                      variant.flags())
     varlen = problem.varlen
-    args = FwdArgs(TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(out), TensorArg(lse, 4),
-                   **score_scalars(problem), max_seqlen_q=int(problem.max_seqlen_q),
+    args = FwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), out=TensorArg(out),
+                   lse=TensorArg(lse, 4), **score_scalars(problem),
+                   max_seqlen_q=int(problem.max_seqlen_q),
                    cu_seqlens_q=tensor_arg(cu_seqlens_q, 4) if varlen else None,
                    cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
                    seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4))
@@ -189,10 +190,11 @@ def backward(plan: BackwardPlan, dout, dlse, q, k, v, out, lse, problem, cu_seql
                      device=q.device)
     varlen, align = problem.varlen, plan.row_stats_align
     sem = dq_semaphores(problem, plan.schedule[0], q.device) if deterministic else None
-    args = BwdArgs(TensorArg(q), TensorArg(k), TensorArg(v), TensorArg(dout),
-                   TensorArg(lse_log2, align), TensorArg(delta, align),
-                   TensorArg(dq_accum, plan.dq_accum.align), TensorArg(dk, setup.dkv_align),
-                   TensorArg(dv, setup.dkv_align), **setup.scalars,
+    args = BwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), dout=TensorArg(dout),
+                   lse_log2=TensorArg(lse_log2, align), delta=TensorArg(delta, align),
+                   dq_accum=TensorArg(dq_accum, plan.dq_accum.align),
+                   dk=TensorArg(dk, setup.dkv_align), dv=TensorArg(dv, setup.dkv_align),
+                   **setup.scalars,
                    cu_seqlens_q=tensor_arg(cu_seqlens_q, 4) if varlen else None,
                    cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
                    seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4),

@@ -62,6 +62,11 @@ class Pipeline:
     takes: Optional[Callable] = None
     hardware_tested: bool = True
 
+    def __post_init__(self):
+        if (BACKWARD in self.capabilities) != (self.backward is not None):
+            raise ValueError(f"pipeline {self.name}: the {BACKWARD!r} capability and the "
+                             "backward entry point go together")
+
     def runs_on(self, major: int) -> bool:
         return major in self.majors
 

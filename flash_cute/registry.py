@@ -4,7 +4,7 @@ reached through its descriptor's `inspect_configs`). Tooling: the runtime never 
 """
 
 from flash_cute.dispatch import PIPELINES
-from flash_cute.kernel_config import KernelConfig, config_flags, schedule_label  # noqa: F401
+from flash_cute.kernel_config import KernelConfig, config_flags
 
 TARGETS = ("sm_80", "sm_90a", "sm_100a")
 

@@ -33,14 +33,17 @@ class ScoreMod:
     softmax's exp2 takes, and the run-time value the mod keeps. `apply(acc_mn, mod_scale)`
     overwrites raw scores with what the softmax sees; `grad(value)` is d(softmax input)/d(raw
     score) divided by the softmax scale (applied to dK and dQ at the end), as a function of
-    the value `apply` stored. `grad_reads_scores`: the derivative needs that value, so the
-    backward must not overwrite S with P before dS is formed."""
-
-    name = "identity"
-    grad_reads_scores = False
+    the value `apply` stored, so the backward keeps S until dS is formed. Without a mod
+    (None) the scores go to the mask as they are."""
 
     def fold(self, softmax_scale: Float32, param: Float32):
-        return softmax_scale * Float32(LOG2_E), Float32(1.0)
+        raise NotImplementedError
+
+    def apply(self, acc_mn: cute.Tensor, mod_scale: Float32):
+        raise NotImplementedError
+
+    def grad(self, value: Float32) -> Float32:
+        raise NotImplementedError
 
 
 class Softcap(ScoreMod):
@@ -49,9 +52,6 @@ class Softcap(ScoreMod):
     path is the same with and without softcap. Its derivative with respect to s, over the
     scale, is 1 − tanh² (masked entries hold −inf: clamped to −1 their factor is 0, not
     NaN)."""
-
-    name = "softcap"
-    grad_reads_scores = True
 
     def fold(self, softmax_scale: Float32, param: Float32):
         return param * Float32(LOG2_E), softmax_scale / param
@@ -67,7 +67,6 @@ class Softcap(ScoreMod):
         return Float32(1.0) - t * t
 
 
-IDENTITY = ScoreMod()
 SOFTCAP = Softcap()
 
 
@@ -78,8 +77,11 @@ def score_mod_of(variant) -> Optional[ScoreMod]:
 
 def fold_scores(score_mod: Optional[ScoreMod], softmax_scale: Float32, param: Float32):
     """(scale_log2, mod_scale) of a kernel's scores, from its `FwdArgs`/`BwdArgs` scalars
-    (`param`: the softcap field)."""
-    return (score_mod or IDENTITY).fold(softmax_scale, param)
+    (`param`: the softcap field). Without a mod: the softmax scale folded into exp2, and a
+    mod scale of 1 that nothing reads."""
+    if score_mod is None:
+        return softmax_scale * Float32(LOG2_E), Float32(1.0)
+    return score_mod.fold(softmax_scale, param)
 
 
 class Scores(DslState):

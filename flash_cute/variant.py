@@ -2,8 +2,8 @@
 
 Every arch kernel takes one `Variant`; run-time values (window sizes, softcap value, scale,
 lengths) stay kernel arguments. `flags()` is the variant's part of a CompileKey. `seqused_q` /
-`seqused_k` are switches because a kernel with per-sequence used lengths takes those tensors
-as extra arguments (their values stay run-time). `pack_gqa` is the number of query heads a
+`seqused_k` are switches because a kernel compiled with those tensors differs from one
+compiled with None in their record fields (their values stay run-time). `pack_gqa` is the number of query heads a
 tile packs into its rows (1: none; see `flash_cute.launch.packed_heads`).
 """
 

@@ -29,7 +29,7 @@ def test_every_schedule_fits_shared_memory(hdim, hdim_v, rows_past_sequence):
         assert smem_bytes(hdim, hdim_v, tile, rows_past_sequence) <= SMEM_CAPACITY
 
 
-def test_fwd_tile_keeps_192_rows_only_where_they_compile_without_spills():
+def test_fwd_schedule_keeps_192_rows_only_where_they_compile_without_spills():
     assert FWD_SCHEDULES[64].tile_m == 192 and FWD_SCHEDULES[64].persistent
     assert fwd_schedule(64) == FWD_SCHEDULES[64]
     assert fwd_schedule(64, 8) == FWD_SCHEDULES[64]                        # padded packed: O by TMA

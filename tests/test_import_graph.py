@@ -133,3 +133,17 @@ def test_import_flash_cute_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]", out
+
+
+def test_named_barrier_ids_computed_at_run_time_are_the_declared_ones():
+    """Ids the kernels compute from a warpgroup index (1 + w, 2 + w, the dQ pair + w·stride)
+    land on the enum's own members, so the enum's uniqueness check covers them."""
+    from flash_cute.arch.hopper.bwd import _DQ_WG_BARRIER_STRIDE, BwdBarrier
+    from flash_cute.arch.hopper.fwd import FwdBarrier
+
+    assert [FwdBarrier.PINGPONG + w for w in range(3)] == [
+        FwdBarrier.PINGPONG, FwdBarrier.PINGPONG_WG1, FwdBarrier.PINGPONG_WG2]
+    assert BwdBarrier.WG0_P + 1 == BwdBarrier.WG1_P
+    assert (BwdBarrier.DQ_FULL + _DQ_WG_BARRIER_STRIDE,
+            BwdBarrier.DQ_EMPTY + _DQ_WG_BARRIER_STRIDE) == (BwdBarrier.DQ_FULL_WG1,
+                                                             BwdBarrier.DQ_EMPTY_WG1)

@@ -82,7 +82,7 @@ def test_inspect_rejects_unknown_target():
     assert proc.returncode == 2 and "unknown target" in proc.stderr
 
 
-def test_compile_for_arch_returns_ptx_cubin_sass(tmp_path):
+def test_compile_for_target_returns_ptx_cubin_sass(tmp_path):
     from flash_cute.xcompile import compile_for_target
 
     entry = registered_configs("blocks.lse_merge")[0]

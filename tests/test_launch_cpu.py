@@ -17,7 +17,7 @@ calls = []
 
 
 class Recording:
-    def get(self, key, build):
+    def get(self, key, build, options=""):
         fn = build()
         assert type(fn).__name__ == "TVMFFIJitCompiledFunctionWithKwargs", type(fn)
         return lambda *args: calls.append(args)
@@ -68,7 +68,7 @@ launches = []
 
 
 class Recording:
-    def get(self, key, build):
+    def get(self, key, build, options=""):
         return lambda *args: launches.append((key, args))
 
 

@@ -1,5 +1,7 @@
 """Host entry of the Ampere pipeline: what it supports, and the forward and backward launches."""
 
+import functools
+
 from flash_cute import launch
 from flash_cute.validation import AttentionProblem
 
@@ -38,9 +40,17 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
     atomics, so `deterministic` is refused (the descriptor does not list it)."""
     from flash_cute.jit import current_target
 
-    from .bwd import AmpereBwd
-
-    plan = launch.BackwardPlan("ampere.bwd", AmpereBwd, BWD_SCHEDULES[problem.hdim],
-                               COMPILE_OPTIONS, current_target())
+    if deterministic:
+        raise NotImplementedError("deterministic=True: the ampere backward adds dQ with fp32 "
+                                  "atomics, whose order varies")
+    plan = _bwd_plan(problem.hdim, current_target())
     return launch.backward(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
                            cu_seqlens_k, seqused_q, seqused_k, deterministic)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_plan(hdim: int, target: str) -> launch.BackwardPlan:
+    from .bwd import AmpereBwd
+
+    return launch.BackwardPlan("ampere.bwd", AmpereBwd, BWD_SCHEDULES[hdim], COMPILE_OPTIONS,
+                               target)

@@ -194,9 +194,9 @@ class HopperBwd:
 
     @property
     def ds_reads_scores(self) -> bool:
-        """Whether dS needs the (modded) scores, which P overwrites in place: softcap's
-        derivative is 1 − tanh², of the tanh that S holds."""
-        return self.score_mod is not None and self.score_mod.grad_reads_scores
+        """Whether dS needs the (modded) scores, which P overwrites in place: a score mod's
+        derivative is a function of them (softcap's is 1 − tanh², of the tanh S holds)."""
+        return self.score_mod is not None
 
     # ---------------------------------------------------------------- host side
 

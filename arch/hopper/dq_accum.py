@@ -192,13 +192,13 @@ class TiledDqAccum:
         self.tile_m, self.split, self.swapped = tile_m, split, swapped
 
     @classmethod
-    def of(cls, tile: tuple, hdim: int) -> "TiledDqAccum":
-        """The dQaccum of backward schedule `tile`: its query rows, the dQ WGMMA's split over
-        the consumer warpgroups and whether dQ is computed transposed."""
+    def of(cls, schedule: tuple, hdim: int) -> "TiledDqAccum":
+        """The dQaccum of backward schedule `schedule`: its query rows, the dQ WGMMA's split
+        over the consumer warpgroups and whether dQ is computed transposed."""
         from .config import BwdSchedule, bwd_mma_splits, dq_swapped
 
-        tile = BwdSchedule(*tile)
-        return cls(tile.tile_m, bwd_mma_splits(tile, hdim)["dq"], dq_swapped(tile))
+        schedule = BwdSchedule(*schedule)
+        return cls(schedule.tile_m, bwd_mma_splits(schedule, hdim)["dq"], dq_swapped(schedule))
 
     def alloc(self, q, problem):
         import torch
@@ -229,13 +229,13 @@ class TiledDqAccum:
         return dq
 
     @functools.lru_cache(maxsize=None)
-    def _postprocess(self, dtype, hdim: int, varlen: bool, arch: str) -> tuple:
+    def _postprocess(self, dtype, hdim: int, varlen: bool, target: str) -> tuple:
         """The postprocess's compile key and kernel factory, once per configuration."""
         from flash_cute.jit import DTYPES, CompileKey
         from flash_cute.variant import dtype_name
 
         name = dtype_name(dtype)
-        key = CompileKey("hopper.bwd.dq_postprocess", arch, name, hdim, None,
+        key = CompileKey("hopper.bwd.dq_postprocess", target, name, hdim, None,
                          (self.tile_m, *self.split),
                          (("varlen", varlen), ("swapped", self.swapped)))
         return key, lambda: HopperDqPostprocess(DTYPES[name], hdim, self.tile_m, self.split,
