@@ -1,8 +1,8 @@
-"""`python -m flash_cute [inspect|bench|check]`.
+"""`python -m flash_cute [inspect|bench|check|cache]` (also the `flash-cute` command).
 
 With no sub-command: on a CUDA machine, `check` (a quick correctness check against the
-float64 reference and a short benchmark against torch SDPA); without a GPU, `inspect` for
-sm_80, sm_90a and sm_100a.
+float64 reference and a short benchmark with a plot); without a GPU, `inspect` (one forward
+kernel per SM target, cross-compiled, compared and plotted).
 """
 
 import argparse
@@ -13,11 +13,13 @@ def _parser():
     parser = argparse.ArgumentParser(prog="python -m flash_cute", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
-    from flash_cute import bench, inspection, selfcheck
+    from flash_cute import bench, cache_cli, inspection, selfcheck
 
     inspection.add_arguments(sub.add_parser("inspect", help="cross-compile kernels, report SASS"))
     bench.add_arguments(sub.add_parser("bench", help="TFLOP/s against SDPA and FA4 (GPU)"))
-    selfcheck.add_arguments(sub.add_parser("check", help="correctness check + short benchmark (GPU)"))
+    selfcheck.add_arguments(sub.add_parser("check",
+                                           help="correctness check + short benchmark (GPU)"))
+    cache_cli.add_arguments(sub.add_parser("cache", help="the persistent JIT cache"))
     return parser
 
 
@@ -36,6 +38,10 @@ def main(argv=None) -> int:
         from flash_cute import bench
 
         return bench.run(args)
+    if args.command == "cache":
+        from flash_cute import cache_cli
+
+        return cache_cli.run(args)
     from flash_cute import selfcheck
 
     return selfcheck.run(args)

@@ -105,6 +105,8 @@ class KernelStore:
 
     def __init__(self, folder: Path):
         self.folder = folder
+        # What this process did: kernels it compiled (and wrote), and kernels it loaded.
+        self.built = self.loaded = 0
 
     @classmethod
     def default(cls) -> Optional["KernelStore"]:
@@ -138,21 +140,23 @@ class KernelStore:
         """The function for `text` (a compile key and its options): from disk, or built by
         `build()` and written, once across processes."""
         found = self.load(text)
-        if found is not None:
-            return found
-        from filelock import Timeout
+        if found is None:
+            from filelock import Timeout
 
-        path = self.path(text)
-        try:
-            with _lock(path):
-                found = self.load(text)
-                if found is not None:
-                    return found
-                compiled = build()
-                self.store(path, compiled, text)
-                return compiled
-        except Timeout:
-            return build()
+            path = self.path(text)
+            try:
+                with _lock(path):
+                    found = self.load(text)
+                    if found is None:
+                        self.built += 1
+                        compiled = build()
+                        self.store(path, compiled, text)
+                        return compiled
+            except Timeout:
+                self.built += 1
+                return build()
+        self.loaded += 1
+        return found
 
     def store(self, path: Path, compiled, text: str) -> None:
         """Write `compiled` (a TVM-FFI compiled function) and a note of its key; a failed

@@ -70,6 +70,11 @@ class CompileCache:
             return build()
         return self._store.get_or_build(f"{key!r} {options}", build)
 
+    @property
+    def store(self):
+        """The disk store behind this cache (None when the cache is off or not used yet)."""
+        return self._store
+
     def clear(self):
         """Forget the compiled kernels of this process (the disk cache keeps them)."""
         with self._lock:

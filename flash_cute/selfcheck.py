@@ -2,7 +2,8 @@
 
 Correctness: the shared blocks' kernels (score attention, LSE merge) and, once an attention
 pipeline exists for this GPU, `flash_attn_func`, each against the float64 reference by the
-FlashAttention rule. Then a few benchmark cells against torch SDPA (and FA4 when importable).
+FlashAttention rule. Then a few benchmark cells against torch SDPA (and FA4 when importable),
+with a plot.
 """
 
 import math
@@ -105,6 +106,6 @@ def run(args) -> int:
     from flash_cute import bench
 
     bench_args = bench.add_arguments(__import__("argparse").ArgumentParser()).parse_args(
-        ["--hdim", "128", "--seqlen", "4096", "--direction", "fwd", "--no-plot"]
+        ["--hdim", "128", "--seqlen", "4096", "--direction", "fwd"]
     )
     return bench.run(bench_args)

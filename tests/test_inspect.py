@@ -1,4 +1,5 @@
-"""Cross-compiling every registered kernel for its archs on the CPU, and reading the results."""
+"""Cross-compiling kernels on the CPU and reading the results: the representative ones and the
+CLI in the default run; every registered config, for each of its targets, in the `slow` sweep."""
 
 import json
 import re
@@ -14,13 +15,14 @@ from flash_cute.sass import _sval_attrs, loop_bodies, opcode_counts
 
 @pytest.fixture(scope="module")
 def inspected():
-    """`inspect --json` over all registered kernels and archs, run as users run it."""
-    proc = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--json"],
+    """`inspect --all --json` over all registered kernels and targets, run as users run it."""
+    proc = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--all", "--json"],
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_every_config_compiles_for_each_of_its_archs(inspected):
     want = sorted((c.kernel, json.dumps(c.config_dict(), sort_keys=True), a)
                   for c in CONFIGS for a in c.targets)
@@ -29,6 +31,7 @@ def test_every_config_compiles_for_each_of_its_archs(inspected):
     assert all("error" not in e for e in inspected)
 
 
+@pytest.mark.slow
 def test_each_arch_has_a_kernel_with_sass(inspected):
     for target in TARGETS:
         entries = [e for e in inspected if e["target"] == target]
@@ -36,6 +39,7 @@ def test_each_arch_has_a_kernel_with_sass(inspected):
         assert all(sum(e["sass"].values()) > 0 for e in entries)
 
 
+@pytest.mark.slow
 def test_json_schema(inspected):
     for e in inspected:
         assert set(e) >= {"kernel", "target", "config", "registers", "smem_bytes", "spill_bytes", "sass"}
@@ -49,16 +53,28 @@ def _does_softmax(kernel: str) -> bool:
     return kernel in ("blocks.softmax_rows", "blocks.lse_merge") or kernel.endswith((".fwd", ".bwd"))
 
 
+# Spills known and accepted, exactly: the sm80 forward compiled for sm_100a (what runs on
+# Blackwell until its own pipeline exists) spills at hdim 128.
+KNOWN_SPILLS = {("ampere.fwd", "sm_100a", 128): 32}
+
+
+@pytest.mark.slow
 def test_blocks_use_exp2_and_do_not_spill(inspected):
-    """No local memory anywhere up to hdim 128; beyond that a spill is reported, not hidden."""
+    """No local memory anywhere up to hdim 128 but the known spills; beyond that a spill is
+    reported, not hidden."""
     for e in inspected:
-        if (e["config"]["hdim"] or 0) <= 128:
+        hdim = e["config"]["hdim"] or 0
+        known = KNOWN_SPILLS.get((e["kernel"], e["target"], hdim))
+        if known is not None:
+            assert e["spill_bytes"] == known, e
+        elif hdim <= 128:
             assert e["spill_bytes"] == 0, e
             assert e["sass"].get("LDL", 0) == 0 and e["sass"].get("STL", 0) == 0
         if _does_softmax(e["kernel"]):
             assert e["sass"].get("MUFU.EX2", 0) > 0, f"{e['kernel']} on {e['target']} has no MUFU.EX2"
 
 
+@pytest.mark.slow
 def test_softmax_rows_reduces_over_quads(inspected):
     """The online softmax reduces max and sum across the 4 threads of a row with shuffles."""
     for e in inspected:
@@ -68,12 +84,109 @@ def test_softmax_rows_reduces_over_quads(inspected):
 
 def test_inspect_filters_and_table():
     proc = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--target", "sm_90a",
-                           "--kernel", "blocks.lse_merge"], capture_output=True, text=True, timeout=600)
+                           "--kernel", "blocks.lse_merge"], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[0].split()[:3] == ["kernel", "target", "config"]
-    assert len(lines) == 1 + len(registered_configs("blocks.lse_merge", "sm_90a"))
-    assert all("sm_90a" in line for line in lines[1:])
+    assert lines[0].split()[:4] == ["target", "regs", "smem", "spill"]
+    configs = registered_configs("blocks.lse_merge", "sm_90a")
+    # A title line per config, then its row per target.
+    assert len(lines) == 1 + 2 * len(configs)
+    assert lines[1].startswith("blocks.lse_merge  bf16 d128/128")
+    assert lines[2].split()[0] == "sm_90a"
+    assert max(len(line) for line in lines) <= 100
+
+
+@pytest.fixture(scope="module")
+def representative(tmp_path_factory):
+    """The main job on a machine without a GPU, as users run it (`python -m flash_cute`), in a
+    folder of its own: its text, its PNG and its JSON (`inspect --json`)."""
+    import os
+
+    folder = tmp_path_factory.mktemp("main_job")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    text = subprocess.run([sys.executable, "-m", "flash_cute"], capture_output=True,
+                          text=True, timeout=600, cwd=folder, env=env)
+    assert text.returncode == 0, text.stderr[-3000:]
+    js = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--json"],
+                        capture_output=True, text=True, timeout=600, env=env)
+    assert js.returncode == 0, js.stderr[-3000:]
+    return text.stdout, folder / "flash-cute-inspect.png", json.loads(js.stdout)
+
+
+def test_main_job_tells_the_story_per_target(representative):
+    """One forward kernel per target, compared in at most 100 columns, each pipeline's own
+    instructions (mma.sync and cp.async on sm80 code, WGMMA and TMA on sm90a), a PNG, and the
+    way to the full registry."""
+    text, png, entries = representative
+    assert {e["target"] for e in entries} == set(TARGETS)
+    by_target = {e["target"]: e for e in entries}
+    for target in ("sm_80", "sm_100a"):
+        ops = by_target[target]["sass"]
+        assert ops.get("HMMA", 0) > 0 and ops.get("LDGSTS", 0) > 0 and ops.get("HGMMA", 0) == 0
+    hopper = by_target["sm_90a"]["sass"]
+    assert hopper.get("HGMMA", 0) > 0 and hopper.get("UTMALDG", 0) > 0
+    assert by_target["sm_90a"]["registers_per_role"] == {"producer": 24, "consumer": 240}
+    assert all(e["sass"].get("MUFU.EX2", 0) > 0 for e in entries)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert any(line.startswith("MMA") and "HGMMA" in line and "HMMA" in line for line in lines)
+    assert "inspect --all" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_second_cross_compile_is_served_from_the_disk_cache(tmp_path, monkeypatch):
+    """The first run compiles and stores, the second finds every result (no worker runs), and
+    no scratch folder is left behind."""
+    import glob
+    import tempfile
+
+    from flash_cute import xcompile
+
+    monkeypatch.setenv("FLASH_CUTE_CACHE_DIR", str(tmp_path / "cache"))
+    entry = registered_configs("blocks.lse_merge")[0]
+    before = set(glob.glob(f"{tempfile.gettempdir()}/flash_cute_xcompile_*"))
+    first = xcompile.cross_compile([entry], ["sm_80"])
+    monkeypatch.setattr(xcompile, "_run_worker", lambda *a: pytest.fail("compiled again"))
+    second = xcompile.cross_compile([entry], ["sm_80"])
+    assert not first[0].get("cached") and second[0]["cached"]
+    assert {k: first[0][k] for k in ("registers", "sass")} == \
+        {k: second[0][k] for k in ("registers", "sass")}
+    assert set(glob.glob(f"{tempfile.gettempdir()}/flash_cute_xcompile_*")) == before
+
+
+def test_inspect_lists_kernels_and_names_them_on_a_miss():
+    listed = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--list"],
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and "hopper.bwd" in listed.stdout
+    miss = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--kernel", "hoper"],
+                          capture_output=True, text=True, timeout=120)
+    assert miss.returncode == 2 and "kernels: ampere.bwd" in miss.stderr
+    assert "hopper.fwd" in miss.stderr
+
+
+def test_inspect_says_when_nvdisasm_is_missing(monkeypatch, capsys):
+    import argparse
+
+    from flash_cute import inspection
+
+    parser = argparse.ArgumentParser()
+    inspection.add_arguments(parser)
+    monkeypatch.setattr(inspection, "nvdisasm_found", lambda: False)
+    assert inspection.run(parser.parse_args([])) == 2
+    assert "nvidia-cuda-nvdisasm" in capsys.readouterr().err
+
+
+def test_config_labels_tell_every_registered_config_apart():
+    """Within a kernel and target, no two configs print the same label (the packing, the dO
+    stages and the schedule switches show)."""
+    from flash_cute.inspection import config_label
+
+    for target in TARGETS:
+        labels = [(c.kernel, config_label(c.config_dict()))
+                  for c in registered_configs(target=target)]
+        assert len(labels) == len(set(labels)), target
 
 
 def test_inspect_rejects_unknown_target():
@@ -135,9 +248,11 @@ def test_compile_cache_builds_once_per_key():
     assert built == [1] and len(cache) == 2
 
 
+@pytest.mark.slow
 def test_ampere_fwd_is_an_sm80_mma_sync_pipeline(inspected):
     entries = [e for e in inspected if e["kernel"] == "ampere.fwd"]
-    assert {e["target"] for e in entries} == {"sm_80"}
+    # sm100 runs the ampere pipeline until the blackwell one exists: one config shows it.
+    assert {e["target"] for e in entries} == {"sm_80", "sm_100a"}
     hdims = {(e["config"]["hdim"], e["config"]["hdim_v"]) for e in entries}
     assert hdims >= {(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)}
     for e in entries:
@@ -151,6 +266,7 @@ def test_ampere_fwd_is_an_sm80_mma_sync_pipeline(inspected):
             assert e["spill_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_ampere_bwd_uses_mma_sync_and_fp32_atomics(inspected):
     entries = [e for e in inspected if e["kernel"] == "ampere.bwd"]
     assert {e["target"] for e in entries} == {"sm_80"} and len(entries) >= 6
@@ -160,6 +276,7 @@ def test_ampere_bwd_uses_mma_sync_and_fp32_atomics(inspected):
         assert ops.get("RED", 0) + ops.get("ATOMG", 0) > 0, "dQ is accumulated with atomics"
 
 
+@pytest.mark.slow
 def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
     entries = [e for e in inspected if e["kernel"] == "hopper.fwd"]
     assert {e["target"] for e in entries} == {"sm_90a"}
@@ -184,6 +301,7 @@ def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
         assert 2 * ops.get("WARPGROUP.DEPBAR", 0) <= ops["HGMMA"], (e["config"], ops)
 
 
+@pytest.mark.slow
 def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce(inspected):
     """16-bit dK and dV leave as 128-bit row stores. dQ leaves through one bulk reduce-add
     of a shared-memory tile (two, one per consumer warpgroup's half, with dq_per_wg), written
@@ -241,6 +359,7 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce
     assert atomic_configs == 2, "the atomic dQ path is cross-compiled, plain and deterministic"
 
 
+@pytest.mark.slow
 def test_hopper_dq_postprocess_stores_whole_rows(inspected):
     """dQ leaves the fragment order through a shared tile: 128-bit global stores only (a
     fragment stored straight to global memory takes 32-bit pieces of 8 rows), after one

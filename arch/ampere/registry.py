@@ -5,6 +5,9 @@ from flash_cute.kernel_config import KernelConfig, config_flags
 from .config import BWD_SCHEDULES, COMPILE_OPTIONS, FWD_SCHEDULES
 
 TARGETS = ("sm_80",)
+# sm100 runs the ampere pipeline until the blackwell one exists: one forward is also compiled
+# for it, so `inspect` shows what runs there.
+SM100_TOO = ("sm_80", "sm_100a")
 # Every switch of an ampere config, off unless the entry turns it on.
 _SWITCHES = {"causal": False, "local": False, "softcap": False, "varlen": False,
              "seqused_q": False, "seqused_k": False}
@@ -54,8 +57,9 @@ def _fwd_configs():
                            ((256, 256), {"causal": True}),
                            ((128, 128), {"causal": True, "varlen": True, "seqused_q": True,
                                          "seqused_k": True})]:
-        out.append(KernelConfig("ampere.fwd", TARGETS, "bf16", d, dv, FWD_SCHEDULES[d], build_fwd,
-                                config_flags(**{**_SWITCHES, **flags})))
+        targets = SM100_TOO if (d, flags) == (128, {"causal": True}) else TARGETS
+        out.append(KernelConfig("ampere.fwd", targets, "bf16", d, dv, FWD_SCHEDULES[d],
+                                build_fwd, config_flags(**{**_SWITCHES, **flags})))
     return tuple(out)
 
 

@@ -1,0 +1,90 @@
+"""The persistent JIT cache on the CPU: kernels compiled for a target (against meta tensors,
+launched nowhere) go to disk, later processes load them, concurrent processes compile each
+once, and a damaged entry is compiled again."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from flash_cute import disk_cache
+
+WARM = [sys.executable, "-m", "flash_cute", "cache", "warm", "--target", "sm_90a", "--hdim",
+        "64", "--causal", "1", "--direction", "fwd"]
+
+
+def _warm(cache_dir, extra=()):
+    env = {**os.environ, "FLASH_CUTE_CACHE_DIR": str(cache_dir)}
+    proc = subprocess.run(WARM + list(extra), capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    built, loaded = map(int, re.search(r"compiled (\d+), loaded (\d+)", proc.stdout).groups())
+    return built, loaded
+
+
+def _entries(cache_dir):
+    return {p: p.stat().st_mtime_ns for p in cache_dir.rglob("*.o")}
+
+
+def test_a_later_process_loads_what_an_earlier_one_compiled(tmp_path):
+    assert _warm(tmp_path) == (1, 0)
+    first = _entries(tmp_path)
+    assert len(first) == 1 and all(p.stat().st_size > 0 for p in first)
+    assert _warm(tmp_path) == (0, 1)
+    assert _entries(tmp_path) == first
+
+
+def test_processes_that_need_the_same_kernel_compile_it_once(tmp_path):
+    env = {**os.environ, "FLASH_CUTE_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen(WARM, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(4)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    counts = [tuple(map(int, re.search(r"compiled (\d+), loaded (\d+)", o).groups()))
+              for o, _ in outs]
+    assert sum(b for b, _ in counts) == 1 and sum(l for _, l in counts) == 3, counts
+
+
+def test_a_damaged_entry_is_compiled_again_and_replaced(tmp_path):
+    _warm(tmp_path)
+    (path,) = _entries(tmp_path)
+    path.write_bytes(b"not an object file")
+    assert _warm(tmp_path) == (1, 0)
+    assert path.stat().st_size > 100
+    assert _warm(tmp_path) == (0, 1)
+
+
+def test_the_fingerprint_follows_the_sources_and_versions(monkeypatch):
+    base = disk_cache.fingerprint()
+    assert re.fullmatch(r"[0-9a-f]{24}", base)
+    names = {p.name for p in disk_cache.source_files()}
+    assert {"launch.py", "fwd.py", "bwd.py", "tma.py"} <= names
+    disk_cache.fingerprint.cache_clear()
+    monkeypatch.setattr(disk_cache, "_version", lambda dist: "0-other")
+    try:
+        assert disk_cache.fingerprint() != base
+    finally:
+        disk_cache.fingerprint.cache_clear()
+
+
+def test_the_cache_is_off_with_its_switch_and_moves_with_its_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv(disk_cache.ENV_DIR, str(tmp_path / "here"))
+    assert disk_cache.cache_root() == tmp_path / "here"
+    assert disk_cache.KernelStore.default().folder.is_dir()
+    monkeypatch.setenv(disk_cache.ENV_SWITCH, "0")
+    assert disk_cache.KernelStore.default() is None
+    monkeypatch.delenv(disk_cache.ENV_DIR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert disk_cache.cache_root() == tmp_path / "xdg" / "flash-cute"
+
+
+@pytest.mark.parametrize("stale_only", [False, True])
+def test_clear_removes_this_or_only_other_builds(monkeypatch, tmp_path, stale_only):
+    monkeypatch.setenv(disk_cache.ENV_DIR, str(tmp_path))
+    (tmp_path / disk_cache.fingerprint() / "kernels").mkdir(parents=True)
+    (tmp_path / ("0" * 24)).mkdir()
+    removed = disk_cache.clear(stale_only=stale_only)
+    left = {p.name for p in tmp_path.iterdir()}
+    assert (removed, left) == ((1, {disk_cache.fingerprint()}) if stale_only else (2, set()))
