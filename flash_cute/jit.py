@@ -51,6 +51,7 @@ class CompileCache:
         self._lock = threading.Lock()
         self._store = None
         self._store_ready = False
+        self._from_disk = set()
 
     def get(self, key: CompileKey, build: Callable[[], object], options: str = ""):
         hit = self._entries.get(key)
@@ -68,7 +69,25 @@ class CompileCache:
             self._store, self._store_ready = KernelStore.default(), True
         if self._store is None:
             return build()
-        return self._store.get_or_build(f"{key!r} {options}", build)
+        loaded = self._store.loaded
+        compiled = self._store.get_or_build(f"{key!r} {options}", build)
+        if self._store.loaded > loaded:
+            self._from_disk.add(key)
+        return compiled
+
+    def loaded_from_disk(self, key: CompileKey) -> bool:
+        return key in self._from_disk
+
+    def rebuild(self, key: CompileKey, build: Callable[[], object], options: str = ""):
+        """Compile `key` here and replace its disk entry (one that loaded but does not run)."""
+        with self._lock:
+            compiled = build()
+            self._entries[key] = compiled
+            self._from_disk.discard(key)
+            if self._store is not None:
+                text = f"{key!r} {options}"
+                self._store.store(self._store.path(text), compiled, text)
+            return compiled
 
     @property
     def store(self):
@@ -79,6 +98,7 @@ class CompileCache:
         """Forget the compiled kernels of this process (the disk cache keeps them)."""
         with self._lock:
             self._entries.clear()
+            self._from_disk.clear()
             self._store_ready = False
 
     def __len__(self):
@@ -209,8 +229,17 @@ def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args, op
         return cute.compile(make_kernel(), *spec, stream, options=opts)
 
     compiled = compile_cache.get(key, build, opts)
-    if not _COMPILE_ONLY.on:
-        compiled(*[_value(a) for a in args])
+    if _COMPILE_ONLY.on:
+        return
+    values = [_value(a) for a in args]
+    try:
+        compiled(*values)
+    except TypeError:
+        # A kernel loaded from disk that refuses these arguments is an entry of an
+        # incompatible build: compile it here and replace the entry.
+        if not compile_cache.loaded_from_disk(key):
+            raise
+        compile_cache.rebuild(key, build, opts)(*values)
 
 
 class _CompileOnly(threading.local):

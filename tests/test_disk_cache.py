@@ -88,3 +88,39 @@ def test_clear_removes_this_or_only_other_builds(monkeypatch, tmp_path, stale_on
     removed = disk_cache.clear(stale_only=stale_only)
     left = {p.name for p in tmp_path.iterdir()}
     assert (removed, left) == ((1, {disk_cache.fingerprint()}) if stale_only else (2, set()))
+
+
+def test_a_loaded_kernel_that_refuses_its_arguments_is_compiled_again(monkeypatch):
+    """An entry that loads but whose function raises TypeError on the call (an incompatible
+    build) is replaced by a kernel compiled in the process; a kernel compiled here that
+    raises is not retried."""
+    from flash_cute import jit
+
+    calls = []
+
+    def refuse(*args):
+        raise TypeError("mismatched argument")
+
+    class Store:
+        loaded, built = 0, 0
+
+        def get_or_build(self, text, build):
+            self.loaded += 1
+            return refuse
+
+        def path(self, text):
+            return None
+
+        def store(self, path, compiled, text):
+            calls.append("stored")
+
+    cache = jit.CompileCache()
+    cache._store, cache._store_ready = Store(), True
+    monkeypatch.setattr(jit, "compile_cache", cache)
+    key = jit.CompileKey("k", "sm_90a", "bf16", 64, 64, ())
+    monkeypatch.setattr(jit.cute, "compile", lambda *a, **kw: lambda *v: calls.append(v))
+    jit.launch_kernel(key, lambda: None, (1.0,))
+    assert calls == ["stored", (1.0,)] and not cache.loaded_from_disk(key)
+    with pytest.raises(TypeError):
+        cache._entries[key] = refuse
+        jit.launch_kernel(key, lambda: None, (1.0,))
