@@ -40,7 +40,10 @@ t1 = time.perf_counter()
 out.backward(torch.ones_like(out))
 torch.cuda.synchronize()
 t2 = time.perf_counter()
-row = {"fwd_s": t1 - t0, "bwd_s": t2 - t1}
+ref = torch.nn.functional.scaled_dot_product_attention(
+    *(t.detach().float().transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2)
+row = {"fwd_s": t1 - t0, "bwd_s": t2 - t1,
+       "max_err": (out.detach().float() - ref).abs().max().item()}
 if which != "fa4":
     store = jit.compile_cache.store
     row.update(built=store.built if store else None, loaded=store.loaded if store else None)
@@ -80,13 +83,14 @@ def main():
             out, err = proc.communicate(timeout=600)
             line = next((ln[2:] for ln in out.splitlines() if ln.startswith("@@")), None)
             crowd_rows.append(json.loads(line) if line else {"error": err[-500:]})
-    print("| run | first fwd s | first bwd s | compiled | loaded |\n|---|---:|---:|---:|---:|")
+    print("| run | first fwd s | first bwd s | compiled | loaded | max err vs fp32 |\n"
+          "|---|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
         if "error" in row:
             print(f"| {name} | error: {row['error'][-200:]!r} | | | |")
             continue
         print(f"| {name} | {row['fwd_s']:.3f} | {row['bwd_s']:.3f} | {row.get('built', '')} | "
-              f"{row.get('loaded', '')} |")
+              f"{row.get('loaded', '')} | {row['max_err']:.1e} |")
     ok = [r for r in crowd_rows if "error" not in r]
     print(f"\n{args.processes} processes together: compiled {[r['built'] for r in ok]}, "
           f"loaded {[r['loaded'] for r in ok]}, errors {len(crowd_rows) - len(ok)}; "
