@@ -8,7 +8,7 @@ attention pipelines, ``blocks.*`` for the shared blocks' own kernels.
 """
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,17 @@ def schedule_label(schedule) -> str:
 
 def config_flags(**kw) -> tuple:
     return tuple(sorted(kw.items()))
+
+
+def forward_spec(kernel, options: str, extra: Optional[dict] = None) -> "CompileSpec":
+    """An attention forward kernel's CompileSpec: a fake `FwdArgs` of its dtype, head dims
+    and layout (padded or varlen, seqused or not), its shared memory and compile options."""
+    from flash_cute.kernel_args import fake_forward_args
+
+    args = fake_forward_args(kernel.dtype, kernel.hdim, kernel.hdim_v, kernel.varlen,
+                             seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
+    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=options,
+                       extra=extra or {})
 
 
 @dataclass

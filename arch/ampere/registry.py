@@ -16,18 +16,14 @@ _SWITCHES = {"causal": False, "local": False, "softcap": False, "varlen": False,
 def build_fwd(entry):
     """Fake padded or varlen Q/K/V/O/LSE (and seqused) with dynamic batch and lengths."""
     from flash_cute.jit import DTYPES
-    from flash_cute.kernel_args import fake_forward_args
+    from flash_cute.kernel_config import forward_spec
     from flash_cute.variant import Variant
-    from flash_cute.kernel_config import CompileSpec
 
     from .fwd import AmpereFwd
 
-    kernel = AmpereFwd(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
-                       Variant.from_flags(entry.flag_dict), schedule=tuple(entry.schedule))
-    args = fake_forward_args(DTYPES[entry.dtype], entry.hdim, entry.hdim_v, kernel.varlen,
-                             seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
-    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
-                       options=COMPILE_OPTIONS)
+    return forward_spec(AmpereFwd(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
+                                  Variant.from_flags(entry.flag_dict),
+                                  schedule=tuple(entry.schedule)), COMPILE_OPTIONS)
 
 
 def build_bwd(entry):
