@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import sys
+import textwrap
 from collections import Counter
 
 from flash_cute.registry import TARGETS, registered_configs
@@ -96,7 +97,7 @@ def format_table(entries: list) -> str:
     for e in entries:
         title = f"{e['kernel']}  {config_label(e['config'])}"
         if title != last:
-            lines.append(title)
+            lines += textwrap.wrap(title, 100, subsequent_indent="    ")
             last = title
         if "error" in e:
             lines.append(f"{e['target']:>7}  {_error_line(e)}")
