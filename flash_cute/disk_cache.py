@@ -16,7 +16,6 @@ again and replaced.
 """
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -31,7 +30,6 @@ ENV_SWITCH = "FLASH_CUTE_CACHE"
 # rather than waited for (the entry is then written by whichever finishes first).
 LOCK_TIMEOUT_S = 900.0
 _EXPORTED_NAME = "func"
-_VERSIONED = ("nvidia-cutlass-dsl", "apache-tvm-ffi", "torch")
 
 
 def enabled() -> bool:
@@ -46,11 +44,15 @@ def cache_root() -> Path:
     return Path(xdg) / "flash-cute"
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
+def _versions() -> dict:
+    """The toolchain's versions, from the modules themselves (each is imported by the time a
+    kernel is compiled or loaded; reading the installed metadata instead costs milliseconds)."""
+    import cutlass
+    import torch
+    import tvm_ffi
+
+    return {"nvidia-cutlass-dsl": cutlass.__version__, "apache-tvm-ffi": tvm_ffi.__version__,
+            "torch": torch.__version__}
 
 
 def source_files() -> list:
@@ -59,8 +61,13 @@ def source_files() -> list:
     import importlib.util
 
     arch = importlib.util.find_spec("flash_cute.arch").submodule_search_locations
-    roots = {Path(__file__).resolve().parent} | {Path(p).resolve() for p in arch}
-    return sorted({p.resolve() for root in roots for p in root.rglob("*.py")})
+    roots = {os.path.realpath(os.path.dirname(__file__))} | {os.path.realpath(p) for p in arch}
+    found = set()
+    for root in roots:
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            found.update(os.path.join(folder, f) for f in files if f.endswith(".py"))
+    return sorted(Path(p) for p in found)
 
 
 @lru_cache(maxsize=None)
@@ -69,8 +76,8 @@ def fingerprint() -> str:
     versions of the toolchain that compiles them (once per process)."""
     h = hashlib.sha256()
     h.update(f"python {sys.version_info[0]}.{sys.version_info[1]}\n".encode())
-    for dist in _VERSIONED:
-        h.update(f"{dist} {_version(dist)}\n".encode())
+    for dist, version in _versions().items():
+        h.update(f"{dist} {version}\n".encode())
     for path in source_files():
         data = path.read_bytes()
         h.update(f"{path.name} {len(data)}\n".encode())

@@ -70,14 +70,14 @@ def select_backward_pipeline(device: torch.device, forward: Pipeline, problem=No
     `problem` (when given)."""
     needed = ("backward",) if problem is None else required_capabilities(
         problem, backward=True, deterministic=deterministic)
-    if forward.backward is not None:
+    if forward.has_backward:
         check_capabilities(forward, needed)
         return forward
     major = capability_of(device)[0]
     for p in PIPELINES:
         if p.runs_on(major) and p.hardware_tested and p.missing(needed) is None:
             return p
-    takers = [p for p in PIPELINES if p.runs_on(major) and p.backward is not None]
+    takers = [p for p in PIPELINES if p.runs_on(major) and p.has_backward]
     if takers:
         check_capabilities(takers[0], needed)
     raise NotImplementedError(f"no pipeline has a backward for compute capability {major}.x")

@@ -7,6 +7,7 @@ device and has the capabilities the problem needs); ``arch=`` forces one (e.g.
 refuses, before any launch, what it lacks.
 """
 
+import contextlib
 import threading
 from collections import OrderedDict
 from typing import NamedTuple, Optional, Tuple
@@ -21,32 +22,32 @@ from flash_cute.validation import (AttentionProblem, validate_attention_inputs,
 
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                problem: AttentionProblem, pipeline: Pipeline, bwd_pipeline: Optional[Pipeline],
-                deterministic: bool):
-        out, lse = pipeline.forward(q, k, v, problem, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                                    seqused_k)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, plan: "_Plan"):
+        out, lse = plan.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-        ctx.problem, ctx.pipeline, ctx.deterministic = problem, bwd_pipeline, deterministic
+        ctx.plan = plan
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
+        q, k, v, out, lse, *lengths = ctx.saved_tensors
+        plan = ctx.plan
         dout = _kernel_ready(torch.zeros_like(out) if dout is None else dout)
         # dlse is None unless the loss used the LSE (grads are not materialized).
         dlse = None if dlse is None else dlse.contiguous()
-        key = _call_key((dout, q, k, v, out, lse), ())
-        key = None if key is None else (key, ctx.problem)
-        if _CHECKED_BACKWARDS.get(key) is None:
-            validate_backward_inputs(dout, q, k, v, out, lse, ctx.problem)
-            _CHECKED_BACKWARDS.put(key, True)
-        with torch.cuda.device(q.device):
-            dq, dk, dv = ctx.pipeline.backward(
-                dout, dlse, q, k, v, out, lse, ctx.problem, cu_seqlens_q, cu_seqlens_k,
-                seqused_q, seqused_k, ctx.deterministic)
-        return _not_differentiable(dq, dk, dv) + (None,) * 8
+        # q, k, v, out and lse are the forward's, fixed by the plan: only the incoming
+        # gradients tell this plan's backward calls apart.
+        key = _call_key((dout, dlse), ())
+        launch = plan.backwards.get(key)
+        if launch is None:
+            validate_backward_inputs(dout, q, k, v, out, lse, plan.problem)
+            launch = plan.bwd_pipeline.plan_backward(dout, dlse, q, k, v, out, lse, plan.problem,
+                                                     *lengths, plan.deterministic)
+            plan.backwards.put(key, launch)
+        with _on_device(q):
+            dq, dk, dv = launch(dout, dlse, q, k, v, out, lse, *lengths)
+        return _not_differentiable(dq, dk, dv) + (None,) * 5
 
 
 def _not_differentiable(*grads) -> tuple:
@@ -162,10 +163,13 @@ def flash_attn_varlen_func(
 
 
 class _Plan(NamedTuple):
-    """What validation and dispatch decide for a call: the problem and the pipelines."""
+    """What validation and dispatch decide for a call, and its forward launch."""
     problem: AttentionProblem
     pipeline: Pipeline
     bwd_pipeline: Optional[Pipeline]  # None when no gradient is needed
+    deterministic: bool
+    launch: object  # the pipeline's `plan_forward` for the call (a `launch.ForwardLaunch`)
+    backwards: "_BoundedCache"  # its backward launches, by the incoming gradients' `_call_key`
 
 
 class _BoundedCache:
@@ -204,54 +208,53 @@ class _BoundedCache:
             self._entries.clear()
 
 
-# Calls already validated and dispatched, by `_call_key`: a repeated call skips validation,
-# pipeline selection and the support checks, which are a third of a short call's host time
-# (bench/launch_overhead.py). Each key holds everything those read.
+# Calls already validated, dispatched and planned, by `_call_key`: a repeated call skips
+# validation, pipeline selection, the support checks and the launch's set-up, and only
+# allocates and launches (host time decides short calls: `bench latency`). Each key holds
+# everything those read; each plan holds its backward's launches (`_Plan.backwards`).
 _PLANS = _BoundedCache(256)
-_CHECKED_BACKWARDS = _BoundedCache(256)
 
 
-class _Uncached(Exception):
-    pass
+def clear_plans() -> None:
+    """Forget every planned call (the next call of each is validated and planned again)."""
+    _PLANS.clear()
 
 
-def _signature(t):
-    """What validation and dispatch read of a tensor argument (it never reads values of CUDA
-    tensors): dtype, device, shape, strides, address modulo 16 bytes, requires_grad. A tensor
-    subclass (e.g. FakeTensor under torch.compile) or a non-tensor gets no key."""
-    if t is None:
+_PLAIN = frozenset({type(None), bool, int, float, str, tuple})
+
+
+def _call_key(tensors: tuple, options: tuple) -> Optional[tuple]:
+    """A key of a call's tensors and other arguments, or None (then the call is validated
+    every time).
+
+    Of each tensor, what validation and dispatch read (they never read values of CUDA
+    tensors): dtype, device, shape, strides, address modulo 16 bytes, requires_grad; a tensor
+    subclass (e.g. FakeTensor under torch.compile) or a non-tensor gets no key. `options`:
+    plain values, and tuples of them (window_size), kept with their types (True and 1
+    validate differently but compare equal); anything else (a tensor, a list) gets no key."""
+    types = tuple(map(type, options))
+    if not _PLAIN.issuperset(types):
         return None
-    if type(t) is not torch.Tensor:
-        raise _Uncached
-    return t.dtype, t.device, t.shape, t.stride(), t.data_ptr() % 16, t.requires_grad
-
-
-_PLAIN = (type(None), bool, int, float, str)
-
-
-def _plain(value):
-    """`value` with its type, for a key (True and 1 validate differently but compare equal);
-    tuples element by element. Anything else (a tensor, a list) gets no key."""
-    if type(value) is tuple:
-        return tuple(_plain(v) for v in value)
-    if type(value) not in _PLAIN:
-        raise _Uncached
-    return type(value), value
-
-
-def _call_key(tensors: tuple, options) -> Optional[tuple]:
-    """A key of a call's tensors and other arguments (`_signature`, `_plain`), or None (then
-    the call is validated every time)."""
+    for o in options:
+        if type(o) is tuple:
+            inner = tuple(map(type, o))
+            if tuple in inner or not _PLAIN.issuperset(inner):
+                return None
+            types += inner
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return None
     try:
-        return (tuple(_signature(t) for t in tensors), _plain(options), torch.is_grad_enabled())
-    except _Uncached:
-        return None
+        signature = tuple([None if t is None else (t.dtype, t.device, t.shape, t.stride(),
+                                                   t.data_ptr() & 15, t.requires_grad)
+                           for t in tensors])
     except RuntimeError:
         # A tensor without storage (sparse, ...): validation says what is wrong with it.
         return None
+    return signature, options, types, torch.is_grad_enabled()
 
 
-def _make_plan(q, k, v, problem, arch, deterministic) -> _Plan:
+def _make_plan(q, k, v, lengths: tuple, problem, arch, deterministic) -> _Plan:
     pipeline = select_pipeline(q.device, arch, problem)
     check_capabilities(pipeline, required_capabilities(problem))
     pipeline.check_supported(problem, q.device)
@@ -260,7 +263,9 @@ def _make_plan(q, k, v, problem, arch, deterministic) -> _Plan:
     if needs_grad:
         bwd_pipeline = select_backward_pipeline(q.device, pipeline, problem, deterministic)
         bwd_pipeline.check_supported(problem, q.device, backward=True)
-    return _Plan(problem, pipeline, bwd_pipeline)
+    with torch.cuda.device(q.device):
+        launch = pipeline.plan_forward(q, k, v, problem, *lengths)
+    return _Plan(problem, pipeline, bwd_pipeline, bool(deterministic), launch, _BoundedCache(8))
 
 
 def _run(q, k, v, lengths: tuple, validate, options: tuple, arch, deterministic, return_lse):
@@ -270,10 +275,24 @@ def _run(q, k, v, lengths: tuple, validate, options: tuple, arch, deterministic,
     key = _call_key((q, k, v) + lengths, options)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(q, k, v, validate(), arch, deterministic)
+        plan = _make_plan(q, k, v, lengths, validate(), arch, deterministic)
         _PLANS.put(key, plan)
     # Kernels launch on the current device and stream: make that q's device.
-    with torch.cuda.device(q.device):
-        out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, plan.problem, plan.pipeline,
-                                        plan.bwd_pipeline, deterministic)
+    with _on_device(q):
+        if plan.bwd_pipeline is None:
+            out, lse = plan.launch(q, k, v, *lengths)
+        else:
+            out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, plan)
     return out, (lse if (return_lse or plan.bwd_pipeline is not None) else None)
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def _on_device(t: torch.Tensor):
+    """`torch.cuda.device(t.device)`, or nothing to do when it is current already (the
+    common case, for a few microseconds less per call)."""
+    index = t.get_device()
+    if index >= 0 and index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(t.device)

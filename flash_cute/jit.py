@@ -52,6 +52,8 @@ class CompileCache:
         self._store = None
         self._store_ready = False
         self._from_disk = set()
+        # Bumped by `clear` and `rebuild`: a `KernelCall` holding an older function looks again.
+        self.generation = 0
 
     def get(self, key: CompileKey, build: Callable[[], object], options: str = ""):
         hit = self._entries.get(key)
@@ -84,6 +86,7 @@ class CompileCache:
             compiled = build()
             self._entries[key] = compiled
             self._from_disk.discard(key)
+            self.generation += 1
             if self._store is not None:
                 text = f"{key!r} {options}"
                 self._store.store(self._store.path(text), compiled, text)
@@ -100,6 +103,7 @@ class CompileCache:
             self._entries.clear()
             self._from_disk.clear()
             self._store_ready = False
+            self.generation += 1
 
     def __len__(self):
         return len(self._entries)
@@ -163,17 +167,6 @@ _TORCH_TO_DSL = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float1
                  torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
 
 
-def _spec(arg):
-    """What `cute.compile` sees of a launch argument: a fake tensor with every extent and
-    stride dynamic (unit last stride), Float32 for a float, Int32 for an int, or None."""
-    if isinstance(arg, TensorArg):
-        shape = tuple(dynamic_dim() for _ in arg.tensor.shape)
-        return fake_tensor(_TORCH_TO_DSL[arg.tensor.dtype], shape, align=arg.align)
-    if isinstance(arg, bool) or not isinstance(arg, (int, float, type(None))):
-        raise TypeError(f"launch argument {arg!r}: expected a TensorArg, float, int or None")
-    return arg if arg is None else (cutlass.Float32 if isinstance(arg, float) else cutlass.Int32)(arg)
-
-
 def _value(arg):
     """What the compiled TVM-FFI function takes for it: the torch tensor (detached: DLPack
     refuses a tensor that requires grad, as autograd's inputs do), or the number itself."""
@@ -208,38 +201,95 @@ def compile_record(kernel, record, stream, options: str = ""):
     return cute.compile(entry, *record, stream, options=options)
 
 
-def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args, options: str = ""):
-    """Launch a kernel class instance's `__call__` on the current torch stream, compiling it
-    once per `key` through TVM-FFI (`--enable-tvm-ffi`): it is compiled against fake tensors
-    (dynamic shapes and strides, `TensorArg.align`) and the stream the call finds current,
-    then called with the torch tensors and Python numbers themselves, which skips the DLPack
-    conversion and argument adaptation of a `JitExecutor` call (bench/launch_overhead.py).
+class _ArgSpec(NamedTuple):
+    """What `cute.compile` needs of a tensor launch argument: its dtype, rank and alignment."""
+    dtype: object
+    rank: int
+    align: int
+
+    def fake(self):
+        return fake_tensor(_TORCH_TO_DSL[self.dtype], tuple(dynamic_dim() for _ in range(self.rank)),
+                           align=self.align)
+
+
+def _arg_spec(arg):
+    """A launch argument's compile-time description: `_ArgSpec` for a `TensorArg`, the type of
+    a float or int, or None."""
+    if isinstance(arg, TensorArg):
+        return _ArgSpec(arg.tensor.dtype, arg.tensor.dim(), arg.align)
+    if isinstance(arg, bool) or not isinstance(arg, (int, float, type(None))):
+        raise TypeError(f"launch argument {arg!r}: expected a TensorArg, float, int or None")
+    return None if arg is None else type(arg)
+
+
+def _fake(spec, example):
+    if isinstance(spec, _ArgSpec):
+        return spec.fake()
+    return None if spec is None else (cutlass.Float32 if spec is float else cutlass.Int32)(example)
+
+
+class KernelCall:
+    """One kernel of one launch configuration: compiled (or loaded from the disk cache) at its
+    first call, then its TVM-FFI function is called directly, with torch tensors and Python
+    numbers, on the current torch stream. Per-call host work is what decides short calls, so
+    everything a configuration fixes is worked out once, here and in `flash_cute.launch`.
+
     `args`: an argument record (`flash_cute.kernel_args`) for a kernel whose `__call__` takes
     one, else a tuple of the arguments before the stream; each value a `TensorArg`, a Python
-    float (a Float32 parameter), int (Int32) or None. `key` must tell apart everything that
-    changes their specs (dtypes, ranks, which are None, int against float)."""
-    is_record = hasattr(args, "_fields")
-    opts = f"{options} --enable-tvm-ffi".strip()
+    float (a Float32 parameter), int (Int32) or None. They fix the compiled specs: dtypes,
+    ranks and alignments (shapes and strides stay dynamic), which optional tensors are None,
+    float against int; `key` must tell those apart. A call passes values in the same order
+    (tensors detached where they require grad: DLPack refuses them)."""
 
-    def build():
+    __slots__ = ("key", "options", "_make_kernel", "_specs", "_examples", "_record", "_fn",
+                 "_generation")
+
+    def __init__(self, key: "CompileKey", make_kernel: Callable[[], object], args,
+                 options: str = ""):
+        self.key = key
+        self.options = f"{options} --enable-tvm-ffi".strip()
+        self._make_kernel = make_kernel
+        self._specs = tuple(_arg_spec(a) for a in args)
+        self._examples = tuple(a if type(a) in (int, float) else None for a in args)
+        self._record = type(args) if hasattr(args, "_fields") else None
+        self._fn, self._generation = None, -1
+
+    def _build(self):
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        spec = tuple(_spec(a) for a in args)
-        if is_record:
-            return compile_record(make_kernel(), type(args)(*spec), stream, opts)
-        return cute.compile(make_kernel(), *spec, stream, options=opts)
+        spec = tuple(_fake(s, e) for s, e in zip(self._specs, self._examples))
+        if self._record is not None:
+            return compile_record(self._make_kernel(), self._record(*spec), stream, self.options)
+        return cute.compile(self._make_kernel(), *spec, stream, options=self.options)
 
-    compiled = compile_cache.get(key, build, opts)
-    if _COMPILE_ONLY.on:
-        return
-    values = [_value(a) for a in args]
-    try:
-        compiled(*values)
-    except TypeError:
-        # A kernel loaded from disk that refuses these arguments is an entry of an
-        # incompatible build: compile it here and replace the entry.
-        if not compile_cache.loaded_from_disk(key):
-            raise
-        compile_cache.rebuild(key, build, opts)(*values)
+    def compiled(self):
+        """The compiled function (compiling or loading it the first time)."""
+        if self._fn is None or self._generation != compile_cache.generation:
+            self._fn = compile_cache.get(self.key, self._build, self.options)
+            self._generation = compile_cache.generation
+        return self._fn
+
+    def __call__(self, *values):
+        fn = self._fn if self._generation == compile_cache.generation else None
+        if fn is None:
+            fn = self.compiled()
+        if _COMPILE_ONLY.on:
+            return
+        try:
+            fn(*values)
+        except TypeError:
+            # A kernel loaded from disk that refuses these arguments is an entry of an
+            # incompatible build: compile it here and replace the entry.
+            if not compile_cache.loaded_from_disk(self.key):
+                raise
+            self._fn = compile_cache.rebuild(self.key, self._build, self.options)
+            self._fn(*values)
+
+
+def launch_kernel(key: "CompileKey", make_kernel: Callable[[], object], args, options: str = ""):
+    """Launch a kernel class instance's `__call__` once, compiling it once per `key`: a
+    `KernelCall` made and called on the spot (`KernelCall` for `args`). Kernels that launch
+    often keep their `KernelCall` instead (`flash_cute.launch`)."""
+    KernelCall(key, make_kernel, args, options)(*(_value(a) for a in args))
 
 
 class _CompileOnly(threading.local):

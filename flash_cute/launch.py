@@ -1,11 +1,19 @@
-"""Host-side launch plumbing shared by every pipeline's `api.py`: output allocation, the cases
-that need no kernel, support checks, one compile-cached forward launch and one backward
-sequence, each building its kernel's argument record (`flash_cute.kernel_args`)."""
+"""Host-side launch plumbing shared by every pipeline's `api.py`: support checks, the cases
+that need no kernel, and the launches of a call configuration, worked out once and kept by
+the plan cache (`flash_cute.interface`): `ForwardLaunch` (one kernel) and `BackwardLaunch`
+(preprocess, main kernel, dQ), each building its kernel's argument record
+(`flash_cute.kernel_args`) once and then passing the fields straight to TVM-FFI."""
 
 import functools
+import importlib
+import math
 from typing import Callable, NamedTuple, Optional
 
 import torch
+# Every launch calls a TVM-FFI function: importing it here, not at the first call, keeps its
+# tens of milliseconds out of that call (a kernel loaded from the disk cache then starts in a
+# few; docs/decisions.md, D-IMPORT).
+import tvm_ffi  # noqa: F401
 
 from flash_cute.kernel_args import BwdArgs, FwdArgs, score_scalars
 from flash_cute.variant import Variant, dtype_name
@@ -26,27 +34,6 @@ def check_shared_memory(pipeline: str, needed: int, device) -> None:
         raise NotImplementedError(
             f"the {pipeline} kernel needs {needed} bytes of shared memory per CTA; "
             f"{torch.cuda.get_device_name(device)} allows {available}")
-
-
-def alloc_out_lse(q: torch.Tensor, problem):
-    """O (v's head dim) and LSE (fp32, [b, h, sq] or [h, total_q]).
-
-    Varlen O is zeroed: rows after the last sequence belong to no sequence and are never
-    written, but must not hold garbage for a caller that reduces over the whole tensor. With
-    seqused_q the rows past seqused_q[b] are never written either: they get O = 0 and
-    LSE = -inf here, the outputs of a row that sees no key.
-    """
-    alloc = torch.zeros if problem.varlen or problem.has_seqused_q else torch.empty
-    out = alloc(*q.shape[:-1], problem.hdim_v, dtype=q.dtype, device=q.device)
-    if problem.varlen:
-        lse_shape = (problem.nheads, q.shape[0])
-    else:
-        lse_shape = (problem.batch, problem.nheads, q.shape[1])
-    if problem.has_seqused_q:
-        lse = torch.full(lse_shape, -float("inf"), dtype=torch.float32, device=q.device)
-    else:
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    return out, lse
 
 
 def has_no_work(q, k, problem) -> bool:
@@ -85,72 +72,151 @@ def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
     return group if filled(problem.max_seqlen_q) < 0.9 * filled(problem.max_seqlen_q * group) else 1
 
 
-def forward(name: str, kernel_cls, q, k, v, problem, cu_seqlens_q, cu_seqlens_k, seqused_q,
-            seqused_k, schedule: tuple, options: str, target: str, prepare=None,
-            pack_gqa: int = 1):
-    """Allocate, handle the no-work case, compile (cached) and launch one attention forward.
+class KernelRef(NamedTuple):
+    """A kernel class named by its module, imported when a kernel is first built: a call whose
+    kernels come from the disk cache never imports the CuTe DSL modules (tens of ms)."""
+    module: str
+    name: str
 
-    `kernel_cls(dtype, hdim, hdim_v, variant, schedule=...)` is the arch's kernel class, whose
-    `__call__` takes a `kernel_args.FwdArgs`; `prepare` adapts q/k/v first (e.g. TMA-ready
-    strides). `seqused_q` / `seqused_k`: int32 [batch] or None, as `problem` was validated.
-    `pack_gqa`: query heads per tile (`packed_heads`), for a kernel class that packs them.
-    """
-    from flash_cute.jit import DTYPES, CompileKey, TensorArg, launch_kernel, tensor_arg
+    def __call__(self, *args, **kwargs):
+        return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
 
-    _check_seqused(problem, seqused_q, seqused_k)
-    out, lse = alloc_out_lse(q, problem)
-    if has_no_work(q, k, problem):
-        lse.fill_(-float("inf"))
-        return out.zero_(), lse
+
+def _restride(t: torch.Tensor, prepare):
+    """What a launch does to `t` each call, decided once from a first call's tensor: None
+    (pass it as is), "detach" (it requires grad: DLPack refuses it) or the strides `prepare`
+    gives it (e.g. `tma_ready`'s); a launch runs with grad disabled, so a view then needs no
+    detach."""
     if prepare is not None:
-        q, k, v = (prepare(t) for t in (q, k, v))
-    variant = Variant.from_problem(problem, pack_gqa)
-    dtype = dtype_name(q.dtype)
-    key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, schedule,
-                     variant.flags())
-    varlen = problem.varlen
-    args = FwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), out=TensorArg(out),
-                   lse=TensorArg(lse, 4), **score_scalars(problem),
-                   max_seqlen_q=int(problem.max_seqlen_q),
-                   cu_seqlens_q=tensor_arg(cu_seqlens_q, 4) if varlen else None,
-                   cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
-                   seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4))
-    launch_kernel(key, lambda: kernel_cls(DTYPES[dtype], problem.hdim, problem.hdim_v, variant,
-                                          schedule=schedule), args, options)
-    return out, lse
+        stride = prepare(t).stride()
+        if stride != t.stride():
+            return stride
+    return "detach" if t.requires_grad else None
+
+
+def _apply(t, how):
+    if how is None or t is None:
+        return t
+    return t.detach() if how == "detach" else t.as_strided(t.shape, how)
+
+
+class ForwardLaunch:
+    """One attention forward's launch for a call configuration (dtypes, shapes, strides,
+    alignment, options), worked out once: the outputs' shapes and fill, the no-work case,
+    each input's restriding (`prepare`, e.g. TMA-ready strides), the kernel's scalars and its
+    `KernelCall`. Called with tensors of that configuration, it allocates and launches.
+
+    `make_kernel(dtype, hdim, hdim_v, variant, schedule=...)` builds the arch's kernel (a
+    class, or a `KernelRef`), whose `__call__` takes a `kernel_args.FwdArgs`. `seqused_q` /
+    `seqused_k`: int32 [batch] or None, as `problem` was validated. `pack_gqa`: query heads
+    per tile (`packed_heads`), for a kernel class that packs them."""
+
+    def __init__(self, name: str, make_kernel, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
+                 seqused_q, seqused_k, schedule: tuple, options: str, target: str,
+                 prepare=None, pack_gqa: int = 1):
+        from flash_cute.jit import DTYPES, CompileKey, KernelCall, TensorArg, tensor_arg
+
+        _check_seqused(problem, seqused_q, seqused_k)
+        self.out_shape = (*q.shape[:-1], problem.hdim_v)
+        self.lse_shape = ((problem.nheads, q.shape[0]) if problem.varlen
+                          else (problem.batch, problem.nheads, q.shape[1]))
+        self.dtype, self.device = q.dtype, q.device
+        # Varlen O is zeroed: rows after the last sequence belong to none and are never
+        # written. Rows past seqused_q[b] are not written either: O = 0, LSE = -inf there,
+        # what a row that sees no key gets.
+        self.zero_out = problem.varlen or problem.has_seqused_q
+        self.lse_neg_inf = problem.has_seqused_q
+        self.no_work = has_no_work(q, k, problem)
+        self.call = None
+        if self.no_work:
+            return
+        self.restride = tuple(_restride(t, prepare) for t in (q, k, v))
+        if self.restride == (None, None, None):
+            self.restride = None
+        scalars = {**score_scalars(problem), "max_seqlen_q": int(problem.max_seqlen_q)}
+        self.scalars = tuple(scalars.values())
+        variant = Variant.from_problem(problem, pack_gqa)
+        dtype = dtype_name(q.dtype)
+        key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(schedule),
+                         variant.flags())
+        out, lse = self._alloc()
+        varlen = problem.varlen
+        args = FwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), out=TensorArg(out),
+                       lse=TensorArg(lse, 4), **scalars,
+                       cu_seqlens_q=tensor_arg(cu_seqlens_q, 4) if varlen else None,
+                       cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
+                       seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4))
+        self.call = KernelCall(key, lambda: make_kernel(DTYPES[dtype], problem.hdim,
+                                                        problem.hdim_v, variant,
+                                                        schedule=tuple(schedule)),
+                               args, options)
+
+    def _alloc(self):
+        if self.zero_out:
+            out = torch.zeros(self.out_shape, dtype=self.dtype, device=self.device)
+        else:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        if self.lse_neg_inf:
+            lse = torch.full(self.lse_shape, -math.inf, dtype=torch.float32, device=self.device)
+        else:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        return out, lse
+
+    def __call__(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                 seqused_k=None):
+        out, lse = self._alloc()
+        if self.no_work:
+            lse.fill_(-math.inf)
+            return out.zero_(), lse
+        if self.restride is not None:
+            rq, rk, rv = self.restride
+            q, k, v = _apply(q, rq), _apply(k, rk), _apply(v, rv)
+        self.call(q, k, v, out, lse, *self.scalars, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                  seqused_k)
+        return out, lse
+
+
+# `ForwardLaunch.__call__` passes the record's fields in this order.
+assert FwdArgs._fields == ("q", "k", "v", "out", "lse", "softmax_scale", "softcap",
+                           "window_left", "window_right", "max_seqlen_q", "cu_seqlens_q",
+                           "cu_seqlens_k", "seqused_q", "seqused_k")
 
 
 class RowDqAccum(NamedTuple):
     """dQaccum laid out like q (fp32), added to by the main kernel (atomics) and turned into
-    dQ by `bwd_postprocess`; the default `BackwardPlan.dq_accum`. `align`: what the kernel may
-    assume of its address (a fresh allocation is 256-byte aligned; 4 promises only fp32)."""
+    dQ by `bwd_prep.Postprocess`; the default `BackwardPlan.dq_accum`. `align`: what the
+    kernel may assume of its address (a fresh allocation is 256-byte aligned; 4 promises only
+    fp32)."""
 
     align: int = 4
 
     @staticmethod
-    def alloc(q, problem):
-        # Uninitialized: the preprocess zeroes it (no fill kernel of its own).
-        return torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    def shape(q, problem) -> tuple:
+        return tuple(q.shape)
 
     @staticmethod
-    def finish(dq_accum, q, problem, cu_seqlens_q):
-        from flash_cute.bwd_prep import bwd_postprocess
+    def finisher(dq_accum, q, problem, cu_seqlens_q, target: str):
+        """`finish(dq_accum, cu_seqlens_q) -> dq` for this configuration."""
+        from flash_cute.bwd_prep import Postprocess
 
-        return bwd_postprocess(dq_accum, problem.softmax_scale, q.dtype)
+        post = Postprocess(dq_accum, q.dtype, target)
+        scale = float(problem.softmax_scale)
+        return lambda acc, cu: post(acc, scale)
 
 
 class BackwardPlan(NamedTuple):
-    """What an arch's backward main kernel needs of `backward`: its compile-key name, kernel
-    class (`kernel_cls(dtype, hdim, hdim_v, variant, schedule=..., deterministic=...)`, whose
-    `__call__` takes a `kernel_args.BwdArgs`), schedule, compile options and target; `prepare`
-    adapts q/k/v/dout first (e.g. TMA-ready strides); `dq_accum`: how dQaccum is laid out,
-    allocated (`alloc(q, problem)`, uninitialized: the preprocess zeroes it) and turned into
-    dQ (`finish(dq_accum, q, problem, cu_seqlens_q)`), with the byte alignment the kernel may
+    """What an arch's backward main kernel needs of `BackwardLaunch`: its compile-key name,
+    kernel (`kernel_cls(dtype, hdim, hdim_v, variant, schedule=..., deterministic=...)`, a
+    class or `KernelRef`, whose `__call__` takes a `kernel_args.BwdArgs`), schedule, compile
+    options and target; `prepare` adapts q/k/v/dout first (e.g. TMA-ready strides);
+    `dq_accum`: how dQaccum is laid out (`shape(q, problem)`, fp32, uninitialized: the
+    preprocess zeroes it) and turned into dQ (`finisher(dq_accum, q, problem, cu_seqlens_q,
+    target)`, a `finish(dq_accum, cu_seqlens_q) -> dq`), with the byte alignment the kernel may
     assume of it (`align`); `row_stats_align`: the same for Δ and LSE·log2 e, whose rows (one
     per head) are then padded so every row starts that aligned (a TMA needs 16-byte
     strides)."""
     name: str
-    kernel_cls: type
+    kernel_cls: object
     schedule: tuple
     options: str
     target: str
@@ -159,10 +225,11 @@ class BackwardPlan(NamedTuple):
     row_stats_align: int = 4
 
 
-def backward(plan: BackwardPlan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
-             cu_seqlens_k, seqused_q=None, seqused_k=None, deterministic: bool = False):
-    """(dq, dk, dv): preprocess (Δ, LSE·log2 e; it also zeroes the uninitialized dQaccum), the
-    main kernel of `plan` (compile-cached), then dQ from dQaccum (`plan.dq_accum.finish`).
+class BackwardLaunch:
+    """One attention backward's launches for a call configuration, worked out once (as
+    `ForwardLaunch`): preprocess (Δ, LSE·log2 e; it also zeroes the uninitialized dQaccum),
+    the main kernel of `plan`, then dQ from dQaccum (`plan.dq_accum`). Called with tensors of
+    that configuration, it returns (dq, dk, dv).
 
     With GQA the kernel writes fp32 dK/dV per query head and the group is summed here, in a
     fixed order. Varlen dK/dV start at zero: rows after the last sequence get no gradient; so
@@ -170,42 +237,120 @@ def backward(plan: BackwardPlan, dout, dlse, q, k, v, out, lse, problem, cu_seql
     added and stay 0 from dQaccum's zeros. `deterministic`: the kernel adds dQ in a fixed
     order, through zeroed per-query-tile semaphores (`dq_semaphores`).
     """
-    from flash_cute.bwd_prep import bwd_preprocess
-    from flash_cute.jit import TensorArg, launch_kernel, tensor_arg
 
-    _check_seqused(problem, seqused_q, seqused_k)
-    if has_no_work(q, k, problem):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    setup = _backward_setup(plan, problem, q.dtype, bool(deterministic))
-    delta, lse_log2 = row_stats_buffers(lse, plan.row_stats_align)
-    dq_accum = plan.dq_accum.alloc(q, problem)
-    bwd_preprocess(out, dout, lse, dlse, cu_seqlens_q, problem.max_seqlen_q, delta, lse_log2,
-                   seqused_q=seqused_q, zero=dq_accum)
-    if plan.prepare is not None:
-        q, k, v, dout = (plan.prepare(t) for t in (q, k, v, dout))
-    kv_lead = k.shape[:-2]
-    dk = setup.alloc(*kv_lead, problem.nheads, problem.hdim, dtype=setup.dkv_dtype,
-                     device=q.device)
-    dv = setup.alloc(*kv_lead, problem.nheads, problem.hdim_v, dtype=setup.dkv_dtype,
-                     device=q.device)
-    varlen, align = problem.varlen, plan.row_stats_align
-    sem = dq_semaphores(problem, plan.schedule[0], q.device) if deterministic else None
-    args = BwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), dout=TensorArg(dout),
-                   lse_log2=TensorArg(lse_log2, align), delta=TensorArg(delta, align),
-                   dq_accum=TensorArg(dq_accum, plan.dq_accum.align),
-                   dk=TensorArg(dk, setup.dkv_align), dv=TensorArg(dv, setup.dkv_align),
-                   **setup.scalars,
-                   cu_seqlens_q=tensor_arg(cu_seqlens_q, 4) if varlen else None,
-                   cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
-                   seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4),
-                   dq_semaphores=tensor_arg(sem, 4))
-    launch_kernel(setup.key, setup.make_kernel, args, plan.options)
-    dq = plan.dq_accum.finish(dq_accum, q, problem, cu_seqlens_q)
-    group = problem.qheads_per_kvhead
-    if group > 1:
-        dk = dk.view(*kv_lead, problem.nheads_kv, group, problem.hdim).sum(-2).to(q.dtype)
-        dv = dv.view(*kv_lead, problem.nheads_kv, group, problem.hdim_v).sum(-2).to(q.dtype)
-    return dq, dk, dv
+    def __init__(self, plan: BackwardPlan, dout, dlse, q, k, v, out, lse, problem,
+                 cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None,
+                 deterministic: bool = False):
+        from flash_cute.bwd_prep import Preprocess
+        from flash_cute.jit import KernelCall, TensorArg, tensor_arg
+
+        _check_seqused(problem, seqused_q, seqused_k)
+        self.no_work = has_no_work(q, k, problem)
+        if self.no_work:
+            return
+        deterministic = bool(deterministic)
+        setup = _backward_setup(plan, problem, q.dtype, deterministic)
+        self.device, self.setup = q.device, setup
+        self.scratch = _Scratch(plan.dq_accum.shape(q, problem), lse, plan.row_stats_align)
+        dq_accum, delta, lse_log2 = self.scratch.alloc()
+        self.max_seqlen_q = int(problem.max_seqlen_q)
+        self.pre = Preprocess(out, dout, lse, dlse, cu_seqlens_q, seqused_q, dq_accum,
+                              plan.target)
+        self.restride = tuple(_restride(t, plan.prepare) for t in (q, k, v, dout))
+        kv_lead = tuple(k.shape[:-2])
+        self.dk_shape = (*kv_lead, problem.nheads, problem.hdim)
+        self.dv_shape = (*kv_lead, problem.nheads, problem.hdim_v)
+        group = problem.qheads_per_kvhead
+        self.group_shapes = None if group == 1 else (
+            (*kv_lead, problem.nheads_kv, group, problem.hdim),
+            (*kv_lead, problem.nheads_kv, group, problem.hdim_v))
+        self.sem_shape = (problem.batch, problem.nheads,
+                          -(-problem.max_seqlen_q // plan.schedule[0])) if deterministic else None
+        dk, dv = self._alloc_dkv()
+        sem = self._alloc_sem()
+        varlen, align = problem.varlen, plan.row_stats_align
+        args = BwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), dout=TensorArg(dout),
+                       lse_log2=TensorArg(lse_log2, align), delta=TensorArg(delta, align),
+                       dq_accum=TensorArg(dq_accum, plan.dq_accum.align),
+                       dk=TensorArg(dk, setup.dkv_align), dv=TensorArg(dv, setup.dkv_align),
+                       **setup.scalars,
+                       cu_seqlens_q=tensor_arg(cu_seqlens_q, 4) if varlen else None,
+                       cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
+                       seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4),
+                       dq_semaphores=tensor_arg(sem, 4))
+        self.scalars = tuple(setup.scalars.values())
+        self.main = KernelCall(setup.key, setup.make_kernel, args, plan.options)
+        self.finish = plan.dq_accum.finisher(dq_accum, q, problem, cu_seqlens_q, plan.target)
+
+    def _alloc_dkv(self):
+        s = self.setup
+        return (s.alloc(self.dk_shape, dtype=s.dkv_dtype, device=self.device),
+                s.alloc(self.dv_shape, dtype=s.dkv_dtype, device=self.device))
+
+    def _alloc_sem(self):
+        if self.sem_shape is None:
+            return None
+        return torch.zeros(self.sem_shape, dtype=torch.int32, device=self.device)
+
+    def __call__(self, dout, dlse, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                 seqused_q=None, seqused_k=None):
+        if self.no_work:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq_accum, delta, lse_log2 = self.scratch.alloc()
+        self.pre(out, dout, lse, dlse, delta, lse_log2, cu_seqlens_q, seqused_q,
+                 self.max_seqlen_q, dq_accum)
+        rq, rk, rv, rdo = self.restride
+        dk, dv = self._alloc_dkv()
+        self.main(_apply(q, rq), _apply(k, rk), _apply(v, rv), _apply(dout, rdo), lse_log2, delta,
+                  dq_accum, dk, dv, *self.scalars, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                  seqused_k, self._alloc_sem())
+        dq = self.finish(dq_accum, cu_seqlens_q)
+        if self.group_shapes is not None:
+            dk = dk.view(self.group_shapes[0]).sum(-2).to(q.dtype)
+            dv = dv.view(self.group_shapes[1]).sum(-2).to(q.dtype)
+        return dq, dk, dv
+
+
+# `BackwardLaunch.__call__` passes the record's fields in this order.
+assert BwdArgs._fields == ("q", "k", "v", "dout", "lse_log2", "delta", "dq_accum", "dk", "dv",
+                           "softmax_scale", "softcap", "window_left", "window_right",
+                           "max_seqlen_k", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
+                           "seqused_k", "dq_semaphores")
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides = [1]
+    for size in reversed(shape[1:]):
+        strides.insert(0, strides[0] * size)
+    return tuple(strides)
+
+
+class _Scratch:
+    """The backward's fp32 scratch from one allocation (each is a few microseconds of host
+    time): dQaccum (`accum_shape`, contiguous, first: 256-byte aligned), then Δ and
+    LSE·log2 e, shaped like the LSE ([b, h, sq] or [h, total_q]), whose rows start
+    `align`-byte aligned (the last dim is padded in memory, not in shape)."""
+
+    def __init__(self, accum_shape: tuple, lse: torch.Tensor, align: int):
+        n = lse.shape[-1]
+        padded = -(-max(n, 1) // (align // 4)) * (align // 4)
+        self.accum_shape = tuple(accum_shape)
+        self.accum_strides = _contiguous_strides(self.accum_shape)
+        accum = -(-math.prod(self.accum_shape) // 64) * 64
+        stats_shape = (*lse.shape[:-1], padded)
+        self.stats_shape = tuple(lse.shape)
+        self.stats_strides = _contiguous_strides(stats_shape)
+        stats = -(-math.prod(stats_shape) // 64) * 64
+        self.offsets = (accum, accum + stats)
+        self.numel = accum + 2 * stats
+        self.device = lse.device
+
+    def alloc(self) -> tuple:
+        """(dq_accum, delta, lse_log2), uninitialized."""
+        buf = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        return (buf.as_strided(self.accum_shape, self.accum_strides, 0),
+                buf.as_strided(self.stats_shape, self.stats_strides, self.offsets[0]),
+                buf.as_strided(self.stats_shape, self.stats_strides, self.offsets[1]))
 
 
 class _BackwardSetup(NamedTuple):
@@ -219,9 +364,8 @@ class _BackwardSetup(NamedTuple):
 
 @functools.lru_cache(maxsize=256)
 def _backward_setup(plan: BackwardPlan, problem, dtype, deterministic: bool):
-    """What `backward` works out from its configuration alone, once per configuration (a
-    short backward's host time is on the GPU's critical path): the main kernel's compile key
-    and factory, its scalar fields (softmax scale, softcap, window, max_seqlen_k), and
+    """What `BackwardLaunch` works out from its configuration alone: the main kernel's compile
+    key and factory, its scalar fields (softmax scale, softcap, window, max_seqlen_k), and
     dK/dV's dtype (fp32 per query head for GQA, summed afterwards), alignment and
     allocation (zeroed where rows may get no gradient: varlen, seqused_k)."""
     from flash_cute.jit import DTYPES
@@ -246,20 +390,6 @@ def _check_seqused(problem, seqused_q, seqused_k) -> None:
     if given != (problem.has_seqused_q, problem.has_seqused_k):
         raise ValueError(f"seqused_q/seqused_k given: {given}, but the problem was validated "
                          f"with {(problem.has_seqused_q, problem.has_seqused_k)}")
-
-
-def row_stats_buffer(lse: torch.Tensor, align: int) -> torch.Tensor:
-    """An uninitialized fp32 tensor shaped like `lse` ([b, h, sq] or [h, total_q]) whose rows
-    start `align`-byte aligned: the last dim is padded in memory, not in shape."""
-    return row_stats_buffers(lse, align, 1)[0]
-
-
-def row_stats_buffers(lse: torch.Tensor, align: int, count: int = 2) -> tuple:
-    """`count` such tensors (`row_stats_buffer`) from one allocation."""
-    n = lse.shape[-1]
-    padded = -(-max(n, 1) // (align // 4)) * (align // 4)
-    buf = torch.empty(count, *lse.shape[:-1], padded, dtype=torch.float32, device=lse.device)
-    return tuple(buf[i, ..., :n] for i in range(count))
 
 
 def backward_compile_key(name: str, target: str, dtype: str, problem, schedule: tuple,

@@ -39,10 +39,14 @@ def spelled(capability: str) -> str:
 class Pipeline:
     """An arch pipeline as dispatch sees it.
 
-    `majors`: the compute capability majors it runs on. `forward(q, k, v, problem, cu_seqlens_q,
-    cu_seqlens_k, seqused_q, seqused_k) -> (out, lse)` and `backward(dout, dlse, q, k, v, out,
-    lse, problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, deterministic) -> (dq, dk,
-    dv)` take validated inputs. `check_supported(problem, device, backward)` raises
+    `majors`: the compute capability majors it runs on. `plan_forward(q, k, v, problem,
+    cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)` and `plan_backward(dout, dlse, q, k, v,
+    out, lse, problem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, deterministic)` take
+    validated inputs and return the launch of that call configuration, worked out once and
+    kept by the plan cache: called with the same arguments (or any of the same dtypes,
+    shapes, strides and alignment) it returns (out, lse), or (dq, dk, dv) without dlse, problem
+    and deterministic; `forward` and `backward` do both at once.
+    `check_supported(problem, device, backward)` raises
     NotImplementedError for what the capability names do not cover (head dims, shared memory).
     `takes(problem)`: whether dispatch picks it on its own for a problem it can run (None:
     always). `hardware_tested`: it ran on real hardware; a pipeline that has not (compile-
@@ -54,18 +58,33 @@ class Pipeline:
     name: str
     majors: range
     capabilities: frozenset
-    forward: Callable
+    plan_forward: Callable
     check_supported: Callable
     inspect_configs: Callable[[], tuple]
-    backward: Optional[Callable] = None
+    plan_backward: Optional[Callable] = None
     decode: Optional[Callable] = None
     takes: Optional[Callable] = None
     hardware_tested: bool = True
 
     def __post_init__(self):
-        if (BACKWARD in self.capabilities) != (self.backward is not None):
+        if (BACKWARD in self.capabilities) != (self.plan_backward is not None):
             raise ValueError(f"pipeline {self.name}: the {BACKWARD!r} capability and the "
                              "backward entry point go together")
+
+    def forward(self, q, k, v, problem, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                seqused_k=None):
+        lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        return self.plan_forward(q, k, v, problem, *lengths)(q, k, v, *lengths)
+
+    def backward(self, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q=None,
+                 cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic=False):
+        lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        return self.plan_backward(dout, dlse, q, k, v, out, lse, problem, *lengths,
+                                  deterministic)(dout, dlse, q, k, v, out, lse, *lengths)
+
+    @property
+    def has_backward(self) -> bool:
+        return self.plan_backward is not None
 
     def runs_on(self, major: int) -> bool:
         return major in self.majors

@@ -57,7 +57,7 @@ def build_bwd_prep(entry):
     """``blocks.bwd.preprocess`` and ``blocks.bwd.postprocess``."""
     from cutlass import Float32, Int32
 
-    from flash_cute.bwd_prep import BwdPostprocessKernel, BwdPreprocessKernel
+    from flash_cute.bwd_prep_kernels import BwdPostprocessKernel, BwdPreprocessKernel
     from flash_cute.jit import DTYPES, dynamic_dim, fake_stream, fake_tensor
     from flash_cute.kernel_config import CompileSpec
 

@@ -62,7 +62,9 @@ def test_the_fingerprint_follows_the_sources_and_versions(monkeypatch):
     names = {p.name for p in disk_cache.source_files()}
     assert {"launch.py", "fwd.py", "bwd.py", "tma.py"} <= names
     disk_cache.fingerprint.cache_clear()
-    monkeypatch.setattr(disk_cache, "_version", lambda dist: "0-other")
+    monkeypatch.setattr(disk_cache, "_versions",
+                        lambda: {"nvidia-cutlass-dsl": "0-other", "apache-tvm-ffi": "0",
+                                 "torch": "0"})
     try:
         assert disk_cache.fingerprint() != base
     finally:
@@ -124,3 +126,32 @@ def test_a_loaded_kernel_that_refuses_its_arguments_is_compiled_again(monkeypatc
     with pytest.raises(TypeError):
         cache._entries[key] = refuse
         jit.launch_kernel(key, lambda: None, (1.0,))
+
+
+_HIT_IMPORTS = r"""
+import sys
+from flash_cute import cache_cli
+p = __import__("argparse").ArgumentParser()
+cache_cli.add_arguments(p)
+args = p.parse_args(sys.argv[1:])
+rows = cache_cli._warm_here(args, "sm_90a")
+from flash_cute.jit import compile_cache
+kernels = sorted(m for m in sys.modules if m in {
+    "flash_cute.arch.hopper.fwd", "flash_cute.arch.hopper.bwd", "flash_cute.arch.hopper.dq_accum",
+    "flash_cute.bwd_prep_kernels"})
+print("@@", compile_cache.store.built, compile_cache.store.loaded, kernels)
+"""
+
+
+def test_a_disk_hit_imports_no_kernel_module(tmp_path):
+    """A forward and backward whose four kernels all come from disk never import the CuTe DSL
+    kernel modules (`launch.KernelRef`): they cost tens of milliseconds of the first call."""
+    both = ["--direction", "both"]
+    assert _warm(tmp_path, both)[0] == 4
+    env = {**os.environ, "FLASH_CUTE_CACHE_DIR": str(tmp_path), "CUTE_DSL_ARCH": "sm_90a"}
+    argv = WARM[4:] + both
+    proc = subprocess.run([sys.executable, "-c", _HIT_IMPORTS, *argv], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("@@"))
+    assert line == "@@ 0 4 []", line

@@ -1,6 +1,6 @@
 """CPU checks of the Hopper backward's host-side choices: its shared-memory plan, the
 deterministic dQ order (a model of the semaphore protocol on `block_range`/`m_block_range`),
-and the compile key and semaphores of `launch.backward`."""
+and the compile key and semaphores of `launch.BackwardLaunch`."""
 
 import random
 from types import SimpleNamespace
@@ -33,7 +33,8 @@ def test_varlen_dq_accum_tiles_of_different_sequences_never_overlap():
     """Every query tile of every sequence (lengths 0 to a few tiles, any packing) gets its
     own fragment-order dQaccum tile inside the allocation, so a tile's rows past its sequence
     (added as ±0) never land in another sequence's tile."""
-    from flash_cute.arch.hopper.dq_accum import accum_shape, varlen_first_tile
+    from flash_cute.arch.hopper.dq_accum import varlen_first_tile
+    from flash_cute.arch.hopper.dq_layout import accum_shape
 
     rng = random.Random(5)
     for _ in range(500):
@@ -136,7 +137,7 @@ def test_bwd_mma_splits_of_transposed_dkv():
 def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
     """hdim 128's 80-row tile takes 64 rows (still transposed scores) for causal problems up to
     SHORT_CAUSAL_BWD_ROWS query rows and keys; other head dims, varlen, longer and
-    non-causal problems keep theirs; `api.backward` hands the launcher a plan with that tile
+    non-causal problems keep theirs; `api.plan_backward` hands the launcher a plan with that tile
     and the dQaccum layout of it."""
     from flash_cute import jit, launch
     from flash_cute.arch.hopper import api
@@ -151,13 +152,13 @@ def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
 
     seen = []
     monkeypatch.setattr(jit, "current_target", lambda: "sm_90a")
-    monkeypatch.setattr(launch, "backward", lambda plan, *a: seen.append(plan))
+    monkeypatch.setattr(launch, "BackwardLaunch", lambda plan, *a: seen.append(plan))
     for sq, sk, causal in [(512, 512, True), (513, 513, True), (500, 500, False),
                            (500, 2000, True)]:
         q = torch.randn(1, sq, 2, 128, dtype=torch.bfloat16)
         k = torch.randn(1, sk, 2, 128, dtype=torch.bfloat16)
         problem = validate_attention_inputs(q, k, k, causal=causal, require_cuda=False)
-        api.backward(q, None, q, k, k, q, None, problem)
+        api.plan_backward(q, None, q, k, k, q, None, problem)
     assert [plan.schedule[0] for plan in seen] == [64, 80, 80, 80]
     # The dQ postprocess reads the tiles the main kernel wrote: 64 rows, dQ not transposed,
     # for the short problem; 80 rows of dQᵀ otherwise.

@@ -56,7 +56,7 @@ def test_short_causal_problems_take_128_rows():
 
 
 def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
-    """`api.forward` hands the launcher 128 rows for a 1k causal hdim-64 problem (and for a
+    """`api.plan_forward` hands the launcher 128 rows for a 1k causal hdim-64 problem (and for a
     packed one whose packed rows stay short), 192 for 4k causal, 1k without the mask, 1k
     causal with 4 heads packed per tile (4k packed rows), or 1k queries on 4k keys."""
     import torch
@@ -67,7 +67,7 @@ def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
 
     seen = []
     monkeypatch.setattr(jit, "current_target", lambda: "sm_90a")
-    monkeypatch.setattr(launch, "forward",
+    monkeypatch.setattr(launch, "ForwardLaunch",
                         lambda *a, **kw: seen.append((a[10][0], kw["pack_gqa"])))
     for sq, sk, causal, heads_kv, pack in [(1024, 1024, True, 4, None),
                                            (4096, 4096, True, 4, None),
@@ -79,7 +79,7 @@ def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
         k = torch.randn(1, sk, heads_kv, 64, dtype=torch.bfloat16)
         problem = validate_attention_inputs(q, k, k.clone(), causal=causal, pack_gqa=pack,
                                             require_cuda=False)
-        api.forward(q, k, k.clone(), problem)
+        api.plan_forward(q, k, k.clone(), problem)
     assert seen == [(128, 1), (192, 1), (192, 1), (128, 4), (192, 4), (192, 1)]
 
 

@@ -108,13 +108,13 @@ def poisoned_outputs(monkeypatch):
     varlen cases here have no row outside a sequence, so every row must be written)."""
     from flash_cute import launch
 
-    alloc = launch.alloc_out_lse
+    alloc = launch.ForwardLaunch._alloc
 
-    def poisoned(q, problem):
-        out, lse = alloc(q, problem)
+    def poisoned(self):
+        out, lse = alloc(self)
         return out.fill_(float("nan")), lse.fill_(float("nan"))
 
-    monkeypatch.setattr(launch, "alloc_out_lse", poisoned)
+    monkeypatch.setattr(launch.ForwardLaunch, "_alloc", poisoned)
 
 
 def _cu(lens):
@@ -196,19 +196,21 @@ def test_tma_store_clips_rows_past_seqlen_q(poisoned_outputs):
 def _packed(monkeypatch, q, k, v, **kw):
     """flash_attn_varlen_func with pack_gqa=True on the hopper pipeline; checks that this
     launch packed the whole group into its tiles."""
-    from flash_cute import launch
+    from flash_cute import interface, launch
 
     seen = []
-    real = launch.forward
+    real = launch.ForwardLaunch
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("pack_gqa"))
-        return real(*args, **kwargs)
+    class Spy(real):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("pack_gqa"))
+            super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(launch, "forward", spy)
+    interface.clear_plans()
+    monkeypatch.setattr(launch, "ForwardLaunch", Spy)
     out, lse = flash_attn_varlen_func(q, k, v, return_lse=True, arch="hopper", pack_gqa=True,
                                       **kw)
-    monkeypatch.setattr(launch, "forward", real)
+    monkeypatch.setattr(launch, "ForwardLaunch", real)
     assert seen == [q.shape[-2] // k.shape[-2]], seen
     return out, lse
 

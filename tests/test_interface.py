@@ -93,7 +93,7 @@ def test_backward_runs_in_the_forward_pipeline(capability):
 
 def test_backward_falls_back_to_a_pipeline_that_has_one(capability, monkeypatch):
     capability(9, 0)
-    forward_only = _replace(monkeypatch, HOPPER, backward=None,
+    forward_only = _replace(monkeypatch, HOPPER, plan_backward=None,
                             capabilities=HOPPER.capabilities - {"backward"})
     assert dispatch.select_backward_pipeline(torch.device("cuda"), forward_only) is AMPERE
 
@@ -346,7 +346,7 @@ def test_backward_fallback_skips_a_pipeline_without_seqused(capability, monkeypa
     capability(9, 0)
     _, padded = _seqused_problems()
     device = torch.device("cuda")
-    forward_only = _replace(monkeypatch, HOPPER, backward=None,
+    forward_only = _replace(monkeypatch, HOPPER, plan_backward=None,
                             capabilities=HOPPER.capabilities - {"backward"})
     assert dispatch.select_backward_pipeline(device, forward_only, padded) is AMPERE
     _replace(monkeypatch, AMPERE, capabilities=AMPERE.capabilities - {"seqused"})
@@ -377,11 +377,15 @@ def test_seqused_rows_of_the_outputs_are_defined_before_launch():
 
     varlen, _ = _seqused_problems()
     q = torch.randn(10, 2, 64, dtype=torch.bfloat16)
-    out, lse = launch.alloc_out_lse(q, varlen)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    out, lse = launch.ForwardLaunch("x", object, q, q, q, varlen, cu, cu, cu[1:], None,
+                                    (64, 64), "", "sm_90a")._alloc()
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    seqused = torch.tensor([3], dtype=torch.int32)
     padded = validate_attention_inputs(q[None], q[None], q[None], require_cuda=False,
-                                       seqused_q=torch.tensor([3], dtype=torch.int32))
-    out, lse = launch.alloc_out_lse(q[None], padded)
+                                       seqused_q=seqused)
+    out, lse = launch.ForwardLaunch("x", object, q[None], q[None], q[None], padded, None, None,
+                                    seqused, None, (64, 64), "", "sm_90a")._alloc()
     assert lse.shape == (1, 2, 10) and torch.equal(out, torch.zeros_like(out))
     assert torch.isneginf(lse).all()
 
@@ -392,8 +396,8 @@ def test_launch_refuses_seqused_tensors_the_problem_was_not_validated_with():
     _, padded = _seqused_problems()
     q = torch.randn(1, 10, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="problem was validated"):
-        launch.forward("x", object, q, q, q, padded, None, None, None, None, (64, 64), "",
-                       "sm_90a")
+        launch.ForwardLaunch("x", object, q, q, q, padded, None, None, None, None, (64, 64), "",
+                             "sm_90a")
 
 
 def test_call_key_holds_everything_validation_reads():
@@ -431,20 +435,21 @@ def test_a_repeated_call_is_validated_once(capability, monkeypatch):
         validated.append(kw["causal"])
         return validate_attention_inputs(*args, **kw, require_cuda=False)
 
-    def apply(q, k, v, *lengths_and_plan):
-        problem, pipeline = lengths_and_plan[4:6]
-        launched.append((problem.causal, pipeline))
-        return q, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    def plan_forward(q, k, v, problem, *lengths):
+        def launch(q, k, v, *lengths):
+            launched.append((problem.causal, "hopper"))
+            return q, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+        return launch
 
     monkeypatch.setattr(interface, "validate_attention_inputs", validate)
-    monkeypatch.setattr(interface._FlashAttnFunc, "apply", apply)
+    _replace(monkeypatch, HOPPER, plan_forward=plan_forward)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(interface, "_PLANS", interface._BoundedCache(2))
     q = torch.randn(1, 33, 2, 64, dtype=torch.bfloat16)
     for causal in (False, False, True, False, True):
         flash_cute.flash_attn_func(q, q, q, causal=causal)
     assert validated == [False, True]
-    assert launched == [(c, HOPPER) for c in (False, False, True, False, True)]
+    assert launched == [(c, "hopper") for c in (False, False, True, False, True)]
     # Bad input is still refused after a good call of the same shape.
     with pytest.raises(ValueError, match="last"):
         flash_cute.flash_attn_func(q, q, q.transpose(-1, -2).contiguous().transpose(-1, -2))
@@ -458,11 +463,9 @@ def test_a_repeated_call_is_validated_once(capability, monkeypatch):
 def _fresh_plan_caches():
     """Plans are keyed by tensors and arguments, not by the faked capability: each test
     starts from empty caches."""
-    interface._PLANS.clear()
-    interface._CHECKED_BACKWARDS.clear()
+    interface.clear_plans()
     yield
-    interface._PLANS.clear()
-    interface._CHECKED_BACKWARDS.clear()
+    interface.clear_plans()
 
 
 def test_plan_cache_forgets_the_least_recently_used_and_is_thread_safe():
@@ -509,10 +512,10 @@ def test_second_order_gradients_are_refused(capability, monkeypatch):
     capability(9, 0)
     _replace(monkeypatch, HOPPER,
              check_supported=lambda problem, device, backward=False: None,
-             forward=lambda q, k, v, problem, cu_q, cu_k, used_q, used_k: (
+             plan_forward=lambda *config: lambda q, k, v, cu_q, cu_k, used_q, used_k: (
                  q * 2.0, torch.zeros(q.shape[0], q.shape[2], q.shape[1])),
-             backward=lambda dout, dlse, q, k, v, out, lse, problem, cu_q, cu_k, used_q, used_k,
-             det: (dout * 2.0, torch.zeros_like(k), torch.zeros_like(v)))
+             plan_backward=lambda *config: lambda dout, dlse, q, k, v, out, lse, *lengths: (
+                 dout * 2.0, torch.zeros_like(k), torch.zeros_like(v)))
     monkeypatch.setattr(interface, "validate_attention_inputs",
                         lambda *a, **kw: validate_attention_inputs(*a, **kw, require_cuda=False))
     monkeypatch.setattr(interface, "validate_backward_inputs",

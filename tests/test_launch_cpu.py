@@ -7,16 +7,20 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 _COMPILE_AND_RECORD = '''
 import torch
 import flash_cute.jit as jit
-from flash_cute.bwd_prep import BwdPostprocessKernel
+from flash_cute.bwd_prep_kernels import BwdPostprocessKernel
 from flash_cute.arch.hopper.dq_accum import HopperDqPostprocess
 
 calls = []
 
 
 class Recording:
+    generation = 0
+
     def get(self, key, build, options=""):
         fn = build()
         assert type(fn).__name__ == "TVMFFIJitCompiledFunctionWithKwargs", type(fn)
@@ -68,6 +72,8 @@ launches = []
 
 
 class Recording:
+    generation = 0
+
     def get(self, key, build, options=""):
         return lambda *args: launches.append((key, args))
 
@@ -124,3 +130,35 @@ def test_backward_launches_preprocess_main_and_postprocess_with_the_planned_buff
     proc = subprocess.run([sys.executable, "-c", _BACKWARD_LAUNCHES], capture_output=True,
                           text=True, timeout=900, env=env)
     assert proc.returncode == 0 and "launched" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_kernel_call_compiles_once_and_looks_again_after_the_cache_is_cleared(monkeypatch):
+    """`KernelCall` keeps its compiled function between calls (the plan cache's launches call
+    it directly) and fetches it again once the compile cache was cleared or rebuilt."""
+    from flash_cute import jit
+
+    builds, calls = [], []
+    cache = jit.CompileCache()
+    cache._store, cache._store_ready = None, True
+    monkeypatch.setattr(jit, "compile_cache", cache)
+    monkeypatch.setattr(jit.cute, "compile",
+                        lambda *a, **kw: (builds.append(1), lambda *v: calls.append(v))[1])
+    call = jit.KernelCall(jit.CompileKey("k", "sm_90a", "bf16", 64, 64, ()), lambda: None,
+                          (1.0, 2, None))
+    call(0.5, 3, None)
+    call(0.25, 4, None)
+    assert len(builds) == 1 and calls == [(0.5, 3, None), (0.25, 4, None)]
+    cache.clear()
+    cache._store_ready = True  # clear() forgets the store; keep it off
+    call(0.125, 5, None)
+    assert len(builds) == 2 and calls[-1] == (0.125, 5, None)
+    with jit.compile_only():
+        call(1.0, 6, None)
+    assert len(calls) == 3
+
+
+def test_a_kernel_call_refuses_arguments_it_cannot_compile():
+    from flash_cute import jit
+
+    with pytest.raises(TypeError, match="expected a TensorArg"):
+        jit.KernelCall(jit.CompileKey("k", "sm_90a", "bf16", 64, 64, ()), lambda: None, (True,))

@@ -21,36 +21,53 @@ def check_supported(problem: AttentionProblem, device=None, backward: bool = Fal
                                        bwd_smem_bytes(problem.hdim, problem.hdim_v), device)
 
 
+_FWD_KERNEL = launch.KernelRef("flash_cute.arch.ampere.fwd", "AmpereFwd")
+_BWD_KERNEL = launch.KernelRef("flash_cute.arch.ampere.bwd", "AmpereBwd")
+
+
 def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
             seqused_q=None, seqused_k=None, schedule=None):
     """(out, lse) for validated inputs. `schedule` overrides (tile_m, tile_n, num_warps) for
     ablations; seqused_q/seqused_k: int32 [batch] or None, as `problem` was validated."""
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    return plan_forward(q, k, v, problem, *lengths, schedule=schedule)(q, k, v, *lengths)
+
+
+def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
+                 seqused_q=None, seqused_k=None, schedule=None) -> launch.ForwardLaunch:
+    """The `launch.ForwardLaunch` of `forward`'s call configuration."""
     from flash_cute.jit import current_target
 
-    from .fwd import AmpereFwd
-
-    return launch.forward("ampere.fwd", AmpereFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k, tuple(schedule or FWD_SCHEDULES[problem.hdim]),
-                          COMPILE_OPTIONS, current_target())
+    return launch.ForwardLaunch("ampere.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
+                                cu_seqlens_k, seqused_q, seqused_k,
+                                tuple(schedule or FWD_SCHEDULES[problem.hdim]), COMPILE_OPTIONS,
+                                current_target())
 
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False):
-    """(dq, dk, dv) through `AmpereBwd` (see `flash_cute.launch.backward`); dQ is added by fp32
+    """(dq, dk, dv) through `AmpereBwd` (see `flash_cute.launch.BackwardLaunch`); dQ is added by fp32
     atomics, so `deterministic` is refused (the descriptor does not list it)."""
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    return plan_backward(dout, dlse, q, k, v, out, lse, problem, *lengths, deterministic)(
+        dout, dlse, q, k, v, out, lse, *lengths)
+
+
+def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
+                  cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                  deterministic: bool = False) -> launch.BackwardLaunch:
+    """The `launch.BackwardLaunch` of `backward`'s call configuration."""
     from flash_cute.jit import current_target
 
     if deterministic:
         raise NotImplementedError("deterministic=True: the ampere backward adds dQ with fp32 "
                                   "atomics, whose order varies")
     plan = _bwd_plan(problem.hdim, current_target())
-    return launch.backward(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
-                           cu_seqlens_k, seqused_q, seqused_k, deterministic)
+    return launch.BackwardLaunch(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
+                                 cu_seqlens_k, seqused_q, seqused_k, deterministic)
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_plan(hdim: int, target: str) -> launch.BackwardPlan:
-    from .bwd import AmpereBwd
-
-    return launch.BackwardPlan("ampere.bwd", AmpereBwd, BWD_SCHEDULES[hdim], COMPILE_OPTIONS,
+    return launch.BackwardPlan("ampere.bwd", _BWD_KERNEL, BWD_SCHEDULES[hdim], COMPILE_OPTIONS,
                                target)

@@ -21,13 +21,22 @@ def check_supported(problem: AttentionProblem, device=None, backward: bool = Fal
         launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
 
 
+_FWD_KERNEL = launch.KernelRef("flash_cute.arch.hopper.fwd", "HopperFwd")
+_BWD_KERNEL = launch.KernelRef("flash_cute.arch.hopper.bwd", "HopperBwd")
+
+
 def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
             seqused_q=None, seqused_k=None, schedule=None):
     """(out, lse) for validated inputs. `schedule` overrides the `config.FwdSchedule` for
     ablations; seqused_q/seqused_k: int32 [batch] or None, as `problem` was validated."""
-    from flash_cute.jit import current_target
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    return plan_forward(q, k, v, problem, *lengths, schedule=schedule)(q, k, v, *lengths)
 
-    from .fwd import HopperFwd
+
+def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
+                 seqused_q=None, seqused_k=None, schedule=None) -> launch.ForwardLaunch:
+    """The `launch.ForwardLaunch` of `forward`'s call configuration."""
+    from flash_cute.jit import current_target
 
     target = current_target()
     if target != "sm_90a":
@@ -37,17 +46,26 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
     short = short_causal(problem.causal, problem.max_seqlen_q * pack, problem.max_seqlen_k)
     schedule = tuple(schedule or fwd_schedule(problem.hdim, pack,
                                               problem.varlen or problem.has_seqused_q, short))
-    return launch.forward("hopper.fwd", HopperFwd, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
-                          seqused_q, seqused_k, schedule, COMPILE_OPTIONS, target,
-                          prepare=tma_ready, pack_gqa=pack)
+    return launch.ForwardLaunch("hopper.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
+                                cu_seqlens_k, seqused_q, seqused_k, schedule, COMPILE_OPTIONS,
+                                target, prepare=tma_ready, pack_gqa=pack)
 
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
              schedule=None):
-    """(dq, dk, dv) through `HopperBwd` (see `flash_cute.launch.backward`); `deterministic`
+    """(dq, dk, dv) through `HopperBwd` (see `flash_cute.launch.BackwardLaunch`); `deterministic`
     makes dQ bitwise reproducible. `schedule` overrides the `config.BwdSchedule` for
     ablations."""
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    return plan_backward(dout, dlse, q, k, v, out, lse, problem, *lengths, deterministic,
+                         schedule)(dout, dlse, q, k, v, out, lse, *lengths)
+
+
+def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
+                  cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
+                  schedule=None) -> launch.BackwardLaunch:
+    """The `launch.BackwardLaunch` of `backward`'s call configuration."""
     from flash_cute.jit import current_target
 
     target = current_target()
@@ -58,8 +76,8 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
                      short_causal(problem.causal, problem.max_seqlen_q, problem.max_seqlen_k,
                                   SHORT_CAUSAL_BWD_ROWS),
                      None if schedule is None else tuple(schedule), target)
-    return launch.backward(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
-                           cu_seqlens_k, seqused_q, seqused_k, deterministic)
+    return launch.BackwardLaunch(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
+                                 cu_seqlens_k, seqused_q, seqused_k, deterministic)
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,12 +86,11 @@ def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, schedule, targe
     (`schedule` or the head dim's default, `short`: `config.short_causal`), where the dQ tile
     fits in shared memory the fragment-order dQaccum (`TiledDqAccum`), else one laid out like
     q, and `config.bwd_compile_options`; LSE₂ and Δ rows 16-byte aligned for their TMA."""
-    from .bwd import HopperBwd
-    from .dq_accum import TiledDqAccum
+    from .dq_layout import TiledDqAccum
 
     schedule = BwdSchedule(*(schedule or bwd_schedule(hdim, varlen, short)))
     dq_accum = (TiledDqAccum.of(schedule, hdim)
                 if bwd_smem_plan(hdim, hdim_v, schedule).dq_tma else launch.RowDqAccum(16))
-    return launch.BackwardPlan("hopper.bwd", HopperBwd, tuple(schedule),
+    return launch.BackwardPlan("hopper.bwd", _BWD_KERNEL, tuple(schedule),
                                bwd_compile_options(schedule), target, prepare=tma_ready,
                                dq_accum=dq_accum, row_stats_align=16)

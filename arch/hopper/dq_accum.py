@@ -21,7 +21,6 @@ thread's fragment back to rows and columns through the same tiled MMA and writes
 dQ = dQaccum · scale in the input dtype, like q.
 """
 
-import functools
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -71,7 +70,7 @@ def as_vectors(acc: cute.Tensor) -> cute.Tensor:
 def varlen_first_tile(first_row, batch, tile_m: int):
     """Index of sequence `batch`'s first dQaccum tile (varlen), its first row being
     cu_seqlens_q[batch]: the tiles of different sequences never overlap and all lie below
-    `accum_shape`'s total_q // tile_m + batch (tests/test_hopper_bwd_cpu.py checks both)."""
+    `dq_layout.accum_shape`'s total_q // tile_m + batch (tests/test_hopper_bwd_cpu.py checks both)."""
     return first_row // tile_m + batch
 
 
@@ -96,15 +95,6 @@ def reduce_add_tile(mdQaccum: cute.Tensor, sdQ: cute.Tensor, seq: SeqInfo, head,
         cp_reduce_async_bulk_global_shared_cta((g.iterator + chunk * n),
                                                (sdQ.iterator + chunk * n), n * 4,
                                                op=CpReduceOp.ADD, type=CpReduceType.F32)
-
-
-def accum_shape(batch: int, seqlen_q: int, nheads: int, tile_m: int, hdim: int,
-                total_q: Optional[int] = None) -> tuple:
-    """dQaccum's shape: padded, or varlen when `total_q` is given (its batch is then the
-    number of sequences)."""
-    if total_q is not None:
-        return (total_q // tile_m + batch, nheads, tile_m * hdim)
-    return (batch, -(-seqlen_q // tile_m), nheads, tile_m * hdim)
 
 
 class HopperDqPostprocess:
@@ -133,7 +123,7 @@ class HopperDqPostprocess:
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32,
                  mCuSeqlensQ: Optional[cute.Tensor], max_seqlen_q: Int32,
                  stream: cuda.CUstream):
-        """mdQaccum as `accum_shape`; mdQ like q; cu_seqlens_q [b + 1] when varlen."""
+        """mdQaccum as `dq_layout.accum_shape`; mdQ like q; cu_seqlens_q [b + 1] when varlen."""
         mdQaccum = assume_aligned_strides(mdQaccum, _VEC)
         mdQ = assume_aligned_strides(mdQ, self.vec)
         batch = SeqInfo.num_batches(mdQ, mCuSeqlensQ)
@@ -179,64 +169,3 @@ class HopperDqPostprocess:
             cute.arch.barrier()
             g = cute.local_tile(seq.q_view(mdQ, head), tile, (m_block, 0))
             store_tile_rows(store, tidx, sdQ, g, valid_rows)
-
-
-class TiledDqAccum:
-    """`launch.backward`'s dQaccum for the Hopper kernels with the shared dQ tile: allocates
-    the fragment-order tiles and turns them into dQ (`HopperDqPostprocess`)."""
-
-    # Fragment-order tiles, each 16-byte aligned for the bulk reduce-add.
-    align = 16
-
-    def __init__(self, tile_m: int, split: tuple, swapped: bool = False):
-        self.tile_m, self.split, self.swapped = tile_m, split, swapped
-
-    @classmethod
-    def of(cls, schedule: tuple, hdim: int) -> "TiledDqAccum":
-        """The dQaccum of backward schedule `schedule`: its query rows, the dQ WGMMA's split
-        over the consumer warpgroups and whether dQ is computed transposed."""
-        from .config import BwdSchedule, bwd_mma_splits, dq_swapped
-
-        schedule = BwdSchedule(*schedule)
-        return cls(schedule.tile_m, bwd_mma_splits(schedule, hdim)["dq"], dq_swapped(schedule))
-
-    def alloc(self, q, problem):
-        import torch
-
-        if problem.varlen:
-            shape = accum_shape(problem.batch, 0, problem.nheads, self.tile_m, problem.hdim,
-                                total_q=q.shape[0])
-        else:
-            shape = accum_shape(q.shape[0], q.shape[1], problem.nheads, self.tile_m,
-                                problem.hdim)
-        # Zeroed by `launch.backward`'s preprocess.
-        return torch.empty(shape, dtype=torch.float32, device=q.device)
-
-    def finish(self, dq_accum, q, problem, cu_seqlens_q):
-        """dQ shaped like q (varlen rows outside every sequence: 0)."""
-        import torch
-
-        from flash_cute.jit import TensorArg, current_target, launch_kernel, tensor_arg
-
-        dq = (torch.zeros_like if problem.varlen else torch.empty_like)(q)
-        if dq.numel() == 0:
-            return dq
-        key, make_kernel = self._postprocess(q.dtype, problem.hdim, problem.varlen,
-                                             current_target())
-        args = (TensorArg(dq_accum), TensorArg(dq), float(problem.softmax_scale),
-                tensor_arg(cu_seqlens_q, 4), int(problem.max_seqlen_q))
-        launch_kernel(key, make_kernel, args)
-        return dq
-
-    @functools.lru_cache(maxsize=None)
-    def _postprocess(self, dtype, hdim: int, varlen: bool, target: str) -> tuple:
-        """The postprocess's compile key and kernel factory, once per configuration."""
-        from flash_cute.jit import DTYPES, CompileKey
-        from flash_cute.variant import dtype_name
-
-        name = dtype_name(dtype)
-        key = CompileKey("hopper.bwd.dq_postprocess", target, name, hdim, None,
-                         (self.tile_m, *self.split),
-                         (("varlen", varlen), ("swapped", self.swapped)))
-        return key, lambda: HopperDqPostprocess(DTYPES[name], hdim, self.tile_m, self.split,
-                                                varlen, self.swapped)

@@ -25,8 +25,8 @@ HOPPER = Pipeline(
     capabilities=frozenset({caps.FORWARD, caps.BACKWARD, caps.CAUSAL, caps.LOCAL, caps.SOFTCAP,
                             caps.GQA, caps.VARLEN, caps.SEQUSED, caps.PACK_GQA,
                             caps.DETERMINISTIC}),
-    forward=api.forward,
-    backward=api.backward,
+    plan_forward=api.plan_forward,
+    plan_backward=api.plan_backward,
     check_supported=api.check_supported,
     inspect_configs=_inspect_configs,
 )

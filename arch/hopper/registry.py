@@ -55,7 +55,8 @@ def build_dq_postprocess(entry):
     from flash_cute.jit import DTYPES, dynamic_dim, fake_stream, fake_tensor
     from flash_cute.kernel_config import CompileSpec
 
-    from .dq_accum import HopperDqPostprocess, TiledDqAccum
+    from .dq_accum import HopperDqPostprocess
+    from .dq_layout import TiledDqAccum
 
     dtype = DTYPES[entry.dtype]
     varlen = entry.flag_dict["varlen"]
