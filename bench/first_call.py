@@ -2,12 +2,15 @@
 
     python bench/first_call.py [--hdim 128] [--seqlen 1024] [--processes 8] [--no-fa4]
 
-Each measurement runs in a fresh process with `cutlass` and `flash_cute` already imported, and
-times the first forward and the first backward (to a synchronize) of a causal bf16 problem:
+Each measurement runs in a fresh process with `cutlass` and `flash_cute` already imported (and
+torch's autograd warmed by a tiny backward: torch's first one imports sympy, seconds that belong
+to neither library), and times the first forward and the first backward (to a synchronize) of
+a causal bf16 problem:
 
 * cold: an empty cache folder (`FLASH_CUTE_CACHE_DIR`), so every kernel compiles;
 * hit: the folder the cold run filled, so every kernel loads from disk;
-* FA4 cold (`flash_attn.cute`, its own cache off, as it ships), in the same run;
+* FA4 cold (`flash_attn.cute`, its own cache off, as it ships), in the same run, and its
+  disk hit with its opt-in cache on;
 * N processes started together on another empty folder: how many kernels each compiled and
   loaded (the sum of compiles should be the number of distinct kernels).
 """
@@ -31,6 +34,9 @@ else:
     attn = flash_cute.flash_attn_func
 q, k, v = (torch.randn(1, seqlen, 2048 // hdim, hdim, device="cuda", dtype=torch.bfloat16,
                        requires_grad=True) for _ in range(3))
+# torch's own first backward with a gradient argument imports sympy (seconds, whatever the
+# library): done first, so the times below are the library's.
+(torch.ones(2, device="cuda", requires_grad=True) * 2).backward(torch.ones(2, device="cuda"))
 torch.cuda.synchronize()
 t0 = time.perf_counter()
 out = attn(q, k, v, causal=True)
@@ -51,8 +57,11 @@ print("@@" + json.dumps(row))
 """
 
 
-def run_child(which: str, args, cache: str) -> dict:
+def run_child(which: str, args, cache: str, fa4_cache: str = "") -> dict:
     env = {**os.environ, "FLASH_CUTE_CACHE_DIR": cache}
+    if fa4_cache:
+        env.update(FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1",
+                   FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=fa4_cache)
     proc = subprocess.run([sys.executable, "-c", _CHILD, which, str(args.hdim), str(args.seqlen)],
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode:
@@ -73,6 +82,9 @@ def main():
                 "flash_cute disk hit": run_child("ours", args, cache)}
         if not args.no_fa4:
             rows["fa4 cold"] = run_child("fa4", args, cache)
+            fa4_cache = os.path.join(tmp, "fa4")
+            run_child("fa4", args, cache, fa4_cache)
+            rows["fa4 disk hit (its cache on)"] = run_child("fa4", args, cache, fa4_cache)
         env = {**os.environ, "FLASH_CUTE_CACHE_DIR": crowd}
         procs = [subprocess.Popen([sys.executable, "-c", _CHILD, "ours", str(args.hdim),
                                    str(args.seqlen)], stdout=subprocess.PIPE,

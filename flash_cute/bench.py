@@ -829,7 +829,12 @@ def _provider_list(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the `bench` options to `parser` (the `bench` subparser of the CLI)."""
+    """Add the `bench` options to `parser` (the `bench` subparser of the CLI), with those of
+    `bench latency` (`flash_cute.bench_latency`, which `flash_cute.__main__` runs)."""
+    parser.add_argument("what", nargs="?", choices=("throughput", "latency"),
+                        default="throughput",
+                        help="throughput: TFLOP/s over the grid (default); latency: host time "
+                             "per call of a tiny problem (flash_cute.bench_latency)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small grid: hdim {QUICK_HDIMS}, (batch, seqlen) {QUICK_SIZES}")
     parser.add_argument("--hdim", type=_int_list, default=None,
@@ -848,6 +853,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    latency = parser.add_argument_group("latency")
+    latency.add_argument("--calls", type=int, default=100,
+                         help="calls per timed loop (a fwd+bwd step queues ~5 kernels each: "
+                              "keep calls x kernels under CUDA's ~1000 queued launches)")
+    latency.add_argument("--rounds", type=int, default=7, help="rounds per provider and case")
+    latency.add_argument("--cases", default="fwd,fwd_bwd", help="fwd, fwd_bwd")
+    latency.add_argument("--json", default=None, help="write the records here")
     return parser
 
 

@@ -467,3 +467,19 @@ def test_sass_diff_names_each_changed_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "sass.HGMMA.64x128x16.F32.BF16 40 -> 41" in out
     assert '"hdim": 64' in out and '"hdim": 96' in out
+
+
+def test_latency_table_and_cli_without_a_gpu(capsys):
+    """`bench latency` parses with the bench options, refuses to run without CUDA, and its
+    table has one row per provider with host, gpu and loop columns per case."""
+    from flash_cute import __main__ as cli
+    from flash_cute import bench_latency
+
+    if not __import__("torch").cuda.is_available():
+        assert cli.main(["bench", "latency", "--calls", "5", "--providers", "flash_cute"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    records = [{"provider": p, "case": c, "host_us": h, "gpu_us": 6.0, "loop_us": h + 1}
+               for p, h in (("flash_cute", 25.4), ("fa4", 89.1)) for c in ("fwd", "fwd_bwd")]
+    table = bench_latency.format_table(records).splitlines()
+    assert table[0].count("host") == 2 and table[2].startswith("| flash_cute | 25.4 | 6.0 | 26.4")
+    assert table[3].startswith("| fa4 | 89.1")
