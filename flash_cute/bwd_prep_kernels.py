@@ -111,7 +111,8 @@ class BwdPreprocessKernel:
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.zero_fill):
             self.zero_share(zeros, tidx)
-        seq = SeqInfo(batch, mO.shape[1], mO.shape[1], mCuSeqlensQ, mCuSeqlensQ, mSeqUsedQ)
+        rows = SeqInfo.extent(mO, mCuSeqlensQ)
+        seq = SeqInfo(batch, rows, rows, mCuSeqlensQ, mCuSeqlensQ, mSeqUsedQ)
         valid_rows = seq.seqlen_q - m_block * self.tile_m
         if valid_rows > 0:
             self.store_lse_log2(self.row_tile(seq.lse_view(mLSE, head), m_block),

@@ -8,6 +8,7 @@ refuses, before any launch, what it lacks.
 """
 
 import contextlib
+import os
 import threading
 from collections import OrderedDict
 from typing import NamedTuple, Optional, Tuple
@@ -16,8 +17,8 @@ import torch
 
 from flash_cute.dispatch import check_capabilities, select_backward_pipeline, select_pipeline
 from flash_cute.pipeline import Pipeline, required_capabilities
-from flash_cute.validation import (AttentionProblem, validate_attention_inputs,
-                                   validate_backward_inputs)
+from flash_cute.validation import (AttentionProblem, check_index_contents,
+                                   validate_attention_inputs, validate_backward_inputs)
 
 
 class _FlashAttnFunc(torch.autograd.Function):
@@ -215,6 +216,23 @@ class _BoundedCache:
 _PLANS = _BoundedCache(256)
 
 
+# The opt-in content check (`check_inputs`), from FLASH_CUTE_CHECK_INPUTS=1 at import.
+_CHECK_INPUTS = [os.environ.get("FLASH_CUTE_CHECK_INPUTS", "0") not in ("", "0")]
+
+
+def check_inputs(on: bool = True) -> bool:
+    """Check the *contents* of every call's cu_seqlens and seqused (non-decreasing from 0,
+    ending inside the tensor; seqused within each sequence's span; max_seqlen covering the
+    longest sequence), raising ValueError that names the tensor and the entry. Off by default
+    (also `FLASH_CUTE_CHECK_INPUTS=1`): it reads them to the host, one device sync per call,
+    which breaks CUDA graph capture and stalls the launch queue. Turn it on while developing
+    a serving or packing path, or to find which batch feeds bad indices; with it off, bad
+    contents never make a kernel touch memory outside its tensors (`flash_cute.seqlen`), but
+    give meaningless values. Returns the previous setting."""
+    previous, _CHECK_INPUTS[0] = _CHECK_INPUTS[0], bool(on)
+    return previous
+
+
 def clear_plans() -> None:
     """Forget every planned call (the next call of each is validated and planned again)."""
     _PLANS.clear()
@@ -277,6 +295,10 @@ def _run(q, k, v, lengths: tuple, validate, options: tuple, arch, deterministic,
     if plan is None:
         plan = _make_plan(q, k, v, lengths, validate(), arch, deterministic)
         _PLANS.put(key, plan)
+    if _CHECK_INPUTS[0] and lengths != (None, None, None, None):
+        # Contents change from call to call under the same key: checked every call.
+        check_index_contents(q, k, *lengths, plan.problem.max_seqlen_q,
+                             plan.problem.max_seqlen_k)
     # Kernels launch on the current device and stream: make that q's device.
     with _on_device(q):
         if plan.bwd_pipeline is None:

@@ -21,21 +21,36 @@ class SeqInfo(DslState):
     `seqlen_q` / `seqlen_k` are the lengths a kernel works on: seqused[batch] when given (the
     rows after it are padding no kernel reads or writes), else the span's length.
 
+    `extent_q` / `extent_k` (`extent`): the padded length, or varlen the rows of the packed
+    tensor. Whatever cu_seqlens and seqused hold, every offset and length is clamped to them
+    (bounds by construction): a span starts in [0, extent] and ends in [start, extent], a
+    used length lies in [0, span]. Rows past a clamped end count as empty, so no index
+    content makes a kernel touch memory outside its tensors; validation's content check
+    (`FLASH_CUTE_CHECK_INPUTS=1`) turns such contents into errors instead.
+
     `pack` > 1 (packed GQA): Q, O and LSE come as `flash_cute.layouts.pack_heads` views, whose
     row mode holds `pack` rows per query; `rows_q` counts them. Lengths stay in queries.
     """
 
-    def __init__(self, batch: Int32, seqlen_q_static, seqlen_k_static,
+    def __init__(self, batch: Int32, extent_q, extent_k,
                  cu_seqlens_q: Optional[cute.Tensor] = None, cu_seqlens_k: Optional[cute.Tensor] = None,
                  seqused_q: Optional[cute.Tensor] = None, seqused_k: Optional[cute.Tensor] = None,
                  pack: int = 1):
         self.varlen = cu_seqlens_q is not None
         self.pack = pack
-        self.offset_q, self.seqlen_q = _offset_and_length(batch, seqlen_q_static, cu_seqlens_q,
+        self.offset_q, self.seqlen_q = _offset_and_length(batch, extent_q, cu_seqlens_q,
                                                           seqused_q)
-        self.offset_k, self.seqlen_k = _offset_and_length(batch, seqlen_k_static, cu_seqlens_k,
+        self.offset_k, self.seqlen_k = _offset_and_length(batch, extent_k, cu_seqlens_k,
                                                           seqused_k)
         self.batch = batch
+
+    @staticmethod
+    def extent(t: cute.Tensor, cu_seqlens: Optional[cute.Tensor] = None):
+        """The row extent of Q/K-like `t` for `SeqInfo`: its packed rows (varlen) or its
+        padded length."""
+        if cutlass.const_expr(cu_seqlens is not None):
+            return t.shape[0]
+        return t.shape[1]
 
     @staticmethod
     def num_batches(mQ: cute.Tensor, cu_seqlens_q: Optional[cute.Tensor] = None):
@@ -68,12 +83,14 @@ class SeqInfo(DslState):
         return mLSE[self.batch, head, None]
 
 
-def _offset_and_length(batch: Int32, seqlen_static, cu_seqlens: Optional[cute.Tensor],
+def _offset_and_length(batch: Int32, extent, cu_seqlens: Optional[cute.Tensor],
                        seqused: Optional[cute.Tensor]):
-    """(first row, used length) of one sequence of one side (Q or K/V)."""
-    offset = cu_seqlens[batch] if cutlass.const_expr(cu_seqlens is not None) else Int32(0)
-    if cutlass.const_expr(seqused is not None):
-        return offset, seqused[batch]
+    """(first row, used length) of one sequence of one side (Q or K/V), clamped to `extent`."""
     if cutlass.const_expr(cu_seqlens is not None):
-        return offset, cu_seqlens[batch + 1] - offset
-    return offset, Int32(seqlen_static)
+        offset = cutlass.min(cutlass.max(cu_seqlens[batch], Int32(0)), extent)
+        span = cutlass.min(cutlass.max(cu_seqlens[batch + 1], offset), extent) - offset
+    else:
+        offset, span = Int32(0), Int32(extent)
+    if cutlass.const_expr(seqused is not None):
+        return offset, cutlass.min(cutlass.max(seqused[batch], Int32(0)), span)
+    return offset, span

@@ -602,8 +602,11 @@ def _packed_offsets(name, cu, total, force) -> list[int] | None:
     if not _should_read(cu, force):
         return None
     offsets = cu.tolist()
-    if offsets[0] < 0:
-        raise ValueError(f"{name}[0] must be >= 0 (normally 0), got {name}={offsets}")
+    if offsets[0] != 0:
+        # flash_attn's convention (a cumulative sum with a leading 0); a nonzero start is
+        # almost always an off-by-one (cu_seqlens[1:] passed), so it is refused (D-CU0).
+        raise ValueError(f"{name}[0] must be 0 (cu_seqlens are cumulative lengths starting at "
+                         f"0), got {name}={offsets}")
     for i in range(1, len(offsets)):
         if offsets[i] < offsets[i - 1]:
             raise ValueError(
@@ -636,6 +639,31 @@ def _check_seqused_values(name: str, used: list[int], capacity: Iterable[int]) -
                 f"{name}[{b}]={n} must be in [0, {cap}] (the tokens sequence {b} holds); "
                 f"got {name}={used}"
             )
+
+
+def check_index_contents(q, k, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                         seqused_k=None, max_seqlen_q=None, max_seqlen_k=None) -> None:
+    """The content check of one call (`flash_cute.check_inputs`): the values of its index
+    tensors, read to the host in one transfer (one device sync), against the rules
+    `validate_attention_inputs(check_contents=True)` applies — cu_seqlens start at 0, do not
+    decrease and end inside the tensor; seqused[b] lies in [0, span of sequence b]; max_seqlen
+    covers the longest used length. Raises ValueError naming the tensor and the entry."""
+    named = [t for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) if t is not None]
+    if not named:
+        return
+    flat = torch.cat([t.reshape(-1) for t in named]).cpu() if len(named) > 1 else \
+        named[0].reshape(-1).cpu()
+    host, at = [], 0
+    for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        if t is None:
+            host.append(None)
+            continue
+        host.append(flat[at:at + t.numel()])
+        at += t.numel()
+    varlen = cu_seqlens_q is not None
+    max_q = max_seqlen_q if varlen else q.shape[1]
+    max_k = max_seqlen_k if varlen else k.shape[1]
+    _check_seqlen_contents(q, k, *host, max_q, max_k, force=False)
 
 
 # ---------------------------------------------------------------------------

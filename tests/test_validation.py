@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from flash_cute import validation
 from flash_cute.validation import (
     AttentionProblem,
     validate_attention_inputs,
@@ -503,3 +504,65 @@ def test_cuda_contents_checked_only_on_request():
     validate_attention_inputs(q, k, v, **meta)
     with pytest.raises(ValueError, match="non-decreasing"):
         validate_attention_inputs(q, k, v, check_contents=True, **meta)
+
+
+# --------------------------------------------------------------------------- the content check
+
+
+def _packed(total=256, heads=2, d=64):
+    return tuple(torch.randn(total, heads, d, dtype=torch.bfloat16) for _ in range(3))
+
+
+@pytest.mark.parametrize("cu_q,used_k,max_q,match", [
+    ([0, 128, 4096], None, 4096, r"cu_seqlens_q\[-1\]=4096 exceeds the 256 tokens"),
+    ([0, 200, 100], None, 200, r"cu_seqlens_q must be non-decreasing.*cu_seqlens_q\[2\]=100"),
+    ([0, 100, 256], None, 100, r"max_seqlen_q=100 is smaller than the longest sequence "
+                               r"\(length 156, batch index 1\)"),
+    ([0, 100, 256], [500, 3], 156, r"seqused_k\[0\]=500 must be in \[0, 100\]"),
+    ([5, 100, 256], None, 156, r"cu_seqlens_q\[0\] must be 0"),
+])
+def test_the_content_check_names_the_tensor_and_the_entry(cu_q, used_k, max_q, match):
+    """The four contents cases of issue 21 (and a nonzero start), each a clear error."""
+    q, k, v = _packed()
+    cu = torch.tensor(cu_q, dtype=torch.int32)
+    cu_k = torch.tensor([0, 100, 256], dtype=torch.int32)
+    used = None if used_k is None else torch.tensor(used_k, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        validation.check_index_contents(q, k, cu, cu_k, None, used, max_q, 156)
+
+
+def test_good_contents_pass_the_check():
+    q, k, v = _packed()
+    cu = torch.tensor([0, 100, 100, 256], dtype=torch.int32)  # an empty sequence
+    used = torch.tensor([7, 0, 156], dtype=torch.int32)
+    validation.check_index_contents(q, k, cu, cu, used, used, 156, 156)
+    validation.check_index_contents(q, k)  # nothing to read
+
+
+def test_check_inputs_checks_every_call_while_on(monkeypatch):
+    """`flash_cute.check_inputs(True)` checks the contents of every call, planned or not (the
+    plan cache keys shapes, not values); off, nothing is read."""
+    import flash_cute
+    from flash_cute import interface
+
+    seen = []
+    monkeypatch.setattr(interface, "check_index_contents", lambda *a: seen.append(a[2].tolist()))
+    plan = interface._Plan(validate(*_packed(), cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32),
+                                    cu_seqlens_k=torch.tensor([0, 256], dtype=torch.int32),
+                                    max_seqlen_q=256, max_seqlen_k=256),
+                           None, None, False, lambda *t: (t[0], None), None)
+    monkeypatch.setattr(interface, "_PLANS", type("P", (), {"get": staticmethod(lambda k: plan),
+                                                            "put": staticmethod(lambda k, v: 0)})())
+    monkeypatch.setattr(interface, "_on_device", lambda t: __import__("contextlib").nullcontext())
+    q, k, v = _packed()
+    previous = flash_cute.check_inputs(True)
+    try:
+        for end in (256, 300):
+            cu = torch.tensor([0, end], dtype=torch.int32)
+            flash_cute.flash_attn_varlen_func(q, k, v, cu, cu, 256, 256)
+        assert seen == [[0, 256], [0, 300]]
+        assert flash_cute.check_inputs(False) is True
+        flash_cute.flash_attn_varlen_func(q, k, v, cu, cu, 256, 256)
+        assert len(seen) == 2
+    finally:
+        flash_cute.check_inputs(previous)

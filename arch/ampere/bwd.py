@@ -114,8 +114,8 @@ class AmpereBwd:
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
-        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                      mSeqUsedK)
+        seq = SeqInfo(batch, SeqInfo.extent(mQ, mCuSeqlensQ), SeqInfo.extent(mK, mCuSeqlensK),
+                      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         if n_block * self.tile_n < seq.seqlen_k:
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)

@@ -111,8 +111,8 @@ class AmpereFwd:
             # Heaviest query tiles first, so the tail of the grid is short.
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
-        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                      mSeqUsedK)
+        seq = SeqInfo(batch, SeqInfo.extent(mQ, mCuSeqlensQ), SeqInfo.extent(mK, mCuSeqlensK),
+                      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         if m_block * self.tile_m < seq.seqlen_q:
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)

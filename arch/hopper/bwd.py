@@ -394,8 +394,8 @@ class HopperBwd:
 
         n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
-        seq = SeqInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                      mSeqUsedK)
+        seq = SeqInfo(batch, SeqInfo.extent(mQ, mCuSeqlensQ), SeqInfo.extent(mK, mCuSeqlensK),
+                      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         # Uniform over the CTA (varlen tiles past the sequence), so no role is left waiting.
         if n_block * self.tile_n < seq.seqlen_k:
             win_left = window_left if cutlass.const_expr(self.has_window_left) else None

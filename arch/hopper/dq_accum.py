@@ -151,7 +151,8 @@ class HopperDqPostprocess:
         m_block, head, batch = cute.arch.block_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sdQ = storage.sdQ.get_tensor(s_layout.outer, swizzle=s_layout.inner)
-        seq = SeqInfo(batch, mdQ.shape[1], mdQ.shape[1], mCuSeqlensQ)
+        rows = SeqInfo.extent(mdQ, mCuSeqlensQ)
+        seq = SeqInfo(batch, rows, rows, mCuSeqlensQ)
         valid_rows = seq.seqlen_q - m_block * self.tile_m
         # Uniform over the CTA, so every thread reaches the barrier or none does.
         if valid_rows > 0:

@@ -566,10 +566,11 @@ class WorkTiles(DslState):
         self.num_batches = SeqInfo.num_batches(mQ, cu_seqlens[0])
         # Packed, a tile's head is its K/V head.
         self.qheads_per_kvhead = 1 if cfg.pack_gqa > 1 else mQ.shape[-2] // mK.shape[-2]
-        # Padded extents (varlen: `SeqInfo` reads cu_seqlens instead).
-        self.seqlen_q, self.seqlen_k = mQ.shape[1], mK.shape[1]
-        if cutlass.const_expr(cfg.pack_gqa > 1 and not cfg.varlen):
-            self.seqlen_q = mQ.shape[1][1]
+        # Row extents for `SeqInfo`: padded lengths, or varlen packed rows (in queries).
+        row = 0 if cutlass.const_expr(cfg.varlen) else 1
+        self.seqlen_q, self.seqlen_k = mQ.shape[row], mK.shape[row]
+        if cutlass.const_expr(cfg.pack_gqa > 1):
+            self.seqlen_q = mQ.shape[row][1]
         self.cu_q, self.cu_k = cu_seqlens
         self.used_q, self.used_k = seqused
         self.win_left = window_left if cfg.has_window_left else None
