@@ -140,8 +140,10 @@ def flash_attn_varlen_func(
     ``seqused_q`` / ``seqused_k`` (optional int32 CUDA [batch], either layout, independently):
     sequence b uses only its first seqused[b] queries / keys of its span (cu_seqlens[b] to
     cu_seqlens[b + 1], or the padded length); the rest is padding that is never read. Their
-    values must lie in [0, span] and be at most max_seqlen; they are not checked (that needs a
-    device sync). Causal and local masks align bottom-right to the *used* lengths. Query rows
+    values should lie in [0, span] and be at most max_seqlen. Index contents are not read on
+    the host (that needs a device sync) unless `check_inputs` is on; the kernels clamp them to
+    the tensors instead, so bad values give meaningless results but no fault
+    (docs/reliability.md). Causal and local masks align bottom-right to the *used* lengths. Query rows
     past seqused_q[b] get out = 0 and lse = -inf, as a row that sees no key (flash-attn leaves
     them unwritten, so any value there meets its contract), and dq = 0; keys past seqused_k[b]
     get dk = dv = 0. ``pack_gqa`` as in `flash_attn_func`.

@@ -53,6 +53,7 @@ class BwdArgs(NamedTuple):
     window_left: Any
     window_right: Any
     max_seqlen_k: Any
+    max_seqlen_q: Any  # queries past it in a sequence count as unused (bounds, `SeqInfo`)
     cu_seqlens_q: Optional[Any] = None
     cu_seqlens_k: Optional[Any] = None
     seqused_q: Optional[Any] = None
@@ -149,5 +150,6 @@ def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(
         delta=fake_tensor(Float32, stats, align=stats_align), dq_accum=dq_accum,
         dk=fake_tensor(dkv_dtype, rows_k + (h, hdim), align=dkv_align),
         dv=fake_tensor(dkv_dtype, rows_k + (h, hdim_v), align=dkv_align), **_fake_scalars(),
-        max_seqlen_k=Int32(1), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], seqused_q=used_q,
+        max_seqlen_k=Int32(1), max_seqlen_q=Int32(1), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
+        seqused_q=used_q,
         seqused_k=used_k, dq_semaphores=sem)

@@ -125,7 +125,8 @@ class ForwardLaunch:
         # written. Rows past seqused_q[b] are not written either: O = 0, LSE = -inf there,
         # what a row that sees no key gets.
         self.zero_out = problem.varlen or problem.has_seqused_q
-        self.lse_neg_inf = problem.has_seqused_q
+        # Varlen: also the rows of a sequence past max_seqlen_q, which no tile covers.
+        self.lse_neg_inf = problem.varlen or problem.has_seqused_q
         self.no_work = has_no_work(q, k, problem)
         self.call = None
         if self.no_work:
@@ -314,7 +315,8 @@ class BackwardLaunch:
 # `BackwardLaunch.__call__` passes the record's fields in this order.
 assert BwdArgs._fields == ("q", "k", "v", "dout", "lse_log2", "delta", "dq_accum", "dk", "dv",
                            "softmax_scale", "softcap", "window_left", "window_right",
-                           "max_seqlen_k", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
+                           "max_seqlen_k", "max_seqlen_q", "cu_seqlens_q", "cu_seqlens_k",
+                           "seqused_q",
                            "seqused_k", "dq_semaphores")
 
 
@@ -380,7 +382,8 @@ def _backward_setup(plan: BackwardPlan, problem, dtype, deterministic: bool):
 
     return _BackwardSetup(
         backward_compile_key(plan.name, plan.target, dname, problem, plan.schedule, deterministic),
-        make_kernel, {**score_scalars(problem), "max_seqlen_k": int(problem.max_seqlen_k)},
+        make_kernel, {**score_scalars(problem), "max_seqlen_k": int(problem.max_seqlen_k),
+                      "max_seqlen_q": int(problem.max_seqlen_q)},
         torch.float32 if group > 1 else dtype, 16 if group == 1 else 4,
         torch.zeros if problem.varlen or problem.has_seqused_k else torch.empty)
 

@@ -26,7 +26,9 @@ class SeqInfo(DslState):
     (bounds by construction): a span starts in [0, extent] and ends in [start, extent], a
     used length lies in [0, span]. Rows past a clamped end count as empty, so no index
     content makes a kernel touch memory outside its tensors; validation's content check
-    (`FLASH_CUTE_CHECK_INPUTS=1`) turns such contents into errors instead.
+    (`FLASH_CUTE_CHECK_INPUTS=1`) turns such contents into errors instead. `max_seqlen_q`:
+    a sequence's queries past it count as unused (the grid covers max_seqlen_q rows, rounded
+    up to whole tiles; the backward's loops over query blocks follow the sequence).
 
     `pack` > 1 (packed GQA): Q, O and LSE come as `flash_cute.layouts.pack_heads` views, whose
     row mode holds `pack` rows per query; `rows_q` counts them. Lengths stay in queries.
@@ -35,13 +37,16 @@ class SeqInfo(DslState):
     def __init__(self, batch: Int32, extent_q, extent_k,
                  cu_seqlens_q: Optional[cute.Tensor] = None, cu_seqlens_k: Optional[cute.Tensor] = None,
                  seqused_q: Optional[cute.Tensor] = None, seqused_k: Optional[cute.Tensor] = None,
-                 pack: int = 1):
+                 pack: int = 1, max_seqlen_q=None):
         self.varlen = cu_seqlens_q is not None
         self.pack = pack
         self.offset_q, self.seqlen_q = _offset_and_length(batch, extent_q, cu_seqlens_q,
                                                           seqused_q)
         self.offset_k, self.seqlen_k = _offset_and_length(batch, extent_k, cu_seqlens_k,
                                                           seqused_k)
+        if cutlass.const_expr(max_seqlen_q is not None and self.varlen):
+            # Padded, max_seqlen_q is the extent already.
+            self.seqlen_q = cutlass.min(self.seqlen_q, max_seqlen_q)
         self.batch = batch
 
     @staticmethod

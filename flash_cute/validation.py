@@ -5,9 +5,12 @@ before it builds a kernel argument or launches anything.  A bad input must
 surface here as a Python exception that names the argument, says what was
 expected and shows what was given -- never as a CUDA error, an illegal memory
 access, or a silently wrong result.  One exception by design: the *contents* of
-CUDA ``cu_seqlens``/``seqused`` tensors are only read with ``check_contents=True``
-(reading them costs a device sync), so ``max_seqlen`` covering the longest sequence, and
-``seqused[b]`` lying in ``[0, span of sequence b]``, are the caller's promise to keep.
+CUDA ``cu_seqlens``/``seqused`` tensors are only read with ``check_contents=True``, or per
+call with ``flash_cute.check_inputs`` (`check_index_contents`; reading them costs a device
+sync), so ``max_seqlen`` covering the longest sequence, and ``seqused[b]`` lying in
+``[0, span of sequence b]``, are the caller's promise to keep. Broken, they never make a
+kernel touch memory outside its tensors (`flash_cute.seqlen` clamps them), but the results
+are meaningless.
 
 Exception types:
 

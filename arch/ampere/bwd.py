@@ -92,7 +92,8 @@ class AmpereBwd:
         self.kernel(
             mQ, mK, mV, mdO, args.lse_log2, args.delta, args.dq_accum, args.dk, args.dv,
             args.softmax_scale, scale_log2, mod_scale, args.window_left, args.window_right,
-            mCuSeqlensQ, args.cu_seqlens_k, args.seqused_q, args.seqused_k, *layouts,
+            args.max_seqlen_q if cutlass.const_expr(self.varlen) else None, mCuSeqlensQ,
+            args.cu_seqlens_k, args.seqused_q, args.seqused_k, *layouts,
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
             tiled_mma(self.dtype, self.warps_sdp), tiled_mma(self.dtype, self.warps_dkv),
@@ -103,7 +104,7 @@ class AmpereBwd:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, scale_log2: Float32,
-               mod_scale: Float32, window_left: Int32, window_right: Int32,
+               mod_scale: Float32, window_left: Int32, window_right: Int32, max_seqlen_q: Optional[Int32],
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
@@ -115,7 +116,7 @@ class AmpereBwd:
         n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
         seq = SeqInfo(batch, SeqInfo.extent(mQ, mCuSeqlensQ), SeqInfo.extent(mK, mCuSeqlensK),
-                      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+                      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_q=max_seqlen_q)
         if n_block * self.tile_n < seq.seqlen_k:
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)

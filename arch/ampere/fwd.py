@@ -85,7 +85,9 @@ class AmpereFwd:
         scale_log2, mod_scale = fold_scores(self.score_mod, args.softmax_scale, args.softcap)
         self.kernel(
             mQ, mK, mV, mO, args.lse, scale_log2, mod_scale, args.window_left,
-            args.window_right, mCuSeqlensQ, args.cu_seqlens_k, args.seqused_q, args.seqused_k,
+            args.window_right, args.max_seqlen_q if cutlass.const_expr(self.varlen) else None,
+            mCuSeqlensQ, args.cu_seqlens_k, args.seqused_q,
+            args.seqused_k,
             sQ_layout, sK_layout, sV_layout,
             sO_layout,
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
@@ -99,7 +101,8 @@ class AmpereFwd:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, scale_log2: Float32, mod_scale: Float32,
-               window_left: Int32, window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
+               window_left: Int32, window_right: Int32, max_seqlen_q: Optional[Int32],
+               mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
@@ -112,7 +115,7 @@ class AmpereFwd:
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
         seq = SeqInfo(batch, SeqInfo.extent(mQ, mCuSeqlensQ), SeqInfo.extent(mK, mCuSeqlensK),
-                      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+                      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_q=max_seqlen_q)
         if m_block * self.tile_m < seq.seqlen_q:
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)

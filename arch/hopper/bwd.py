@@ -252,7 +252,9 @@ class HopperBwd:
         self.kernel(
             tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, mdQaccum, tma_lse, tLSE,
             tma_delta, tDelta, mdK, mdV, args.dq_semaphores, args.softmax_scale, scale_log2,
-            mod_scale, args.window_left, args.window_right, mCuSeqlensQ, args.cu_seqlens_k,
+            mod_scale, args.window_left, args.window_right,
+            args.max_seqlen_q if cutlass.const_expr(self.varlen) else None, mCuSeqlensQ,
+            args.cu_seqlens_k,
             args.seqused_q, args.seqused_k, *layouts, *mmas,
             SharedStorage, tx_bytes,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -367,7 +369,7 @@ class HopperBwd:
                tma_lse: cute.CopyAtom, mLSElog2: cute.Tensor, tma_delta: cute.CopyAtom,
                mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mdQsem: Optional[cute.Tensor], softmax_scale: Float32, scale_log2: Float32,
-               mod_scale: Float32, window_left: Int32, window_right: Int32,
+               mod_scale: Float32, window_left: Int32, window_right: Int32, max_seqlen_q: Optional[Int32],
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
@@ -395,7 +397,7 @@ class HopperBwd:
         n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
         seq = SeqInfo(batch, SeqInfo.extent(mQ, mCuSeqlensQ), SeqInfo.extent(mK, mCuSeqlensK),
-                      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+                      mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, max_seqlen_q=max_seqlen_q)
         # Uniform over the CTA (varlen tiles past the sequence), so no role is left waiting.
         if n_block * self.tile_n < seq.seqlen_k:
             win_left = window_left if cutlass.const_expr(self.has_window_left) else None

@@ -202,7 +202,10 @@ class HopperFwd:
         scale_log2, mod_scale = fold_scores(self.score_mod, args.softmax_scale, args.softcap)
         self.kernel(
             tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, mO, mLSE, scale_log2, mod_scale,
-            args.window_left, args.window_right, mCuSeqlensQ, args.cu_seqlens_k, args.seqused_q,
+            args.window_left, args.window_right,
+            # Varlen only (`SeqInfo`'s clamp): padded, no parameter moves the others.
+            args.max_seqlen_q if cutlass.const_expr(self.varlen) else None, mCuSeqlensQ,
+            args.cu_seqlens_k, args.seqused_q,
             args.seqused_k, order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout,
             sO_layout,
             mma_qk, mma_pv, SharedStorage, tx_bytes,
@@ -299,7 +302,8 @@ class HopperFwd:
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: Optional[cute.CopyAtom],
                mO: cute.Tensor, mLSE: cute.Tensor, scale_log2: Float32, mod_scale: Float32,
-               window_left: Int32, window_right: Int32, mCuSeqlensQ: Optional[cute.Tensor],
+               window_left: Int32, window_right: Int32, max_seqlen_q: Optional[Int32],
+               mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], num_m_blocks: Int32, section: Int32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -327,7 +331,7 @@ class HopperFwd:
         elif cutlass.const_expr(self.o_tile == "q"):
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         tiles = WorkTiles(self, num_m_blocks, section, mQ, mK, (mCuSeqlensQ, mCuSeqlensK),
-                          (mSeqUsedQ, mSeqUsedK), window_left, window_right)
+                          (mSeqUsedQ, mSeqUsedK), window_left, window_right, max_seqlen_q)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_registers)
@@ -557,7 +561,7 @@ class WorkTiles(DslState):
     role derives from it the same way: coordinates, sequence bounds, K/V block range, mask."""
 
     def __init__(self, cfg: HopperFwd, num_m_blocks: Int32, section: Int32, mQ, mK, cu_seqlens,
-                 seqused, window_left: Int32, window_right: Int32):
+                 seqused, window_left: Int32, window_right: Int32, max_seqlen_q: Int32):
         """`mQ`: Q's TMA coordinate tensor, whose head mode counts the heads of the tile
         order (packed GQA: K/V heads, rows (pack, seqlen))."""
         self.cfg = cfg
@@ -573,6 +577,7 @@ class WorkTiles(DslState):
             self.seqlen_q = mQ.shape[row][1]
         self.cu_q, self.cu_k = cu_seqlens
         self.used_q, self.used_k = seqused
+        self.max_seqlen_q = max_seqlen_q  # None unless varlen
         self.win_left = window_left if cfg.has_window_left else None
         self.win_right = window_right if cfg.has_window_right else None
 
@@ -594,7 +599,7 @@ class WorkTiles(DslState):
         m_block, head, batch = self.order.coords(tile, cute.arch.grid_dim()[0],
                                                  imin=cutlass.min, imax=cutlass.max)
         seq = SeqInfo(batch, self.seqlen_q, self.seqlen_k, self.cu_q, self.cu_k, self.used_q,
-                      self.used_k, self.cfg.pack_gqa)
+                      self.used_k, self.cfg.pack_gqa, max_seqlen_q=self.max_seqlen_q)
         return m_block, head, head // self.qheads_per_kvhead, seq
 
     def in_bounds(self, m_block: Int32, seq: SeqInfo):
