@@ -483,3 +483,30 @@ def test_latency_table_and_cli_without_a_gpu(capsys):
     table = bench_latency.format_table(records).splitlines()
     assert table[0].count("host") == 2 and table[2].startswith("| flash_cute | 25.4 | 6.0 | 26.4")
     assert table[3].startswith("| fa4 | 89.1")
+
+
+def test_fuzz_configs_cover_every_axis_and_stay_supported():
+    """bench/fuzz.py's draws (seeded): every axis shows up in 2,000 configs, and each config
+    is one the pipeline supports (head dims with a kernel, a backward only where one exists,
+    deterministic only on hopper), so a refusal in a fuzz run is a finding, not noise."""
+    import importlib.util
+    import random
+    from pathlib import Path
+
+    from flash_cute.arch.hopper.config import BWD_SUPPORTED_HDIMS, SUPPORTED_HDIMS
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "fuzz.py"
+    spec = importlib.util.spec_from_file_location("fuzz", path)
+    fuzz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz)
+    rng = random.Random(0)
+    cfgs = [fuzz.draw(rng, "hopper") for _ in range(2000)]
+    axes = {a for cfg in cfgs for a in fuzz._axes(cfg)}
+    assert {"varlen", "padded", "causal", "window", "softcap", "bwd det", "group=8",
+            "dtype=fp16", "hdim=192/128"} <= axes
+    assert all((c["hdim"], c["hdim_v"]) in SUPPORTED_HDIMS for c in cfgs)
+    assert all((c["hdim"], c["hdim_v"]) in BWD_SUPPORTED_HDIMS for c in cfgs if c["bwd"])
+    assert any(0 in c["lens_q"] for c in cfgs if c["varlen"])  # empty sequences
+    assert [fuzz.draw(random.Random(0), "hopper") for _ in range(1)] == cfgs[:1]
+    assert all(not c["deterministic"] for c in
+               (fuzz.draw(random.Random(1), "ampere") for _ in range(200)))

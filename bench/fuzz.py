@@ -1,0 +1,178 @@
+"""Seeded fuzz of the public API against the float64 reference, forward and backward (GPU).
+
+    python bench/fuzz.py [--configs 500] [--seed 0] [--arch hopper] [--json FILE]
+
+Each config is drawn from every axis the pipeline supports: dtype, head dims (hdim_v < hdim
+too), GQA ratios, padded or varlen layout (empty sequences included), seqused, odd and tiny
+lengths (1, 7, 113, ...), causal, sliding windows, softcap, the backward and its
+deterministic mode. Outputs, LSE and gradients are checked by the FlashAttention rule
+(`flash_cute.reference.tolerance_check`: error at most twice that of the same computation in
+the input dtype), with an absolute floor scaled to each reference's magnitude, so that
+gradients whose reference is exactly zero (sk = 1 gives dK = 0) do not turn rounding into a
+miss. A miss or an exception is printed with its config; the summary counts them per axis.
+A CUDA error stops the run (the context is lost). New features add their axes here.
+"""
+
+import argparse
+import collections
+import json
+import random
+import sys
+import time
+
+import torch
+
+LENGTHS = (1, 2, 7, 16, 63, 113, 128, 129, 255, 333, 512, 777, 1024)
+
+
+def draw(rng: random.Random, pipeline: str) -> dict:
+    """One random config of the supported space of `pipeline` (hopper or ampere)."""
+    from flash_cute.arch.ampere import config as ampere
+    from flash_cute.arch.hopper import config as hopper
+
+    cfg_mod = hopper if pipeline == "hopper" else ampere
+    hdim, hdim_v = rng.choice(sorted(cfg_mod.SUPPORTED_HDIMS))
+    bwd_dims = getattr(cfg_mod, "BWD_SUPPORTED_HDIMS", cfg_mod.SUPPORTED_HDIMS)
+    heads_kv = rng.choice((1, 2, 4))
+    group = rng.choice((1, 1, 2, 4, 8))
+    varlen = rng.random() < 0.4
+    batch = rng.randint(1, 4)
+    lens_q = [rng.choice(LENGTHS + (0,) * varlen) for _ in range(batch)]
+    lens_k = [rng.choice(LENGTHS + (0,) * varlen) for _ in range(batch)]
+    if not varlen:
+        lens_q, lens_k = [max(lens_q)] * batch, [max(lens_k)] * batch
+    causal = rng.random() < 0.4
+    window = (None, None)
+    if not causal and rng.random() < 0.2:
+        window = (rng.choice((None, 0, 17, 100)), rng.choice((None, 0, 5, 64)))
+    cfg = dict(pipeline=pipeline, dtype=rng.choice(("bf16", "fp16")), hdim=hdim, hdim_v=hdim_v,
+               heads_kv=heads_kv, group=group, varlen=varlen, lens_q=lens_q, lens_k=lens_k,
+               causal=causal, window=window,
+               softcap=rng.choice((0.0,) * 4 + (5.0, 30.0)),
+               seqused_k=rng.random() < 0.15, bwd=(hdim, hdim_v) in bwd_dims and rng.random() < 0.6)
+    cfg["deterministic"] = cfg["bwd"] and pipeline == "hopper" and rng.random() < 0.2
+    return cfg
+
+
+def _inputs(cfg: dict, gen: torch.Generator):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg["dtype"]]
+    h, hk = cfg["heads_kv"] * cfg["group"], cfg["heads_kv"]
+    if cfg["varlen"]:
+        lead_q, lead_k = (sum(cfg["lens_q"]),), (sum(cfg["lens_k"]),)
+    else:
+        lead_q = (len(cfg["lens_q"]), cfg["lens_q"][0])
+        lead_k = (len(cfg["lens_k"]), cfg["lens_k"][0])
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype).requires_grad_()
+
+    q, k = randn(*lead_q, h, cfg["hdim"]), randn(*lead_k, hk, cfg["hdim"])
+    v = randn(*lead_k, hk, cfg["hdim_v"])
+    kw = dict(causal=cfg["causal"], window_size=cfg["window"], softcap=cfg["softcap"])
+    if cfg["varlen"]:
+        def cu(lens):
+            return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                device="cuda")
+        kw.update(cu_seqlens_q=cu(cfg["lens_q"]), cu_seqlens_k=cu(cfg["lens_k"]))
+    if cfg["seqused_k"]:
+        used = [int(torch.randint(0, n + 1, (), generator=gen, device="cuda")) for n in cfg["lens_k"]]
+        kw["seqused_k"] = torch.tensor(used, dtype=torch.int32, device="cuda")
+    return q, k, v, kw
+
+
+def _floor(ref: torch.Tensor, dtype) -> float:
+    """An absolute floor scaled to the reference's magnitude (one unit of the dtype's
+    precision at its largest entry)."""
+    return float(ref.detach().abs().max()) * torch.finfo(dtype).eps if ref.numel() else 0.0
+
+
+def run_config(cfg: dict, seed: int) -> list:
+    """The names of the checks that missed (empty: all passed)."""
+    import flash_cute
+    from flash_cute.reference import attention_ref, tolerance_check
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, kw = _inputs(cfg, gen)
+    ref_kw = dict(kw)
+    call_kw = dict(kw, return_lse=True, arch=cfg["pipeline"], deterministic=cfg["deterministic"])
+    if cfg["varlen"]:
+        call_kw.update(max_seqlen_q=max(cfg["lens_q"]), max_seqlen_k=max(cfg["lens_k"]))
+        out, lse = flash_cute.flash_attn_varlen_func(q, k, v, **call_kw)
+    else:
+        seqused_k = call_kw.pop("seqused_k", None)
+        if seqused_k is None:
+            out, lse = flash_cute.flash_attn_func(q, k, v, **call_kw)
+        else:
+            out, lse = flash_cute.flash_attn_varlen_func(q, k, v, seqused_k=seqused_k, **call_kw)
+    ref, ref_lse = attention_ref(q, k, v, mode="float64", **ref_kw)
+    nat, nat_lse = attention_ref(q, k, v, mode="native", **ref_kw)
+    checks = [("O", out, ref, nat), ("LSE", lse, ref_lse, nat_lse)]
+    if cfg["bwd"]:
+        dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        grads64 = torch.autograd.grad(ref, (q, k, v), dout.double())
+        grads_nat = torch.autograd.grad(nat, (q, k, v), dout)
+        checks += [(n, g, r, a) for n, g, r, a in zip(("dQ", "dK", "dV"), grads, grads64,
+                                                        grads_nat)]
+    missed = []
+    for name, got, ref64, native in checks:
+        if name == "LSE":
+            res = tolerance_check(got, ref64, native, atol=1e-4)
+        else:
+            # The rule's own rounding allowance, plus the floor scaled to the reference.
+            base = tolerance_check(got, ref64, native)
+            res = tolerance_check(got, ref64, native, atol=base.atol + _floor(ref64, q.dtype))
+        if not res.ok:
+            missed.append(f"{name} err {res.err:.2e} native {res.err_native:.2e} "
+                          f"atol {res.atol:.1e}")
+    return missed
+
+
+def _axes(cfg: dict) -> list:
+    return [f"dtype={cfg['dtype']}", f"hdim={cfg['hdim']}/{cfg['hdim_v']}",
+            f"group={cfg['group']}", "varlen" if cfg["varlen"] else "padded",
+            "causal" if cfg["causal"] else ("window" if cfg["window"] != (None, None) else "full"),
+            "softcap" if cfg["softcap"] else "no softcap",
+            ("bwd det" if cfg["deterministic"] else "bwd") if cfg["bwd"] else "fwd only"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", default="hopper", choices=("hopper", "ampere"))
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    counts, misses, crashes = collections.Counter(), [], []
+    start = time.time()
+    for i in range(args.configs):
+        cfg = draw(rng, args.arch)
+        counts.update(_axes(cfg))
+        try:
+            missed = run_config(cfg, args.seed * 1_000_003 + i)
+        except Exception as exc:  # noqa: BLE001 - every exception is a finding
+            crashes.append((i, cfg, repr(exc)))
+            fatal = "CUDA error" in str(exc) or "illegal memory" in str(exc)
+            print(f"[{i}] {'CUDA ERROR, stopping' if fatal else 'CRASH'}: {exc!r}\n  {cfg}",
+                  file=sys.stderr)
+            if fatal:
+                break
+            continue
+        if missed:
+            misses.append((i, cfg, missed))
+            print(f"[{i}] MISS {missed}\n  {cfg}", file=sys.stderr)
+    done = i + 1
+    print(f"fuzz --seed {args.seed} --arch {args.arch}: {done} configs in {time.time() - start:.0f} s, "
+          f"{len(misses)} misses, {len(crashes)} crashes")
+    print("  " + ", ".join(f"{k}: {n}" for k, n in sorted(counts.items())))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"seed": args.seed, "arch": args.arch, "configs": done,
+                       "misses": misses, "crashes": crashes, "axes": counts}, f, indent=1,
+                      default=str)
+    return 1 if misses or crashes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""One small case of every kernel family and variant, forward and backward, for
+`bench/sanitize.sh` (run under compute-sanitizer) — GPU.
+
+    python bench/sanitize_cases.py [--arch hopper|ampere]
+
+Families: the attention forward and backward (with the backward's preprocess and dQ
+postprocess), padded and varlen (an empty sequence, lengths that end mid-tile), GQA and
+packed GQA, causal, a sliding window, softcap, seqused, the deterministic backward, and the
+shared blocks' kernels (score attention, LSE merge). Index contents past the tensors are
+included: the clamps of `flash_cute.seqlen` must keep every access inside. Prints one line
+per case; exits 1 if a result is not finite.
+"""
+
+import argparse
+import sys
+
+import torch
+
+
+def cases(arch: str):
+    cu = lambda *x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    base = dict(arch=arch)
+    yield "padded", dict(shape=(2, 77, 4, 2, 64), kw=dict(base))
+    yield "causal d128", dict(shape=(1, 130, 4, 4, 128), kw=dict(base, causal=True))
+    yield "window softcap", dict(shape=(1, 150, 2, 2, 64),
+                                 kw=dict(base, window_size=(33, 7), softcap=20.0))
+    yield "gqa d256", dict(shape=(1, 65, 8, 2, 256), kw=dict(base, causal=True))
+    yield "d192/128", dict(shape=(1, 70, 2, 1, 192), kw=dict(base), dv=128)
+    if arch == "hopper":
+        yield "packed gqa", dict(shape=(1, 5, 16, 2, 128), kw=dict(base, pack_gqa=True))
+        yield "deterministic", dict(shape=(1, 200, 2, 2, 64), kw=dict(base, deterministic=True))
+    yield "varlen empty seq", dict(varlen=(cu(0, 50, 50, 177), 127), kw=dict(base, causal=True))
+    yield "varlen past the tensor", dict(varlen=(cu(0, 64, 4096), 4096), kw=dict(base),
+                                         total=200)
+    yield "seqused", dict(shape=(2, 96, 2, 2, 64),
+                          kw=dict(base, seqused_q=cu(96, 5), seqused_k=cu(500, 0)))
+
+
+def run_case(spec: dict) -> torch.Tensor:
+    from flash_cute import flash_attn_func, flash_attn_varlen_func
+
+    kw = dict(spec["kw"])
+    if "varlen" in spec:
+        cu, max_len = spec["varlen"]
+        total = spec.get("total", int(cu[-1]))
+        q, k, v = (torch.randn(total, 4, 64, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        out, _ = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, **kw)
+    else:
+        b, s, h, hk, d = spec["shape"]
+        dv = spec.get("dv", d)
+        q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(b, s, hk, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        used = {n: kw.pop(n) for n in ("seqused_q", "seqused_k") if n in kw}
+        if used:
+            out, _ = flash_attn_varlen_func(q, k, v, **used, **kw)
+        else:
+            out, _ = flash_attn_func(q, k, v, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    return torch.stack([t.float().abs().sum() for t in (out, *grads)])
+
+
+def blocks() -> torch.Tensor:
+    from flash_cute.lse_merge import lse_merge
+    from flash_cute.score_attention import score_attention
+
+    scores = torch.randn(2, 97, 131, device="cuda")
+    v = torch.randn(2, 131, 16, device="cuda", dtype=torch.bfloat16)
+    out, _ = score_attention(scores, v, 0.3, True, (None, None), 0.0)
+    merged, _ = lse_merge(torch.randn(3, 77, 64, device="cuda"), torch.randn(3, 77, device="cuda"))
+    return torch.stack([out.float().abs().sum(), merged.float().abs().sum()])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="hopper", choices=("hopper", "ampere"))
+    args = p.parse_args()
+    torch.manual_seed(0)
+    bad = 0
+    for name, spec in cases(args.arch):
+        sums = run_case(spec)
+        torch.cuda.synchronize()
+        ok = bool(torch.isfinite(sums).all())
+        bad += not ok
+        print(f"{args.arch} {name}: {'ok' if ok else 'NOT FINITE'}")
+    ok = bool(torch.isfinite(blocks()).all())
+    bad += not ok
+    print(f"blocks (score attention, lse merge): {'ok' if ok else 'NOT FINITE'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
