@@ -75,16 +75,36 @@ def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    qv: Optional[torch.Tensor] = None,
+    gather_kv_indices: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     window_size: Tuple[Optional[int], Optional[int]] = (None, None),
+    learnable_sink: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
-    deterministic: bool = False,
-    return_lse: bool = False,
-    arch: Optional[str] = None,
+    num_splits: int = 1,
     pack_gqa: Optional[bool] = None,
+    deterministic: bool = False,
+    score_mod=None,
+    score_mod_bwd=None,
+    mask_mod=None,
+    aux_tensors=None,
+    aux_scalars=None,
+    block_sparse_tensors=None,
+    block_sparse_tensors_bwd=None,
+    return_lse: bool = False,
+    gather_bwd_recompute_p: bool = False,
+    gather_bwd_token_chunk: Optional[int] = None,
+    *,
+    arch: Optional[str] = None,
 ):
     """Exact attention on [batch, seqlen, nheads, hdim] tensors; returns ``(out, lse)``.
+
+    The parameters are flash_attn.cute's (flash-attn 4.0.0b36), in its order, so positional
+    calls work too; `arch` (keyword-only) is flash-cute's own. Those with no kernel here yet
+    (qv, gathered K/V, sinks, score/mask mods, aux tensors, block sparsity, num_splits > 1)
+    raise NotImplementedError naming the feature; num_splits 1 or below (FA4's "choose")
+    runs unsplit.
 
     ``lse`` is [batch, nheads, seqlen_q] fp32 (natural log), ``None`` unless `return_lse` or a
     backward pass needs it. Masks are bottom-right aligned; ``window_size=(left, right)`` with
@@ -96,6 +116,13 @@ def flash_attn_func(
     where the pipeline cannot: the ampere pipeline, or a group that does not divide the
     hopper tile's 128 rows); False never packs. The result is the same either way.
     """
+    if (qv is not None or gather_kv_indices is not None or learnable_sink is not None
+            or num_splits > 1 or score_mod is not None or score_mod_bwd is not None
+            or mask_mod is not None or aux_tensors is not None or aux_scalars is not None
+            or block_sparse_tensors is not None or block_sparse_tensors_bwd is not None
+            or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
+        _refuse_unbuilt(locals())
+
     def validate():
         return validate_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap,
@@ -111,22 +138,45 @@ def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    qv: Optional[torch.Tensor] = None,
     cu_seqlens_q: Optional[torch.Tensor] = None,
     cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    min_seqlen_k: Optional[int] = None,
     seqused_q: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    gather_kv_indices: Optional[torch.Tensor] = None,
+    page_table: Optional[torch.Tensor] = None,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     window_size: Tuple[Optional[int], Optional[int]] = (None, None),
+    learnable_sink: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
-    deterministic: bool = False,
-    return_lse: bool = False,
-    arch: Optional[str] = None,
+    num_splits: int = 1,
     pack_gqa: Optional[bool] = None,
+    deterministic: bool = False,
+    score_mod=None,
+    score_mod_bwd=None,
+    mask_mod=None,
+    block_sparse_tensors=None,
+    aux_tensors=None,
+    aux_scalars=None,
+    return_lse: bool = False,
+    scheduler_metadata=None,
+    seqlen_k_per_split=None,
+    disable_scheduler_metadata: bool = False,
+    gather_bwd_recompute_p: bool = False,
+    gather_bwd_token_chunk: Optional[int] = None,
+    *,
+    arch: Optional[str] = None,
 ):
     """Attention over sequences of different lengths; returns ``(out, lse)``.
+
+    The parameters are flash_attn.cute's, in its order (the fourth is `qv`: pass cu_seqlens
+    by keyword or after it), as in `flash_attn_func`; `min_seqlen_k` and
+    `disable_scheduler_metadata` are scheduling hints, accepted and not needed here; a
+    page_table, scheduler_metadata or seqlen_k_per_split raises NotImplementedError.
 
     Layouts (flash_attn.cute's):
 
@@ -151,6 +201,14 @@ def flash_attn_varlen_func(
     Not supported (NotImplementedError before any launch): packed q with padded k/v or the
     reverse (cu_seqlens for one side only).
     """
+    if (qv is not None or gather_kv_indices is not None or page_table is not None
+            or learnable_sink is not None or num_splits > 1 or score_mod is not None
+            or score_mod_bwd is not None or mask_mod is not None or aux_tensors is not None
+            or aux_scalars is not None or block_sparse_tensors is not None
+            or scheduler_metadata is not None or seqlen_k_per_split is not None
+            or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
+        _refuse_unbuilt(locals())
+
     def validate():
         return validate_attention_inputs(
             q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -163,6 +221,30 @@ def flash_attn_varlen_func(
                softcap, deterministic, arch, pack_gqa)
     return _run(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), validate, options,
                 arch, deterministic, return_lse)
+
+
+# flash_attn.cute's parameters with no kernel here yet, and what brings them (NotImplementedError
+# names them; they never raise TypeError, so FA4 code runs up to the feature it needs).
+_UNBUILT = {
+    "qv": "MLA's qv operand", "gather_kv_indices": "gathered K/V (top-k attention)",
+    "page_table": "paged KV (the decode issue)", "learnable_sink": "attention sinks",
+    "num_splits": "num_splits > 1, split-KV (the decode issue)",
+    "score_mod": "score_mod (the variants issue)", "score_mod_bwd": "score_mod_bwd (variants)",
+    "mask_mod": "mask_mod (the variants issue)", "aux_tensors": "aux_tensors (variants)",
+    "aux_scalars": "aux_scalars (variants)", "block_sparse_tensors": "block sparsity",
+    "block_sparse_tensors_bwd": "block sparsity", "scheduler_metadata": "scheduler_metadata",
+    "seqlen_k_per_split": "seqlen_k_per_split (split-KV)",
+    "gather_bwd_recompute_p": "gather_bwd_recompute_p", "gather_bwd_token_chunk":
+    "gather_bwd_token_chunk",
+}
+
+
+def _refuse_unbuilt(args: dict) -> None:
+    for name, what in _UNBUILT.items():
+        value = args.get(name)
+        given = value > 1 if name == "num_splits" else (value is not None and value is not False)
+        if given:
+            raise NotImplementedError(f"{name}: {what} is not built in flash-cute yet")
 
 
 class _Plan(NamedTuple):

@@ -142,15 +142,77 @@ def test_cpu_tensors_are_refused_before_any_launch():
         flash_cute.flash_attn_func(q, q, q)
 
 
-def test_api_signature_matches_flash_attn_cute():
+# flash_attn.cute's parameter lists in flash-attn 4.0.0b36 (the GPU bundle's), with their
+# defaults, written out: the drop-in claim is checked against them, name, order and default.
+_FA4_FUNC = [
+    ("q", None), ("k", None), ("v", None), ("qv", None), ("gather_kv_indices", None),
+    ("softmax_scale", None), ("causal", False), ("window_size", (None, None)),
+    ("learnable_sink", None), ("softcap", 0.0), ("num_splits", 1), ("pack_gqa", None),
+    ("deterministic", False), ("score_mod", None), ("score_mod_bwd", None), ("mask_mod", None),
+    ("aux_tensors", None), ("aux_scalars", None), ("block_sparse_tensors", None),
+    ("block_sparse_tensors_bwd", None), ("return_lse", False), ("gather_bwd_recompute_p", False),
+    ("gather_bwd_token_chunk", None)]
+_FA4_VARLEN = [
+    ("q", None), ("k", None), ("v", None), ("qv", None), ("cu_seqlens_q", None),
+    ("cu_seqlens_k", None), ("max_seqlen_q", None), ("max_seqlen_k", None),
+    ("min_seqlen_k", None), ("seqused_q", None), ("seqused_k", None),
+    ("gather_kv_indices", None), ("page_table", None), ("softmax_scale", None),
+    ("causal", False), ("window_size", (None, None)), ("learnable_sink", None),
+    ("softcap", 0.0), ("num_splits", 1), ("pack_gqa", None), ("deterministic", False),
+    ("score_mod", None), ("score_mod_bwd", None), ("mask_mod", None),
+    ("block_sparse_tensors", None), ("aux_tensors", None), ("aux_scalars", None),
+    ("return_lse", False), ("scheduler_metadata", None), ("seqlen_k_per_split", None),
+    ("disable_scheduler_metadata", False), ("gather_bwd_recompute_p", False),
+    ("gather_bwd_token_chunk", None)]
+
+
+@pytest.mark.parametrize("fn,fa4", [(flash_cute.flash_attn_func, _FA4_FUNC),
+                                    (flash_cute.flash_attn_varlen_func, _FA4_VARLEN)])
+def test_api_signature_matches_flash_attn_cute(fn, fa4):
+    """FA4's parameters, in its order and with its defaults, positional or keyword; then
+    flash-cute's own, keyword-only."""
     import inspect
 
-    params = list(inspect.signature(flash_cute.flash_attn_func).parameters)
-    assert params[:3] == ["q", "k", "v"]
-    assert {"softmax_scale", "causal", "window_size", "softcap", "deterministic", "return_lse"} <= set(params)
-    varlen = list(inspect.signature(flash_cute.flash_attn_varlen_func).parameters)
-    assert varlen[:7] == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
-    assert {"seqused_q", "seqused_k"} <= set(varlen)
+    params = list(inspect.signature(fn).parameters.values())
+    ours = [(p.name, None if p.default is inspect.Parameter.empty else p.default)
+            for p in params[:len(fa4)]]
+    assert ours == fa4
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:len(fa4)])
+    assert [(p.name, p.kind) for p in params[len(fa4):]] == [
+        ("arch", inspect.Parameter.KEYWORD_ONLY)]
+
+
+@pytest.mark.parametrize("name,value", [
+    ("qv", torch.zeros(1)), ("gather_kv_indices", torch.zeros(1)), ("learnable_sink", torch.zeros(1)),
+    ("num_splits", 4), ("score_mod", lambda *a: a), ("mask_mod", lambda *a: a),
+    ("aux_tensors", [torch.zeros(1)]), ("block_sparse_tensors", object()),
+    ("gather_bwd_recompute_p", True)])
+def test_fa4_features_not_built_raise_not_implemented_naming_them(name, value):
+    """Before validation or any launch: FA4 code gets NotImplementedError, never TypeError."""
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=name):
+        flash_cute.flash_attn_func(q, q, q, **{name: value})
+    with pytest.raises(NotImplementedError, match=name):
+        flash_cute.flash_attn_varlen_func(q, q, q, **{name: value})
+    with pytest.raises(NotImplementedError, match="page_table"):
+        flash_cute.flash_attn_varlen_func(q, q, q, page_table=torch.zeros(1, dtype=torch.int32))
+
+
+def test_num_splits_one_or_auto_and_scheduling_hints_are_accepted(capability, monkeypatch):
+    """num_splits=1 (and FA4's 'choose' below 1), min_seqlen_k and disable_scheduler_metadata
+    run the usual path: they reach validation, not a refusal."""
+    capability(9, 0)
+    seen = []
+    monkeypatch.setattr(interface, "validate_attention_inputs",
+                        lambda *a, **kw: seen.append(kw) or (_ for _ in ()).throw(ValueError("stop")))
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    for kw in ({"num_splits": 1}, {"num_splits": 0}):
+        with pytest.raises(ValueError, match="stop"):
+            flash_cute.flash_attn_func(q, q, q, **kw)
+    with pytest.raises(ValueError, match="stop"):
+        flash_cute.flash_attn_varlen_func(q, q, q, min_seqlen_k=3, disable_scheduler_metadata=True,
+                                          num_splits=-1)
+    assert len(seen) == 3
 
 
 @pytest.mark.parametrize("varlen", [False, True])
