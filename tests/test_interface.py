@@ -601,3 +601,49 @@ def test_lazily_negated_views_are_refused():
     with pytest.raises(ValueError, match="resolve_neg"):
         validate_attention_inputs(torch._neg_view(q), q, q, require_cuda=False)
     validate_attention_inputs(torch._neg_view(q).resolve_neg(), q, q, require_cuda=False)
+
+
+_FA4_COMBINE = [("out_partial", None), ("lse_partial", None), ("out", None), ("out_dtype", None),
+                ("cu_seqlens", None), ("seqused", None), ("virtual_batch_idx", None),
+                ("return_lse", True)]
+
+
+def test_flash_attn_combine_has_fa4s_signature():
+    import inspect
+
+    params = inspect.signature(flash_cute.flash_attn_combine).parameters.values()
+    assert [(p.name, None if p.default is inspect.Parameter.empty else p.default)
+            for p in params] == _FA4_COMBINE
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_flash_attn_combine_recovers_attention_from_key_splits(varlen):
+    """Attention over three disjoint key ranges (one of them masked out for the first rows,
+    LSE = -inf there), merged, equals attention over all keys (float64 reference)."""
+    from flash_cute.reference import attention_ref
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 37, 3, 16, dtype=torch.float64)
+    k, v = torch.randn(2, 50, 3, 16, dtype=torch.float64), torch.randn(2, 50, 3, 16, dtype=torch.float64)
+    full, full_lse = attention_ref(q, k, v, mode="float64")
+    outs, lses = [], []
+    for a, b in ((0, 20), (20, 45), (45, 50)):
+        o, lse = attention_ref(q, k[:, a:b], v[:, a:b], mode="float64")
+        outs.append(o)
+        lses.append(lse.transpose(1, 2))  # [b, h, s] -> FA4's [b, s, h]
+    out_partial, lse_partial = torch.stack(outs), torch.stack(lses)
+    lse_partial[2, :, :5] = -float("inf")  # the third split sees no key for 5 rows...
+    out_partial[2, :, :5] = float("nan")  # ... whatever its partial output holds
+    full5, full5_lse = attention_ref(q[:, :5], k[:, :45], v[:, :45], mode="float64")
+    want, want_lse = full.clone(), full_lse.transpose(1, 2).clone()
+    want[:, :5], want_lse[:, :5] = full5, full5_lse.transpose(1, 2)
+    if varlen:
+        out_partial, lse_partial = out_partial.flatten(1, 2), lse_partial.flatten(1, 2)
+        want, want_lse = want.flatten(0, 1), want_lse.flatten(0, 1)
+    out, lse = flash_cute.flash_attn_combine(out_partial, lse_partial)
+    assert out.dtype == torch.float64 and torch.allclose(out, want) and torch.allclose(lse, want_lse)
+    into = torch.empty_like(want, dtype=torch.float32)
+    got, none = flash_cute.flash_attn_combine(out_partial, lse_partial, out=into, return_lse=False)
+    assert got is into and none is None and torch.allclose(into.double(), want, atol=1e-6)
+    with pytest.raises(ValueError, match="lse_partial"):
+        flash_cute.flash_attn_combine(out_partial, lse_partial[..., :1])
