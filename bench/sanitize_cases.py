@@ -45,7 +45,8 @@ def run_case(spec: dict) -> torch.Tensor:
         total = spec.get("total", int(cu[-1]))
         q, k, v = (torch.randn(total, 4, 64, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
-        out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len, **kw)
+        out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                        max_seqlen_q=max_len, max_seqlen_k=max_len, **kw)
     else:
         b, s, h, hk, d = spec["shape"]
         dv = spec.get("dv", d)

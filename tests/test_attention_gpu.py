@@ -97,7 +97,8 @@ def test_varlen_with_empty_sequence(pipeline, causal, hdim):
     q = torch.randn(sum(seqlens_q), 6, hdim, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(sum(seqlens_k), 2, hdim, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(sum(seqlens_k), 2, hdim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
                                       causal=causal, return_lse=True, arch=pipeline)
     assert out.shape == q.shape and lse.shape == (6, sum(seqlens_q))
     check_forward(out, lse, q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -203,7 +204,8 @@ def test_backward_varlen_with_empty_sequence(pipeline):
     dout = torch.randn_like(q)
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
     ours = _grads(lambda a, b, c: flash_attn_varlen_func(
-        a, b, c, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), causal=True, arch=pipeline)[0],
+        a, b, c, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), causal=True, arch=pipeline)[0],
         q, k, v, dout)
     ref = _grads(lambda a, b, c: attention_ref(a, b, c, mode="float64", **kw)[0],
                  q.double(), k.double(), v.double(), dout.double())
@@ -279,7 +281,8 @@ def test_varlen_rows_after_the_last_sequence_stay_defined():
     q = torch.randn(100, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     k = torch.randn(80, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     v = torch.randn(80, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=50, max_seqlen_k=37, causal=True)
+    out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                    max_seqlen_q=50, max_seqlen_k=37, causal=True)
     assert (out[90:] == 0).all()
     out.sum().backward()
     assert torch.isfinite(k.grad).all() and (k.grad[70:] == 0).all() and (v.grad[70:] == 0).all()
@@ -302,7 +305,8 @@ def test_varlen_nan_in_the_unused_tail_does_not_leak(pipeline):
     k = torch.randn(200, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(200, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
     k[130:], v[130:] = float("nan"), float("inf")  # rows that belong to no sequence
-    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=50, max_seqlen_k=69, return_lse=True, arch=pipeline)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      max_seqlen_q=50, max_seqlen_k=69, return_lse=True, arch=pipeline)
     check_forward(out, lse, q, k[:130], v[:130], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 

@@ -58,7 +58,8 @@ REFUSED = [
     ("k on the CPU", lambda: flash_attn_func(_qkv()[0], _qkv()[1].cpu(), _qkv()[2]),
      ValueError, "CUDA tensor"),
     ("cu_seqlens on the CPU", lambda: flash_attn_varlen_func(
-        *_packed(), cu_seqlens_q=_cu(0, 128, 256, device="cpu"), cu_seqlens_k=_cu(0, 128, 256), max_seqlen_q=128, max_seqlen_k=128), ValueError,
+        *_packed(), cu_seqlens_q=_cu(0, 128, 256, device="cpu"), cu_seqlens_k=_cu(0, 128, 256),
+        max_seqlen_q=128, max_seqlen_k=128), ValueError,
      "CUDA tensor"),
     ("3-D q, padded API", lambda: flash_attn_func(*_packed()), ValueError, "4-D|dims"),
     ("batch mismatch", lambda: flash_attn_func(_qkv(b=2)[0], *_qkv(b=3)[1:]), ValueError,
@@ -68,10 +69,12 @@ REFUSED = [
     ("q/k head-dim mismatch", lambda: flash_attn_func(_qkv(d=64)[0], *_qkv(d=128)[1:]),
      ValueError, "head dim|hdim"),
     ("cu_seqlens 2-D", lambda: flash_attn_varlen_func(
-        *_packed(), cu_seqlens_q=_cu(0, 128, 256).view(1, 3), cu_seqlens_k=_cu(0, 128, 256), max_seqlen_q=128, max_seqlen_k=128), ValueError,
+        *_packed(), cu_seqlens_q=_cu(0, 128, 256).view(1, 3), cu_seqlens_k=_cu(0, 128, 256),
+        max_seqlen_q=128, max_seqlen_k=128), ValueError,
      "1-D|shape"),
     ("cu_seqlens of different batch", lambda: flash_attn_varlen_func(
-        *_packed(), cu_seqlens_q=_cu(0, 128, 256), cu_seqlens_k=_cu(0, 256), max_seqlen_q=128, max_seqlen_k=256), ValueError, "batch"),
+        *_packed(), cu_seqlens_q=_cu(0, 128, 256), cu_seqlens_k=_cu(0, 256),
+        max_seqlen_q=128, max_seqlen_k=256), ValueError, "batch"),
     ("non-contiguous last dim", lambda: flash_attn_func(*(_noncontiguous_last() for _ in "qkv")),
      ValueError, "last"),
     ("misaligned storage", lambda: flash_attn_func(_misaligned((2, 128, 4, 64)), *_qkv()[1:]),
@@ -82,7 +85,8 @@ REFUSED = [
     ("inf softmax_scale", lambda: flash_attn_func(*_qkv(), softmax_scale=float("inf")),
      ValueError, "softmax_scale"),
     ("cu_seqlens int64", lambda: flash_attn_varlen_func(
-        *_packed(), cu_seqlens_q=_cu(0, 128, 256, dtype=torch.int64), cu_seqlens_k=_cu(0, 128, 256), max_seqlen_q=128, max_seqlen_k=128),
+        *_packed(), cu_seqlens_q=_cu(0, 128, 256, dtype=torch.int64), cu_seqlens_k=_cu(0, 128, 256),
+        max_seqlen_q=128, max_seqlen_k=128),
      TypeError, "int32"),
     ("unknown arch", lambda: flash_attn_func(*_qkv(), arch="volta"), NotImplementedError,
      "no such pipeline"),
@@ -125,7 +129,8 @@ def test_bad_index_contents_give_the_defined_result(name, cu, max_len, used_k, s
     used_same = None if used_k is None else _cu(min(used_k[0], 128), used_k[1])
 
     def run(cu_, max_, used_):
-        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=_cu(*cu_), cu_seqlens_k=_cu(*cu_), max_seqlen_q=max_, max_seqlen_k=max_,
+        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=_cu(*cu_), cu_seqlens_k=_cu(*cu_),
+                                          max_seqlen_q=max_, max_seqlen_k=max_,
                                           seqused_k=used_, return_lse=True)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         return out, lse, grads
@@ -156,11 +161,13 @@ def test_max_seqlen_below_the_longest_sequence_leaves_its_excess_queries_out(det
     q, k, v = _packed(grad=True)
     dout = torch.randn_like(q)
     cu = _cu(0, 100, 256)
-    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=100, max_seqlen_k=156, return_lse=True,
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                      max_seqlen_q=100, max_seqlen_k=156, return_lse=True,
                                       deterministic=deterministic)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     used = _cu(100, 100)
-    ref, ref_lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=100, max_seqlen_k=156, seqused_q=used,
+    ref, ref_lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          max_seqlen_q=100, max_seqlen_k=156, seqused_q=used,
                                           return_lse=True, deterministic=deterministic)
     rdq, rdk, rdv = torch.autograd.grad(ref, (q, k, v), dout)
     assert (out[200:] == 0).all() and torch.isneginf(lse[:, 200:]).all() and (dq[200:] == 0).all()
@@ -183,10 +190,12 @@ def test_the_content_check_refuses_the_four_cases(cu, max_len, used_k, match):
     previous = flash_cute.check_inputs(True)
     try:
         # A good call of the same shapes first: the plan cache must not skip the check.
-        flash_attn_varlen_func(q, k, v, cu_seqlens_q=_cu(0, 128, 256), cu_seqlens_k=_cu(0, 128, 256), max_seqlen_q=128, max_seqlen_k=128,
+        flash_attn_varlen_func(q, k, v, cu_seqlens_q=_cu(0, 128, 256), cu_seqlens_k=_cu(0, 128, 256),
+                               max_seqlen_q=128, max_seqlen_k=128,
                                seqused_k=None if used is None else _cu(7, 7))
         with pytest.raises(ValueError, match=match):
-            flash_attn_varlen_func(q, k, v, cu_seqlens_q=_cu(*cu), cu_seqlens_k=_cu(*cu), max_seqlen_q=max_len, max_seqlen_k=max_len,
+            flash_attn_varlen_func(q, k, v, cu_seqlens_q=_cu(*cu), cu_seqlens_k=_cu(*cu),
+                                   max_seqlen_q=max_len, max_seqlen_k=max_len,
                                    seqused_k=used)
     finally:
         flash_cute.check_inputs(previous)

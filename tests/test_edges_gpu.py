@@ -49,7 +49,8 @@ def test_a_nan_stays_in_its_own_sequence():
     cu = torch.tensor([0, 77, 207, 257], dtype=torch.int32, device="cuda")
     q, k, v = (_randn(257, 4, 64) for _ in range(3))
     k[80] = float("nan")  # inside sequence 1
-    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens), return_lse=True)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                      max_seqlen_q=max(lens), max_seqlen_k=max(lens), return_lse=True)
     assert torch.isnan(out[77:207]).any()
     clean = torch.cat([out[:77], out[207:]])
     assert torch.isfinite(clean).all()

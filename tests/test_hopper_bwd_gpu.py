@@ -42,7 +42,8 @@ def _hopper_grads(q, k, v, dout, cu_seqlens_q=None, cu_seqlens_k=None, max_seqle
         window_size=window, softcap=kw.get("softcap", 0.0), cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if varlen:
-        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                          max_seqlen_q=max_seqlen_q,
                                           max_seqlen_k=max_seqlen_k, return_lse=True, arch="hopper", **kw)
     else:
         out, lse = flash_attn_func(q, k, v, return_lse=True, arch="hopper", **kw)
@@ -100,7 +101,8 @@ def test_hopper_varlen_backward_ignores_nan_past_the_sequences(hdim, causal):
     k[tk:], v[tk:] = float("nan"), float("inf")
 
     def fn(a, b, c):
-        return flash_attn_varlen_func(a, b, c, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+        return flash_attn_varlen_func(a, b, c, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
                                       causal=causal, arch="hopper")[0]
 
     grads = _autograd_grads(fn, q, k, v, dout)
@@ -231,7 +233,8 @@ def test_hopper_deterministic_varlen_backward_is_bitwise_reproducible():
     dout = make(sum(seqlens_q), 4)
 
     def fn(a, b, c):
-        return flash_attn_varlen_func(a, b, c, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+        return flash_attn_varlen_func(a, b, c, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
                                       causal=True, deterministic=True, arch="hopper")[0]
 
     first = _autograd_grads(fn, q, k, v, dout)
@@ -264,7 +267,8 @@ def test_each_dq_hand_over_is_deterministic_and_handles_varlen(tile, hdim, varle
         q, k, v, dout = make(4), make(2), make(2), make(4)
         kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
                   max_seqlen_k=max(lens), causal=True)
-        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=True,
+        out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=True,
                                           return_lse=True, arch="hopper")
         problem = validate_attention_inputs(q, k, v, **kw)
         run = lambda: backward(dout, None, q, k, v, out, lse, problem, cu, cu,  # noqa: E731

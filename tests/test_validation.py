@@ -559,10 +559,12 @@ def test_check_inputs_checks_every_call_while_on(monkeypatch):
     try:
         for end in (256, 300):
             cu = torch.tensor([0, end], dtype=torch.int32)
-            flash_cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=256, max_seqlen_k=256)
+            flash_cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                              max_seqlen_q=256, max_seqlen_k=256)
         assert seen == [[0, 256], [0, 300]]
         assert flash_cute.check_inputs(False) is True
-        flash_cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=256, max_seqlen_k=256)
+        flash_cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          max_seqlen_q=256, max_seqlen_k=256)
         assert len(seen) == 2
     finally:
         flash_cute.check_inputs(previous)
