@@ -1,6 +1,7 @@
 """Seeded fuzz of the public API against the float64 reference, forward and backward (GPU).
 
-    python bench/fuzz.py [--configs 500] [--seed 0] [--arch hopper] [--json FILE]
+    python bench/fuzz.py [--configs 500] [--seed 0] [--arch hopper] [--workers 1]
+                         [--minutes 0] [--json FILE]
 
 Each config is drawn from every axis the pipeline supports: dtype, head dims (hdim_v < hdim
 too), GQA ratios, padded or varlen layout (empty sequences included), seqused, odd and tiny
@@ -16,8 +17,11 @@ A CUDA error stops the run (the context is lost). New features add their axes he
 import argparse
 import collections
 import json
+import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -136,42 +140,91 @@ def _axes(cfg: dict) -> list:
             ("bwd det" if cfg["deterministic"] else "bwd") if cfg["bwd"] else "fwd only"]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arch", default="hopper", choices=("hopper", "ampere"))
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+def _run_shard(args, shard: int, shards: int) -> dict:
+    """Configs i with i % shards == shard of the seeded sequence (the same configs whatever
+    the number of shards)."""
     rng = random.Random(args.seed)
-    counts, misses, crashes = collections.Counter(), [], []
-    start = time.time()
+    counts, misses, crashes, done = collections.Counter(), [], [], 0
+    deadline = time.time() + args.minutes * 60 if args.minutes else None
     for i in range(args.configs):
         cfg = draw(rng, args.arch)
+        if i % shards != shard:
+            continue
+        if deadline and time.time() > deadline:
+            break
         counts.update(_axes(cfg))
+        done += 1
         try:
             missed = run_config(cfg, args.seed * 1_000_003 + i)
         except Exception as exc:  # noqa: BLE001 - every exception is a finding
             crashes.append((i, cfg, repr(exc)))
             fatal = "CUDA error" in str(exc) or "illegal memory" in str(exc)
             print(f"[{i}] {'CUDA ERROR, stopping' if fatal else 'CRASH'}: {exc!r}\n  {cfg}",
-                  file=sys.stderr)
+                  file=sys.stderr, flush=True)
             if fatal:
                 break
             continue
         if missed:
             misses.append((i, cfg, missed))
-            print(f"[{i}] MISS {missed}\n  {cfg}", file=sys.stderr)
-    done = i + 1
-    print(f"fuzz --seed {args.seed} --arch {args.arch}: {done} configs in {time.time() - start:.0f} s, "
-          f"{len(misses)} misses, {len(crashes)} crashes")
-    print("  " + ", ".join(f"{k}: {n}" for k, n in sorted(counts.items())))
+            print(f"[{i}] MISS {missed}\n  {cfg}", file=sys.stderr, flush=True)
+    return {"configs": done, "misses": misses, "crashes": crashes, "axes": counts}
+
+
+def _run_workers(args) -> dict:
+    """One process per shard (CUDA and the DSL's compiler want processes, not threads);
+    the disk cache makes a kernel two shards need compile once."""
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for j in range(args.workers):
+            path = os.path.join(tmp, f"shard{j}.json")
+            cmd = [sys.executable, __file__, "--configs", str(args.configs), "--seed",
+                   str(args.seed), "--arch", args.arch, "--shard", f"{j}/{args.workers}",
+                   "--minutes", str(args.minutes), "--json", path]
+            procs.append((subprocess.Popen(cmd), path))
+        total = {"configs": 0, "misses": [], "crashes": [], "axes": collections.Counter()}
+        for j, (proc, path) in enumerate(procs):
+            proc.wait()
+            if not os.path.exists(path):
+                total["crashes"].append((None, f"shard {j}", f"exit status {proc.returncode}"))
+                continue
+            with open(path) as f:
+                part = json.load(f)
+            total["configs"] += part["configs"]
+            total["misses"] += part["misses"]
+            total["crashes"] += part["crashes"]
+            total["axes"].update(part["axes"])
+    return total
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", default="hopper", choices=("hopper", "ampere"))
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes, each running every WORKERS-th config")
+    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--minutes", type=float, default=0,
+                   help="stop starting configs after this long (0: no limit)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    start = time.time()
+    if args.shard:
+        shard, shards = map(int, args.shard.split("/"))
+        result = _run_shard(args, shard, shards)
+    elif args.workers > 1:
+        result = _run_workers(args)
+    else:
+        result = _run_shard(args, 0, 1)
+    if not args.shard:
+        print(f"fuzz --seed {args.seed} --arch {args.arch} --configs {args.configs}: "
+              f"{result['configs']} configs run in {time.time() - start:.0f} s, "
+              f"{len(result['misses'])} misses, {len(result['crashes'])} crashes", flush=True)
+        print("  " + ", ".join(f"{k}: {n}" for k, n in sorted(result["axes"].items())))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"seed": args.seed, "arch": args.arch, "configs": done,
-                       "misses": misses, "crashes": crashes, "axes": counts}, f, indent=1,
-                      default=str)
-    return 1 if misses or crashes else 0
+            json.dump(dict(result, seed=args.seed, arch=args.arch), f, indent=1, default=str)
+    return 1 if result["misses"] or result["crashes"] else 0
 
 
 if __name__ == "__main__":

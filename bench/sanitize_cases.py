@@ -80,11 +80,12 @@ def main() -> int:
     torch.manual_seed(0)
     bad = 0
     for name, spec in cases(args.arch):
+        print(f"== {args.arch} {name}", flush=True)
         sums = run_case(spec)
         torch.cuda.synchronize()
         ok = bool(torch.isfinite(sums).all())
         bad += not ok
-        print(f"{args.arch} {name}: {'ok' if ok else 'NOT FINITE'}")
+        print(f"{args.arch} {name}: {'ok' if ok else 'NOT FINITE'}", flush=True)
     ok = bool(torch.isfinite(blocks()).all())
     bad += not ok
     print(f"blocks (score attention, lse merge): {'ok' if ok else 'NOT FINITE'}")

@@ -64,6 +64,8 @@ def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
         return 1
     if problem.pack_gqa:
         return group
+    if problem.max_seqlen_q == 0:   # no query rows (an empty varlen batch): nothing to fill
+        return 1
     fill_rows = fill_rows or tile_m
 
     def filled(rows):

@@ -60,6 +60,24 @@ def test_a_nan_stays_in_its_own_sequence():
                       v[sub][None])
 
 
+@pytest.mark.parametrize("arch", ["hopper", "ampere"])
+def test_no_query_rows_with_gqa(arch):
+    """A varlen batch whose every query sequence is empty, with GQA (the fuzz found the
+    packing heuristic dividing by zero here): empty outputs, zero K/V gradients."""
+    if arch == "hopper" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs sm90")
+    cu_q = torch.tensor([0, 0], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 333], dtype=torch.int32, device="cuda")
+    q = _randn(0, 8, 64, grad=True)
+    k, v = _randn(333, 2, 64, grad=True), _randn(333, 2, 64, grad=True)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      max_seqlen_q=0, max_seqlen_k=333, causal=True,
+                                      return_lse=True, arch=arch)
+    assert out.shape == (0, 8, 64) and lse.shape == (8, 0)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert dq.shape == q.shape and (dk == 0).all() and (dv == 0).all()
+
+
 def test_fp16_values_near_65504():
     """fp16 V entries near the largest finite fp16: O stays finite (a convex mix of V) and
     within the rule."""

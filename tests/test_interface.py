@@ -378,6 +378,7 @@ def test_packed_heads_decision():
     assert launch.packed_heads(_gqa_problem(128), 128) == 1        # full tiles either way
     assert launch.packed_heads(_gqa_problem(1000), 128) == 1       # 1000/1024 vs 4000/4096
     assert launch.packed_heads(_gqa_problem(1, pack_gqa=False), 128) == 1
+    assert launch.packed_heads(_gqa_problem(0), 128) == 1          # no rows: no division by 0
     assert launch.packed_heads(_gqa_problem(1000, pack_gqa=True), 128) == 4
     assert launch.packed_heads(_gqa_problem(1, hk=8), 128) == 1
     assert launch.packed_heads(_gqa_problem(1, h=6, hk=2), 128) == 1
