@@ -148,7 +148,7 @@ def _run_shard(args, shard: int, shards: int) -> dict:
     deadline = time.time() + args.minutes * 60 if args.minutes else None
     for i in range(args.configs):
         cfg = draw(rng, args.arch)
-        if i % shards != shard:
+        if i % shards != shard or (args.only and i not in args.only):
             continue
         if deadline and time.time() > deadline:
             break
@@ -179,7 +179,8 @@ def _run_workers(args) -> dict:
             path = os.path.join(tmp, f"shard{j}.json")
             cmd = [sys.executable, __file__, "--configs", str(args.configs), "--seed",
                    str(args.seed), "--arch", args.arch, "--shard", f"{j}/{args.workers}",
-                   "--minutes", str(args.minutes), "--json", path]
+                   "--minutes", str(args.minutes), "--only", ",".join(map(str, args.only)),
+                   "--json", path]
             procs.append((subprocess.Popen(cmd), path))
         total = {"configs": 0, "misses": [], "crashes": [], "axes": collections.Counter()}
         for j, (proc, path) in enumerate(procs):
@@ -206,8 +207,10 @@ def main() -> int:
     p.add_argument("--shard", default=None, help=argparse.SUPPRESS)
     p.add_argument("--minutes", type=float, default=0,
                    help="stop starting configs after this long (0: no limit)")
+    p.add_argument("--only", default="", help="comma-separated config indices to rerun")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    args.only = {int(i) for i in args.only.split(",") if i}
     start = time.time()
     if args.shard:
         shard, shards = map(int, args.shard.split("/"))
