@@ -1,5 +1,7 @@
 """Public API: `flash_attn_func` and `flash_attn_varlen_func`, with flash_attn.cute's names,
-layouts and return convention ``(out, lse)``; autograd; the plan cache.
+layouts and return convention ``(out, lse)``, and their autograd. They call the operators
+``torch.ops.flash_cute.fwd`` / ``bwd`` (`flash_cute.ops`), whose CUDA implementation plans
+each call once (`flash_cute.plans`).
 
 Which pipeline runs a call is `flash_cute.dispatch`'s choice (the newest that runs on the
 device and has the capabilities the problem needs); ``arch=`` forces one (e.g.
@@ -7,47 +9,39 @@ device and has the capabilities the problem needs); ``arch=`` forces one (e.g.
 refuses, before any launch, what it lacks.
 """
 
-import contextlib
-import os
-import threading
-from collections import OrderedDict
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from flash_cute.dispatch import check_capabilities, select_backward_pipeline, select_pipeline
-from flash_cute.pipeline import Pipeline, required_capabilities
-from flash_cute.validation import (AttentionProblem, check_index_contents,
-                                   validate_attention_inputs, validate_backward_inputs)
+from flash_cute import ops, plans  # noqa: F401 - ops registers torch.ops.flash_cute
+from flash_cute.plans import check_inputs, clear_plans  # noqa: F401 - public here
+from flash_cute.validation import _normalize_mask, _real, validate_attention_inputs
 
 
 class _FlashAttnFunc(torch.autograd.Function):
+    """Autograd around the operators (a Python Function is cheaper per call than the
+    operator's own registered autograd, which direct callers of torch.ops.flash_cute.fwd
+    get)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, plan: "_Plan"):
-        out, lse = plan.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-        ctx.plan = plan
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, options):
+        fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
+        out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options,
+                       True, 0)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                              seqused_k)
+        ctx.options = options
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *lengths = ctx.saved_tensors
-        plan = ctx.plan
-        dout = _kernel_ready(torch.zeros_like(out) if dout is None else dout)
         # dlse is None unless the loss used the LSE (grads are not materialized).
-        dlse = None if dlse is None else dlse.contiguous()
-        # q, k, v, out and lse are the forward's, fixed by the plan: only the incoming
-        # gradients tell this plan's backward calls apart.
-        key = _call_key((dout, dlse), ())
-        launch = plan.backwards.get(key)
-        if launch is None:
-            validate_backward_inputs(dout, q, k, v, out, lse, plan.problem)
-            launch = plan.bwd_pipeline.plan_backward(dout, dlse, q, k, v, out, lse, plan.problem,
-                                                     *lengths, plan.deterministic)
-            plan.backwards.put(key, launch)
-        with _on_device(q):
-            dq, dk, dv = launch(dout, dlse, q, k, v, out, lse, *lengths)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        bwd = plans.backward if _eager(dout, q, out) else torch.ops.flash_cute.bwd
+        dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options, 0)
         return _not_differentiable(dq, dk, dv) + (None,) * 5
 
 
@@ -63,12 +57,6 @@ def _not_differentiable(*grads) -> tuple:
         b"flash-cute's attention backward is not differentiable (no second-order gradients)",
         len(grads))
     return err(*(g.detach().requires_grad_() for g in grads))
-
-
-def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous and 16-byte aligned (autograd may hand over expanded or offset gradients)."""
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def flash_attn_func(
@@ -123,15 +111,8 @@ def flash_attn_func(
             or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
 
-    def validate():
-        return validate_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                         window_size=window_size, softcap=softcap,
-                                         pack_gqa=pack_gqa)
-
-    options = ("padded", softmax_scale, causal, window_size, softcap, deterministic, arch,
-               pack_gqa)
-    return _run(q, k, v, (None, None, None, None), validate, options, arch, deterministic,
-                return_lse)
+    return _attention(q, k, v, (None, None, None, None), None, None, softmax_scale, causal,
+                      window_size, softcap, pack_gqa, deterministic, arch, return_lse)
 
 
 def flash_attn_varlen_func(
@@ -198,8 +179,9 @@ def flash_attn_varlen_func(
     them unwritten, so any value there meets its contract), and dq = 0; keys past seqused_k[b]
     get dk = dv = 0. ``pack_gqa`` as in `flash_attn_func`.
 
-    Not supported (NotImplementedError before any launch): packed q with padded k/v or the
-    reverse (cu_seqlens for one side only).
+    * mixed: cu_seqlens for one side only, the other padded [batch, seqlen, heads, d] (a
+      packed prompt against a padded KV cache, or the reverse), each side with or without its
+      seqused. The output and lse take the layout of q's side.
     """
     if (qv is not None or gather_kv_indices is not None or page_table is not None
             or learnable_sink is not None or num_splits > 1 or score_mod is not None
@@ -209,18 +191,59 @@ def flash_attn_varlen_func(
             or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
 
-    def validate():
-        return validate_attention_inputs(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa,
-        )
+    q_padded = None
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        # One side packed, the other padded: the padded side is packed too, as sequences of
+        # its padded length (a view when its batch and sequence dims merge).
+        if cu_seqlens_q is None:
+            q_padded = q.shape
+            q, cu_seqlens_q, max_seqlen_q = _pack_padded("q", q, cu_seqlens_k, max_seqlen_q)
+        else:
+            k, cu_seqlens_k, max_seqlen_k = _pack_padded("k", k, cu_seqlens_q, max_seqlen_k)
+            v = _pack_padded("v", v, cu_seqlens_q, max_seqlen_k)[0]
 
-    options = ("varlen", max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-               softcap, deterministic, arch, pack_gqa)
-    return _run(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), validate, options,
-                arch, deterministic, return_lse)
+    out, lse = _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
+                          max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+                          softcap, pack_gqa, deterministic, arch, return_lse)
+    if q_padded is not None:
+        batch, seqlen = q_padded[:2]
+        out = out.view(batch, seqlen, *out.shape[1:])
+        if lse is not None:
+            lse = lse.view(lse.shape[0], batch, seqlen).transpose(0, 1).contiguous()
+    return out, lse
+
+
+# Uniform cu_seqlens [0, s, 2s, ..., bs] by (batch, seqlen, device): a padded side of a mixed
+# call reuses one instead of launching an arange per call.
+_UNIFORM_CU = {}
+
+
+def _pack_padded(name: str, t: torch.Tensor, other_cu: torch.Tensor, max_seqlen):
+    """A padded [batch, seqlen, heads, d] side of a call whose other side is packed, as a
+    packed [batch * seqlen, heads, d] one: (tensor, cu_seqlens, max_seqlen)."""
+    side = "q" if name == "q" else "k"
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(
+            f"{name} must be padded [batch, seqlen, heads, d] when cu_seqlens_{side} is None "
+            f"and the other side is packed, got {name}.shape={got}")
+    batch, seqlen = t.shape[:2]
+    if isinstance(other_cu, torch.Tensor) and other_cu.dim() == 1 \
+            and other_cu.shape[0] != batch + 1:
+        other = "k" if side == "q" else "q"
+        raise ValueError(
+            f"{name} is padded with batch {batch}, but cu_seqlens_{other} has "
+            f"{other_cu.shape[0]} entries (batch + 1 = {batch + 1} needed)")
+    key = (batch, seqlen, t.device)
+    cu = None if torch.compiler.is_compiling() else _UNIFORM_CU.get(key)
+    if cu is None:
+        if len(_UNIFORM_CU) > 64:
+            _UNIFORM_CU.clear()
+        cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=t.device)
+        if not torch.compiler.is_compiling() and type(cu) is torch.Tensor:
+            _UNIFORM_CU[key] = cu
+    return t.reshape(batch * seqlen, *t.shape[2:]), cu, seqlen if max_seqlen is None \
+        else max_seqlen
 
 
 # flash_attn.cute's parameters with no kernel here yet, and what brings them (NotImplementedError
@@ -247,158 +270,63 @@ def _refuse_unbuilt(args: dict) -> None:
             raise NotImplementedError(f"{name}: {what} is not built in flash-cute yet")
 
 
-class _Plan(NamedTuple):
-    """What validation and dispatch decide for a call, and its forward launch."""
-    problem: AttentionProblem
-    pipeline: Pipeline
-    bwd_pipeline: Optional[Pipeline]  # None when no gradient is needed
-    deterministic: bool
-    launch: object  # the pipeline's `plan_forward` for the call (a `launch.ForwardLaunch`)
-    backwards: "_BoundedCache"  # its backward launches, by the incoming gradients' `_call_key`
-
-
-class _BoundedCache:
-    """At most `size` entries, the least recently used forgotten first; safe to use from
-    several threads (DataParallel, the autograd engine's one thread per device, a threaded
-    server). A None key (a call without one) is never stored or found."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._entries = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key):
-        if key is None:
-            return None
-        with self._lock:
-            value = self._entries.get(key)
-            if value is not None:
-                self._entries.move_to_end(key)
-            return value
-
-    def put(self, key, value):
-        if key is None:
-            return
-        with self._lock:
-            self._entries[key] = value
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-
-    def __len__(self):
-        return len(self._entries)
-
-    def clear(self):
-        with self._lock:
-            self._entries.clear()
-
-
-# Calls already validated, dispatched and planned, by `_call_key`: a repeated call skips
-# validation, pipeline selection, the support checks and the launch's set-up, and only
-# allocates and launches (host time decides short calls: `bench latency`). Each key holds
-# everything those read; each plan holds its backward's launches (`_Plan.backwards`).
-_PLANS = _BoundedCache(256)
-
-
-# The opt-in content check (`check_inputs`), from FLASH_CUTE_CHECK_INPUTS=1 at import.
-_CHECK_INPUTS = [os.environ.get("FLASH_CUTE_CHECK_INPUTS", "0") not in ("", "0")]
-
-
-def check_inputs(on: bool = True) -> bool:
-    """Check the *contents* of every call's cu_seqlens and seqused (non-decreasing from 0,
-    ending inside the tensor; seqused within each sequence's span; max_seqlen covering the
-    longest sequence), raising ValueError that names the tensor and the entry. Off by default
-    (also `FLASH_CUTE_CHECK_INPUTS=1`): it reads them to the host, one device sync per call,
-    which breaks CUDA graph capture and stalls the launch queue. Turn it on while developing
-    a serving or packing path, or to find which batch feeds bad indices; with it off, bad
-    contents never make a kernel touch memory outside its tensors (`flash_cute.seqlen`), but
-    give meaningless values. Returns the previous setting."""
-    previous, _CHECK_INPUTS[0] = _CHECK_INPUTS[0], bool(on)
-    return previous
-
-
-def clear_plans() -> None:
-    """Forget every planned call (the next call of each is validated and planned again)."""
-    _PLANS.clear()
-
-
-_PLAIN = frozenset({type(None), bool, int, float, str, tuple})
-
-
-def _call_key(tensors: tuple, options: tuple) -> Optional[tuple]:
-    """A key of a call's tensors and other arguments, or None (then the call is validated
-    every time).
-
-    Of each tensor, what validation and dispatch read (they never read values of CUDA
-    tensors): dtype, device, shape, strides, address modulo 16 bytes, requires_grad; a tensor
-    subclass (e.g. FakeTensor under torch.compile) or a non-tensor gets no key. `options`:
-    plain values, and tuples of them (window_size), kept with their types (True and 1
-    validate differently but compare equal); anything else (a tensor, a list) gets no key."""
-    types = tuple(map(type, options))
-    if not _PLAIN.issuperset(types):
-        return None
-    for o in options:
-        if type(o) is tuple:
-            inner = tuple(map(type, o))
-            if tuple in inner or not _PLAIN.issuperset(inner):
-                return None
-            types += inner
-    for t in tensors:
-        if t is not None and type(t) is not torch.Tensor:
-            return None
-    try:
-        signature = tuple([None if t is None else (t.dtype, t.device, t.shape, t.stride(),
-                                                   t.data_ptr() & 15, t.requires_grad)
-                           for t in tensors])
-    except RuntimeError:
-        # A tensor without storage (sparse, ...): validation says what is wrong with it.
-        return None
-    return signature, options, types, torch.is_grad_enabled()
-
-
-def _make_plan(q, k, v, lengths: tuple, problem, arch, deterministic) -> _Plan:
-    pipeline = select_pipeline(q.device, arch, problem)
-    check_capabilities(pipeline, required_capabilities(problem))
-    pipeline.check_supported(problem, q.device)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    bwd_pipeline = None
+def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+               window_size, softcap, pack_gqa, deterministic, arch, return_lse):
+    """Both public functions' call of the operators. `lengths`: (cu_seqlens_q, cu_seqlens_k,
+    seqused_q, seqused_k), each a tensor or None."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)):
+        validate_attention_inputs(q, k, v)  # raises, naming the argument
+    options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                       pack_gqa, deterministic, arch)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                              or v.requires_grad)
     if needs_grad:
-        bwd_pipeline = select_backward_pipeline(q.device, pipeline, problem, deterministic)
-        bwd_pipeline.check_supported(problem, q.device, backward=True)
-    with torch.cuda.device(q.device):
-        launch = pipeline.plan_forward(q, k, v, problem, *lengths)
-    return _Plan(problem, pipeline, bwd_pipeline, bool(deterministic), launch, _BoundedCache(8))
+        out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, options)
+        return out, lse
+    fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
+    out, lse = fwd(q, k, v, *lengths, *options, False, 0)
+    return out, (lse if return_lse else None)
 
 
-def _run(q, k, v, lengths: tuple, validate, options: tuple, arch, deterministic, return_lse):
-    """`lengths`: (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), each a tensor or None;
-    `validate()` returns the call's `AttentionProblem` or raises; `options`: the call's other
-    arguments, for the plan's key."""
-    key = _call_key((q, k, v) + lengths, options)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _make_plan(q, k, v, lengths, validate(), arch, deterministic)
-        _PLANS.put(key, plan)
-    if _CHECK_INPUTS[0] and lengths != (None, None, None, None):
-        # Contents change from call to call under the same key: checked every call.
-        check_index_contents(q, k, *lengths, plan.problem.max_seqlen_q,
-                             plan.problem.max_seqlen_k)
-    # Kernels launch on the current device and stream: make that q's device.
-    with _on_device(q):
-        if plan.bwd_pipeline is None:
-            out, lse = plan.launch(q, k, v, *lengths)
-        else:
-            out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, plan)
-    return out, (lse if (return_lse or plan.bwd_pipeline is not None) else None)
+def _eager(*tensors) -> bool:
+    """Whether a call may skip the dispatcher and run the operators' CUDA implementation
+    directly: plain CUDA tensors, no trace (torch.compile), no dispatch mode (fake tensors,
+    opcheck, profilers' op counters), which all see the operator. The dispatcher's boxed
+    call into Python costs more host time than the whole planned launch (docs/decisions.md,
+    D-OPS)."""
+    for t in tensors:
+        if type(t) is not torch.Tensor or not t.is_cuda:
+            return False
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack())
 
 
-_SAME_DEVICE = contextlib.nullcontext()
+_OPT_INT = (type(None), int, torch.SymInt)
+_OPT_REAL = (type(None), int, float)
+_OPT_BOOL = (type(None), bool)
 
 
-def _on_device(t: torch.Tensor):
-    """`torch.cuda.device(t.device)`, or nothing to do when it is current already (the
-    common case, for a few microseconds less per call)."""
-    index = t.get_device()
-    if index >= 0 and index == torch.cuda.current_device():
-        return _SAME_DEVICE
-    return torch.cuda.device(t.device)
+def _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, pack_gqa,
+             deterministic, arch) -> tuple:
+    """The operators' options, in their schema's order. Arguments of the schema's types pass
+    as they are (a few type checks); others are converted where validation accepts them (a
+    numpy int, a list window) and refused, with validation's message, where it does not."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        left = right = window_size
+    if not (type(causal) is bool and type(left) in _OPT_INT and type(right) in _OPT_INT
+            and type(softcap) in _OPT_REAL[1:] and type(softmax_scale) in _OPT_REAL
+            and type(pack_gqa) in _OPT_BOOL and type(max_seqlen_q) in _OPT_INT
+            and type(max_seqlen_k) in _OPT_INT and (arch is None or type(arch) is str)):
+        causal, left, right = _normalize_mask(causal, window_size)
+        softcap = _real("softcap", softcap)
+        softmax_scale = None if softmax_scale is None else _real("softmax_scale", softmax_scale)
+        max_seqlen_q, max_seqlen_k = (None if m is None else int(m)
+                                      for m in (max_seqlen_q, max_seqlen_k))
+        if pack_gqa is not None and not isinstance(pack_gqa, bool):
+            raise TypeError(f"pack_gqa must be None, True or False, got {pack_gqa!r}")
+        if arch is not None and not isinstance(arch, str):
+            raise TypeError(f"arch must be None or a pipeline name, got {arch!r}")
+    return (max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right, softcap, pack_gqa,
+            bool(deterministic), arch)

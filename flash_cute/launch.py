@@ -298,7 +298,8 @@ class BackwardLaunch:
     def __call__(self, dout, dlse, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None):
         if self.no_work:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            # Contiguous, as the kernels' gradients are (the fake implementation says so).
+            return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
         dq_accum, delta, lse_log2 = self.scratch.alloc()
         self.pre(out, dout, lse, dlse, delta, lse_log2, cu_seqlens_q, seqused_q,
                  self.max_seqlen_q, dq_accum)

@@ -268,6 +268,92 @@ def attention_ref(
     return _padded_as_varlen(q, k, v, seqused_q, seqused_k, args)
 
 
+def attention_ref_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: Optional[torch.Tensor] = None,
+    *,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Window = (None, None),
+    softcap: float = 0.0,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`attention_ref` by the written-out formulas (no autograd), in
+    `dtype`, for the same arguments plus the incoming gradients of out and (optionally) lse:
+    ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ∘ (dP − Δ)`` with ``Δ = rowsum(dO ∘ O) − dLSE``,
+    through the softcap's ``1 − tanh²``, then ``dQ = dS K · scale`` and ``dK = dSᵀ Q · scale``
+    (summed over each K/V head's query heads). It runs where autograd does not (inside an
+    operator's kernel under a dispatch mode), and checks the kernels' formula against
+    autograd of the forward."""
+    varlen = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    args = (softmax_scale, causal, window_size, softcap)
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    dlse = None if dlse is None else dlse.to(dtype)
+    if not varlen and seqused_q is None and seqused_k is None:
+        return _backward_dense(q, k, v, dout, dlse, *args)
+    if not varlen:
+        batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        cu = lambda n: torch.arange(batch + 1, dtype=torch.int32) * n  # noqa: E731
+        flat = [t.flatten(0, 1) for t in (q, k, v, dout)]
+        dlse_flat = None if dlse is None else dlse.transpose(0, 1).flatten(1, 2)
+        grads = _backward_used(*flat, dlse_flat, cu(sq), cu(sk), seqused_q, seqused_k, args)
+        return tuple(g.unflatten(0, (batch, n)) for g, n in zip(grads, (sq, sk, sk)))
+    return _backward_used(q, k, v, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                          seqused_k, args)
+
+
+def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, softcap):
+    """The backward of `_attention_dense` ([b, s, h, d]; dlse [b, h, sq] or None)."""
+    hk = k.shape[2]
+    group = q.shape[2] // hk
+    kk, vv = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    raw = torch.einsum("bqhd,bkhd->bhqk", q, kk) * softmax_scale
+    capped = softcap * torch.tanh(raw / softcap) if softcap > 0 else raw
+    mask = attention_mask(raw.shape[-2], raw.shape[-1], causal, window_size, device=raw.device)
+    p, _ = _softmax_rows(capped, mask)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    delta = (dout * out).sum(-1).transpose(1, 2)  # [b, h, sq]
+    if dlse is not None:
+        delta = delta - dlse
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout, vv)
+    ds = p * (dp - delta[..., None])
+    if softcap > 0:
+        ds = ds * (1 - (capped / softcap) ** 2)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * softmax_scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * softmax_scale
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+    return dq, dk.unflatten(2, (hk, group)).sum(3), dv.unflatten(2, (hk, group)).sum(3)
+
+
+def _backward_used(q, k, v, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                   args):
+    """The backward of `_attention_used` (packed layout; dlse [h, total_q] or None): rows
+    outside the used part of each span get zero gradients."""
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    spans_q = [b - a for a, b in zip(bounds_q, bounds_q[1:])]
+    spans_k = [b - a for a, b in zip(bounds_k, bounds_k[1:])]
+    used_q = _used_lengths("seqused_q", seqused_q, spans_q)
+    used_k = _used_lengths("seqused_k", seqused_k, spans_k)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b in range(len(spans_q)):
+        sq = slice(bounds_q[b], bounds_q[b] + used_q[b])
+        sk = slice(bounds_k[b], bounds_k[b] + used_k[b])
+        seq_dlse = None if dlse is None else dlse[None, :, sq]
+        grads = _backward_dense(q[None, sq], k[None, sk], v[None, sk], dout[None, sq], seq_dlse,
+                                *args)
+        dq[sq], dk[sk], dv[sk] = (g[0] for g in grads)
+    return dq, dk, dv
+
+
 class ToleranceResult(NamedTuple):
     """Outcome of :func:`tolerance_check`: ``ok`` plus both errors for reporting."""
 

@@ -113,7 +113,7 @@ def test_the_runtime_imports_no_tooling():
 def test_the_graph_reader_sees_the_imports_it_should():
     """A check of the checker: known edges of the tree, at module level and inside functions."""
     _, graph = _graph()
-    assert ("flash_cute.dispatch", None) in graph["flash_cute.interface"]
+    assert ("flash_cute.dispatch", None) in graph["flash_cute.plans"]
     assert ("flash_cute.arch.hopper.registry", LAZY_REGISTRY_HOOK) in \
         graph["flash_cute.arch.hopper.pipeline"]
     assert ("flash_cute.arch.hopper.dq_layout", "_bwd_plan") in graph["flash_cute.arch.hopper.api"]

@@ -540,31 +540,34 @@ def test_good_contents_pass_the_check():
 
 
 def test_check_inputs_checks_every_call_while_on(monkeypatch):
-    """`flash_cute.check_inputs(True)` checks the contents of every call, planned or not (the
-    plan cache keys shapes, not values); off, nothing is read."""
+    """`flash_cute.check_inputs(True)` checks the contents of every call of the CUDA operator,
+    planned or not (the plan cache keys shapes, not values); off, nothing is read
+    (`plans.forward` called directly: CPU tensors stand in for CUDA ones)."""
     import flash_cute
-    from flash_cute import interface
+    from flash_cute import plans
 
     seen = []
-    monkeypatch.setattr(interface, "check_index_contents", lambda *a: seen.append(a[2].tolist()))
-    plan = interface._Plan(validate(*_packed(), cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32),
-                                    cu_seqlens_k=torch.tensor([0, 256], dtype=torch.int32),
-                                    max_seqlen_q=256, max_seqlen_k=256),
-                           None, None, False, lambda *t: (t[0], None), None)
-    monkeypatch.setattr(interface, "_PLANS", type("P", (), {"get": staticmethod(lambda k: plan),
-                                                            "put": staticmethod(lambda k, v: 0)})())
-    monkeypatch.setattr(interface, "_on_device", lambda t: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(plans, "check_index_contents", lambda *a: seen.append(a[2].tolist()))
+    plan = plans._Plan(validate(*_packed(), cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32),
+                                cu_seqlens_k=torch.tensor([0, 256], dtype=torch.int32),
+                                max_seqlen_q=256, max_seqlen_k=256),
+                       None, None, False, lambda *t: (t[0], None))
+    monkeypatch.setattr(plans, "_PLANS", type("P", (), {"get": staticmethod(lambda k: plan),
+                                                        "put": staticmethod(lambda k, v: 0)})())
+    monkeypatch.setattr(plans, "on_device", lambda t: __import__("contextlib").nullcontext())
     q, k, v = _packed()
+
+    def call(cu):
+        plans.forward(q, k, v, cu, cu, None, None, 256, 256, None, False, None, None, 0.0,
+                      None, False, None, False, 0)
+
     previous = flash_cute.check_inputs(True)
     try:
         for end in (256, 300):
-            cu = torch.tensor([0, end], dtype=torch.int32)
-            flash_cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                              max_seqlen_q=256, max_seqlen_k=256)
+            call(torch.tensor([0, end], dtype=torch.int32))
         assert seen == [[0, 256], [0, 300]]
         assert flash_cute.check_inputs(False) is True
-        flash_cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                          max_seqlen_q=256, max_seqlen_k=256)
+        call(torch.tensor([0, 300], dtype=torch.int32))
         assert len(seen) == 2
     finally:
         flash_cute.check_inputs(previous)

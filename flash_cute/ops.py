@@ -1,0 +1,119 @@
+"""The attention operators, registered with torch.library: ``torch.ops.flash_cute.fwd`` and
+``torch.ops.flash_cute.bwd``.
+
+They are what `flash_attn_func` and `flash_attn_varlen_func` call, so torch.compile, fake
+tensors, `torch.library.opcheck` and CUDA graphs see one operator per pass:
+
+* CUDA: the kernels, through the plan caches (`flash_cute.plans`).
+* CPU: the float32 reference (`flash_cute.reference`), slow but correct, so CPU users and
+  CPU tests run the operators.
+* Meta / fake tensors: shapes and dtypes only, after the same validation (no data pointer of
+  a fake tensor is read), so tracing refuses what a launch would.
+* Autograd: ``fwd``'s derivative is ``bwd`` (recomputation from the LSE).
+
+One schema serves the padded and the packed (varlen) layouts: the packed one passes
+cu_seqlens. ``variant`` is the key of the call's score/mask modifications in a registry (0:
+none), since Python objects cannot be schema arguments.
+"""
+
+import torch
+
+from flash_cute import plans
+from flash_cute.reference import attention_ref, attention_ref_backward
+
+# Options after the tensors, in the order both schemas take them.
+_OPTIONS = ("SymInt? max_seqlen_q, SymInt? max_seqlen_k, float? softmax_scale, bool causal, "
+            "int? window_left, int? window_right, float softcap, bool? pack_gqa, "
+            "bool deterministic, str? arch")
+_LENGTHS = "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k"
+
+_LIB = torch.library.Library("flash_cute", "DEF")
+_LIB.define(f"fwd(Tensor q, Tensor k, Tensor v, {_LENGTHS}, {_OPTIONS}, bool needs_grad, "
+            f"int variant) -> (Tensor out, Tensor lse)")
+_LIB.define(f"bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, "
+            f"Tensor lse, {_LENGTHS}, {_OPTIONS}, int variant) -> (Tensor dq, Tensor dk, "
+            f"Tensor dv)")
+
+_LIB.impl("fwd", plans.forward, "CUDA")
+_LIB.impl("bwd", plans.backward, "CUDA")
+
+
+def _no_variant(variant: int) -> None:
+    if variant:
+        raise NotImplementedError(f"variant {variant}: score/mask modifications are not built "
+                                  "in flash-cute yet")
+
+
+def _reference_problem(q, k, v, lengths, options):
+    """Validation of a CPU or fake call (contents of CPU index tensors included)."""
+    if q.device.type == "cpu" and options[9] is not None:
+        raise ValueError(f"arch={options[9]!r} picks a GPU pipeline, but the inputs are on "
+                         "the CPU (which runs the reference); pass arch=None or CUDA tensors")
+    return plans.validate_call(q, k, v, lengths, options, require_cuda=False)
+
+
+def _reference_kwargs(problem, lengths) -> dict:
+    cu_q, cu_k, used_q, used_k = lengths
+    return dict(softmax_scale=problem.softmax_scale, causal=problem.causal,
+                window_size=(problem.window_left, problem.window_right),
+                softcap=problem.softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                seqused_q=used_q, seqused_k=used_k)
+
+
+def _fwd_cpu(q, k, v, cu_q, cu_k, used_q, used_k, *options):
+    lengths = (cu_q, cu_k, used_q, used_k)
+    _no_variant(options[-1])
+    problem = _reference_problem(q, k, v, lengths, options)
+    out, lse = attention_ref(q, k, v, mode="float32", **_reference_kwargs(problem, lengths))
+    return out.to(q.dtype).contiguous(), lse.float().contiguous()
+
+
+def _bwd_cpu(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options):
+    lengths = (cu_q, cu_k, used_q, used_k)
+    _no_variant(options[-1])
+    problem = _reference_problem(q, k, v, lengths, options)
+    dq, dk, dv = attention_ref_backward(q, k, v, dout, dlse, **_reference_kwargs(problem, lengths))
+    return tuple(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
+
+
+_LIB.impl("fwd", _fwd_cpu, "CPU")
+_LIB.impl("bwd", _bwd_cpu, "CPU")
+
+
+@torch.library.register_fake("flash_cute::fwd")
+def _fwd_fake(q, k, v, cu_q, cu_k, used_q, used_k, *options):
+    _no_variant(options[-1])
+    problem = _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options)
+    out = q.new_empty((*q.shape[:-1], problem.hdim_v))
+    if cu_q is not None:
+        lse = q.new_empty((problem.nheads, q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], problem.nheads, q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("flash_cute::bwd")
+def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options):
+    _no_variant(options[-1])
+    _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options)
+    # Contiguous, whatever the inputs' strides, as the kernels' gradients are.
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, *lengths = inputs[:7]
+    ctx.save_for_backward(q, k, v, output[0], output[1], *lengths)
+    ctx.options = inputs[7:17] + inputs[18:]   # without needs_grad
+    ctx.set_materialize_grads(False)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse, *lengths = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.flash_cute.bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options)
+    return (dq, dk, dv) + (None,) * 16
+
+
+torch.library.register_autograd("flash_cute::fwd", _fwd_backward,
+                                setup_context=_fwd_setup_context)

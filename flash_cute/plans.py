@@ -1,0 +1,220 @@
+"""The CUDA implementations of the `flash_cute::fwd` / `flash_cute::bwd` operators
+(`flash_cute.ops`), and the plan caches that make a repeated call cheap.
+
+A call is validated, dispatched (`flash_cute.dispatch`: the newest pipeline that runs on the
+device and has what the problem needs, or the one ``arch=`` forces) and planned (the
+pipeline's `plan_forward` / `plan_backward`: everything the call's dtypes, shapes, strides
+and options fix) once; a plan cache keyed by those (`_call_key`) then skips straight to
+allocating and launching (host time decides short calls: `bench latency`).
+"""
+
+import contextlib
+import os
+import threading
+from collections import OrderedDict
+from typing import NamedTuple, Optional
+
+import torch
+
+from flash_cute.dispatch import check_capabilities, select_backward_pipeline, select_pipeline
+from flash_cute.pipeline import Pipeline, required_capabilities
+from flash_cute.validation import (AttentionProblem, check_index_contents,
+                                   validate_attention_inputs, validate_backward_inputs)
+
+
+class _Plan(NamedTuple):
+    """What validation and dispatch decide for a forward call, and its launch."""
+    problem: AttentionProblem
+    pipeline: Pipeline
+    bwd_pipeline: Optional[Pipeline]  # None when no gradient is needed
+    deterministic: bool
+    launch: object  # the pipeline's `plan_forward` for the call (a `launch.ForwardLaunch`)
+
+
+class _BoundedCache:
+    """At most `size` entries, the least recently used forgotten first; safe to use from
+    several threads (DataParallel, the autograd engine's one thread per device, a threaded
+    server). A None key (a call without one) is never stored or found."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        if key is None:
+            return None
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key, value):
+        if key is None:
+            return
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def __len__(self):
+        return len(self._entries)
+
+    def clear(self):
+        with self._lock:
+            self._entries.clear()
+
+
+# Forward plans and backward launches by `_call_key`. Each key holds everything validation,
+# dispatch and planning read.
+_PLANS = _BoundedCache(256)
+_BWD_PLANS = _BoundedCache(256)
+
+# The opt-in content check (`check_inputs`), from FLASH_CUTE_CHECK_INPUTS=1 at import.
+_CHECK_INPUTS = [os.environ.get("FLASH_CUTE_CHECK_INPUTS", "0") not in ("", "0")]
+
+
+def check_inputs(on: bool = True) -> bool:
+    """Check the *contents* of every call's cu_seqlens and seqused (non-decreasing from 0,
+    ending inside the tensor; seqused within each sequence's span; max_seqlen covering the
+    longest sequence), raising ValueError that names the tensor and the entry. Off by default
+    (also `FLASH_CUTE_CHECK_INPUTS=1`): it reads them to the host, one device sync per call,
+    which breaks CUDA graph capture and stalls the launch queue. Turn it on while developing
+    a serving or packing path, or to find which batch feeds bad indices; with it off, bad
+    contents never make a kernel touch memory outside its tensors (`flash_cute.seqlen`), but
+    give meaningless values. Returns the previous setting."""
+    previous, _CHECK_INPUTS[0] = _CHECK_INPUTS[0], bool(on)
+    return previous
+
+
+def clear_plans() -> None:
+    """Forget every planned call (the next call of each is validated and planned again)."""
+    _PLANS.clear()
+    _BWD_PLANS.clear()
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str, tuple})
+
+
+def _call_key(tensors: tuple, options: tuple) -> Optional[tuple]:
+    """A key of a call's tensors and other arguments, or None (then the call is validated
+    every time).
+
+    Of each tensor, what validation and dispatch read (they never read values of CUDA
+    tensors): dtype, device, shape, strides, address modulo 16 bytes, requires_grad; a tensor
+    subclass (e.g. FakeTensor under torch.compile) or a non-tensor gets no key. `options`:
+    plain values, and tuples of them, kept with their types (True and 1 validate differently
+    but compare equal); anything else (a tensor, a list) gets no key."""
+    types = tuple(map(type, options))
+    if not _PLAIN.issuperset(types):
+        return None
+    for o in options:
+        if type(o) is tuple:
+            inner = tuple(map(type, o))
+            if tuple in inner or not _PLAIN.issuperset(inner):
+                return None
+            types += inner
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return None
+    try:
+        signature = tuple([None if t is None else (t.dtype, t.device, t.shape, t.stride(),
+                                                   t.data_ptr() & 15, t.requires_grad)
+                           for t in tensors])
+    except RuntimeError:
+        # A tensor without storage (sparse, ...): validation says what is wrong with it.
+        return None
+    return signature, options, types, torch.is_grad_enabled()
+
+
+def validate_call(q, k, v, lengths: tuple, options: tuple, require_cuda: bool = True):
+    """The `AttentionProblem` of an operator call (`options`: max_seqlen_q, max_seqlen_k,
+    softmax_scale, causal, window_left, window_right, softcap, pack_gqa, ...)."""
+    cu_q, cu_k, used_q, used_k = lengths
+    max_q, max_k, scale, causal, left, right, softcap, pack_gqa = options[:8]
+    return validate_attention_inputs(
+        q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
+        softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
+        seqused_k=used_k, max_seqlen_q=max_q, max_seqlen_k=max_k, pack_gqa=pack_gqa,
+        require_cuda=require_cuda)
+
+
+def _make_plan(q, k, v, lengths: tuple, options: tuple) -> _Plan:
+    deterministic, arch, needs_grad = options[8:11]
+    problem = validate_call(q, k, v, lengths, options)
+    pipeline = select_pipeline(q.device, arch, problem)
+    check_capabilities(pipeline, required_capabilities(problem))
+    pipeline.check_supported(problem, q.device)
+    bwd_pipeline = None
+    if needs_grad:
+        # Refused now, before the forward runs, rather than in the backward.
+        bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
+    with torch.cuda.device(q.device):
+        launch = pipeline.plan_forward(q, k, v, problem, *lengths)
+    return _Plan(problem, pipeline, bwd_pipeline, bool(deterministic), launch)
+
+
+def _backward_pipeline(device, pipeline, problem, deterministic) -> Pipeline:
+    bwd_pipeline = select_backward_pipeline(device, pipeline, problem, deterministic)
+    bwd_pipeline.check_supported(problem, device, backward=True)
+    return bwd_pipeline
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options):
+    """`flash_cute::fwd` on CUDA tensors: ``(out, lse)``. `options` as the operator's schema
+    (`flash_cute.ops`) orders them, after the tensors."""
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    key = _call_key((q, k, v) + lengths, options)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(q, k, v, lengths, options)
+        _PLANS.put(key, plan)
+    if _CHECK_INPUTS[0] and lengths != (None, None, None, None):
+        # Contents change from call to call under the same key: checked every call.
+        check_index_contents(q, k, *lengths, plan.problem.max_seqlen_q,
+                             plan.problem.max_seqlen_k)
+    # Kernels launch on the current device and stream: make that q's device.
+    with on_device(q):
+        return plan.launch(q, k, v, *lengths)
+
+
+def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+             *options):
+    """`flash_cute::bwd` on CUDA tensors: ``(dq, dk, dv)``."""
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    dout = kernel_ready(dout)
+    dlse = None if dlse is None else dlse.contiguous()
+    key = _call_key((dout, dlse, q, k, v, out, lse) + lengths, options)
+    launch = _BWD_PLANS.get(key)
+    if launch is None:
+        deterministic, arch = options[8:10]
+        problem = validate_call(q, k, v, lengths, options)
+        validate_backward_inputs(dout, q, k, v, out, lse, problem)
+        pipeline = select_pipeline(q.device, arch, problem)
+        bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
+        with torch.cuda.device(q.device):
+            launch = bwd_pipeline.plan_backward(dout, dlse, q, k, v, out, lse, problem,
+                                                *lengths, bool(deterministic))
+        _BWD_PLANS.put(key, launch)
+    with on_device(q):
+        return launch(dout, dlse, q, k, v, out, lse, *lengths)
+
+
+def kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (autograd may hand over expanded or offset gradients)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device(t: torch.Tensor):
+    """`torch.cuda.device(t.device)`, or nothing to do when it is current already (the
+    common case, for a few microseconds less per call)."""
+    index = t.get_device()
+    if index >= 0 and index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(t.device)

@@ -1,0 +1,220 @@
+"""The torch.library operators (CPU): registration, opcheck, the CPU implementation against
+the float64 reference, fake and meta tensors, mixed packed/padded layouts, and
+torch.compile(fullgraph=True, dynamic=True) of a transformer block."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_cute
+from flash_cute import flash_attn_func, flash_attn_varlen_func
+from flash_cute.reference import attention_ref, attention_ref_backward, tolerance_check
+
+BF16 = torch.bfloat16
+
+
+def _randn(*shape, grad=False):
+    return torch.randn(*shape, dtype=BF16).requires_grad_(grad)
+
+
+def _cu(*offsets):
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
+# Options of both operators after the tensors, in schema order: max_seqlen_q, max_seqlen_k,
+# softmax_scale, causal, window_left, window_right, softcap, pack_gqa, deterministic, arch.
+def _options(causal=False, window=(None, None), softcap=0.0, max_q=None, max_k=None):
+    return (max_q, max_k, None, causal, *window, softcap, None, False, None)
+
+
+def test_the_operators_are_registered():
+    for name in ("fwd", "bwd"):
+        op = getattr(torch.ops.flash_cute, name).default
+        assert {"CPU", "CUDA", "Meta"} <= {k for k in ("CPU", "CUDA", "Meta")
+                                             if torch._C._dispatch_has_kernel_for_dispatch_key(
+                                                 op.name(), k)}
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("flash_cute::fwd", "Autograd")
+
+
+_CASES = {
+    "padded gqa causal": dict(q=(2, 37, 4, 64), k=(2, 45, 2, 64), opts=_options(causal=True)),
+    "window softcap dv": dict(q=(1, 50, 2, 64), k=(1, 50, 2, 64), dv=32,
+                              opts=_options(window=(7, 3), softcap=5.0)),
+    "varlen": dict(q=(40, 4, 64), k=(45, 2, 64), cu_q=_cu(0, 10, 10, 40), cu_k=_cu(0, 5, 20, 45),
+                   opts=_options(causal=True, max_q=30, max_k=25)),
+    "seqused": dict(q=(2, 20, 2, 64), k=(2, 30, 2, 64), used_k=_cu(3, 30),
+                    opts=_options()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CASES))
+def test_opcheck_forward_and_backward(name):
+    case = _CASES[name]
+    q, k = _randn(*case["q"], grad=True), _randn(*case["k"], grad=True)
+    v = _randn(*case["k"][:-1], case.get("dv", case["k"][-1]), grad=True)
+    lengths = (case.get("cu_q"), case.get("cu_k"), None, case.get("used_k"))
+    torch.library.opcheck(torch.ops.flash_cute.fwd.default,
+                          (q, k, v, *lengths, *case["opts"], True, 0))
+    out, lse = torch.ops.flash_cute.fwd(q.detach(), k.detach(), v.detach(), *lengths,
+                                        *case["opts"], False, 0)
+    for dlse in (None, torch.randn_like(lse)):
+        torch.library.opcheck(torch.ops.flash_cute.bwd.default,
+                              (torch.randn_like(out), dlse, q.detach(), k.detach(), v.detach(),
+                               out, lse, *lengths, *case["opts"], 0))
+
+
+def _check(got, q, k, v, dout=None, **kw):
+    """The FlashAttention rule against the float64 reference, forward and (with dout)
+    backward through the public function's autograd."""
+    out, lse = got
+    ref, ref_lse = attention_ref(q, k, v, mode="float64", **kw)
+    nat, nat_lse = attention_ref(q, k, v, mode="native", **kw)
+    assert tolerance_check(out, ref, nat).ok
+    assert tolerance_check(lse, ref_lse, nat_lse, atol=1e-4).ok
+    if dout is None:
+        return
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads64 = torch.autograd.grad(ref, (q, k, v), dout.double())
+    grads_nat = torch.autograd.grad(nat, (q, k, v), dout)
+    for g, r, n in zip(grads, grads64, grads_nat):
+        assert tolerance_check(g, r, n).ok
+
+
+def test_cpu_operators_meet_the_flashattention_rule():
+    q, k, v = _randn(2, 37, 4, 64, grad=True), _randn(2, 45, 2, 64, grad=True), \
+        _randn(2, 45, 2, 64, grad=True)
+    got = flash_attn_func(q, k, v, causal=True, softcap=10.0, return_lse=True)
+    _check(got, q, k, v, torch.randn(got[0].shape, dtype=BF16), causal=True, softcap=10.0)
+
+
+def test_packed_q_with_padded_kv_and_the_reverse():
+    """One side packed (cu_seqlens), the other padded with seqused, as FA4's tests call them:
+    the result is that of both sides packed."""
+    torch.manual_seed(1)
+    b, s, h, hk, d = 3, 33, 4, 2, 64
+    lens_q, lens_k = [5, 33, 0], [12, 1, 33]
+    used_q, used_k = _cu(*lens_q), _cu(*lens_k)
+    cu_q = _cu(0, *torch.tensor(lens_q).cumsum(0).tolist())
+    cu_k = _cu(0, *torch.tensor(lens_k).cumsum(0).tolist())
+    q_pad, k_pad, v_pad = _randn(b, s, h, d), _randn(b, s, hk, d), _randn(b, s, hk, d)
+    q_pack = torch.cat([q_pad[i, :n] for i, n in enumerate(lens_q)]).requires_grad_()
+    k_pack = torch.cat([k_pad[i, :n] for i, n in enumerate(lens_k)]).requires_grad_()
+    v_pack = torch.cat([v_pad[i, :n] for i, n in enumerate(lens_k)]).requires_grad_()
+    want, want_lse = flash_attn_varlen_func(q_pack, k_pack, v_pack, cu_seqlens_q=cu_q,
+                                            cu_seqlens_k=cu_k, max_seqlen_q=s, max_seqlen_k=s,
+                                            causal=True, return_lse=True)
+    # Packed q, padded k/v.
+    k_in, v_in = k_pad.clone().requires_grad_(), v_pad.clone().requires_grad_()
+    out, lse = flash_attn_varlen_func(q_pack, k_in, v_in, cu_seqlens_q=cu_q, max_seqlen_q=s,
+                                      max_seqlen_k=s, seqused_k=used_k, causal=True,
+                                      return_lse=True)
+    assert out.shape == want.shape and lse.shape == want_lse.shape
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    dk, = torch.autograd.grad(out, k_in, out.detach())
+    dk_want, = torch.autograd.grad(want, k_pack, want.detach())
+    assert torch.equal(torch.cat([dk[i, :n] for i, n in enumerate(lens_k)]), dk_want)
+    assert all((dk[i, n:] == 0).all() for i, n in enumerate(lens_k))
+    # Padded q, packed k/v: out and lse in q's padded layout.
+    q_in = q_pad.clone().requires_grad_()
+    out, lse = flash_attn_varlen_func(q_in, k_pack, v_pack, cu_seqlens_k=cu_k, max_seqlen_q=s,
+                                      max_seqlen_k=s, seqused_q=used_q, causal=True,
+                                      return_lse=True)
+    assert out.shape == (b, s, h, d) and lse.shape == (b, h, s) and lse.is_contiguous()
+    for i, n in enumerate(lens_q):
+        first = sum(lens_q[:i])
+        assert torch.equal(out[i, :n], want[first:first + n])
+        assert torch.equal(lse[i, :, :n], want_lse[:, first:first + n])
+    with pytest.raises(ValueError, match="batch 3, but cu_seqlens_k has 2 entries"):
+        flash_attn_varlen_func(q_in, k_pack, v_pack, cu_seqlens_k=_cu(0, 46), max_seqlen_k=46)
+    with pytest.raises(ValueError, match="padded"):
+        flash_attn_varlen_func(q_pack, k_pack, v_pack, cu_seqlens_q=cu_q, max_seqlen_q=s)
+
+
+def test_reference_backward_formula_equals_autograd():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 37, 4, 64), torch.randn(2, 45, 2, 64), torch.randn(2, 45, 2, 32)
+    cu_q, cu_k = _cu(0, 10, 10, 37), _cu(0, 5, 20, 45)
+    cases = [
+        (q, k, v, dict(causal=True, softcap=5.0)),
+        (q, k, v, dict(window_size=(7, 3))),
+        (q, k, v, dict(causal=True, seqused_q=_cu(37, 0), seqused_k=_cu(3, 45))),
+        (q[0], k[0], v[0], dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)),
+    ]
+    for q_, k_, v_, kw in cases:
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q_, k_, v_))
+        out, lse = attention_ref(q64, k64, v64, mode="float64", **kw)
+        dout = torch.randn_like(out)
+        dlse = torch.randn_like(lse).masked_fill(torch.isinf(lse), 0.0)
+        want = torch.autograd.grad((out, lse), (q64, k64, v64), (dout, dlse))
+        got = attention_ref_backward(q_, k_, v_, dout, dlse, dtype=torch.float64, **kw)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_fake_and_meta_tensors_get_shapes_and_the_same_refusals():
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 300, 8, 128, dtype=BF16)
+                   for _ in range(3))
+        out, lse = flash_attn_func(q, k[:, :, :2], v[:, :, :2], causal=True, return_lse=True)
+        assert out.shape == (2, 300, 8, 128) and lse.shape == (2, 8, 300)
+        with pytest.raises(NotImplementedError, match="multiples of 8"):
+            flash_attn_func(q[..., :60], k[..., :60], v[..., :60])
+        packed = torch.empty(300, 8, 128, dtype=BF16)
+        cu = torch.empty(3, dtype=torch.int32)
+        out, lse = flash_attn_varlen_func(packed, packed, packed, cu_seqlens_q=cu,
+                                          cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200)
+        assert out.shape == (300, 8, 128) and lse is None
+    q = torch.empty(1, 77, 4, 64, dtype=BF16, device="meta")
+    out, lse = flash_attn_func(q, q, q, return_lse=True)
+    assert out.device.type == "meta" and out.shape == q.shape and lse.shape == (1, 4, 77)
+
+
+class _Block(torch.nn.Module):
+    """Pre-norm attention block with GQA and a causal mask."""
+
+    def __init__(self, dim=128, heads=4, heads_kv=2):
+        super().__init__()
+        self.heads, self.heads_kv, self.hd = heads, heads_kv, dim // heads
+        self.norm = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * heads_kv) * self.hd)
+        self.proj = torch.nn.Linear(heads * self.hd, dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = self.qkv(self.norm(x)).view(b, t, self.heads + 2 * self.heads_kv, self.hd)
+        q, k, v = qkv.split([self.heads, self.heads_kv, self.heads_kv], dim=2)
+        out, _ = flash_attn_func(q, k, v, causal=True)
+        return x + self.proj(out.reshape(b, t, -1))
+
+
+def test_compile_fullgraph_dynamic_has_no_break_and_no_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(3)
+    block = _Block().to(BF16)
+    explained = torch._dynamo.explain(block)(torch.randn(2, 40, 128, dtype=BF16))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, backend=counter, fullgraph=True, dynamic=True)
+    frames = None
+    for t in (33, 64, 97):
+        x = torch.randn(2, t, 128, dtype=BF16, requires_grad=True)
+        y = compiled(x)
+        (gx,) = torch.autograd.grad(y.float().sum(), x)
+        x_eager = x.detach().requires_grad_()
+        y_eager = block(x_eager)
+        (gx_eager,) = torch.autograd.grad(y_eager.float().sum(), x_eager)
+        assert torch.equal(y, y_eager) and torch.equal(gx, gx_eager)
+        frames = counter.frame_count if frames is None else frames
+        assert counter.frame_count == frames, f"recompiled at seqlen {t}"
+    torch._dynamo.reset()
+
+
+def test_variant_keys_other_than_zero_are_refused():
+    q = _randn(1, 8, 2, 64)
+    with pytest.raises(NotImplementedError, match="variant 3"):
+        torch.ops.flash_cute.fwd(q, q, q, None, None, None, None, *_options(), False, 3)
+
+
+def test_check_inputs_switch_is_public():
+    assert flash_cute.check_inputs(False) in (True, False)
