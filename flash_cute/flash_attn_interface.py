@@ -1,0 +1,102 @@
+"""flash_attn 2's module, for code written against it: ``from flash_cute.flash_attn_interface
+import flash_attn_func`` in place of ``from flash_attn.flash_attn_interface import ...``.
+
+The functions take FlashAttention-2's parameters in its order, with its defaults (dropout_p
+fourth, window_size=(-1, -1) for unbounded, softcap <= 0 for off) and its layouts (the packed
+qkv [b, s, 3, h, d] and kv [b, s, 2, h_kv, d] forms, and their varlen [total, 3, h, d]
+ones), and return like it: ``out``, or ``(out, softmax_lse, None)`` with
+``return_attn_probs=True`` (the LSE that ring-attention code unpacks; the attention
+probabilities and the dropout mask are not returned). They run flash-cute's kernels through
+`flash_cute.flash_attn_func` / `flash_attn_varlen_func`.
+
+Not built yet, refused with NotImplementedError: dropout_p > 0 (dropout in the kernels),
+alibi_slopes (the variants issue) and block_table (paged KV, the decode issue).
+"""
+
+from flash_cute import interface
+
+
+def _refuse(dropout_p, alibi_slopes, block_table=None) -> None:
+    if dropout_p:
+        raise NotImplementedError(f"dropout_p={dropout_p}: dropout in the attention kernels is "
+                                  "not built in flash-cute yet; pass dropout_p=0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi is not built in flash-cute yet")
+    if block_table is not None:
+        raise NotImplementedError("block_table: paged KV is not built in flash-cute yet")
+
+
+def _common(softmax_scale, causal, window_size, softcap, deterministic) -> dict:
+    return dict(softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
+                softcap=softcap if softcap > 0 else 0.0, deterministic=deterministic,
+                return_lse=True)
+
+
+def _result(out, lse, return_attn_probs):
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """qkv [b, s, 3, h, d]; returns out [b, s, h, d] (see the module docstring)."""
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """q [b, sq, h, d], kv [b, sk, 2, h_kv, d]."""
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """q [b, sq, h, d], k/v [b, sk, h_kv, d] (GQA/MQA when h_kv < h); causal aligned
+    bottom-right; softmax_lse [b, h, sq]."""
+    _refuse(dropout_p, alibi_slopes)
+    out, lse = interface.flash_attn_func(
+        q, k, v, **_common(softmax_scale, causal, window_size, softcap, deterministic))
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv [total, 3, h, d] with int32 cu_seqlens [b + 1]."""
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """q [total_q, h, d], kv [total_k, 2, h_kv, d]."""
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """q [total_q, h, d], k/v [total_k, h_kv, d] with int32 cu_seqlens [b + 1];
+    softmax_lse [h, total_q]."""
+    _refuse(dropout_p, alibi_slopes, block_table)
+    out, lse = interface.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        **_common(softmax_scale, causal, window_size, softcap, deterministic))
+    return _result(out, lse, return_attn_probs)
