@@ -39,7 +39,9 @@ DIRECTIONS = ("fwd", "bwd")
 # across head dims, as in the flash-attention benchmarks.
 MODEL_DIM = 2048
 
-PROVIDERS = ("flash_cute", "fa4", "sdpa_cudnn", "sdpa_flash")
+PROVIDERS = ("flash_cute", "fa4", "sdpa_cudnn", "sdpa_flash", "sdpa_flash_cute")
+# Providers that run flash-cute's kernels (no peers of the ratio column).
+OURS = ("flash_cute", "sdpa_flash_cute")
 ARCHS = ("auto", "ampere", "hopper", "blackwell")
 DTYPES = ("bf16", "fp16")
 
@@ -245,7 +247,7 @@ def flash_cute_ratio(row: dict[str, dict]) -> float | None:
     if not ours or ours["status"] != "ok" or not ours.get("tflops"):
         return None
     peers = [r["tflops"] for name, r in row.items()
-             if name != "flash_cute" and r["status"] == "ok" and r.get("tflops")
+             if name not in OURS and r["status"] == "ok" and r.get("tflops")
              and not r.get("wrong")]
     return ours["tflops"] / max(peers) if peers else None
 
@@ -527,6 +529,30 @@ def load_sdpa(name: str) -> Provider:
     return Provider(name, forward, context=lambda: sdpa_kernel(backend))
 
 
+def load_sdpa_flash_cute() -> Provider:
+    """torch SDPA's flash backend with flash-cute activated as its implementation
+    (`flash_cute.integrations.sdpa`), only around this provider's calls."""
+    import torch.nn.attention as attention
+
+    if not hasattr(attention, "register_flash_attention_impl"):
+        return Provider("sdpa_flash_cute", unavailable="torch has no flash-attention registry")
+    from flash_cute.integrations import sdpa
+
+    sdpa.register()
+    flash = load_sdpa("sdpa_flash")
+
+    @contextlib.contextmanager
+    def context():
+        attention.activate_flash_attention_impl(sdpa.IMPL)
+        try:
+            with flash.context():
+                yield
+        finally:
+            attention.restore_flash_attention_impl()
+
+    return Provider("sdpa_flash_cute", flash.forward, context=context)
+
+
 def load_provider(name: str, arch: str = "auto") -> Provider:
     """Provider by name; never raises for a missing package (see Provider.unavailable)."""
     if name == "flash_cute":
@@ -535,6 +561,8 @@ def load_provider(name: str, arch: str = "auto") -> Provider:
         return load_fa4()
     if name in ("sdpa_cudnn", "sdpa_flash"):
         return load_sdpa(name)
+    if name == "sdpa_flash_cute":
+        return load_sdpa_flash_cute()
     raise ValueError(f"unknown provider {name!r}; choose from {PROVIDERS}")
 
 

@@ -146,7 +146,8 @@ def test_table_columns_and_marks():
     assert first[6] == "n/a"
     assert first[7].endswith("WRONG")
     # the WRONG cudnn cell is not a valid peer: ratio is against sdpa_flash (2 ms / 1 ms)
-    assert first[9] == "2.00x"
+    assert first[9] == "-"   # sdpa_flash_cute: no record
+    assert first[10] == "2.00x"
     bwd = [c.strip() for c in rows[-1].split("|")[1:-1]]
     assert bwd[0] == "bwd" and bwd[5] == "ERR" and bwd[6] == "-" and bwd[9] == "-"
     assert "n/a fa4 (4 cells): flash_attn.cute not importable" in text
