@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from flash_cute import ops, plans  # noqa: F401 - ops registers torch.ops.flash_cute
+from flash_cute import mod_graph, ops, plans  # noqa: F401 - ops registers torch.ops.flash_cute
 from flash_cute.plans import check_inputs, clear_plans  # noqa: F401 - public here
 from flash_cute.validation import _normalize_mask, _real, validate_attention_inputs
 
@@ -24,13 +24,13 @@ class _FlashAttnFunc(torch.autograd.Function):
     get)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, options):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, options, variant):
         fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
         out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options,
-                       True, 0)
+                       True, variant)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
                               seqused_k)
-        ctx.options = options
+        ctx.options, ctx.variant = options, variant
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -41,8 +41,8 @@ class _FlashAttnFunc(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         bwd = plans.backward if _eager(dout, q, out) else torch.ops.flash_cute.bwd
-        dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options, 0)
-        return _not_differentiable(dq, dk, dv) + (None,) * 5
+        dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options, ctx.variant)
+        return _not_differentiable(dq, dk, dv) + (None,) * 6
 
 
 def _not_differentiable(*grads) -> tuple:
@@ -105,14 +105,15 @@ def flash_attn_func(
     hopper tile's 128 rows); False never packs. The result is the same either way.
     """
     if (qv is not None or gather_kv_indices is not None or learnable_sink is not None
-            or num_splits > 1 or score_mod is not None or score_mod_bwd is not None
-            or mask_mod is not None or aux_tensors is not None or aux_scalars is not None
-            or block_sparse_tensors is not None or block_sparse_tensors_bwd is not None
-            or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
+            or num_splits > 1 or score_mod_bwd is not None or aux_tensors is not None
+            or aux_scalars is not None or block_sparse_tensors is not None
+            or block_sparse_tensors_bwd is not None or gather_bwd_recompute_p
+            or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
+    variant = _variant_key(score_mod, mask_mod, softcap) if score_mod or mask_mod else 0
 
     return _attention(q, k, v, (None, None, None, None), None, None, softmax_scale, causal,
-                      window_size, softcap, pack_gqa, deterministic, arch, return_lse)
+                      window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant)
 
 
 def flash_attn_varlen_func(
@@ -184,12 +185,13 @@ def flash_attn_varlen_func(
       seqused. The output and lse take the layout of q's side.
     """
     if (qv is not None or gather_kv_indices is not None or page_table is not None
-            or learnable_sink is not None or num_splits > 1 or score_mod is not None
-            or score_mod_bwd is not None or mask_mod is not None or aux_tensors is not None
-            or aux_scalars is not None or block_sparse_tensors is not None
-            or scheduler_metadata is not None or seqlen_k_per_split is not None
-            or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
+            or learnable_sink is not None or num_splits > 1 or score_mod_bwd is not None
+            or aux_tensors is not None or aux_scalars is not None
+            or block_sparse_tensors is not None or scheduler_metadata is not None
+            or seqlen_k_per_split is not None or gather_bwd_recompute_p
+            or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
+    variant = _variant_key(score_mod, mask_mod, softcap) if score_mod or mask_mod else 0
 
     q_padded = None
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -204,7 +206,7 @@ def flash_attn_varlen_func(
 
     out, lse = _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
                           max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-                          softcap, pack_gqa, deterministic, arch, return_lse)
+                          softcap, pack_gqa, deterministic, arch, return_lse, variant)
     if q_padded is not None:
         batch, seqlen = q_padded[:2]
         out = out.view(batch, seqlen, *out.shape[1:])
@@ -262,6 +264,31 @@ _UNBUILT = {
 }
 
 
+def _variant_key(score_mod, mask_mod, softcap) -> int:
+    """The registry key of FlexAttention-form mods (`flash_cute.mod_graph`); FA4's `@cute.jit`
+    form (seven parameters) is not built yet."""
+    import inspect
+
+    for name, fn, arity in (("score_mod", score_mod, 5), ("mask_mod", mask_mod, 4)):
+        if fn is None:
+            continue
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            params = ()
+        count = arity if not params or any(p.kind is p.VAR_POSITIONAL for p in params) \
+            else len(params)
+        if count != arity:
+            raise NotImplementedError(
+                f"{name} with {count} parameters: flash-cute takes FlexAttention's form "
+                f"({'score, ' if arity == 5 else ''}b, h, q_idx, kv_idx); FA4's @cute.jit form "
+                "is not built yet")
+    if score_mod is not None and softcap:
+        raise ValueError("softcap with a score_mod: write the softcap inside the mod "
+                         "(cap * torch.tanh(score / cap))")
+    return mod_graph.register(score_mod, mask_mod)
+
+
 def _refuse_unbuilt(args: dict) -> None:
     for name, what in _UNBUILT.items():
         value = args.get(name)
@@ -271,7 +298,7 @@ def _refuse_unbuilt(args: dict) -> None:
 
 
 def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-               window_size, softcap, pack_gqa, deterministic, arch, return_lse):
+               window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant=0):
     """Both public functions' call of the operators. `lengths`: (cu_seqlens_q, cu_seqlens_k,
     seqused_q, seqused_k), each a tensor or None."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
@@ -282,10 +309,10 @@ def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scal
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)
     if needs_grad:
-        out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, options)
+        out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, options, variant)
         return out, lse
     fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
-    out, lse = fwd(q, k, v, *lengths, *options, False, 0)
+    out, lse = fwd(q, k, v, *lengths, *options, False, variant)
     return out, (lse if return_lse else None)
 
 

@@ -18,7 +18,7 @@ none), since Python objects cannot be schema arguments.
 
 import torch
 
-from flash_cute import plans
+from flash_cute import mod_graph, plans
 from flash_cute.reference import attention_ref, attention_ref_backward
 
 # Options after the tensors, in the order both schemas take them.
@@ -38,10 +38,9 @@ _LIB.impl("fwd", plans.forward, "CUDA")
 _LIB.impl("bwd", plans.backward, "CUDA")
 
 
-def _no_variant(variant: int) -> None:
-    if variant:
-        raise NotImplementedError(f"variant {variant}: score/mask modifications are not built "
-                                  "in flash-cute yet")
+def _variant(key: int):
+    """The `mod_graph.Variant` of a registry key (None for 0)."""
+    return mod_graph.lookup(key) if key else None
 
 
 def _reference_problem(q, k, v, lengths, options):
@@ -52,27 +51,27 @@ def _reference_problem(q, k, v, lengths, options):
     return plans.validate_call(q, k, v, lengths, options, require_cuda=False)
 
 
-def _reference_kwargs(problem, lengths) -> dict:
+def _reference_kwargs(problem, lengths, key: int) -> dict:
     cu_q, cu_k, used_q, used_k = lengths
     return dict(softmax_scale=problem.softmax_scale, causal=problem.causal,
                 window_size=(problem.window_left, problem.window_right),
                 softcap=problem.softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                seqused_q=used_q, seqused_k=used_k)
+                seqused_q=used_q, seqused_k=used_k, variant=_variant(key))
 
 
 def _fwd_cpu(q, k, v, cu_q, cu_k, used_q, used_k, *options):
     lengths = (cu_q, cu_k, used_q, used_k)
-    _no_variant(options[-1])
     problem = _reference_problem(q, k, v, lengths, options)
-    out, lse = attention_ref(q, k, v, mode="float32", **_reference_kwargs(problem, lengths))
+    out, lse = attention_ref(q, k, v, mode="float32",
+                             **_reference_kwargs(problem, lengths, options[-1]))
     return out.to(q.dtype).contiguous(), lse.float().contiguous()
 
 
 def _bwd_cpu(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options):
     lengths = (cu_q, cu_k, used_q, used_k)
-    _no_variant(options[-1])
     problem = _reference_problem(q, k, v, lengths, options)
-    dq, dk, dv = attention_ref_backward(q, k, v, dout, dlse, **_reference_kwargs(problem, lengths))
+    dq, dk, dv = attention_ref_backward(q, k, v, dout, dlse,
+                                        **_reference_kwargs(problem, lengths, options[-1]))
     return tuple(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
@@ -82,7 +81,7 @@ _LIB.impl("bwd", _bwd_cpu, "CPU")
 
 @torch.library.register_fake("flash_cute::fwd")
 def _fwd_fake(q, k, v, cu_q, cu_k, used_q, used_k, *options):
-    _no_variant(options[-1])
+    _variant(options[-1])
     problem = _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options)
     out = q.new_empty((*q.shape[:-1], problem.hdim_v))
     if cu_q is not None:
@@ -94,7 +93,7 @@ def _fwd_fake(q, k, v, cu_q, cu_k, used_q, used_k, *options):
 
 @torch.library.register_fake("flash_cute::bwd")
 def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options):
-    _no_variant(options[-1])
+    _variant(options[-1])
     _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options)
     # Contiguous, whatever the inputs' strides, as the kernels' gradients are.
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

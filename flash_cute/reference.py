@@ -101,13 +101,39 @@ def _softmax_rows(scores: torch.Tensor, mask: torch.Tensor):
     return p / safe_sum, lse.squeeze(-1)
 
 
-def _probs(scores, softmax_scale, causal, window_size, softcap):
-    """Scale, softcap, mask and softmax raw scores [..., seqlen_q, seqlen_k] -> (P, LSE)."""
+def _probs(scores, softmax_scale, causal, window_size, softcap, variant=None, batch_index=0):
+    """Scale, softcap (or the score mod), mask (and the mask mod) and softmax raw scores
+    [..., seqlen_q, seqlen_k] -> (P, LSE)."""
     scores = scores * softmax_scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     mask = attention_mask(scores.shape[-2], scores.shape[-1], causal, window_size, device=scores.device)
+    if variant is not None:
+        scores, mask = _apply_mods(variant, scores, mask, batch_index)
     return _softmax_rows(scores, mask)
+
+
+def _mod_grids(scores, batch_index):
+    from flash_cute.mod_graph import index_grids
+
+    return index_grids(batch_index, scores.shape[1], scores.shape[2], scores.shape[3],
+                       device=scores.device)
+
+
+def _apply_mods(variant, scores, mask, batch_index):
+    """A `mod_graph.Variant`'s score and mask mods on [b, h, sq, sk] scaled scores."""
+    from flash_cute.mod_graph import evaluate
+
+    grids = _mod_grids(scores, batch_index)
+    if variant.score_mod is not None:
+        aux = tuple(t.to(scores.device) for t in variant.score_mod.aux)
+        modded = evaluate(variant.score_mod, {"score": scores, **grids}, aux)
+        scores = torch.broadcast_to(modded, scores.shape).to(scores.dtype)
+    if variant.mask_mod is not None:
+        aux = tuple(t.to(scores.device) for t in variant.mask_mod.aux)
+        keep = torch.broadcast_to(evaluate(variant.mask_mod, grids, aux), scores.shape)
+        mask = mask & keep.bool()
+    return scores, mask
 
 
 def _mode_dtypes(mode: str, input_dtype: torch.dtype):
@@ -120,14 +146,18 @@ def _mode_dtypes(mode: str, input_dtype: torch.dtype):
     return (torch.float32 if mode == "float32" else input_dtype), torch.float32
 
 
-def _attention_dense(q, k, v, softmax_scale, causal, window_size, softcap, mode):
-    """Batched attention for one set of equal-length sequences (layout [b, s, h, d])."""
+def _attention_dense(q, k, v, softmax_scale, causal, window_size, softcap, mode, variant=None,
+                     batch_index=None):
+    """Batched attention for one set of equal-length sequences (layout [b, s, h, d]);
+    `batch_index`: the mods' b of each entry (default 0..b-1)."""
     mm_dtype, score_dtype = _mode_dtypes(mode, q.dtype)
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q.to(mm_dtype), k.to(mm_dtype))
-    p, lse = _probs(scores.to(score_dtype), softmax_scale, causal, window_size, softcap)
+    batch_index = list(range(q.shape[0])) if batch_index is None else batch_index
+    p, lse = _probs(scores.to(score_dtype), softmax_scale, causal, window_size, softcap, variant,
+                    batch_index)
     out = torch.einsum("bhqk,bkhd->bqhd", p.to(mm_dtype), v.to(mm_dtype))
     return out, lse
 
@@ -209,7 +239,8 @@ def _attention_used(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, a
     for b in range(len(spans_q)):
         sq = slice(bounds_q[b], bounds_q[b] + used_q[b])
         sk = slice(bounds_k[b], bounds_k[b] + used_k[b])
-        out, lse = _attention_dense(q[None, sq], k[None, sk], v[None, sk], *args)
+        out, lse = _attention_dense(q[None, sq], k[None, sk], v[None, sk], *args,
+                                    batch_index=[b])
         pad = spans_q[b] - used_q[b]
         outs += [out[0], out.new_zeros(pad, *out.shape[2:])]
         lses += [lse[0], lse.new_full((lse.shape[1], pad), -math.inf)]
@@ -239,8 +270,12 @@ def attention_ref(
     seqused_q: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
     mode: str = "float64",
+    variant=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference attention; returns ``(out, lse)``. Differentiable through autograd.
+
+    ``variant``: a `mod_graph.Variant` (traced score and mask mods), applied to the scaled
+    scores (b: the batch entry or sequence; q_idx, kv_idx: positions inside it).
 
     Modes:
 
@@ -260,7 +295,7 @@ def attention_ref(
     varlen = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    args = (softmax_scale, causal, window_size, softcap, mode)
+    args = (softmax_scale, causal, window_size, softcap, mode, variant)
     if varlen:
         return _attention_used(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, args)
     if seqused_q is None and seqused_k is None:
@@ -284,6 +319,7 @@ def attention_ref_backward(
     seqused_q: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
     dtype: torch.dtype = torch.float32,
+    variant=None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`attention_ref` by the written-out formulas (no autograd), in
     `dtype`, for the same arguments plus the incoming gradients of out and (optionally) lse:
@@ -295,7 +331,7 @@ def attention_ref_backward(
     varlen = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    args = (softmax_scale, causal, window_size, softcap)
+    args = (softmax_scale, causal, window_size, softcap, variant)
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     dlse = None if dlse is None else dlse.to(dtype)
     if not varlen and seqused_q is None and seqused_k is None:
@@ -311,14 +347,19 @@ def attention_ref_backward(
                           seqused_k, args)
 
 
-def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, softcap):
-    """The backward of `_attention_dense` ([b, s, h, d]; dlse [b, h, sq] or None)."""
+def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, softcap,
+                    variant=None, batch_index=None):
+    """The backward of `_attention_dense` ([b, s, h, d]; dlse [b, h, sq] or None); a score
+    mod's derivative comes from its graph (`mod_graph.score_derivative`)."""
     hk = k.shape[2]
     group = q.shape[2] // hk
     kk, vv = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     raw = torch.einsum("bqhd,bkhd->bhqk", q, kk) * softmax_scale
     capped = softcap * torch.tanh(raw / softcap) if softcap > 0 else raw
     mask = attention_mask(raw.shape[-2], raw.shape[-1], causal, window_size, device=raw.device)
+    batch_index = list(range(q.shape[0])) if batch_index is None else batch_index
+    if variant is not None:
+        capped, mask = _apply_mods(variant, capped, mask, batch_index)
     p, _ = _softmax_rows(capped, mask)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
     delta = (dout * out).sum(-1).transpose(1, 2)  # [b, h, sq]
@@ -328,10 +369,22 @@ def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, sof
     ds = p * (dp - delta[..., None])
     if softcap > 0:
         ds = ds * (1 - (capped / softcap) ** 2)
+    if variant is not None and variant.score_mod is not None:
+        ds = ds * _mod_derivative(variant.score_mod, raw, batch_index)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * softmax_scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * softmax_scale
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
     return dq, dk.unflatten(2, (hk, group)).sum(3), dv.unflatten(2, (hk, group)).sum(3)
+
+
+def _mod_derivative(graph, raw, batch_index):
+    """d(score_mod)/d(score) at the scaled scores `raw` [b, h, sq, sk]."""
+    from flash_cute.mod_graph import evaluate, score_derivative
+
+    aux = tuple(t.to(raw.device) for t in graph.aux)
+    grad = evaluate(score_derivative(graph), {"score": raw, **_mod_grids(raw, batch_index)}, aux)
+    return torch.broadcast_to(torch.as_tensor(grad, dtype=raw.dtype, device=raw.device),
+                              raw.shape)
 
 
 def _backward_used(q, k, v, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
@@ -349,7 +402,7 @@ def _backward_used(q, k, v, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, s
         sk = slice(bounds_k[b], bounds_k[b] + used_k[b])
         seq_dlse = None if dlse is None else dlse[None, :, sq]
         grads = _backward_dense(q[None, sq], k[None, sk], v[None, sk], dout[None, sq], seq_dlse,
-                                *args)
+                                *args, batch_index=[b])
         dq[sq], dk[sk], dv[sk] = (g[0] for g in grads)
     return dq, dk, dv
 

@@ -190,7 +190,9 @@ def test_api_signature_matches_flash_attn_cute(fn, fa4):
 
 @pytest.mark.parametrize("name,value", [
     ("qv", torch.zeros(1)), ("gather_kv_indices", torch.zeros(1)), ("learnable_sink", torch.zeros(1)),
-    ("num_splits", 4), ("score_mod", lambda *a: a), ("mask_mod", lambda *a: a),
+    ("num_splits", 4),
+    ("score_mod", lambda s, b, h, q, k, seqlen_info, aux: s),     # FA4's @cute.jit form
+    ("mask_mod", lambda b, h, q, k, seqlen_info, aux: q >= k),
     ("aux_tensors", [torch.zeros(1)]), ("block_sparse_tensors", object()),
     ("gather_bwd_recompute_p", True)])
 def test_fa4_features_not_built_raise_not_implemented_naming_them(name, value):

@@ -210,10 +210,10 @@ def test_compile_fullgraph_dynamic_has_no_break_and_no_recompile():
     torch._dynamo.reset()
 
 
-def test_variant_keys_other_than_zero_are_refused():
+def test_unregistered_variant_keys_are_refused():
     q = _randn(1, 8, 2, 64)
-    with pytest.raises(NotImplementedError, match="variant 3"):
-        torch.ops.flash_cute.fwd(q, q, q, None, None, None, None, *_options(), False, 3)
+    with pytest.raises(KeyError, match="variant 12345 is not registered"):
+        torch.ops.flash_cute.fwd(q, q, q, None, None, None, None, *_options(), False, 12345)
 
 
 def test_check_inputs_switch_is_public():

@@ -1,0 +1,339 @@
+"""Score and mask modifications in FlexAttention's form, traced into a small op graph.
+
+A score mod is a plain torch function ``score_mod(score, b, h, q_idx, kv_idx) -> score`` and a
+mask mod ``mask_mod(b, h, q_idx, kv_idx) -> bool``, the very functions a user passes to
+`torch.nn.attention.flex_attention`, with captured tensors (``slopes[h]``,
+``bias[q_idx - kv_idx]``). `trace` records one with torch.fx into a `ModGraph`: a list of
+nodes over the five inputs, constants and loads from the captured tensors, in a documented
+op subset (`OPS`); anything else is refused with the op's name. The graph is what every
+implementation runs: `evaluate` (torch, on broadcast index grids: the reference and the CPU
+operator), `score_derivative` (d out / d score, generated from the same graph, so no
+hand-written backward is needed) and, next, the kernels' code.
+
+Semantics, shared by every implementation:
+
+* ``score`` is the scaled score q·k · softmax_scale; the mod's result goes to the softmax.
+* ``b`` is the batch entry (the sequence, for the packed layout), ``h`` the query head,
+  ``q_idx`` / ``kv_idx`` the positions inside the sequence; all int32.
+* A load from a captured tensor clamps each index into the tensor's extent, so no index
+  arithmetic reads outside it.
+"""
+
+import operator
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
+MASK_INPUTS = INPUTS[1:]
+
+# Graph op -> (arity, torch implementation). Loads ("load") and constants are nodes of their own.
+OPS = {
+    "add": (2, torch.add), "sub": (2, torch.sub), "mul": (2, torch.mul),
+    "div": (2, torch.div), "floordiv": (2, lambda a, b: torch.div(a, b, rounding_mode="floor")),
+    "mod": (2, torch.remainder), "pow": (2, torch.pow),
+    "minimum": (2, torch.minimum), "maximum": (2, torch.maximum),
+    "lt": (2, torch.lt), "le": (2, torch.le), "gt": (2, torch.gt), "ge": (2, torch.ge),
+    "eq": (2, torch.eq), "ne": (2, torch.ne),
+    "and": (2, torch.logical_and), "or": (2, torch.logical_or),
+    "neg": (1, torch.neg), "not": (1, torch.logical_not), "abs": (1, torch.abs),
+    "exp": (1, torch.exp), "log": (1, torch.log), "tanh": (1, torch.tanh),
+    "sigmoid": (1, torch.sigmoid), "sqrt": (1, torch.sqrt),
+    "where": (3, torch.where),
+}
+
+# torch.fx targets -> graph ops.
+_FUNCTIONS = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
+    operator.floordiv: "floordiv", operator.mod: "mod", operator.pow: "pow",
+    operator.neg: "neg", operator.lt: "lt", operator.le: "le", operator.gt: "gt",
+    operator.ge: "ge", operator.eq: "eq", operator.ne: "ne", operator.and_: "and",
+    operator.or_: "or", operator.invert: "not", operator.abs: "abs", operator.getitem: "load",
+    torch.add: "add", torch.sub: "sub", torch.mul: "mul", torch.div: "div",
+    torch.neg: "neg", torch.abs: "abs", torch.exp: "exp", torch.log: "log",
+    torch.tanh: "tanh", torch.sigmoid: "sigmoid", torch.sqrt: "sqrt", torch.where: "where",
+    torch.minimum: "minimum", torch.maximum: "maximum", torch.logical_and: "and",
+    torch.logical_or: "or", torch.logical_not: "not",
+}
+_METHODS = {"exp": "exp", "log": "log", "tanh": "tanh", "sigmoid": "sigmoid", "abs": "abs",
+            "sqrt": "sqrt", "neg": "neg", "__getitem__": "load"}
+_BOOL = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not"}
+
+
+class Node(NamedTuple):
+    """One graph node: ``op`` is an input name ("score", "b", ...), "const" (``args`` =
+    (value,)), "load" (``args`` = (aux index, index nodes...)) or an `OPS` name over earlier
+    nodes (``args``: their indices)."""
+    op: str
+    args: tuple
+
+
+class ModGraph(NamedTuple):
+    """A traced mod: nodes in order, the output node, and the captured tensors it loads."""
+    nodes: tuple
+    output: int
+    aux: tuple
+    kind: str  # "score" or "mask"
+
+    def uses(self, name: str) -> bool:
+        return any(n.op == name for n in self.nodes)
+
+
+class UnsupportedMod(TypeError):
+    """A mod uses an operation outside `OPS` (or a form of one the kernels cannot run)."""
+
+
+def trace(fn: Callable, kind: str = "score") -> ModGraph:
+    """The `ModGraph` of a FlexAttention-form score mod (``kind="score"``) or mask mod
+    (``"mask"``); raises `UnsupportedMod` naming what is outside the op subset."""
+    import torch.fx
+
+    names = INPUTS if kind == "score" else MASK_INPUTS
+    try:
+        gm = torch.fx.symbolic_trace(_positional(fn, len(names)))
+    except UnsupportedMod:
+        raise
+    except Exception as exc:
+        raise UnsupportedMod(f"{kind}_mod {getattr(fn, '__name__', fn)!r} could not be traced "
+                             f"({type(exc).__name__}: {exc}); mods are traced with torch.fx: "
+                             "no data-dependent Python control flow (use torch.where)") from exc
+    return _Builder(gm, names, kind).build()
+
+
+def _positional(fn: Callable, arity: int) -> Callable:
+    """`fn` behind a wrapper with exactly `arity` positional parameters (fx traces by them)."""
+    args = ", ".join(f"a{i}" for i in range(arity))
+    scope = {"fn": fn}
+    exec(f"def mod({args}):\n    return fn({args})\n", scope)  # noqa: S102 - fixed template
+    return scope["mod"]
+
+
+class _Builder:
+    def __init__(self, gm, names, kind):
+        self.gm, self.names, self.kind = gm, names, kind
+        self.nodes, self.aux, self.index = [], [], {}
+
+    def build(self) -> ModGraph:
+        output = None
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                self.index[node] = self._add(self.names[len(self.index)], ())
+            elif node.op == "get_attr":
+                self.index[node] = ("aux", self._aux(getattr(self.gm, node.target)))
+            elif node.op in ("call_function", "call_method"):
+                self.index[node] = self._call(node)
+            elif node.op == "output":
+                output = self._value(node.args[0])
+        if isinstance(output, tuple) or output is None:
+            raise UnsupportedMod(f"{self.kind}_mod must return a value computed from its inputs")
+        return ModGraph(tuple(self.nodes), output, tuple(self.aux), self.kind)
+
+    def _add(self, op, args) -> int:
+        self.nodes.append(Node(op, tuple(args)))
+        return len(self.nodes) - 1
+
+    def _aux(self, tensor) -> int:
+        for i, t in enumerate(self.aux):
+            if t is tensor:
+                return i
+        self.aux.append(tensor)
+        return len(self.aux) - 1
+
+    def _value(self, arg) -> int:
+        """The node index of an fx argument (a node, or a Python number made a constant)."""
+        if isinstance(arg, (bool, int, float)):
+            return self._add("const", (arg,))
+        if isinstance(arg, torch.Tensor) and arg.dim() == 0:
+            return self._add("const", (arg.item(),))
+        value = self.index.get(arg)
+        if value is None or isinstance(value, tuple):
+            raise UnsupportedMod(f"{self.kind}_mod uses {arg!r} as a value; captured tensors "
+                                 "may only be indexed (e.g. bias[q_idx - kv_idx])")
+        return value
+
+    def _call(self, node) -> int:
+        target = node.target
+        op = (_FUNCTIONS.get(target) if node.op == "call_function" else _METHODS.get(target))
+        if op is None:
+            name = getattr(target, "__name__", str(target))
+            raise UnsupportedMod(
+                f"{self.kind}_mod uses {name!r}, which flash-cute's mods do not support; "
+                f"supported: {', '.join(sorted(OPS))} (and their operators), indexing of "
+                "captured tensors, Python numbers")
+        if node.kwargs:
+            raise UnsupportedMod(f"{self.kind}_mod passes keyword arguments to {op!r}")
+        if op == "load":
+            return self._load(node)
+        arity = OPS[op][0]
+        if len(node.args) != arity:
+            raise UnsupportedMod(f"{self.kind}_mod calls {op!r} with {len(node.args)} "
+                                 f"arguments, not {arity}")
+        return self._add(op, [self._value(a) for a in node.args])
+
+    def _load(self, node) -> int:
+        base, index = node.args
+        source = self.index.get(base)
+        if not (isinstance(source, tuple) and source[0] == "aux"):
+            raise UnsupportedMod(f"{self.kind}_mod indexes a computed value; only captured "
+                                 "tensors may be indexed")
+        tensor = self.aux[source[1]]
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) != tensor.dim():
+            raise UnsupportedMod(f"{self.kind}_mod indexes a {tensor.dim()}-D captured tensor "
+                                 f"with {len(index)} indices; index every dimension")
+        if tensor.dtype.is_complex:
+            raise UnsupportedMod(f"{self.kind}_mod loads from a complex tensor")
+        return self._add("load", (source[1], *[self._value(i) for i in index]))
+
+
+def evaluate(graph: ModGraph, inputs: dict, aux: Optional[tuple] = None):
+    """The graph's output on broadcastable torch tensors `inputs` (by input name); `aux`
+    replaces the captured tensors (same shapes), e.g. moved to another device."""
+    aux = graph.aux if aux is None else aux
+    values = []
+    for node in graph.nodes:
+        if node.op in INPUTS:
+            values.append(inputs[node.op])
+        elif node.op == "const":
+            values.append(node.args[0])
+        elif node.op == "load":
+            values.append(_load(aux[node.args[0]], [values[i] for i in node.args[1:]]))
+        else:
+            values.append(OPS[node.op][1](*[_tensor(values[i]) for i in node.args]))
+    return _tensor(values[graph.output])
+
+
+def _tensor(value):
+    """A tensor of a value; Python floats become float64 0-d tensors, which keep a constant
+    exact without widening the dimensioned tensors they meet (type promotion)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
+
+
+def _load(tensor: torch.Tensor, index: list):
+    """tensor[index] with each index clamped into its dimension (the kernels' rule)."""
+    clamped = []
+    for dim, i in enumerate(index):
+        i = _tensor(i).to(torch.int64, copy=False) if not isinstance(i, int) else torch.tensor(i)
+        clamped.append(i.clamp(0, tensor.shape[dim] - 1).to(tensor.device))
+    return tensor[tuple(clamped)]
+
+
+def score_derivative(graph: ModGraph) -> ModGraph:
+    """The graph of d(score_mod)/d(score), over the same inputs and captured tensors,
+    from each op's rule (a load, a comparison and an index are constant in the score)."""
+    if graph.kind != "score":
+        raise ValueError("only a score mod has a derivative")
+    nodes = list(graph.nodes)
+    zero = _append(nodes, Node("const", (0.0,)))
+    one = _append(nodes, Node("const", (1.0,)))
+    deriv = {}
+    for i, node in enumerate(graph.nodes):
+        deriv[i] = _rule(nodes, node, i, deriv, zero, one)
+    return ModGraph(tuple(nodes), deriv[graph.output], graph.aux, "score")
+
+
+def _append(nodes: list, node: Node) -> int:
+    nodes.append(node)
+    return len(nodes) - 1
+
+
+def _rule(nodes, node, i, deriv, zero, one) -> int:
+    op, args = node.op, node.args
+    if op == "score":
+        return one
+    if op in INPUTS or op in ("const", "load") or op in _BOOL or op in ("floordiv", "mod"):
+        return zero
+    d = [deriv[a] for a in args]
+    if op != "where" and all(x == zero for x in d):
+        return zero
+
+    def new(o, *a):
+        return _append(nodes, Node(o, a))
+
+    if op in ("add", "sub"):
+        return d[0] if d[1] == zero else (new("neg", d[1]) if op == "sub" and d[0] == zero
+                                          else new(op, d[0], d[1]) if d[0] != zero else d[1])
+    if op == "neg":
+        return new("neg", d[0])
+    if op == "mul":
+        a, b = args
+        terms = [new("mul", d[0], b)] if d[0] != zero else []
+        terms += [new("mul", a, d[1])] if d[1] != zero else []
+        return terms[0] if len(terms) == 1 else new("add", *terms)
+    if op == "div":
+        a, b = args
+        if d[1] == zero:
+            return new("div", d[0], b)
+        quotient = new("div", new("mul", a, d[1]), new("mul", b, b))
+        return new("neg", quotient) if d[0] == zero else new("sub", new("div", d[0], b), quotient)
+    if op == "pow":
+        if d[1] != zero:
+            raise UnsupportedMod("score_mod raises to a power that depends on the score")
+        a, n = args
+        return new("mul", new("mul", n, new("pow", a, new("sub", n, one))), d[0])
+    if op == "exp":
+        return new("mul", i, d[0])
+    if op == "log":
+        return new("div", d[0], args[0])
+    if op == "tanh":
+        return new("mul", new("sub", one, new("mul", i, i)), d[0])
+    if op == "sigmoid":
+        return new("mul", new("mul", i, new("sub", one, i)), d[0])
+    if op == "sqrt":
+        return new("div", d[0], new("mul", _append(nodes, Node("const", (2.0,))), i))
+    if op == "abs":
+        sign = new("where", new("lt", args[0], zero), new("neg", one), one)
+        return new("mul", sign, d[0])
+    if op in ("minimum", "maximum"):
+        a, b = args
+        pick_a = new("le" if op == "minimum" else "ge", a, b)
+        return new("where", pick_a, d[0], d[1])
+    if op == "where":
+        return zero if d[1] == d[2] == zero else new("where", args[0], d[1], d[2])
+    raise UnsupportedMod(f"no derivative rule for {op!r}")
+
+
+def index_grids(batch_index, heads: int, seqlen_q: int, seqlen_k: int, device=None) -> dict:
+    """Broadcastable int32 grids of b [B, 1, 1, 1], h [1, H, 1, 1], q_idx [1, 1, Q, 1] and
+    kv_idx [1, 1, 1, K] (`batch_index`: an int, or a list of batch entries)."""
+    b = torch.tensor(batch_index if isinstance(batch_index, list) else [batch_index],
+                     dtype=torch.int32, device=device)
+    return {"b": b.view(-1, 1, 1, 1),
+            "h": torch.arange(heads, dtype=torch.int32, device=device).view(1, -1, 1, 1),
+            "q_idx": torch.arange(seqlen_q, dtype=torch.int32, device=device).view(1, 1, -1, 1),
+            "kv_idx": torch.arange(seqlen_k, dtype=torch.int32, device=device).view(1, 1, 1, -1)}
+
+
+class Variant(NamedTuple):
+    """A call's modifications: the traced graphs (None where absent)."""
+    score_mod: Optional[ModGraph]
+    mask_mod: Optional[ModGraph]
+
+
+_REGISTRY = {}
+_KEYS = {}
+
+
+def register(score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None) -> int:
+    """The registry key of a call's mods (0 for none), the operators' `variant` argument:
+    the same pair of functions gets the same key, traced once."""
+    if score_mod is None and mask_mod is None:
+        return 0
+    ident = (score_mod, mask_mod)
+    key = _KEYS.get(ident)
+    if key is None:
+        variant = Variant(None if score_mod is None else trace(score_mod, "score"),
+                          None if mask_mod is None else trace(mask_mod, "mask"))
+        key = len(_REGISTRY) + 1
+        _REGISTRY[key] = variant
+        _KEYS[ident] = key
+    return key
+
+
+def lookup(key: int) -> Variant:
+    variant = _REGISTRY.get(key)
+    if variant is None:
+        raise KeyError(f"variant {key} is not registered (keys come from mod_graph.register)")
+    return variant

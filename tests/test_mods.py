@@ -1,0 +1,179 @@
+"""Score and mask mods in FlexAttention's form (CPU): tracing into the op graph, the op subset
+and its refusals, the generated derivative against autograd, and attention with mods on the
+CPU operators against torch's FlexAttention."""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import flash_cute
+from flash_cute import mod_graph, plans
+from flash_cute.reference import tolerance_check
+
+H, K = 4, 45
+SLOPES = torch.rand(H, dtype=torch.float64) + 0.1
+BIAS = torch.randn(2 * K, dtype=torch.float64)
+TABLE = torch.randn(2, H, dtype=torch.float64)
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - SLOPES[h] * (q_idx - kv_idx).abs()
+
+
+def relative_bias(score, b, h, q_idx, kv_idx):
+    return score + BIAS[q_idx - kv_idx + K]
+
+
+def softcap20(score, b, h, q_idx, kv_idx):
+    return 20.0 * torch.tanh(score / 20.0)
+
+
+def gated(score, b, h, q_idx, kv_idx):
+    return torch.where(q_idx % 3 == 0, score * torch.sigmoid(score), torch.maximum(score, -score / 2))
+
+
+def smooth(score, b, h, q_idx, kv_idx):
+    return torch.log(torch.exp(score / 4) + 1.0) * 4 + torch.sqrt(score * score + 1.0) / 8 \
+        + TABLE[b, h] * score
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx < 7) | (q_idx >= kv_idx)
+
+
+def sliding(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx >= 0) & (q_idx - kv_idx < 16)
+
+
+SCORE_MODS = [alibi, relative_bias, softcap20, gated, smooth]
+
+
+@pytest.mark.parametrize("fn", SCORE_MODS, ids=lambda f: f.__name__)
+def test_traced_graph_equals_the_function_and_its_derivative_equals_autograd(fn):
+    graph = mod_graph.trace(fn)
+    grids = mod_graph.index_grids([0, 1], H, 9, 11)
+    score = torch.randn(2, H, 9, 11, dtype=torch.float64, requires_grad=True)
+    want = fn(score, *grids.values())
+    got = mod_graph.evaluate(graph, {"score": score, **grids})
+    torch.testing.assert_close(torch.broadcast_to(got, want.shape), want, rtol=1e-12, atol=1e-12)
+    (grad,) = torch.autograd.grad(want.sum(), score)
+    deriv = mod_graph.evaluate(mod_graph.score_derivative(graph),
+                               {"score": score.detach(), **grids})
+    torch.testing.assert_close(torch.broadcast_to(deriv, grad.shape), grad, rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_loads_clamp_their_indices_into_the_tensor():
+    graph = mod_graph.trace(lambda score, b, h, q_idx, kv_idx: score + BIAS[q_idx - kv_idx])
+    grids = mod_graph.index_grids(0, 1, 3, 200)
+    out = mod_graph.evaluate(graph, {"score": torch.zeros(()), **grids})
+    index = (grids["q_idx"] - grids["kv_idx"]).clamp(0, BIAS.numel() - 1)
+    assert torch.equal(out, BIAS[index.long()])
+
+
+@pytest.mark.parametrize("fn,match", [
+    (lambda score, b, h, q, k: torch.sin(score), "'sin'"),
+    (lambda score, b, h, q, k: score if score > 0 else -score, "could not be traced"),
+    (lambda score, b, h, q, k: (score * 2)[0], "indexes a computed value"),
+    (lambda score, b, h, q, k: score + BIAS, "captured tensors may only be indexed"),
+    (lambda score, b, h, q, k: score + TABLE[h], "index every dimension"),
+])
+def test_unsupported_mods_are_refused_naming_why(fn, match):
+    with pytest.raises(mod_graph.UnsupportedMod, match=match):
+        mod_graph.trace(fn)
+
+
+def _flex(q, k, v, score_mod=None, mask_mod=None):
+    """torch's FlexAttention on [b, s, h, d] tensors (eager, CPU; no backward there)."""
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = create_block_mask(mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+                                       device="cpu")
+    with torch.no_grad():
+        out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                             score_mod=score_mod, block_mask=block_mask,
+                             enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _dense(q, k, v, score_mod, mask_mod, mm_dtype):
+    """Attention written out with the user's functions called on broadcast index grids (no
+    tracing), matmuls in `mm_dtype` and the softmax in float32 or wider: the gradient truth
+    (float64) and the bf16 baseline of the tolerance rule."""
+    group = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(group, dim=2).to(mm_dtype) for t in (k, v))
+    score = torch.einsum("bqhd,bkhd->bhqk", q.to(mm_dtype), kk)
+    score = score.to(torch.promote_types(mm_dtype, torch.float32)) * q.shape[-1] ** -0.5
+    grids = mod_graph.index_grids(list(range(q.shape[0])), q.shape[2], q.shape[1], k.shape[1])
+    if score_mod is not None:
+        score = score_mod(score, *grids.values())
+    if mask_mod is not None:
+        score = score.masked_fill(~mask_mod(*grids.values()), float("-inf"))
+    p = torch.softmax(score, dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", p.to(mm_dtype), vv)
+
+
+@pytest.mark.parametrize("score_mod,mask_mod", [
+    (alibi, None), (relative_bias, causal), (softcap20, prefix_lm), (smooth, sliding),
+    (None, prefix_lm), (gated, None)], ids=lambda f: getattr(f, "__name__", "none"))
+def test_attention_with_mods_meets_the_flashattention_rule(score_mod, mask_mod):
+    """flash_attn_func with the very functions FlexAttention takes (CPU operators): the
+    forward against FlexAttention in float64, the gradients against the written-out float64
+    attention calling the same functions, each within twice the bf16 baseline's error."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 37, H, 32, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, K, 2, 32, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, K, 2, 32, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = flash_cute.flash_attn_func(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _dense(q64, k64, v64, score_mod, mask_mod, torch.float64)
+    torch.testing.assert_close(ref.detach(), _flex(q64.detach(), k64.detach(), v64.detach(),
+                                                   score_mod, mask_mod),
+                               rtol=1e-10, atol=1e-10)
+    qb, kb, vb = (t.detach().requires_grad_() for t in (q, k, v))
+    nat = _dense(qb, kb, vb, score_mod, mask_mod, torch.bfloat16)
+    assert tolerance_check(out, ref, nat).ok
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads64 = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    grads_nat = torch.autograd.grad(nat, (qb, kb, vb), dout)
+    for name, g, r, n in zip("qkv", grads, grads64, grads_nat):
+        assert tolerance_check(g, r, n).ok, f"d{name}"
+
+
+def test_varlen_mods_see_the_sequence_and_positions_inside_it():
+    """Packed layout: b is the sequence and q_idx / kv_idx count from its start, so each
+    sequence's result is that of the padded call of its own."""
+    torch.manual_seed(1)
+    lens = [20, 33]
+    cu = torch.tensor([0, 20, 53], dtype=torch.int32)
+    q, k, v = (torch.randn(53, H, 32, dtype=torch.bfloat16) for _ in range(3))
+
+    def per_batch(score, b, h, q_idx, kv_idx):
+        return score + TABLE[b, h] - SLOPES[h] * (q_idx - kv_idx).abs()
+
+    out, _ = flash_cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                               max_seqlen_q=33, max_seqlen_k=33,
+                                               score_mod=per_batch, mask_mod=causal)
+    for b, (start, n) in enumerate(zip((0, 20), lens)):
+        rows = slice(start, start + n)
+        padded = [torch.zeros(2, n, H, 32, dtype=torch.bfloat16) for _ in range(3)]
+        for p, t in zip(padded, (q, k, v)):
+            p[b] = t[rows]
+        want, _ = flash_cute.flash_attn_func(*padded, score_mod=per_batch, mask_mod=causal)
+        torch.testing.assert_close(out[rows], want[b], rtol=0, atol=0)
+
+
+def test_gpu_kernels_refuse_mods_for_now_and_softcap_goes_inside_the_mod():
+    key = mod_graph.register(alibi, None)
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="GPU kernels are not built yet"):
+        plans.forward(q, q, q, None, None, None, None, None, None, None, False, None, None, 0.0,
+                      None, False, None, False, key)
+    with pytest.raises(ValueError, match="softcap inside the mod"):
+        flash_cute.flash_attn_func(q, q, q, score_mod=alibi, softcap=5.0)
+    assert mod_graph.register(alibi, None) == key   # the same function keeps its key
