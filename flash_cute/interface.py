@@ -265,6 +265,19 @@ _UNBUILT = {
 
 
 def _variant_key(score_mod, mask_mod, softcap) -> int:
+    if torch.compiler.is_compiling():
+        # A trace cannot trace the tracer: the mods must have been registered already (a
+        # first eager call, or `flash_cute.mod_graph.register`).
+        key = mod_graph.registered(score_mod, mask_mod)
+        if key is None:
+            raise RuntimeError("score_mod / mask_mod under torch.compile: register them first "
+                               "with flash_cute.mod_graph.register(score_mod, mask_mod) (or "
+                               "make one eager call)")
+        return key
+    return _checked_variant_key(score_mod, mask_mod, softcap)
+
+
+def _checked_variant_key(score_mod, mask_mod, softcap) -> int:
     """The registry key of FlexAttention-form mods (`flash_cute.mod_graph`); FA4's `@cute.jit`
     form (seven parameters) is not built yet."""
     import inspect

@@ -332,6 +332,11 @@ def register(score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] 
     return key
 
 
+def registered(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> Optional[int]:
+    """The key `register` gave these mods, or None (a plain dict lookup: traceable)."""
+    return _KEYS.get((score_mod, mask_mod))
+
+
 def lookup(key: int) -> Variant:
     variant = _REGISTRY.get(key)
     if variant is None:

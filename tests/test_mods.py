@@ -177,3 +177,37 @@ def test_gpu_kernels_refuse_mods_for_now_and_softcap_goes_inside_the_mod():
     with pytest.raises(ValueError, match="softcap inside the mod"):
         flash_cute.flash_attn_func(q, q, q, score_mod=alibi, softcap=5.0)
     assert mod_graph.register(alibi, None) == key   # the same function keeps its key
+
+
+def test_mods_under_compile_fullgraph_dynamic():
+    """Registered mods trace with the block (no break, no recompile across lengths); mods
+    never registered are refused with how to register them (a trace cannot run the tracer)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def attend(q, k, v):
+        return flash_cute.flash_attn_func(q, k, v, score_mod=alibi, mask_mod=causal)[0]
+
+    mod_graph.register(alibi, causal)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attend, backend=counter, fullgraph=True, dynamic=True)
+    frames = None
+    for seqlen in (33, 57, 80):
+        q, k, v = (torch.randn(1, seqlen, H, 32, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        got, want = compiled(q, k, v), attend(q, k, v)
+        assert torch.equal(got, want)
+        for a, b in zip(torch.autograd.grad(got.float().sum(), (q, k, v)),
+                        torch.autograd.grad(want.float().sum(), (q, k, v))):
+            assert torch.equal(a, b)
+        frames = counter.frame_count if frames is None else frames
+        assert counter.frame_count == frames
+
+    def fresh(score, b, h, q_idx, kv_idx):
+        return score * 0.5
+
+    q = torch.randn(1, 16, H, 32, dtype=torch.bfloat16)
+    with pytest.raises(Exception, match="register them first"):
+        torch.compile(lambda q: flash_cute.flash_attn_func(q, q.clone(), q.clone(),
+                                                           score_mod=fresh)[0],
+                      backend="aot_eager", fullgraph=True)(q)
+    torch._dynamo.reset()
