@@ -85,6 +85,7 @@ def flash_attn_func(
     gather_bwd_token_chunk: Optional[int] = None,
     *,
     arch: Optional[str] = None,
+    block_mask=None,
 ):
     """Exact attention on [batch, seqlen, nheads, hdim] tensors; returns ``(out, lse)``.
 
@@ -98,6 +99,11 @@ def flash_attn_func(
     backward pass needs it. Masks are bottom-right aligned; ``window_size=(left, right)`` with
     None (or a negative int) for an unbounded side; GQA/MQA when k/v have fewer heads.
 
+    ``score_mod`` / ``mask_mod``: FlexAttention's functions (`flash_cute.mod_graph`);
+    ``block_mask`` (keyword-only, flash-cute's own): a FlexAttention `BlockMask`
+    (`flash_cute.create_block_mask`), with its meaning (`flash_cute.block_mask`). Both run on
+    CPU tensors for now; the GPU kernels refuse them until the variants issue.
+
     ``pack_gqa`` (GQA/MQA forward): tile the query heads that share a K/V head together, so
     short query sequences (decode) fill a tile and K/V are read once per group. None lets the
     pipeline decide (`flash_cute.launch.packed_heads`); True requires it (NotImplementedError
@@ -110,8 +116,11 @@ def flash_attn_func(
             or block_sparse_tensors_bwd is not None or gather_bwd_recompute_p
             or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
-    variant = _variant_key(score_mod, mask_mod, softcap) if score_mod or mask_mod else 0
-
+    variant = 0
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        if block_mask is not None:
+            _check_block_mask(block_mask, q, k)
+        variant = _variant_key(score_mod, mask_mod, softcap, block_mask)
     return _attention(q, k, v, (None, None, None, None), None, None, softmax_scale, causal,
                       window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant)
 
@@ -191,7 +200,9 @@ def flash_attn_varlen_func(
             or seqlen_k_per_split is not None or gather_bwd_recompute_p
             or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
-    variant = _variant_key(score_mod, mask_mod, softcap) if score_mod or mask_mod else 0
+    variant = 0
+    if score_mod is not None or mask_mod is not None:
+        variant = _variant_key(score_mod, mask_mod, softcap)
 
     q_padded = None
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -264,20 +275,35 @@ _UNBUILT = {
 }
 
 
-def _variant_key(score_mod, mask_mod, softcap) -> int:
+def _variant_key(score_mod, mask_mod, softcap, block_mask=None) -> int:
     if torch.compiler.is_compiling():
         # A trace cannot trace the tracer: the mods must have been registered already (a
         # first eager call, or `flash_cute.mod_graph.register`).
-        key = mod_graph.registered(score_mod, mask_mod)
+        key = mod_graph.registered(score_mod, mask_mod, block_mask)
         if key is None:
             raise RuntimeError("score_mod / mask_mod under torch.compile: register them first "
                                "with flash_cute.mod_graph.register(score_mod, mask_mod) (or "
                                "make one eager call)")
         return key
-    return _checked_variant_key(score_mod, mask_mod, softcap)
+    return _checked_variant_key(score_mod, mask_mod, softcap, block_mask)
 
 
-def _checked_variant_key(score_mod, mask_mod, softcap) -> int:
+def _check_block_mask(block_mask, q, k) -> None:
+    """A FlexAttention BlockMask of this call's [batch, heads, seqlen_q, seqlen_k] (its batch
+    and heads may be 1, broadcast)."""
+    shape = getattr(block_mask, "shape", None)
+    if shape is None or not hasattr(block_mask, "kv_indices"):
+        raise TypeError(f"block_mask must be a torch FlexAttention BlockMask "
+                        f"(flash_cute.create_block_mask), got {type(block_mask).__name__}")
+    batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
+    b, h, sq, sk = shape
+    if b not in (1, batch) or h not in (1, heads) or sq != seqlen_q or sk != k.shape[1]:
+        raise ValueError(f"block_mask covers [{b}, {h}, {sq}, {sk}], but the call is [batch "
+                         f"{batch}, heads {heads}, seqlen_q {seqlen_q}, seqlen_k {k.shape[1]}] "
+                         "(batch and heads may be 1)")
+
+
+def _checked_variant_key(score_mod, mask_mod, softcap, block_mask=None) -> int:
     """The registry key of FlexAttention-form mods (`flash_cute.mod_graph`); FA4's `@cute.jit`
     form (seven parameters) is not built yet."""
     import inspect
@@ -299,7 +325,7 @@ def _checked_variant_key(score_mod, mask_mod, softcap) -> int:
     if score_mod is not None and softcap:
         raise ValueError("softcap with a score_mod: write the softcap inside the mod "
                          "(cap * torch.tanh(score / cap))")
-    return mod_graph.register(score_mod, mask_mod)
+    return mod_graph.register(score_mod, mask_mod, block_mask)
 
 
 def _refuse_unbuilt(args: dict) -> None:

@@ -20,6 +20,7 @@ Semantics, shared by every implementation:
 """
 
 import operator
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -307,34 +308,55 @@ def index_grids(batch_index, heads: int, seqlen_q: int, seqlen_k: int, device=No
 
 
 class Variant(NamedTuple):
-    """A call's modifications: the traced graphs (None where absent)."""
+    """A call's modifications: the traced graphs (None where absent) and a block mask's
+    per-block states (`flash_cute.block_mask.block_states`) with its block size."""
     score_mod: Optional[ModGraph]
     mask_mod: Optional[ModGraph]
+    block_states: Optional[torch.Tensor] = None
+    block_size: Optional[tuple] = None
 
 
 _REGISTRY = {}
 _KEYS = {}
+_NEXT = [1]
 
 
-def register(score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None) -> int:
+def register(score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
+             block_mask=None) -> int:
     """The registry key of a call's mods (0 for none), the operators' `variant` argument:
-    the same pair of functions gets the same key, traced once."""
-    if score_mod is None and mask_mod is None:
+    the same functions (and block mask object) get the same key, traced once. A block mask's
+    mask mod stands in for a missing `mask_mod`; its entry goes when the block mask does."""
+    if score_mod is None and mask_mod is None and block_mask is None:
         return 0
-    ident = (score_mod, mask_mod)
+    ident = (score_mod, mask_mod, None if block_mask is None else id(block_mask))
     key = _KEYS.get(ident)
     if key is None:
+        if mask_mod is None and block_mask is not None:
+            mask_mod = block_mask.mask_mod
+        states = size = None
+        if block_mask is not None:
+            from flash_cute.block_mask import block_states
+
+            states, size = block_states(block_mask), tuple(block_mask.BLOCK_SIZE)
         variant = Variant(None if score_mod is None else trace(score_mod, "score"),
-                          None if mask_mod is None else trace(mask_mod, "mask"))
-        key = len(_REGISTRY) + 1
+                          None if mask_mod is None else trace(mask_mod, "mask"), states, size)
+        key, _NEXT[0] = _NEXT[0], _NEXT[0] + 1
         _REGISTRY[key] = variant
         _KEYS[ident] = key
+        if block_mask is not None:
+            weakref.finalize(block_mask, _forget, ident, key)
     return key
 
 
-def registered(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> Optional[int]:
-    """The key `register` gave these mods, or None (a plain dict lookup: traceable)."""
-    return _KEYS.get((score_mod, mask_mod))
+def _forget(ident, key) -> None:
+    _KEYS.pop(ident, None)
+    _REGISTRY.pop(key, None)
+
+
+def registered(score_mod: Optional[Callable], mask_mod: Optional[Callable],
+               block_mask=None) -> Optional[int]:
+    """The key `register` gave these, or None (a plain dict lookup: traceable)."""
+    return _KEYS.get((score_mod, mask_mod, None if block_mask is None else id(block_mask)))
 
 
 def lookup(key: int) -> Variant:

@@ -129,10 +129,19 @@ def _apply_mods(variant, scores, mask, batch_index):
         aux = tuple(t.to(scores.device) for t in variant.score_mod.aux)
         modded = evaluate(variant.score_mod, {"score": scores, **grids}, aux)
         scores = torch.broadcast_to(modded, scores.shape).to(scores.dtype)
+    keep = True
     if variant.mask_mod is not None:
         aux = tuple(t.to(scores.device) for t in variant.mask_mod.aux)
-        keep = torch.broadcast_to(evaluate(variant.mask_mod, grids, aux), scores.shape)
-        mask = mask & keep.bool()
+        keep = torch.broadcast_to(evaluate(variant.mask_mod, grids, aux), scores.shape).bool()
+    if variant.block_states is not None:
+        from flash_cute.block_mask import element_mask
+
+        states = variant.block_states.to(scores.device)
+        if states.shape[0] > 1:
+            states = states[batch_index if isinstance(batch_index, list) else [batch_index]]
+        keep = element_mask(states, variant.block_size, scores.shape[2], scores.shape[3], keep)
+    if keep is not True:
+        mask = mask & keep
     return scores, mask
 
 

@@ -211,3 +211,78 @@ def test_mods_under_compile_fullgraph_dynamic():
                                                            score_mod=fresh)[0],
                       backend="aot_eager", fullgraph=True)(q)
     torch._dynamo.reset()
+
+
+def test_block_masks_follow_flex_attentions_meaning():
+    """A BlockMask from create_block_mask, and one built by hand listing every visited block as
+    partial: FlexAttention's result. One whose blocks disagree with its mask mod (a full block
+    where the mod says no; a skipped block where it says yes) follows the blocks, as
+    FlexAttention's kernels do (its eager CPU path applies the mask mod everywhere instead):
+    checked against the rule written out element by element."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 300, H, 32, dtype=torch.float64) for _ in range(3))
+
+    def blocks(kv_num, kv_idx, full_num, full_idx):
+        return BlockMask.from_kv_blocks(
+            torch.tensor(kv_num, dtype=torch.int32).view(1, 1, 3),
+            torch.tensor(kv_idx, dtype=torch.int32).view(1, 1, 3, 3),
+            torch.tensor(full_num, dtype=torch.int32).view(1, 1, 3),
+            torch.tensor(full_idx, dtype=torch.int32).view(1, 1, 3, 3),
+            mask_mod=causal, seq_lengths=(300, 300))
+
+    made = flash_cute.create_block_mask(causal, 2, None, 300, 300, device="cpu")
+    all_partial = blocks([1, 2, 3], [[0, 0, 0], [0, 1, 0], [0, 1, 2]], [0, 0, 0],
+                         [[0, 0, 0]] * 3)
+    for block_mask in (made, all_partial):
+        with torch.no_grad():
+            want = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                  block_mask=block_mask).transpose(1, 2)
+            nat = flex_attention(*(t.bfloat16().transpose(1, 2) for t in (q, k, v)),
+                                 block_mask=block_mask).transpose(1, 2)
+        got, _ = flash_cute.flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16(),
+                                            block_mask=block_mask)
+        assert tolerance_check(got, want, nat).ok
+    # Block (0, 1) full although the mod masks it; block (2, 1) skipped although it sees.
+    odd = blocks([1, 1, 2], [[0, 0, 0], [1, 0, 0], [0, 2, 0]], [1, 1, 0],
+                 [[1, 0, 0], [0, 0, 0], [0, 0, 0]])
+    visible = torch.zeros(300, 300, dtype=torch.bool)
+    rows, cols = torch.arange(300).view(-1, 1), torch.arange(300).view(1, -1)
+    for m, n, kind in ((0, 0, "partial"), (0, 1, "full"), (1, 1, "partial"), (1, 0, "full"),
+                       (2, 0, "partial"), (2, 2, "partial")):
+        r, c = slice(128 * m, 128 * (m + 1)), slice(128 * n, 128 * (n + 1))
+        visible[r, c] = True if kind == "full" else (rows >= cols)[r, c]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * 32 ** -0.5
+    want = torch.einsum("bhqk,bkhd->bqhd",
+                        torch.softmax(scores.masked_fill(~visible, float("-inf")), -1), v)
+    nat = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(
+        (torch.einsum("bqhd,bkhd->bhqk", q.bfloat16(), k.bfloat16()).float() * 32 ** -0.5)
+        .masked_fill(~visible, float("-inf")), -1).bfloat16(), v.bfloat16())
+    got, _ = flash_cute.flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16(),
+                                        block_mask=odd)
+    assert tolerance_check(got, want, nat).ok
+    with pytest.raises(ValueError, match="block_mask covers"):
+        flash_cute.flash_attn_func(q[:, :200].bfloat16(), k.bfloat16(), v.bfloat16(),
+                                   block_mask=made)
+
+
+def test_reblocking_to_kernel_tiles_is_conservative_and_exact_where_it_can_be():
+    from flash_cute import block_mask as bm
+
+    made = flash_cute.create_block_mask(causal, 1, 1, 1000, 1000, device="cpu")
+    states = bm.block_states(made)
+    for tile in ((128, 128), (192, 128), (64, 176), (80, 48)):
+        tiles = bm.reblock(states, (128, 128), tile, 1000, 1000)
+        rows = torch.arange(1000).view(-1, 1)
+        visible = rows >= torch.arange(1000).view(1, -1)
+        for m in range(tiles.shape[2]):
+            for n in range(tiles.shape[3]):
+                part = visible[m * tile[0]:(m + 1) * tile[0], n * tile[1]:(n + 1) * tile[1]]
+                state = int(tiles[0, 0, m, n])
+                if state == bm.EMPTY:
+                    assert not part.any()
+                if state == bm.FULL:
+                    assert part.all()
+        assert tiles.shape[2:] == (-(-1000 // tile[0]), -(-1000 // tile[1]))
+    assert torch.equal(bm.reblock(states, (128, 128), (128, 128), 1000, 1000), states)

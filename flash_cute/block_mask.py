@@ -1,0 +1,77 @@
+"""Block masks: which (query block, key block) tiles attention visits, and which of them are
+fully visible, as torch's FlexAttention `BlockMask` holds them.
+
+`create_block_mask` is torch's (`torch.nn.attention.flex_attention.create_block_mask`): a
+BlockMask built there, or by hand (`BlockMask.from_kv_blocks`), is accepted as it is. Its
+meaning, FlexAttention's, is what every implementation follows: a key is visible to a query
+when their block is *full*, or when it is *partial* and the mask mod says so; a block listed
+as neither is skipped. `block_states` reads a BlockMask into one int8 state per block (0
+skipped, 1 partial, 2 full); `reblock` maps the states onto another tiling (a kernel's query
+and key tiles, which need not be torch's 128 × 128): a tile is skipped when every block it
+covers is, full when every one is full, partial otherwise — exact when the BlockMask agrees
+with its mask mod, as `create_block_mask`'s does.
+"""
+
+import math
+
+import torch
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=128):
+    """torch's `create_block_mask` (FlexAttention's, with its arguments): the BlockMask of
+    `mask_mod` over [B, H, Q_LEN, KV_LEN] (B or H None: one entry broadcast)."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create
+
+    return torch_create(mask_mod, B, H, Q_LEN, KV_LEN, device=device, BLOCK_SIZE=BLOCK_SIZE)
+
+
+def block_states(block_mask) -> torch.Tensor:
+    """int8 [B, H, query blocks, key blocks]: EMPTY, PARTIAL or FULL per block."""
+    partial_count, partial_index = block_mask.kv_num_blocks, block_mask.kv_indices
+    b, h, n_q, n_k = partial_index.shape
+    states = torch.zeros(b, h, n_q, n_k, dtype=torch.int8, device=partial_index.device)
+    _mark(states, partial_count, partial_index, PARTIAL)
+    if block_mask.full_kv_num_blocks is not None:
+        _mark(states, block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL)
+    return states
+
+
+def _mark(states, counts, indices, value) -> None:
+    """states[b, h, m, indices[b, h, m, :counts[b, h, m]]] = value (the unlisted slots of
+    `indices` go to a spare column, then dropped)."""
+    n_k = states.shape[-1]
+    listed = torch.arange(indices.shape[-1], device=indices.device) < counts[..., None]
+    idx = torch.where(listed, indices.long().clamp(0, n_k - 1), n_k)
+    hit = torch.zeros(*states.shape[:-1], n_k + 1, dtype=torch.bool, device=states.device)
+    hit.scatter_(-1, idx, True)
+    states[hit[..., :n_k]] = value
+
+
+def element_mask(states: torch.Tensor, block_size, seqlen_q: int, seqlen_k: int,
+                 mod_mask) -> torch.Tensor:
+    """bool [B, H, seqlen_q, seqlen_k]: visible keys under FlexAttention's rule, with
+    `mod_mask` (bool, broadcastable to that shape) the mask mod's answer."""
+    block_q, block_k = block_size
+    per_element = (states.repeat_interleave(block_q, dim=2)[:, :, :seqlen_q]
+                   .repeat_interleave(block_k, dim=3)[:, :, :, :seqlen_k])
+    return (per_element == FULL) | ((per_element == PARTIAL) & mod_mask)
+
+
+def reblock(states: torch.Tensor, block_size, tile, seqlen_q: int, seqlen_k: int):
+    """The states of `tile` = (rows, cols) tiles from those of `block_size` blocks (see the
+    module docstring), computed on blocks of the two sizes' common divisor."""
+    fine = [math.gcd(b, t) for b, t in zip(block_size, tile)]
+    counts = [-(-n // f) for n, f in zip((seqlen_q, seqlen_k), fine)]
+    s = (states.repeat_interleave(block_size[0] // fine[0], dim=2)[:, :, :counts[0]]
+         .repeat_interleave(block_size[1] // fine[1], dim=3)[:, :, :, :counts[1]])
+    steps = [t // f for t, f in zip(tile, fine)]
+    pads = [(-c) % st for c, st in zip(counts, steps)]
+    hi = torch.nn.functional.pad(s, (0, pads[1], 0, pads[0]), value=EMPTY).float()
+    lo = torch.nn.functional.pad(s, (0, pads[1], 0, pads[0]), value=FULL).float()
+    b, h = s.shape[:2]
+    most = torch.nn.functional.max_pool2d(hi.view(b * h, 1, *hi.shape[2:]), steps, steps)
+    least = -torch.nn.functional.max_pool2d(-lo.view(b * h, 1, *lo.shape[2:]), steps, steps)
+    out = torch.where(most == EMPTY, EMPTY, torch.where(least == FULL, FULL, PARTIAL))
+    return out.view(b, h, *out.shape[2:]).to(torch.int8)
