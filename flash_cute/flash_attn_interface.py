@@ -14,6 +14,7 @@ alibi_slopes (the variants issue) and block_table (paged KV, the decode issue).
 """
 
 from flash_cute import interface
+from flash_cute.kvcache import flash_attn_with_kvcache  # noqa: F401 - FA2's name, here too
 
 
 def _refuse(dropout_p, alibi_slopes, block_table=None) -> None:

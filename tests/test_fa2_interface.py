@@ -29,6 +29,15 @@ _FA2 = {
 }
 
 
+_FA2["flash_attn_with_kvcache"] = [
+    ("q", None), ("k_cache", None), ("v_cache", None), ("k", None), ("v", None),
+    ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
+    ("cache_batch_idx", None), ("cache_leftpad", None), ("block_table", None),
+    ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0),
+    ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
+    ("return_softmax_lse", False)]
+
+
 @pytest.mark.parametrize("name", sorted(_FA2))
 def test_parameter_lists_are_flash_attn_2s(name):
     params = inspect.signature(getattr(fa2, name)).parameters.values()
