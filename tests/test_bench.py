@@ -511,3 +511,10 @@ def test_fuzz_configs_cover_every_axis_and_stay_supported():
     assert [fuzz.draw(random.Random(0), "hopper") for _ in range(1)] == cfgs[:1]
     assert all(not c["deterministic"] for c in
                (fuzz.draw(random.Random(1), "ampere") for _ in range(200)))
+
+
+def test_the_ratio_leaves_out_providers_running_our_kernels():
+    """sdpa_flash_cute runs flash-cute's kernels under SDPA: no peer of the ratio."""
+    ok = lambda t: {"status": "ok", "tflops": t}  # noqa: E731
+    row = {"flash_cute": ok(500.0), "sdpa_flash_cute": ok(600.0), "sdpa_cudnn": ok(400.0)}
+    assert bench.flash_cute_ratio(row) == 500.0 / 400.0
