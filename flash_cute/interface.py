@@ -86,6 +86,7 @@ def flash_attn_func(
     *,
     arch: Optional[str] = None,
     block_mask=None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Exact attention on [batch, seqlen, nheads, hdim] tensors; returns ``(out, lse)``.
 
@@ -100,6 +101,7 @@ def flash_attn_func(
     None (or a negative int) for an unbounded side; GQA/MQA when k/v have fewer heads.
 
     ``score_mod`` / ``mask_mod``: FlexAttention's functions (`flash_cute.mod_graph`);
+    ``alibi_slopes`` (keyword-only): flash_attn 2's ALiBi, fp32 [nheads] or [batch, nheads];
     ``block_mask`` (keyword-only, flash-cute's own): a FlexAttention `BlockMask`
     (`flash_cute.create_block_mask`), with its meaning (`flash_cute.block_mask`). Both run on
     CPU tensors for now; the GPU kernels refuse them until the variants issue.
@@ -117,10 +119,12 @@ def flash_attn_func(
             or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
     variant = 0
-    if score_mod is not None or mask_mod is not None or block_mask is not None:
+    if (score_mod is not None or mask_mod is not None or block_mask is not None
+            or alibi_slopes is not None):
         if block_mask is not None:
             _check_block_mask(block_mask, q, k)
-        variant = _variant_key(score_mod, mask_mod, softcap, block_mask)
+        variant = _variant_key(score_mod, mask_mod, softcap, block_mask, alibi_slopes,
+                               q.shape[0], q.shape[2])
     return _attention(q, k, v, (None, None, None, None), None, None, softmax_scale, causal,
                       window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant)
 
@@ -161,6 +165,7 @@ def flash_attn_varlen_func(
     gather_bwd_token_chunk: Optional[int] = None,
     *,
     arch: Optional[str] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Attention over sequences of different lengths; returns ``(out, lse)``.
 
@@ -201,8 +206,11 @@ def flash_attn_varlen_func(
             or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
     variant = 0
-    if score_mod is not None or mask_mod is not None:
-        variant = _variant_key(score_mod, mask_mod, softcap)
+    if score_mod is not None or mask_mod is not None or alibi_slopes is not None:
+        batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None
+                 else cu_seqlens_k.shape[0] - 1 if cu_seqlens_k is not None else q.shape[0])
+        variant = _variant_key(score_mod, mask_mod, softcap, None, alibi_slopes, batch,
+                               q.shape[-2])
 
     q_padded = None
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -275,7 +283,10 @@ _UNBUILT = {
 }
 
 
-def _variant_key(score_mod, mask_mod, softcap, block_mask=None) -> int:
+def _variant_key(score_mod, mask_mod, softcap, block_mask=None, alibi_slopes=None, batch=None,
+                 heads=None) -> int:
+    if alibi_slopes is not None:
+        return _alibi_key(alibi_slopes, score_mod, mask_mod, block_mask, batch, heads)
     if torch.compiler.is_compiling():
         # A trace cannot trace the tracer: the mods must have been registered already (a
         # first eager call, or `flash_cute.mod_graph.register`).
@@ -286,6 +297,21 @@ def _variant_key(score_mod, mask_mod, softcap, block_mask=None) -> int:
                                "make one eager call)")
         return key
     return _checked_variant_key(score_mod, mask_mod, softcap, block_mask)
+
+
+def _alibi_key(slopes, score_mod, mask_mod, block_mask, batch, heads) -> int:
+    """FlashAttention-2's ALiBi (fp32 [nheads] or [batch, nheads]) as a built-in score mod."""
+    if score_mod is not None:
+        raise NotImplementedError("alibi_slopes with a score_mod: write the bias in the mod")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("alibi_slopes under torch.compile: not built yet")
+    if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 \
+            or tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        got = (f"{slopes.dtype} {tuple(slopes.shape)}" if isinstance(slopes, torch.Tensor)
+               else type(slopes).__name__)
+        raise ValueError(f"alibi_slopes must be fp32 [nheads={heads}] or [batch={batch}, "
+                         f"nheads={heads}], got {got}")
+    return mod_graph.register_alibi(slopes, mask_mod, block_mask)
 
 
 def _check_block_mask(block_mask, q, k) -> None:

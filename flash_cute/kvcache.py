@@ -17,7 +17,7 @@ around the attention kernels (no host sync: CUDA-graph safe); the decode issue m
 append into the kernel and adds split-KV (``num_splits`` is accepted and runs unsplit).
 Index contents are clamped into the cache and page table (never read or written outside
 them); with `flash_cute.check_inputs(True)` their values are checked instead. alibi_slopes
-raises NotImplementedError until the variants issue.
+runs where flash-cute's mods run (CPU tensors for now).
 """
 
 from typing import Optional, Union
@@ -40,8 +40,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (int32 [b, max_pages]), paged [num_pages, page_size, h_kv, d]; k / v [b, s_new, h_kv, d];
     cache_seqlens int or int32 [b]; returns out [b, sq, h, d] (and lse [b, h, sq] with
     return_softmax_lse). See the module docstring."""
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not built in flash-cute yet")
     batch, seqlen_q = q.shape[:2]
     paged = block_table is not None
     _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
@@ -73,7 +71,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = flash_attn_varlen_func(
         q, keys, values, seqused_k=used.clamp(max=rows.shape[1]).to(torch.int32),
         softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
-        softcap=softcap if softcap > 0 else 0.0, return_lse=return_softmax_lse)
+        softcap=softcap if softcap > 0 else 0.0, return_lse=return_softmax_lse,
+        alibi_slopes=alibi_slopes)
     return (out, lse) if return_softmax_lse else out
 
 

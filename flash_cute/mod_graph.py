@@ -27,6 +27,9 @@ import torch
 
 INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_INPUTS = INPUTS[1:]
+# Inputs only flash-cute's built-in mods use (a traced mod has FlexAttention's five): the
+# sequence's used lengths, for masks and biases aligned bottom-right.
+LENGTH_INPUTS = ("seqlen_q", "seqlen_k")
 
 # Graph op -> (arity, torch implementation). Loads ("load") and constants are nodes of their own.
 OPS = {
@@ -193,7 +196,7 @@ def evaluate(graph: ModGraph, inputs: dict, aux: Optional[tuple] = None):
     aux = graph.aux if aux is None else aux
     values = []
     for node in graph.nodes:
-        if node.op in INPUTS:
+        if node.op in INPUTS or node.op in LENGTH_INPUTS:
             values.append(inputs[node.op])
         elif node.op == "const":
             values.append(node.args[0])
@@ -244,7 +247,8 @@ def _rule(nodes, node, i, deriv, zero, one) -> int:
     op, args = node.op, node.args
     if op == "score":
         return one
-    if op in INPUTS or op in ("const", "load") or op in _BOOL or op in ("floordiv", "mod"):
+    if (op in INPUTS or op in LENGTH_INPUTS or op in ("const", "load") or op in _BOOL
+            or op in ("floordiv", "mod")):
         return zero
     d = [deriv[a] for a in args]
     if op != "where" and all(x == zero for x in d):
@@ -307,6 +311,24 @@ def index_grids(batch_index, heads: int, seqlen_q: int, seqlen_k: int, device=No
             "kv_idx": torch.arange(seqlen_k, dtype=torch.int32, device=device).view(1, 1, 1, -1)}
 
 
+def alibi_graph(slopes: torch.Tensor) -> ModGraph:
+    """FlashAttention-2's ALiBi as a score mod: score − slope · |q_idx + seqlen_k − seqlen_q −
+    kv_idx| (bottom-right aligned), slopes fp32 [nheads] or [batch, nheads]."""
+    nodes = [Node(name, ()) for name in INPUTS + LENGTH_INPUTS]   # 0..6
+    at = {name: i for i, name in enumerate(INPUTS + LENGTH_INPUTS)}
+
+    def add(op, *args):
+        nodes.append(Node(op, args))
+        return len(nodes) - 1
+
+    index = (at["h"],) if slopes.dim() == 1 else (at["b"], at["h"])
+    slope = add("load", 0, *index)
+    shift = add("sub", add("add", at["q_idx"], at["seqlen_k"]), at["seqlen_q"])
+    distance = add("abs", add("sub", shift, at["kv_idx"]))
+    out = add("sub", at["score"], add("mul", slope, distance))
+    return ModGraph(tuple(nodes), out, (slopes,), "score")
+
+
 class Variant(NamedTuple):
     """A call's modifications: the traced graphs (None where absent) and a block mask's
     per-block states (`flash_cute.block_mask.block_states`) with its block size."""
@@ -319,6 +341,28 @@ class Variant(NamedTuple):
 _REGISTRY = {}
 _KEYS = {}
 _NEXT = [1]
+
+
+def register_alibi(slopes: torch.Tensor, mask_mod: Optional[Callable] = None,
+                   block_mask=None) -> int:
+    """The registry key of ALiBi with these slopes, with an optional mask mod or block mask
+    (kept while the tensor lives)."""
+    ident = ("alibi", id(slopes), mask_mod, None if block_mask is None else id(block_mask))
+    key = _KEYS.get(ident)
+    if key is None:
+        states = size = None
+        if mask_mod is None and block_mask is not None:
+            mask_mod = block_mask.mask_mod
+        mask = None if mask_mod is None else trace(mask_mod, "mask")
+        if block_mask is not None:
+            from flash_cute.block_mask import block_states
+
+            states, size = block_states(block_mask), tuple(block_mask.BLOCK_SIZE)
+        key, _NEXT[0] = _NEXT[0], _NEXT[0] + 1
+        _REGISTRY[key] = Variant(alibi_graph(slopes), mask, states, size)
+        _KEYS[ident] = key
+        weakref.finalize(slopes, _forget, ident, key)
+    return key
 
 
 def register(score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,

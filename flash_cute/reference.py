@@ -116,8 +116,10 @@ def _probs(scores, softmax_scale, causal, window_size, softcap, variant=None, ba
 def _mod_grids(scores, batch_index):
     from flash_cute.mod_graph import index_grids
 
-    return index_grids(batch_index, scores.shape[1], scores.shape[2], scores.shape[3],
-                       device=scores.device)
+    grids = index_grids(batch_index, scores.shape[1], scores.shape[2], scores.shape[3],
+                        device=scores.device)
+    # The used lengths of the sequence(s) at hand (built-in mods align to them).
+    return dict(grids, seqlen_q=scores.shape[2], seqlen_k=scores.shape[3])
 
 
 def _apply_mods(variant, scores, mask, batch_index):

@@ -85,9 +85,50 @@ def test_unbuilt_features_are_refused():
     q = torch.randn(1, 8, 2, 64, dtype=BF16)
     with pytest.raises(NotImplementedError, match="dropout"):
         fa2.flash_attn_func(q, q, q, 0.1)
-    with pytest.raises(NotImplementedError, match="alibi"):
-        fa2.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="paged"):
         fa2.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 8, 8,
                                    block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_alibi_slopes_follow_flash_attn_2():
+    """ALiBi as flash_attn 2 defines it: −slope · |i + sk − sq − j| added to the scaled score,
+    slopes [nheads] or [batch, nheads], padded and varlen (each sequence's own lengths)."""
+    torch.manual_seed(4)
+    b, sq, sk, h, d = 2, 21, 40, 4, 64
+    q, k, v = torch.randn(b, sq, h, d, dtype=BF16), torch.randn(b, sk, 2, d, dtype=BF16), \
+        torch.randn(b, sk, 2, d, dtype=BF16)
+    for slopes in (torch.rand(h), torch.rand(b, h)):
+        out = fa2.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+        for i in range(b):
+            s = slopes if slopes.dim() == 1 else slopes[i]
+            bias = -s.double().view(h, 1, 1) * (torch.arange(sq).view(-1, 1) + sk - sq
+                                                 - torch.arange(sk).view(1, -1)).abs()
+            ref, nat = _alibi_ref(q[i], k[i], v[i], bias, causal=True)
+            assert tolerance_check(out[i], ref, nat).ok
+    cu_q = torch.tensor([0, 5, 21], dtype=torch.int32)
+    cu_k = torch.tensor([0, 17, 40], dtype=torch.int32)
+    slopes = torch.rand(b, h)
+    out = fa2.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 16, 23, alibi_slopes=slopes)
+    for i, (a, c, e, f) in enumerate(((0, 5, 0, 17), (5, 21, 17, 40))):
+        lq, lk = c - a, f - e
+        bias = -slopes[i].double().view(h, 1, 1) * (torch.arange(lq).view(-1, 1) + lk - lq
+                                                    - torch.arange(lk).view(1, -1)).abs()
+        ref, nat = _alibi_ref(q[0, a:c], k[0, e:f], v[0, e:f], bias)
+        assert tolerance_check(out[a:c], ref, nat).ok
+    with pytest.raises(ValueError, match="alibi_slopes must be fp32"):
+        fa2.flash_attn_func(q, k, v, alibi_slopes=torch.rand(3))
+
+
+def _alibi_ref(q, k, v, bias, causal=False):
+    """float64 and bf16-native attention of one sequence [s, h, d] with an additive bias."""
+    outs = []
+    for dtype, mm in ((torch.float64, torch.float64), (torch.float32, BF16)):
+        kk, vv = (t.repeat_interleave(q.shape[1] // k.shape[1], 1).to(mm) for t in (k, v))
+        s = torch.einsum("qhd,khd->hqk", q.to(mm), kk).to(dtype) * q.shape[-1] ** -0.5
+        s = s + bias.to(dtype)
+        if causal:
+            i, j = torch.arange(s.shape[1]).view(-1, 1), torch.arange(s.shape[2]).view(1, -1)
+            s = s.masked_fill(j > i + s.shape[2] - s.shape[1], float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1).to(mm), vv))
+    return outs

@@ -184,10 +184,10 @@ def test_api_signature_matches_flash_attn_cute(fn, fa4):
             for p in params[:len(fa4)]]
     assert ours == fa4
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:len(fa4)])
+    own = ["arch", "block_mask", "alibi_slopes"] if fn is flash_cute.flash_attn_func \
+        else ["arch", "alibi_slopes"]
     assert [(p.name, p.kind) for p in params[len(fa4):]] == [
-        ("arch", inspect.Parameter.KEYWORD_ONLY)] + (
-        [("block_mask", inspect.Parameter.KEYWORD_ONLY)] if fn is flash_cute.flash_attn_func
-        else [])
+        (name, inspect.Parameter.KEYWORD_ONLY) for name in own]
 
 
 @pytest.mark.parametrize("name,value", [

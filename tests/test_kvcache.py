@@ -138,8 +138,8 @@ def test_with_kvcache_refuses_bad_shapes_before_touching_the_cache():
                                            block_table=torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="mergeable"):
         flash_cute.flash_attn_with_kvcache(q, cache.transpose(0, 1), cache.transpose(0, 1))
-    with pytest.raises(NotImplementedError, match="alibi"):
-        flash_cute.flash_attn_with_kvcache(q, cache, cache.clone(), alibi_slopes=torch.ones(4))
+    with pytest.raises(ValueError, match="alibi_slopes must be fp32"):
+        flash_cute.flash_attn_with_kvcache(q, cache, cache.clone(), alibi_slopes=torch.ones(3))
     with pytest.raises(ValueError, match="cache_seqlens must be"):
         flash_cute.flash_attn_with_kvcache(q, cache, cache.clone(),
                                            cache_seqlens=torch.tensor([1, 2]))
