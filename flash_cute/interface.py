@@ -86,6 +86,7 @@ def flash_attn_func(
     *,
     arch: Optional[str] = None,
     block_mask=None,
+    page_table: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Exact attention on [batch, seqlen, nheads, hdim] tensors; returns ``(out, lse)``.
@@ -102,6 +103,8 @@ def flash_attn_func(
 
     ``score_mod`` / ``mask_mod``: FlexAttention's functions (`flash_cute.mod_graph`);
     ``alibi_slopes`` (keyword-only): flash_attn 2's ALiBi, fp32 [nheads] or [batch, nheads];
+    ``page_table`` (keyword-only): k / v are paged caches, as in `flash_attn_varlen_func`
+    (every row of each sequence's pages is a key);
     ``block_mask`` (keyword-only, flash-cute's own): a FlexAttention `BlockMask`
     (`flash_cute.create_block_mask`), with its meaning (`flash_cute.block_mask`). Both run on
     CPU tensors for now; the GPU kernels refuse them until the variants issue.
@@ -118,6 +121,8 @@ def flash_attn_func(
             or block_sparse_tensors_bwd is not None or gather_bwd_recompute_p
             or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
+    if page_table is not None:   # keys: every row of each sequence's pages
+        k, v = _paged(k, v, page_table, None, q)
     variant = 0
     if (score_mod is not None or mask_mod is not None or block_mask is not None
             or alibi_slopes is not None):
@@ -172,7 +177,10 @@ def flash_attn_varlen_func(
     The parameters are flash_attn.cute's, in its order (the fourth is `qv`: pass cu_seqlens
     by keyword or after it), as in `flash_attn_func`; `min_seqlen_k` and
     `disable_scheduler_metadata` are scheduling hints, accepted and not needed here; a
-    page_table, scheduler_metadata or seqlen_k_per_split raises NotImplementedError.
+    scheduler_metadata or seqlen_k_per_split raises NotImplementedError. ``page_table``
+    (int32 [batch, max_pages]) takes k / v as paged caches [num_pages, page_size, heads_kv, d]:
+    sequence b's keys are its pages in order, ``seqused_k[b]`` of them used; for now the pages
+    are gathered by torch operations before the kernels (page indices clamped into the cache).
 
     Layouts (flash_attn.cute's):
 
@@ -198,7 +206,7 @@ def flash_attn_varlen_func(
       packed prompt against a padded KV cache, or the reverse), each side with or without its
       seqused. The output and lse take the layout of q's side.
     """
-    if (qv is not None or gather_kv_indices is not None or page_table is not None
+    if (qv is not None or gather_kv_indices is not None
             or learnable_sink is not None or num_splits > 1 or score_mod_bwd is not None
             or aux_tensors is not None or aux_scalars is not None
             or block_sparse_tensors is not None or scheduler_metadata is not None
@@ -212,6 +220,12 @@ def flash_attn_varlen_func(
         variant = _variant_key(score_mod, mask_mod, softcap, None, alibi_slopes, batch,
                                q.shape[-2])
 
+    if page_table is not None:
+        if cu_seqlens_k is not None:
+            raise ValueError("page_table describes each sequence's keys by its pages: pass "
+                             "seqused_k for their lengths, not cu_seqlens_k")
+        k, v = _paged(k, v, page_table, cu_seqlens_q, q)
+        max_seqlen_k = k.shape[1] if max_seqlen_k is None else max_seqlen_k
     q_padded = None
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         # One side packed, the other padded: the padded side is packed too, as sequences of
@@ -232,6 +246,28 @@ def flash_attn_varlen_func(
         if lse is not None:
             lse = lse.view(lse.shape[0], batch, seqlen).transpose(0, 1).contiguous()
     return out, lse
+
+
+def _paged(k_cache, v_cache, page_table, cu_seqlens_q, q):
+    """The padded [batch, max_pages * page_size, heads_kv, d] keys and values a page table
+    names (a gather; differentiable into the pages)."""
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    if not (isinstance(page_table, torch.Tensor) and page_table.dtype == torch.int32
+            and page_table.dim() == 2 and page_table.shape[0] == batch):
+        got = (f"{page_table.dtype} {tuple(page_table.shape)}"
+               if isinstance(page_table, torch.Tensor) else type(page_table).__name__)
+        raise ValueError(f"page_table must be int32 [batch={batch}, max_pages], got {got}")
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        if t.dim() != 4 or t.shape[:3] != k_cache.shape[:3]:
+            raise ValueError(f"with page_table, {name} must be a paged cache [num_pages, "
+                             f"page_size, heads_kv, d] like k, got {tuple(t.shape)}")
+    num_pages, page_size = k_cache.shape[:2]
+    pages = page_table.long().clamp(0, num_pages - 1)
+    rows = (pages[:, :, None] * page_size
+            + torch.arange(page_size, device=pages.device)).flatten(1)   # [b, capacity]
+    gathered = [t.flatten(0, 1)[rows.flatten()].view(batch, rows.shape[1], *t.shape[2:])
+                for t in (k_cache, v_cache)]
+    return gathered[0], gathered[1]
 
 
 # Uniform cu_seqlens [0, s, 2s, ..., bs] by (batch, seqlen, device): a padded side of a mixed
@@ -271,7 +307,7 @@ def _pack_padded(name: str, t: torch.Tensor, other_cu: torch.Tensor, max_seqlen)
 # names them; they never raise TypeError, so FA4 code runs up to the feature it needs).
 _UNBUILT = {
     "qv": "MLA's qv operand", "gather_kv_indices": "gathered K/V (top-k attention)",
-    "page_table": "paged KV (the decode issue)", "learnable_sink": "attention sinks",
+    "learnable_sink": "attention sinks",
     "num_splits": "num_splits > 1, split-KV (the decode issue)",
     "score_mod": "score_mod (the variants issue)", "score_mod_bwd": "score_mod_bwd (variants)",
     "mask_mod": "mask_mod (the variants issue)", "aux_tensors": "aux_tensors (variants)",

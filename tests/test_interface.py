@@ -184,8 +184,8 @@ def test_api_signature_matches_flash_attn_cute(fn, fa4):
             for p in params[:len(fa4)]]
     assert ours == fa4
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:len(fa4)])
-    own = ["arch", "block_mask", "alibi_slopes"] if fn is flash_cute.flash_attn_func \
-        else ["arch", "alibi_slopes"]
+    own = (["arch", "block_mask", "page_table", "alibi_slopes"]
+           if fn is flash_cute.flash_attn_func else ["arch", "alibi_slopes"])
     assert [(p.name, p.kind) for p in params[len(fa4):]] == [
         (name, inspect.Parameter.KEYWORD_ONLY) for name in own]
 
@@ -204,8 +204,6 @@ def test_fa4_features_not_built_raise_not_implemented_naming_them(name, value):
         flash_cute.flash_attn_func(q, q, q, **{name: value})
     with pytest.raises(NotImplementedError, match=name):
         flash_cute.flash_attn_varlen_func(q, q, q, **{name: value})
-    with pytest.raises(NotImplementedError, match="page_table"):
-        flash_cute.flash_attn_varlen_func(q, q, q, page_table=torch.zeros(1, dtype=torch.int32))
 
 
 def test_num_splits_one_or_auto_and_scheduling_hints_are_accepted(capability, monkeypatch):

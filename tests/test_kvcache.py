@@ -177,3 +177,39 @@ def test_with_kvcache_on_the_gpu_equals_the_cpu_operators(paged):
     assert torch.equal(vc_cpu, vc_gpu)
     torch.testing.assert_close(kc_gpu, kc_cpu, rtol=0.02, atol=0.02)
     assert (out_gpu.float() - out_cpu.float()).abs().max() <= 0.02
+
+
+def test_page_table_on_the_varlen_function_reads_the_pages_in_order():
+    """page_table (FA4's name): each sequence's keys are its pages in order, seqused_k of
+    them; the result equals the call on those keys laid out densely, packed q or padded, and
+    gradients flow back into the pages."""
+    torch.manual_seed(5)
+    b, page, pages_per, hk, d = 3, 8, 5, 2, 64
+    dense_k = torch.randn(b, page * pages_per, hk, d, dtype=BF16)
+    dense_v = torch.randn(b, page * pages_per, hk, d, dtype=BF16)
+    perm = torch.randperm(b * pages_per + 3)[:b * pages_per]
+    k_pages = torch.zeros(b * pages_per + 3, page, hk, d, dtype=BF16)
+    v_pages = torch.zeros_like(k_pages)
+    k_pages[perm] = dense_k.view(-1, page, hk, d)
+    v_pages[perm] = dense_v.view(-1, page, hk, d)
+    table = perm.view(b, pages_per).to(torch.int32)
+    used = torch.tensor([3, 40, 17], dtype=torch.int32)
+    q = torch.randn(b, 4, 4, d, dtype=BF16)
+    want, _ = flash_cute.flash_attn_varlen_func(q, dense_k, dense_v, seqused_k=used, causal=True)
+    k_in = k_pages.clone().requires_grad_()
+    got, _ = flash_cute.flash_attn_varlen_func(q, k_in, v_pages, seqused_k=used,
+                                               page_table=table, causal=True)
+    assert torch.equal(got, want)
+    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    packed, _ = flash_cute.flash_attn_varlen_func(q.flatten(0, 1), k_pages, v_pages,
+                                                  cu_seqlens_q=cu, max_seqlen_q=4,
+                                                  seqused_k=used, page_table=table, causal=True)
+    assert torch.equal(packed, want.flatten(0, 1))
+    (dk,) = torch.autograd.grad(got.float().sum(), k_in)
+    assert dk[perm].abs().sum() > 0 and (dk[[i for i in range(b * pages_per + 3)
+                                             if i not in perm.tolist()]] == 0).all()
+    full, _ = flash_cute.flash_attn_func(q, k_pages, v_pages, page_table=table, causal=True)
+    want_full, _ = flash_cute.flash_attn_func(q, dense_k, dense_v, causal=True)
+    assert torch.equal(full, want_full)
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        flash_cute.flash_attn_varlen_func(q, k_pages, v_pages, page_table=table.long())
