@@ -88,3 +88,36 @@ def test_generate_with_the_kv_cache_matches_sdpa_step_by_step(models):
         out = [m(steps[:, t:t + 1], past_key_values=c, use_cache=True)
                for m, c in zip((ours, sdpa), caches)]
         assert _close(out[0].logits, out[1].logits), f"step {t}"
+
+
+def test_gemma2_sliding_window_and_softcap_match_eager():
+    """Gemma-2 style (sliding-window layers, attention-logit softcap) against transformers'
+    eager attention; dropping the window changes the logits far more than the tolerance.
+    Each model gets its own config: from_config sets the implementation on the config."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from flash_cute.integrations import transformers as fc_hf
+
+    fc_hf.register()
+
+    def build(impl, window=16):
+        config = Gemma2Config(vocab_size=97, hidden_size=128, intermediate_size=256,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, sliding_window=window, attn_logit_softcapping=30.0,
+                              initializer_range=0.3)
+        return AutoModelForCausalLM.from_config(config, attn_implementation=impl).to(
+            torch.bfloat16).eval()
+
+    torch.manual_seed(0)
+    ours = build("flash_cute")
+    eager, unwindowed = build("eager"), build("eager", window=4096)
+    eager.load_state_dict(ours.state_dict())
+    unwindowed.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 97, (2, 50))
+    mask = torch.ones(2, 50, dtype=torch.long)
+    mask[0, :11] = 0
+    with torch.no_grad():
+        got, want, far = (m(ids).logits for m in (ours, eager, unwindowed))
+        got_pad, want_pad = (m(ids, attention_mask=mask).logits for m in (ours, eager))
+    assert _close(got, want) and not _close(far, want)
+    assert _close(got_pad[0, 11:], want_pad[0, 11:]) and _close(got_pad[1], want_pad[1])
