@@ -238,21 +238,30 @@ def _used_lengths(name: str, used: Optional[torch.Tensor], spans: list) -> list:
     return values
 
 
-def _attention_used(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, args):
-    """Varlen attention over the used rows of each span; the span's other query rows get
-    O = 0 and LSE = -inf (built from constants, so no gradient reaches their q, k, v)."""
+def _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    """Per sequence b: (b, used query rows, used key rows, unused query rows of its span)."""
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     spans_q = [b - a for a, b in zip(bounds_q, bounds_q[1:])]
     spans_k = [b - a for a, b in zip(bounds_k, bounds_k[1:])]
     used_q = _used_lengths("seqused_q", seqused_q, spans_q)
     used_k = _used_lengths("seqused_k", seqused_k, spans_k)
-    outs, lses = [], []
     for b in range(len(spans_q)):
-        sq = slice(bounds_q[b], bounds_q[b] + used_q[b])
-        sk = slice(bounds_k[b], bounds_k[b] + used_k[b])
+        yield (b, slice(bounds_q[b], bounds_q[b] + used_q[b]),
+               slice(bounds_k[b], bounds_k[b] + used_k[b]), spans_q[b] - used_q[b])
+
+
+def _uniform_cu(batch: int, seqlen: int) -> torch.Tensor:
+    """cu_seqlens of `batch` sequences of `seqlen` rows (a padded layout seen as packed)."""
+    return torch.arange(batch + 1, dtype=torch.int32) * seqlen
+
+
+def _attention_used(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, args):
+    """Varlen attention over the used rows of each span; the span's other query rows get
+    O = 0 and LSE = -inf (built from constants, so no gradient reaches their q, k, v)."""
+    outs, lses = [], []
+    for b, sq, sk, pad in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         out, lse = _attention_dense(q[None, sq], k[None, sk], v[None, sk], *args,
                                     batch_index=[b])
-        pad = spans_q[b] - used_q[b]
         outs += [out[0], out.new_zeros(pad, *out.shape[2:])]
         lses += [lse[0], lse.new_full((lse.shape[1], pad), -math.inf)]
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
@@ -261,9 +270,9 @@ def _attention_used(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, a
 def _padded_as_varlen(q, k, v, seqused_q, seqused_k, args):
     """Padded inputs with seqused: each batch entry is one span of the padded length."""
     batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-    cu = lambda n: torch.arange(batch + 1, dtype=torch.int32) * n  # noqa: E731
-    out, lse = _attention_used(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu(sq), cu(sk),
-                               seqused_q, seqused_k, args)
+    out, lse = _attention_used(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                               _uniform_cu(batch, sq), _uniform_cu(batch, sk), seqused_q,
+                               seqused_k, args)
     return out.unflatten(0, (batch, sq)), lse.unflatten(1, (batch, sq)).transpose(0, 1)
 
 
@@ -349,10 +358,10 @@ def attention_ref_backward(
         return _backward_dense(q, k, v, dout, dlse, *args)
     if not varlen:
         batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-        cu = lambda n: torch.arange(batch + 1, dtype=torch.int32) * n  # noqa: E731
         flat = [t.flatten(0, 1) for t in (q, k, v, dout)]
         dlse_flat = None if dlse is None else dlse.transpose(0, 1).flatten(1, 2)
-        grads = _backward_used(*flat, dlse_flat, cu(sq), cu(sk), seqused_q, seqused_k, args)
+        grads = _backward_used(*flat, dlse_flat, _uniform_cu(batch, sq), _uniform_cu(batch, sk),
+                               seqused_q, seqused_k, args)
         return tuple(g.unflatten(0, (batch, n)) for g, n in zip(grads, (sq, sk, sk)))
     return _backward_used(q, k, v, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q,
                           seqused_k, args)
@@ -402,15 +411,8 @@ def _backward_used(q, k, v, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, s
                    args):
     """The backward of `_attention_used` (packed layout; dlse [h, total_q] or None): rows
     outside the used part of each span get zero gradients."""
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    spans_q = [b - a for a, b in zip(bounds_q, bounds_q[1:])]
-    spans_k = [b - a for a, b in zip(bounds_k, bounds_k[1:])]
-    used_q = _used_lengths("seqused_q", seqused_q, spans_q)
-    used_k = _used_lengths("seqused_k", seqused_k, spans_k)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for b in range(len(spans_q)):
-        sq = slice(bounds_q[b], bounds_q[b] + used_q[b])
-        sk = slice(bounds_k[b], bounds_k[b] + used_k[b])
+    for b, sq, sk, _ in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         seq_dlse = None if dlse is None else dlse[None, :, sq]
         grads = _backward_dense(q[None, sq], k[None, sk], v[None, sk], dout[None, sq], seq_dlse,
                                 *args, batch_index=[b])
