@@ -248,6 +248,14 @@ def flash_attn_varlen_func(
     return out, lse
 
 
+def page_rows(page_table: torch.Tensor, num_pages: int, page_size: int) -> torch.Tensor:
+    """[batch, max_pages * page_size]: the row of cache.flatten(0, 1) holding each
+    sequence's position, page indices clamped into the cache."""
+    pages = page_table.long().clamp(0, num_pages - 1)
+    return (pages[:, :, None] * page_size
+            + torch.arange(page_size, device=pages.device)).flatten(1)
+
+
 def _paged(k_cache, v_cache, page_table, cu_seqlens_q, q):
     """The padded [batch, max_pages * page_size, heads_kv, d] keys and values a page table
     names (a gather; differentiable into the pages)."""
@@ -261,10 +269,7 @@ def _paged(k_cache, v_cache, page_table, cu_seqlens_q, q):
         if t.dim() != 4 or t.shape[:3] != k_cache.shape[:3]:
             raise ValueError(f"with page_table, {name} must be a paged cache [num_pages, "
                              f"page_size, heads_kv, d] like k, got {tuple(t.shape)}")
-    num_pages, page_size = k_cache.shape[:2]
-    pages = page_table.long().clamp(0, num_pages - 1)
-    rows = (pages[:, :, None] * page_size
-            + torch.arange(page_size, device=pages.device)).flatten(1)   # [b, capacity]
+    rows = page_rows(page_table, *k_cache.shape[:2])
     gathered = [t.flatten(0, 1)[rows.flatten()].view(batch, rows.shape[1], *t.shape[2:])
                 for t in (k_cache, v_cache)]
     return gathered[0], gathered[1]

@@ -24,7 +24,7 @@ from typing import Optional, Union
 
 import torch
 
-from flash_cute.interface import flash_attn_varlen_func
+from flash_cute.interface import flash_attn_varlen_func, page_rows
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -131,10 +131,7 @@ def _row_index(batch, k_cache, block_table, batch_idx, device) -> torch.Tensor:
         entry = torch.arange(batch, device=device) if batch_idx is None else \
             batch_idx.long().clamp(0, k_cache.shape[0] - 1)
         return entry[:, None] * seq + torch.arange(seq, device=device)
-    page_size, num_pages = k_cache.shape[1], k_cache.shape[0]
-    pages = block_table.long().clamp(0, num_pages - 1)
-    return (pages[:, :, None] * page_size
-            + torch.arange(page_size, device=device)).flatten(1)
+    return page_rows(block_table, *k_cache.shape[:2])
 
 
 def _rotate(x, cos, sin, positions, interleaved: bool):
