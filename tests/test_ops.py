@@ -10,6 +10,8 @@ import flash_cute
 from flash_cute import flash_attn_func, flash_attn_varlen_func
 from flash_cute.reference import attention_ref, attention_ref_backward, tolerance_check
 
+from attention_checks import AttentionBlock
+
 BF16 = torch.bfloat16
 
 
@@ -169,29 +171,11 @@ def test_fake_and_meta_tensors_get_shapes_and_the_same_refusals():
     assert out.device.type == "meta" and out.shape == q.shape and lse.shape == (1, 4, 77)
 
 
-class _Block(torch.nn.Module):
-    """Pre-norm attention block with GQA and a causal mask."""
-
-    def __init__(self, dim=128, heads=4, heads_kv=2):
-        super().__init__()
-        self.heads, self.heads_kv, self.hd = heads, heads_kv, dim // heads
-        self.norm = torch.nn.LayerNorm(dim)
-        self.qkv = torch.nn.Linear(dim, (heads + 2 * heads_kv) * self.hd)
-        self.proj = torch.nn.Linear(heads * self.hd, dim)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        qkv = self.qkv(self.norm(x)).view(b, t, self.heads + 2 * self.heads_kv, self.hd)
-        q, k, v = qkv.split([self.heads, self.heads_kv, self.heads_kv], dim=2)
-        out, _ = flash_attn_func(q, k, v, causal=True)
-        return x + self.proj(out.reshape(b, t, -1))
-
-
 def test_compile_fullgraph_dynamic_has_no_break_and_no_recompile():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(3)
-    block = _Block().to(BF16)
+    block = AttentionBlock().to(BF16)
     explained = torch._dynamo.explain(block)(torch.randn(2, 40, 128, dtype=BF16))
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     counter = CompileCounterWithBackend("aot_eager")

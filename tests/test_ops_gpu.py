@@ -7,7 +7,7 @@ import torch
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
 
-from attention_checks import check_forward
+from attention_checks import AttentionBlock, check_forward
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -95,29 +95,13 @@ def test_mixed_packed_and_padded_layouts(packed):
                       k_pad[i:i + 1, :lens_k[i]], v_pad[i:i + 1, :lens_k[i]], causal=True)
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, dim=512, heads=8, heads_kv=2):
-        super().__init__()
-        self.heads, self.heads_kv, self.hd = heads, heads_kv, dim // heads
-        self.norm = torch.nn.RMSNorm(dim)
-        self.qkv = torch.nn.Linear(dim, (heads + 2 * heads_kv) * self.hd, bias=False)
-        self.proj = torch.nn.Linear(heads * self.hd, dim, bias=False)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        qkv = self.qkv(self.norm(x)).view(b, t, self.heads + 2 * self.heads_kv, self.hd)
-        q, k, v = qkv.split([self.heads, self.heads_kv, self.heads_kv], dim=2)
-        out, _ = flash_attn_func(q, k, v, causal=True)
-        return x + self.proj(out.reshape(b, t, -1))
-
-
 def test_inductor_fullgraph_dynamic_training_step():
     """torch.compile (inductor) of a block's forward and backward: no graph break, one
     compile across sequence lengths, the eager result within bf16 noise."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(1)
-    block = _Block().cuda().to(BF16)
+    block = AttentionBlock(512, 8, 2, norm=torch.nn.RMSNorm, bias=False).cuda().to(BF16)
     explained = torch._dynamo.explain(block)(_randn(2, 100, 512))
     assert explained.graph_break_count == 0
     counter = CompileCounterWithBackend("inductor")
