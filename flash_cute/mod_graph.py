@@ -346,23 +346,9 @@ _NEXT = [1]
 def register_alibi(slopes: torch.Tensor, mask_mod: Optional[Callable] = None,
                    block_mask=None) -> int:
     """The registry key of ALiBi with these slopes, with an optional mask mod or block mask
-    (kept while the tensor lives)."""
+    (kept while the tensor and the block mask live)."""
     ident = ("alibi", id(slopes), mask_mod, None if block_mask is None else id(block_mask))
-    key = _KEYS.get(ident)
-    if key is None:
-        states = size = None
-        if mask_mod is None and block_mask is not None:
-            mask_mod = block_mask.mask_mod
-        mask = None if mask_mod is None else trace(mask_mod, "mask")
-        if block_mask is not None:
-            from flash_cute.block_mask import block_states
-
-            states, size = block_states(block_mask), tuple(block_mask.BLOCK_SIZE)
-        key, _NEXT[0] = _NEXT[0], _NEXT[0] + 1
-        _REGISTRY[key] = Variant(alibi_graph(slopes), mask, states, size)
-        _KEYS[ident] = key
-        weakref.finalize(slopes, _forget, ident, key)
-    return key
+    return _store(ident, lambda: alibi_graph(slopes), mask_mod, block_mask, (slopes,))
 
 
 def register(score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
@@ -373,22 +359,31 @@ def register(score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] 
     if score_mod is None and mask_mod is None and block_mask is None:
         return 0
     ident = (score_mod, mask_mod, None if block_mask is None else id(block_mask))
-    key = _KEYS.get(ident)
-    if key is None:
-        if mask_mod is None and block_mask is not None:
-            mask_mod = block_mask.mask_mod
-        states = size = None
-        if block_mask is not None:
-            from flash_cute.block_mask import block_states
+    return _store(ident, lambda: None if score_mod is None else trace(score_mod, "score"),
+                  mask_mod, block_mask, ())
 
-            states, size = block_states(block_mask), tuple(block_mask.BLOCK_SIZE)
-        variant = Variant(None if score_mod is None else trace(score_mod, "score"),
-                          None if mask_mod is None else trace(mask_mod, "mask"), states, size)
-        key, _NEXT[0] = _NEXT[0], _NEXT[0] + 1
-        _REGISTRY[key] = variant
-        _KEYS[ident] = key
-        if block_mask is not None:
-            weakref.finalize(block_mask, _forget, ident, key)
+
+def _store(ident, score_graph: Callable, mask_mod, block_mask, owners: tuple) -> int:
+    """The key of `ident`, building its `Variant` the first time; the entry is forgotten when
+    any of `owners` (and the block mask) is collected."""
+    key = _KEYS.get(ident)
+    if key is not None:
+        return key
+    if mask_mod is None and block_mask is not None:
+        mask_mod = block_mask.mask_mod
+    states = size = None
+    if block_mask is not None:
+        from flash_cute.block_mask import block_states
+
+        states, size = block_states(block_mask), tuple(block_mask.BLOCK_SIZE)
+        owners += (block_mask,)
+    variant = Variant(score_graph(), None if mask_mod is None else trace(mask_mod, "mask"),
+                      states, size)
+    key, _NEXT[0] = _NEXT[0], _NEXT[0] + 1
+    _REGISTRY[key] = variant
+    _KEYS[ident] = key
+    for owner in owners:
+        weakref.finalize(owner, _forget, ident, key)
     return key
 
 
