@@ -375,6 +375,9 @@ def _checked_variant_key(score_mod, mask_mod, softcap, block_mask=None) -> int:
     form (seven parameters) is not built yet."""
     import inspect
 
+    key = mod_graph.registered(score_mod, mask_mod, block_mask)
+    if key is not None and not (score_mod is not None and softcap):
+        return key   # checked when it was registered
     for name, fn, arity in (("score_mod", score_mod, 5), ("mask_mod", mask_mod, 4)):
         if fn is None:
             continue
