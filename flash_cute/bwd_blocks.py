@@ -9,6 +9,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flash_cute.block_range import block_range
+from flash_cute.dropout import kept
 from flash_cute.layouts import acc_to_mn
 
 
@@ -86,6 +87,41 @@ def p_and_ds(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor, delta: cut
         p = cute.math.exp2(s_mn[r, None].load() * scale_log2 - lse[r], fastmath=True)
         s_mn[r, None].store(p)
         dp_mn[r, None].store(p * dp_mn[r, None].load())
+
+
+def p_and_ds_dropout(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse, delta, scale_log2: Float32,
+                     score_mod, dropout, coord_mn: cute.Tensor, m_block: Int32, n_block: Int32):
+    """`p_and_ds` with dropout (`flash_cute.dropout`; Z its keep decisions, 1/(1-p) its
+    scale): S → Z ∘ P, the operand of dV (which the kernel scales by 1/(1-p) at the end), and
+    dP → dS = P ∘ (Z ∘ dP / (1 - p) − Δ) [∘ f'(s)]. Dropped entries still get dS = −P·Δ: the
+    softmax couples them to the row. Each row's LSE₂ and Δ are read once, at their first use
+    in the group walk (a shuffle each, for shuffled statistics). Plain Python, run at trace
+    time: the group walk's callback holds no staged control flow."""
+    rows = _FirstUse(lambda r: (lse[r], delta[r]))
+
+    def visit(r, c, keep):
+        lse_r, delta_r = rows[r]
+        s = s_mn[r, c]
+        p = cute.math.exp2(s * scale_log2 - lse_r, fastmath=True)
+        ds = p * cute.math.fma(kept(keep, dp_mn[r, c]), dropout.scale, -delta_r)
+        if score_mod is not None:
+            ds = ds * score_mod.grad(s)
+        dp_mn[r, c] = ds
+        s_mn[r, c] = kept(keep, p)
+
+    dropout.for_each(coord_mn, m_block, n_block, visit)
+
+
+class _FirstUse(dict):
+    """A trace-time memo: `load(key)` at the first lookup of each key."""
+
+    def __init__(self, load):
+        super().__init__()
+        self.load = load
+
+    def __missing__(self, key):
+        value = self[key] = self.load(key)
+        return value
 
 
 @cute.jit

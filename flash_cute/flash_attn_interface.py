@@ -9,8 +9,11 @@ ones), and return like it: ``out``, or ``(out, softmax_lse, None)`` with
 probabilities and the dropout mask are not returned). They run flash-cute's kernels through
 `flash_cute.flash_attn_func` / `flash_attn_varlen_func`.
 
-Not built yet, refused with NotImplementedError: dropout_p > 0 (dropout in the kernels) and
-block_table (paged KV, the decode issue). alibi_slopes runs where flash-cute's mods run (CPU
+``dropout_p`` > 0 is dropout in the kernels, forward and backward, with FA2's scaling (kept
+weights times 1 / (1 - p)); the keep decision takes 16 random bits per element (not FA2's
+8), so an element is kept with probability exactly ``flash_cute.rng.keep_probability(p)``,
+within 2^-17 of 1 - p, and the masks are not FA2's bit for bit. Not built yet, refused with
+NotImplementedError: block_table (paged KV, the decode issue). alibi_slopes runs where flash-cute's mods run (CPU
 tensors today; the GPU kernels refuse it until the variants issue).
 """
 
@@ -18,18 +21,15 @@ from flash_cute import interface
 from flash_cute.kvcache import flash_attn_with_kvcache  # noqa: F401 - FA2's name, here too
 
 
-def _refuse(dropout_p, block_table=None) -> None:
-    if dropout_p:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout in the attention kernels is "
-                                  "not built in flash-cute yet; pass dropout_p=0.0")
+def _refuse(block_table=None) -> None:
     if block_table is not None:
         raise NotImplementedError("block_table: paged KV is not built in flash-cute yet")
 
 
-def _common(softmax_scale, causal, window_size, softcap, deterministic) -> dict:
-    return dict(softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
-                softcap=softcap if softcap > 0 else 0.0, deterministic=deterministic,
-                return_lse=True)
+def _common(dropout_p, softmax_scale, causal, window_size, softcap, deterministic) -> dict:
+    return dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                window_size=tuple(window_size), softcap=softcap if softcap > 0 else 0.0,
+                deterministic=deterministic, return_lse=True)
 
 
 def _result(out, lse, return_attn_probs):
@@ -59,10 +59,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_attn_probs=False):
     """q [b, sq, h, d], k/v [b, sk, h_kv, d] (GQA/MQA when h_kv < h); causal aligned
     bottom-right; softmax_lse [b, h, sq]."""
-    _refuse(dropout_p)
     out, lse = interface.flash_attn_func(
         q, k, v, alibi_slopes=alibi_slopes,
-        **_common(softmax_scale, causal, window_size, softcap, deterministic))
+        **_common(dropout_p, softmax_scale, causal, window_size, softcap, deterministic))
     return _result(out, lse, return_attn_probs)
 
 
@@ -95,9 +94,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_attn_probs=False, block_table=None):
     """q [total_q, h, d], k/v [total_k, h_kv, d] with int32 cu_seqlens [b + 1];
     softmax_lse [h, total_q]."""
-    _refuse(dropout_p, block_table)
+    _refuse(block_table)
     out, lse = interface.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes,
-        **_common(softmax_scale, causal, window_size, softcap, deterministic))
+        **_common(dropout_p, softmax_scale, causal, window_size, softcap, deterministic))
     return _result(out, lse, return_attn_probs)

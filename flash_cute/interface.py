@@ -15,6 +15,7 @@ import torch
 
 from flash_cute import mod_graph, ops, plans  # noqa: F401 - ops registers torch.ops.flash_cute
 from flash_cute.plans import check_inputs, clear_plans  # noqa: F401 - public here
+from flash_cute.rng import draw_seed
 from flash_cute.validation import _normalize_mask, _real, validate_attention_inputs
 
 
@@ -24,25 +25,27 @@ class _FlashAttnFunc(torch.autograd.Function):
     get)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, options, variant):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, options, variant,
+                dropout_p, rng_seed):
         fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
         out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options,
-                       True, variant)
+                       True, variant, dropout_p, rng_seed)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                              seqused_k)
-        ctx.options, ctx.variant = options, variant
+                              seqused_k, rng_seed)
+        ctx.options, ctx.variant, ctx.dropout_p = options, variant, dropout_p
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *lengths = ctx.saved_tensors
+        q, k, v, out, lse, *lengths, rng_seed = ctx.saved_tensors
         # dlse is None unless the loss used the LSE (grads are not materialized).
         if dout is None:
             dout = torch.zeros_like(out)
         bwd = plans.backward if _eager(dout, q, out) else torch.ops.flash_cute.bwd
-        dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options, ctx.variant)
-        return _not_differentiable(dq, dk, dv) + (None,) * 6
+        dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options, ctx.variant,
+                         ctx.dropout_p, rng_seed)
+        return _not_differentiable(dq, dk, dv) + (None,) * 8
 
 
 def _not_differentiable(*grads) -> tuple:
@@ -88,6 +91,7 @@ def flash_attn_func(
     block_mask=None,
     page_table: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
 ):
     """Exact attention on [batch, seqlen, nheads, hdim] tensors; returns ``(out, lse)``.
 
@@ -108,6 +112,14 @@ def flash_attn_func(
     ``block_mask`` (keyword-only, flash-cute's own): a FlexAttention `BlockMask`
     (`flash_cute.create_block_mask`), with its meaning (`flash_cute.block_mask`). Both run on
     CPU tensors for now; the GPU kernels refuse them until the variants issue.
+
+    ``dropout_p`` (keyword-only, flash-cute's own; FA4 has none): dropout of the attention
+    weights in the kernels, forward and backward, FA2's semantics (kept weights scaled by
+    1 / (1 - p); the LSE is the undropped softmax's). Each call draws a 64-bit seed from
+    torch's generator of q's device, so torch.manual_seed reproduces the mask bit for bit and
+    CUDA-graph replays draw fresh ones; an element is kept with probability exactly
+    ``flash_cute.rng.keep_probability(p)`` (16 random bits per element, within 2^-17 of
+    1 - p). The mask itself is not returned. Dropout turns packed GQA off.
 
     ``pack_gqa`` (GQA/MQA forward): tile the query heads that share a K/V head together, so
     short query sequences (decode) fill a tile and K/V are read once per group. None lets the
@@ -131,7 +143,8 @@ def flash_attn_func(
         variant = _variant_key(score_mod, mask_mod, softcap, block_mask, alibi_slopes,
                                q.shape[0], q.shape[2])
     return _attention(q, k, v, (None, None, None, None), None, None, softmax_scale, causal,
-                      window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant)
+                      window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant,
+                      dropout_p)
 
 
 def flash_attn_varlen_func(
@@ -171,6 +184,7 @@ def flash_attn_varlen_func(
     *,
     arch: Optional[str] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
 ):
     """Attention over sequences of different lengths; returns ``(out, lse)``.
 
@@ -239,7 +253,8 @@ def flash_attn_varlen_func(
 
     out, lse = _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
                           max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-                          softcap, pack_gqa, deterministic, arch, return_lse, variant)
+                          softcap, pack_gqa, deterministic, arch, return_lse, variant,
+                          dropout_p)
     if q_padded is not None:
         batch, seqlen = q_padded[:2]
         out = out.view(batch, seqlen, *out.shape[1:])
@@ -407,22 +422,35 @@ def _refuse_unbuilt(args: dict) -> None:
 
 
 def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-               window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant=0):
+               window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant=0,
+               dropout_p=0.0):
     """Both public functions' call of the operators. `lengths`: (cu_seqlens_q, cu_seqlens_k,
-    seqused_q, seqused_k), each a tensor or None."""
+    seqused_q, seqused_k), each a tensor or None. With dropout the call's seed is drawn
+    here, from torch's generator of q's device (`rng.draw_seed`)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
             and isinstance(v, torch.Tensor)):
         validate_attention_inputs(q, k, v)  # raises, naming the argument
     options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
                        pack_gqa, deterministic, arch)
+    dropout_p, rng_seed = _dropout(dropout_p, q)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)
     if needs_grad:
-        out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, options, variant)
+        out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, options, variant, dropout_p, rng_seed)
         return out, lse
     fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
-    out, lse = fwd(q, k, v, *lengths, *options, False, variant)
+    out, lse = fwd(q, k, v, *lengths, *options, False, variant, dropout_p, rng_seed)
     return out, (lse if return_lse else None)
+
+
+def _dropout(dropout_p, q) -> tuple:
+    """(dropout_p as a float, the call's seed or None)."""
+    if dropout_p is None or (type(dropout_p) in (int, float) and dropout_p == 0):
+        return 0.0, None
+    p = _real("dropout_p", dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return (p, draw_seed(q.device)) if p > 0 else (0.0, None)
 
 
 def _eager(*tensors) -> bool:

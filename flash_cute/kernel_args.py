@@ -32,6 +32,9 @@ class FwdArgs(NamedTuple):
     cu_seqlens_k: Optional[Any] = None
     seqused_q: Optional[Any] = None
     seqused_k: Optional[Any] = None
+    rng_seed: Optional[Any] = None  # dropout: int32 [2], the Philox key (`flash_cute.rng`)
+    keep_threshold: Any = 0  # dropout: rng.keep_threshold(p) << 16, as an int32
+    dropout_scale: Any = 1.0  # dropout: 1 / (1 - p)
 
 
 class BwdArgs(NamedTuple):
@@ -59,6 +62,9 @@ class BwdArgs(NamedTuple):
     seqused_q: Optional[Any] = None
     seqused_k: Optional[Any] = None
     dq_semaphores: Optional[Any] = None
+    rng_seed: Optional[Any] = None
+    keep_threshold: Any = 0
+    dropout_scale: Any = 1.0
 
 
 def score_scalars(problem) -> dict:
@@ -68,6 +74,28 @@ def score_scalars(problem) -> dict:
             "softcap": float(problem.softcap) if problem.softcap > 0 else 1.0,
             "window_left": int(problem.window_left or 0),
             "window_right": int(problem.window_right or 0)}
+
+
+def dropout_scalars(problem) -> dict:
+    """The dropout fields' scalars of a validated problem (p = 0: the defaults, unread)."""
+    from flash_cute.rng import keep_threshold
+
+    p = problem.dropout_p
+    if p <= 0:
+        return {"keep_threshold": 0, "dropout_scale": 1.0}
+    # The kernels compare as unsigned; an int32 slot carries the bits.
+    bits = keep_threshold(p) << 16
+    return {"keep_threshold": bits - (1 << 32) if bits >= 1 << 31 else bits,
+            "dropout_scale": 1.0 / (1.0 - p)}
+
+
+def _fake_dropout(dropout: bool) -> dict:
+    from cutlass import Float32, Int32
+
+    from flash_cute.jit import fake_tensor
+
+    return {"rng_seed": fake_tensor(Int32, (2,), align=4) if dropout else None,
+            "keep_threshold": Int32(0), "dropout_scale": Float32(1.0)}
 
 
 def _fake_layout(varlen: bool):
@@ -104,9 +132,10 @@ def _fake_scalars() -> dict:
 
 
 def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
-                      seqused=(False, False)) -> FwdArgs:
+                      seqused=(False, False), dropout: bool = False) -> FwdArgs:
     """A forward record of fake tensors with dynamic batch, heads and lengths, padded or
-    varlen, for cross-compiling; `seqused`: (seqused_q, seqused_k) given."""
+    varlen, for cross-compiling; `seqused`: (seqused_q, seqused_k) given; `dropout`: with
+    the seed tensor."""
     from cutlass import Float32, Int32
 
     from flash_cute.jit import fake_tensor
@@ -119,13 +148,14 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
         v=fake_tensor(dtype, rows_k + (heads_kv, hdim_v)),
         out=fake_tensor(dtype, rows_q + (heads, hdim_v)),
         lse=fake_tensor(Float32, lse_shape, align=4), **_fake_scalars(), max_seqlen_q=Int32(1),
-        cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], seqused_q=used_q, seqused_k=used_k)
+        cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], seqused_q=used_q, seqused_k=used_k,
+        **_fake_dropout(dropout))
 
 
 def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(False, False),
                        dkv_fp32: bool = False, stats_align: int = 4, dq_align: int = 4,
                        dq_accum_cols: Optional[int] = None,
-                       semaphores: bool = False) -> BwdArgs:
+                       semaphores: bool = False, dropout: bool = False) -> BwdArgs:
     """A backward record of fake tensors, as `fake_forward_args`. The alignments are those the
     arch's launch promises (`launch.BackwardPlan`); `dq_accum_cols`: dQaccum as [.., h, cols]
     fragment-order tiles (`arch.hopper.dq_accum`) instead of laid out like q; `semaphores`:
@@ -152,4 +182,4 @@ def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(
         dv=fake_tensor(dkv_dtype, rows_k + (h, hdim_v), align=dkv_align), **_fake_scalars(),
         max_seqlen_k=Int32(1), max_seqlen_q=Int32(1), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
         seqused_q=used_q,
-        seqused_k=used_k, dq_semaphores=sem)
+        seqused_k=used_k, dq_semaphores=sem, **_fake_dropout(dropout))

@@ -69,7 +69,8 @@ def forward_spec(kernel, options: str, extra: Optional[dict] = None) -> "Compile
     from flash_cute.kernel_args import fake_forward_args
 
     args = fake_forward_args(kernel.dtype, kernel.hdim, kernel.hdim_v, kernel.varlen,
-                             seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
+                             seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
+                             dropout=kernel.dropout)
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=options,
                        extra=extra or {})
 

@@ -15,7 +15,7 @@ import torch
 # few; docs/decisions.md, D-IMPORT).
 import tvm_ffi  # noqa: F401
 
-from flash_cute.kernel_args import BwdArgs, FwdArgs, score_scalars
+from flash_cute.kernel_args import BwdArgs, FwdArgs, dropout_scalars, score_scalars
 from flash_cute.variant import Variant, dtype_name
 
 
@@ -55,6 +55,11 @@ def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
     """
     group = problem.qheads_per_kvhead
     if problem.pack_gqa is False or group == 1:
+        return 1
+    if problem.dropout_p > 0:
+        # Dropout draws by (head, query): a packed tile's rows interleave heads.
+        if problem.pack_gqa:
+            raise NotImplementedError("pack_gqa=True with dropout_p > 0: pass pack_gqa=None")
         return 1
     if tile_m % group:
         if problem.pack_gqa:
@@ -138,6 +143,9 @@ class ForwardLaunch:
             self.restride = None
         scalars = {**score_scalars(problem), "max_seqlen_q": int(problem.max_seqlen_q)}
         self.scalars = tuple(scalars.values())
+        drop = dropout_scalars(problem)
+        self.dropout = problem.dropout_p > 0
+        self.dropout_scalars = tuple(drop.values())
         variant = Variant.from_problem(problem, pack_gqa)
         dtype = dtype_name(q.dtype)
         key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(schedule),
@@ -148,7 +156,8 @@ class ForwardLaunch:
                        lse=TensorArg(lse, 4), **scalars,
                        cu_seqlens_q=tensor_arg(cu_seqlens_q, 4) if varlen else None,
                        cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
-                       seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4))
+                       seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4),
+                       rng_seed=_seed_spec(q.device, self.dropout), **drop)
         self.call = KernelCall(key, lambda: make_kernel(DTYPES[dtype], problem.hdim,
                                                         problem.hdim_v, variant,
                                                         schedule=tuple(schedule)),
@@ -166,7 +175,7 @@ class ForwardLaunch:
         return out, lse
 
     def __call__(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                 seqused_k=None):
+                 seqused_k=None, rng_seed=None):
         out, lse = self._alloc()
         if self.no_work:
             lse.fill_(-math.inf)
@@ -175,14 +184,32 @@ class ForwardLaunch:
             rq, rk, rv = self.restride
             q, k, v = _apply(q, rq), _apply(k, rk), _apply(v, rv)
         self.call(q, k, v, out, lse, *self.scalars, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                  seqused_k)
+                  seqused_k, _seed_words(rng_seed, self.dropout), *self.dropout_scalars)
         return out, lse
 
 
 # `ForwardLaunch.__call__` passes the record's fields in this order.
 assert FwdArgs._fields == ("q", "k", "v", "out", "lse", "softmax_scale", "softcap",
                            "window_left", "window_right", "max_seqlen_q", "cu_seqlens_q",
-                           "cu_seqlens_k", "seqused_q", "seqused_k")
+                           "cu_seqlens_k", "seqused_q", "seqused_k", "rng_seed",
+                           "keep_threshold", "dropout_scale")
+
+
+def _seed_words(rng_seed, dropout: bool):
+    """The kernels' view of a dropout seed (int64 [1], `rng.draw_seed`): int32 [2]."""
+    if not dropout:
+        return None
+    if rng_seed is None:
+        raise ValueError("dropout_p > 0 needs the call's rng_seed (rng.draw_seed)")
+    return rng_seed.view(torch.int32)
+
+
+def _seed_spec(device, dropout: bool):
+    """What a kernel is compiled against for the seed (its dtype and rank; the call's own
+    seed is passed at each launch)."""
+    from flash_cute.jit import tensor_arg
+
+    return tensor_arg(torch.empty(2, dtype=torch.int32, device=device) if dropout else None, 4)
 
 
 class RowDqAccum(NamedTuple):
@@ -272,6 +299,8 @@ class BackwardLaunch:
         dk, dv = self._alloc_dkv()
         sem = self._alloc_sem()
         varlen, align = problem.varlen, plan.row_stats_align
+        drop = dropout_scalars(problem)
+        self.dropout, self.dropout_scalars = problem.dropout_p > 0, tuple(drop.values())
         args = BwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), dout=TensorArg(dout),
                        lse_log2=TensorArg(lse_log2, align), delta=TensorArg(delta, align),
                        dq_accum=TensorArg(dq_accum, plan.dq_accum.align),
@@ -280,7 +309,8 @@ class BackwardLaunch:
                        cu_seqlens_q=tensor_arg(cu_seqlens_q, 4) if varlen else None,
                        cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
                        seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4),
-                       dq_semaphores=tensor_arg(sem, 4))
+                       dq_semaphores=tensor_arg(sem, 4),
+                       rng_seed=_seed_spec(q.device, self.dropout), **drop)
         self.scalars = tuple(setup.scalars.values())
         self.main = KernelCall(setup.key, setup.make_kernel, args, plan.options)
         self.finish = plan.dq_accum.finisher(dq_accum, q, problem, cu_seqlens_q, plan.target)
@@ -296,7 +326,7 @@ class BackwardLaunch:
         return torch.zeros(self.sem_shape, dtype=torch.int32, device=self.device)
 
     def __call__(self, dout, dlse, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None):
+                 seqused_q=None, seqused_k=None, rng_seed=None):
         if self.no_work:
             # Contiguous, as the kernels' gradients are (the fake implementation says so).
             return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
@@ -307,7 +337,8 @@ class BackwardLaunch:
         dk, dv = self._alloc_dkv()
         self.main(_apply(q, rq), _apply(k, rk), _apply(v, rv), _apply(dout, rdo), lse_log2, delta,
                   dq_accum, dk, dv, *self.scalars, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                  seqused_k, self._alloc_sem())
+                  seqused_k, self._alloc_sem(), _seed_words(rng_seed, self.dropout),
+                  *self.dropout_scalars)
         dq = self.finish(dq_accum, cu_seqlens_q)
         if self.group_shapes is not None:
             dk = dk.view(self.group_shapes[0]).sum(-2).to(q.dtype)
@@ -319,8 +350,8 @@ class BackwardLaunch:
 assert BwdArgs._fields == ("q", "k", "v", "dout", "lse_log2", "delta", "dq_accum", "dk", "dv",
                            "softmax_scale", "softcap", "window_left", "window_right",
                            "max_seqlen_k", "max_seqlen_q", "cu_seqlens_q", "cu_seqlens_k",
-                           "seqused_q",
-                           "seqused_k", "dq_semaphores")
+                           "seqused_q", "seqused_k", "dq_semaphores", "rng_seed",
+                           "keep_threshold", "dropout_scale")
 
 
 def _contiguous_strides(shape) -> tuple:

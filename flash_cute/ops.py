@@ -13,7 +13,10 @@ tensors, `torch.library.opcheck` and CUDA graphs see one operator per pass:
 
 One schema serves the padded and the packed (varlen) layouts: the packed one passes
 cu_seqlens. ``variant`` is the key of the call's score/mask modifications in a registry (0:
-none), since Python objects cannot be schema arguments.
+none), since Python objects cannot be schema arguments. ``dropout_p`` > 0 drops attention
+weights with the keep decisions `flash_cute.rng` derives from ``rng_seed`` (int64 [1], drawn
+by the caller: the operators are functions of their inputs, and the backward redraws the
+forward's decisions from the same seed).
 """
 
 import torch
@@ -29,10 +32,22 @@ _LENGTHS = "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, Tenso
 
 _LIB = torch.library.Library("flash_cute", "DEF")
 _LIB.define(f"fwd(Tensor q, Tensor k, Tensor v, {_LENGTHS}, {_OPTIONS}, bool needs_grad, "
-            f"int variant) -> (Tensor out, Tensor lse)")
+            f"int variant, float dropout_p=0.0, Tensor? rng_seed=None) -> (Tensor out, "
+            f"Tensor lse)")
 _LIB.define(f"bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, "
-            f"Tensor lse, {_LENGTHS}, {_OPTIONS}, int variant) -> (Tensor dq, Tensor dk, "
-            f"Tensor dv)")
+            f"Tensor lse, {_LENGTHS}, {_OPTIONS}, int variant, float dropout_p=0.0, "
+            f"Tensor? rng_seed=None) -> (Tensor dq, Tensor dk, Tensor dv)")
+
+# Positions in the options after the tensors: (the 10 _OPTIONS, [needs_grad,] variant,
+# dropout_p, rng_seed).
+_FWD_VARIANT, _BWD_VARIANT = 11, 10
+
+
+def _dropout_of(options: tuple, variant_index: int) -> tuple:
+    """(dropout_p, rng_seed) of a call: the dispatcher leaves out trailing arguments equal
+    to their defaults."""
+    tail = options[variant_index + 1:]
+    return (tail[0] if tail else 0.0), (tail[1] if len(tail) > 1 else None)
 
 _LIB.impl("fwd", plans.forward, "CUDA")
 _LIB.impl("bwd", plans.backward, "CUDA")
@@ -43,35 +58,40 @@ def _variant(key: int):
     return mod_graph.lookup(key) if key else None
 
 
-def _reference_problem(q, k, v, lengths, options):
+def _reference_problem(q, k, v, lengths, options, dropout=(0.0, None)):
     """Validation of a CPU or fake call (contents of CPU index tensors included)."""
     if q.device.type == "cpu" and options[9] is not None:
         raise ValueError(f"arch={options[9]!r} picks a GPU pipeline, but the inputs are on "
                          "the CPU (which runs the reference); pass arch=None or CUDA tensors")
-    return plans.validate_call(q, k, v, lengths, options, require_cuda=False)
+    return plans.validate_call(q, k, v, lengths, options, require_cuda=False, dropout=dropout)
 
 
-def _reference_kwargs(problem, lengths, key: int) -> dict:
+def _reference_kwargs(problem, lengths, key: int, rng_seed) -> dict:
     cu_q, cu_k, used_q, used_k = lengths
+    dropout = (problem.dropout_p, rng_seed) if problem.dropout_p > 0 else None
     return dict(softmax_scale=problem.softmax_scale, causal=problem.causal,
                 window_size=(problem.window_left, problem.window_right),
                 softcap=problem.softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                seqused_q=used_q, seqused_k=used_k, variant=_variant(key))
+                seqused_q=used_q, seqused_k=used_k, variant=_variant(key), dropout=dropout)
 
 
 def _fwd_cpu(q, k, v, cu_q, cu_k, used_q, used_k, *options):
     lengths = (cu_q, cu_k, used_q, used_k)
-    problem = _reference_problem(q, k, v, lengths, options)
+    dropout = _dropout_of(options, _FWD_VARIANT)
+    problem = _reference_problem(q, k, v, lengths, options, dropout)
     out, lse = attention_ref(q, k, v, mode="float32",
-                             **_reference_kwargs(problem, lengths, options[-1]))
+                             **_reference_kwargs(problem, lengths, options[_FWD_VARIANT],
+                                                 dropout[1]))
     return out.to(q.dtype).contiguous(), lse.float().contiguous()
 
 
 def _bwd_cpu(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options):
     lengths = (cu_q, cu_k, used_q, used_k)
-    problem = _reference_problem(q, k, v, lengths, options)
+    dropout = _dropout_of(options, _BWD_VARIANT)
+    problem = _reference_problem(q, k, v, lengths, options, dropout)
     dq, dk, dv = attention_ref_backward(q, k, v, dout, dlse,
-                                        **_reference_kwargs(problem, lengths, options[-1]))
+                                        **_reference_kwargs(problem, lengths,
+                                                            options[_BWD_VARIANT], dropout[1]))
     return tuple(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
 
 
@@ -81,8 +101,9 @@ _LIB.impl("bwd", _bwd_cpu, "CPU")
 
 @torch.library.register_fake("flash_cute::fwd")
 def _fwd_fake(q, k, v, cu_q, cu_k, used_q, used_k, *options):
-    _variant(options[-1])
-    problem = _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options)
+    _variant(options[_FWD_VARIANT])
+    problem = _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options,
+                                 _dropout_of(options, _FWD_VARIANT))
     out = q.new_empty((*q.shape[:-1], problem.hdim_v))
     if cu_q is not None:
         lse = q.new_empty((problem.nheads, q.shape[0]), dtype=torch.float32)
@@ -93,25 +114,29 @@ def _fwd_fake(q, k, v, cu_q, cu_k, used_q, used_k, *options):
 
 @torch.library.register_fake("flash_cute::bwd")
 def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options):
-    _variant(options[-1])
-    _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options)
+    _variant(options[_BWD_VARIANT])
+    _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options,
+                       _dropout_of(options, _BWD_VARIANT))
     # Contiguous, whatever the inputs' strides, as the kernels' gradients are.
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, *lengths = inputs[:7]
-    ctx.save_for_backward(q, k, v, output[0], output[1], *lengths)
-    ctx.options = inputs[7:17] + inputs[18:]   # without needs_grad
+    dropout_p, rng_seed = _dropout_of(inputs[7:], _FWD_VARIANT)
+    ctx.save_for_backward(q, k, v, output[0], output[1], *lengths, rng_seed)
+    # Without needs_grad and the seed (saved above).
+    ctx.options = inputs[7:17] + (inputs[18], dropout_p)
     ctx.set_materialize_grads(False)
 
 
 def _fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse, *lengths = ctx.saved_tensors
+    q, k, v, out, lse, *lengths, rng_seed = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.flash_cute.bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options)
-    return (dq, dk, dv) + (None,) * 16
+    dq, dk, dv = torch.ops.flash_cute.bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options,
+                                          rng_seed)
+    return (dq, dk, dv) + (None,) * 18
 
 
 torch.library.register_autograd("flash_cute::fwd", _fwd_backward,

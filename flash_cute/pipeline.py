@@ -23,12 +23,14 @@ VARLEN = "varlen"  # packed sequences with cu_seqlens
 SEQUSED = "seqused"  # per-sequence used lengths (seqused_q / seqused_k)
 PACK_GQA = "pack_gqa"  # a K/V head's query heads in one tile's rows, on request
 DETERMINISTIC = "deterministic"  # bitwise reproducible backward
+DROPOUT = "dropout"  # dropout of the attention weights in the kernels (`flash_cute.dropout`)
 
 # What a message calls each one (the argument a user passed).
 _SPELLED = {SEQUSED: "seqused_q/seqused_k", PACK_GQA: "pack_gqa=True",
             DETERMINISTIC: "deterministic=True", VARLEN: "cu_seqlens (varlen)",
             LOCAL: "window_size", SOFTCAP: "softcap", CAUSAL: "causal=True",
-            GQA: "GQA/MQA (fewer K/V heads)", BACKWARD: "a backward pass"}
+            GQA: "GQA/MQA (fewer K/V heads)", BACKWARD: "a backward pass",
+            DROPOUT: "dropout_p > 0"}
 
 
 def spelled(capability: str) -> str:
@@ -72,15 +74,18 @@ class Pipeline:
                              "backward entry point go together")
 
     def forward(self, q, k, v, problem, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                seqused_k=None):
+                seqused_k=None, rng_seed=None):
         lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-        return self.plan_forward(q, k, v, problem, *lengths)(q, k, v, *lengths)
+        return self.plan_forward(q, k, v, problem, *lengths)(q, k, v, *lengths,
+                                                             rng_seed=rng_seed)
 
     def backward(self, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q=None,
-                 cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic=False):
+                 cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic=False,
+                 rng_seed=None):
         lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         return self.plan_backward(dout, dlse, q, k, v, out, lse, problem, *lengths,
-                                  deterministic)(dout, dlse, q, k, v, out, lse, *lengths)
+                                  deterministic)(dout, dlse, q, k, v, out, lse, *lengths,
+                                                 rng_seed=rng_seed)
 
     @property
     def has_backward(self) -> bool:
@@ -119,4 +124,6 @@ def required_capabilities(problem, backward: bool = False, deterministic: bool =
         needed.append(VARLEN)
     if problem.has_seqused_q or problem.has_seqused_k:
         needed.append(SEQUSED)
+    if problem.dropout_p > 0:
+        needed.append(DROPOUT)
     return tuple(needed)

@@ -129,16 +129,30 @@ def _call_key(tensors: tuple, options: tuple) -> Optional[tuple]:
     return signature, options, types, torch.is_grad_enabled()
 
 
-def validate_call(q, k, v, lengths: tuple, options: tuple, require_cuda: bool = True):
+def validate_call(q, k, v, lengths: tuple, options: tuple, require_cuda: bool = True,
+                  dropout=(0.0, None)):
     """The `AttentionProblem` of an operator call (`options`: max_seqlen_q, max_seqlen_k,
-    softmax_scale, causal, window_left, window_right, softcap, pack_gqa, ...)."""
+    softmax_scale, causal, window_left, window_right, softcap, pack_gqa, ...; `dropout`:
+    (dropout_p, rng_seed))."""
     cu_q, cu_k, used_q, used_k = lengths
     max_q, max_k, scale, causal, left, right, softcap, pack_gqa = options[:8]
-    return validate_attention_inputs(
+    problem = validate_attention_inputs(
         q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
         softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
         seqused_k=used_k, max_seqlen_q=max_q, max_seqlen_k=max_k, pack_gqa=pack_gqa,
-        require_cuda=require_cuda)
+        dropout_p=dropout[0], require_cuda=require_cuda)
+    if problem.dropout_p > 0:
+        _check_seed(dropout[1], q)
+    return problem
+
+
+def _check_seed(rng_seed, q) -> None:
+    if not (isinstance(rng_seed, torch.Tensor) and rng_seed.dtype == torch.int64
+            and rng_seed.shape == (1,) and rng_seed.device == q.device):
+        got = (f"{rng_seed.dtype} {tuple(rng_seed.shape)} on {rng_seed.device}"
+               if isinstance(rng_seed, torch.Tensor) else type(rng_seed).__name__)
+        raise ValueError(f"dropout_p > 0 needs rng_seed, an int64 [1] tensor on q's device "
+                         f"({q.device}; `flash_cute.rng.draw_seed`), got {got}")
 
 
 def _refuse_variant(key: int) -> None:
@@ -148,10 +162,10 @@ def _refuse_variant(key: int) -> None:
             "CPU tensors run them on the reference")
 
 
-def _make_plan(q, k, v, lengths: tuple, options: tuple) -> _Plan:
+def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed) -> _Plan:
     deterministic, arch, needs_grad = options[8:11]
     _refuse_variant(options[11])
-    problem = validate_call(q, k, v, lengths, options)
+    problem = validate_call(q, k, v, lengths, options, dropout=(options[12], rng_seed))
     pipeline = select_pipeline(q.device, arch, problem)
     check_capabilities(pipeline, required_capabilities(problem))
     pipeline.check_supported(problem, q.device)
@@ -172,12 +186,14 @@ def _backward_pipeline(device, pipeline, problem, deterministic) -> Pipeline:
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options):
     """`flash_cute::fwd` on CUDA tensors: ``(out, lse)``. `options` as the operator's schema
-    (`flash_cute.ops`) orders them, after the tensors."""
+    (`flash_cute.ops`) orders them, after the tensors (the last, rng_seed, a tensor or
+    None)."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    key = _call_key((q, k, v) + lengths, options)
+    options, rng_seed = _split_seed(options, 13)
+    key = _call_key((q, k, v, rng_seed) + lengths, options)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(q, k, v, lengths, options)
+        plan = _make_plan(q, k, v, lengths, options, rng_seed)
         _PLANS.put(key, plan)
     if _CHECK_INPUTS[0] and lengths != (None, None, None, None):
         # Contents change from call to call under the same key: checked every call.
@@ -185,21 +201,30 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options)
                              plan.problem.max_seqlen_k)
     # Kernels launch on the current device and stream: make that q's device.
     with on_device(q):
-        return plan.launch(q, k, v, *lengths)
+        return plan.launch(q, k, v, *lengths, rng_seed=rng_seed)
+
+
+def _split_seed(options: tuple, count: int):
+    """(options without rng_seed, rng_seed): a schema call passes all `count` options and
+    the seed, a direct call may stop before the dropout ones (dropout_p 0, no seed)."""
+    if len(options) > count:
+        return options[:count], options[count]
+    return options + (0.0,) * (count - len(options)), None
 
 
 def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
              *options):
     """`flash_cute::bwd` on CUDA tensors: ``(dq, dk, dv)``."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    options, rng_seed = _split_seed(options, 12)
     dout = kernel_ready(dout)
     dlse = None if dlse is None else dlse.contiguous()
-    key = _call_key((dout, dlse, q, k, v, out, lse) + lengths, options)
+    key = _call_key((dout, dlse, q, k, v, out, lse, rng_seed) + lengths, options)
     launch = _BWD_PLANS.get(key)
     if launch is None:
         deterministic, arch = options[8:10]
         _refuse_variant(options[10])
-        problem = validate_call(q, k, v, lengths, options)
+        problem = validate_call(q, k, v, lengths, options, dropout=(options[11], rng_seed))
         validate_backward_inputs(dout, q, k, v, out, lse, problem)
         pipeline = select_pipeline(q.device, arch, problem)
         bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
@@ -208,7 +233,7 @@ def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
                                                 *lengths, bool(deterministic))
         _BWD_PLANS.put(key, launch)
     with on_device(q):
-        return launch(dout, dlse, q, k, v, out, lse, *lengths)
+        return launch(dout, dlse, q, k, v, out, lse, *lengths, rng_seed=rng_seed)
 
 
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:

@@ -157,10 +157,23 @@ def _mode_dtypes(mode: str, input_dtype: torch.dtype):
     return (torch.float32 if mode == "float32" else input_dtype), torch.float32
 
 
+def _dropped(p, dropout, batch_index):
+    """P with dropout's decisions (`flash_cute.rng`: the kernels' draws) applied and kept
+    values scaled by 1 / (1 - p); P itself without dropout (None)."""
+    if dropout is None:
+        return p
+    from flash_cute.rng import keep_mask
+
+    prob, seed = dropout
+    keep = keep_mask(seed.cpu(), prob, batch_index, p.shape[1], p.shape[2], p.shape[3],
+                     device="cpu").to(p.device)
+    return torch.where(keep, p / (1.0 - prob), torch.zeros((), dtype=p.dtype, device=p.device))
+
+
 def _attention_dense(q, k, v, softmax_scale, causal, window_size, softcap, mode, variant=None,
-                     batch_index=None):
+                     dropout=None, batch_index=None):
     """Batched attention for one set of equal-length sequences (layout [b, s, h, d]);
-    `batch_index`: the mods' b of each entry (default 0..b-1)."""
+    `batch_index`: the mods' (and dropout's) b of each entry (default 0..b-1)."""
     mm_dtype, score_dtype = _mode_dtypes(mode, q.dtype)
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
@@ -169,6 +182,7 @@ def _attention_dense(q, k, v, softmax_scale, causal, window_size, softcap, mode,
     batch_index = list(range(q.shape[0])) if batch_index is None else batch_index
     p, lse = _probs(scores.to(score_dtype), softmax_scale, causal, window_size, softcap, variant,
                     batch_index)
+    p = _dropped(p, dropout, batch_index)
     out = torch.einsum("bhqk,bkhd->bqhd", p.to(mm_dtype), v.to(mm_dtype))
     return out, lse
 
@@ -291,11 +305,15 @@ def attention_ref(
     seqused_k: Optional[torch.Tensor] = None,
     mode: str = "float64",
     variant=None,
+    dropout=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference attention; returns ``(out, lse)``. Differentiable through autograd.
 
     ``variant``: a `mod_graph.Variant` (traced score and mask mods), applied to the scaled
     scores (b: the batch entry or sequence; q_idx, kv_idx: positions inside it).
+    ``dropout``: (p, rng_seed): the attention weights dropped by the decisions the kernels
+    draw from that seed (`flash_cute.rng`), kept ones scaled by 1 / (1 - p); the LSE is the
+    undropped softmax's.
 
     Modes:
 
@@ -315,7 +333,7 @@ def attention_ref(
     varlen = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    args = (softmax_scale, causal, window_size, softcap, mode, variant)
+    args = (softmax_scale, causal, window_size, softcap, mode, variant, dropout)
     if varlen:
         return _attention_used(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, args)
     if seqused_q is None and seqused_k is None:
@@ -340,6 +358,7 @@ def attention_ref_backward(
     seqused_k: Optional[torch.Tensor] = None,
     dtype: torch.dtype = torch.float32,
     variant=None,
+    dropout=None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`attention_ref` by the written-out formulas (no autograd), in
     `dtype`, for the same arguments plus the incoming gradients of out and (optionally) lse:
@@ -351,7 +370,7 @@ def attention_ref_backward(
     varlen = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    args = (softmax_scale, causal, window_size, softcap, variant)
+    args = (softmax_scale, causal, window_size, softcap, variant, dropout)
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     dlse = None if dlse is None else dlse.to(dtype)
     if not varlen and seqused_q is None and seqused_k is None:
@@ -368,9 +387,10 @@ def attention_ref_backward(
 
 
 def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, softcap,
-                    variant=None, batch_index=None):
+                    variant=None, dropout=None, batch_index=None):
     """The backward of `_attention_dense` ([b, s, h, d]; dlse [b, h, sq] or None); a score
-    mod's derivative comes from its graph (`mod_graph.score_derivative`)."""
+    mod's derivative comes from its graph (`mod_graph.score_derivative`). With dropout,
+    P̃ = Z ∘ P / (1 - p): dV = P̃ᵀ dO, dP = Z ∘ (dO Vᵀ) / (1 - p), dS = P ∘ (dP − Δ)."""
     hk = k.shape[2]
     group = q.shape[2] // hk
     kk, vv = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
@@ -381,11 +401,12 @@ def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, sof
     if variant is not None:
         capped, mask = _apply_mods(variant, capped, mask, batch_index)
     p, _ = _softmax_rows(capped, mask)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    p_dropped = _dropped(p, dropout, batch_index)
+    out = torch.einsum("bhqk,bkhd->bqhd", p_dropped, vv)
     delta = (dout * out).sum(-1).transpose(1, 2)  # [b, h, sq]
     if dlse is not None:
         delta = delta - dlse
-    dp = torch.einsum("bqhd,bkhd->bhqk", dout, vv)
+    dp = _dropped(torch.einsum("bqhd,bkhd->bhqk", dout, vv), dropout, batch_index)
     ds = p * (dp - delta[..., None])
     if softcap > 0:
         ds = ds * (1 - (capped / softcap) ** 2)
@@ -393,7 +414,7 @@ def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, sof
         ds = ds * _mod_derivative(variant.score_mod, raw, batch_index)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * softmax_scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * softmax_scale
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p_dropped, dout)
     return dq, dk.unflatten(2, (hk, group)).sum(3), dv.unflatten(2, (hk, group)).sum(3)
 
 

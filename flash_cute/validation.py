@@ -92,6 +92,7 @@ class AttentionProblem:
     has_seqused_q: bool = False
     has_seqused_k: bool = False
     pack_gqa: bool | None = None
+    dropout_p: float = 0.0
 
     @property
     def qheads_per_kvhead(self) -> int:
@@ -132,6 +133,7 @@ def validate_attention_inputs(
     max_seqlen_q=None,
     max_seqlen_k=None,
     pack_gqa=None,
+    dropout_p=0.0,
     supported_dtypes: Collection[torch.dtype] = _DEFAULT_DTYPES,
     supported_hdims: Collection[tuple[int, int]] | None = None,
     require_cuda: bool = True,
@@ -161,6 +163,7 @@ def validate_attention_inputs(
         pack_gqa: ``None`` (the pipeline decides), ``True`` or ``False``: tile the query
             heads that share a K/V head together (packed GQA). It changes the schedule,
             not the result.
+        dropout_p: dropout probability of the attention weights, in ``[0, 1)``.
         supported_dtypes: dtypes the target kernel handles.
         supported_hdims: allowed ``(hdim, hdim_v)`` pairs; ``None`` allows any multiple
             of 8 in ``[8, 256]`` for each.
@@ -208,6 +211,7 @@ def validate_attention_inputs(
     causal, left, right = _normalize_mask(causal, window_size)
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa must be None, True or False, got {pack_gqa!r}")
+    dropout_p = _check_dropout_p(dropout_p)
     return AttentionProblem(
         batch=batch,
         seqlen_q=None if varlen else dims["seqlen_q"],
@@ -228,7 +232,15 @@ def validate_attention_inputs(
         has_seqused_q=seqused_q is not None,
         has_seqused_k=seqused_k is not None,
         pack_gqa=pack_gqa,
+        dropout_p=dropout_p,
     )
+
+
+def _check_dropout_p(dropout_p) -> float:
+    p = _real("dropout_p", dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return p
 
 
 def validate_backward_inputs(

@@ -4,7 +4,8 @@ Every arch kernel takes one `Variant`; run-time values (window sizes, softcap va
 lengths) stay kernel arguments. `flags()` is the variant's part of a CompileKey. `seqused_q` /
 `seqused_k` are switches because a kernel compiled with those tensors differs from one
 compiled with None in their record fields (their values stay run-time). `pack_gqa` is the number of query heads a
-tile packs into its rows (1: none; see `flash_cute.launch.packed_heads`).
+tile packs into its rows (1: none; see `flash_cute.launch.packed_heads`). `dropout`: the
+kernel drops attention weights (`flash_cute.dropout`; p, the seed and the scale are run-time).
 """
 
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class Variant:
     seqused_q: bool = False
     seqused_k: bool = False
     pack_gqa: int = 1
+    dropout: bool = False
 
     def __post_init__(self):
         # Causal is the window (left, 0): a right window on top of it means nothing.
@@ -42,7 +44,7 @@ class Variant:
                    window_right=problem.window_right is not None and not problem.causal,
                    softcap=problem.softcap > 0, varlen=problem.varlen,
                    seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k,
-                   pack_gqa=pack_gqa)
+                   pack_gqa=pack_gqa, dropout=problem.dropout_p > 0)
 
     @classmethod
     def from_flags(cls, flags: dict) -> "Variant":
@@ -51,14 +53,15 @@ class Variant:
         return cls(causal=flags.get("causal", False), window_left=local, window_right=local,
                    softcap=flags.get("softcap", False), varlen=flags.get("varlen", False),
                    seqused_q=flags.get("seqused_q", False), seqused_k=flags.get("seqused_k", False),
-                   pack_gqa=flags.get("pack_gqa", 1))
+                   pack_gqa=flags.get("pack_gqa", 1), dropout=flags.get("dropout", False))
 
     def flags(self) -> tuple:
         flags = (("causal", self.causal), ("left", self.window_left), ("right", self.window_right),
                  ("softcap", self.softcap), ("varlen", self.varlen), ("seqused_q", self.seqused_q),
                  ("seqused_k", self.seqused_k))
-        # Only where it packs, so unpacked kernels keep their keys.
-        return flags + ((("pack_gqa", self.pack_gqa),) if self.pack_gqa > 1 else ())
+        # Only where they are on, so the other kernels keep their keys.
+        flags += (("pack_gqa", self.pack_gqa),) if self.pack_gqa > 1 else ()
+        return flags + ((("dropout", True),) if self.dropout else ())
 
 
 def set_kernel_switches(kernel, variant: Variant) -> None:
@@ -74,6 +77,7 @@ def set_kernel_switches(kernel, variant: Variant) -> None:
     kernel.has_seqused_q = variant.seqused_q
     kernel.has_seqused_k = variant.seqused_k
     kernel.pack_gqa = variant.pack_gqa
+    kernel.dropout = variant.dropout
 
 
 def kernel_head_dims(pipeline: str, hdim: int, hdim_v, schedules: dict, schedule) -> tuple:

@@ -81,7 +81,7 @@ def test_deterministic_turns_are_0_to_count_minus_1_in_increasing_n():
 def _problem(**kw):
     base = dict(causal=False, window_left=None, window_right=None, softcap=0.0, varlen=False,
                 nheads=8, nheads_kv=8, hdim=128, hdim_v=128, batch=3, max_seqlen_q=1000,
-                has_seqused_q=False, has_seqused_k=False)
+                has_seqused_q=False, has_seqused_k=False, dropout_p=0.0)
     base.update(kw)
     p = SimpleNamespace(**base)
     p.qheads_per_kvhead = p.nheads // p.nheads_kv

@@ -477,3 +477,28 @@ def test_hopper_pipeline_has_a_backward():
     import flash_cute.arch.hopper.api as hopper_api
 
     assert callable(hopper_api.backward)
+
+
+@pytest.mark.slow
+def test_dropout_kernels_run_philox_in_registers(inspected):
+    """Each dropout kernel (issue 22) against its twin without dropout: no spill, and at least
+    one softmax block's Philox4x32-10 rounds (19 of each group's 20 IMAD.WIDE; the first
+    round's head product is shared) over the thread's groups: tile_n / 16 in a forward's two
+    rows, at least as many in a backward's fragment."""
+    def key(e, drop=False):
+        flags = {k: v for k, v in e["config"].items() if k not in ("schedule", "dropout")
+                 and not isinstance(v, (list, tuple))}
+        return (e["kernel"], e["target"], json.dumps(flags, sort_keys=True))
+
+    twins = {key(e): e for e in inspected if not e["config"].get("dropout")}
+    dropped = [e for e in inspected if e["config"].get("dropout")]
+    assert {e["kernel"] for e in dropped} >= {"hopper.fwd", "hopper.bwd", "ampere.fwd",
+                                              "ampere.bwd"}
+    for e in dropped:
+        assert e["spill_bytes"] == 0, e
+        twin = twins.get(key(e))
+        if twin is None:
+            continue
+        tile_n = e["config"]["schedule"][1]
+        extra = e["sass"].get("IMAD.WIDE", 0) - twin["sass"].get("IMAD.WIDE", 0)
+        assert extra >= 19 * tile_n // 16, (e["config"], extra)

@@ -184,8 +184,8 @@ def test_api_signature_matches_flash_attn_cute(fn, fa4):
             for p in params[:len(fa4)]]
     assert ours == fa4
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:len(fa4)])
-    own = (["arch", "block_mask", "page_table", "alibi_slopes"]
-           if fn is flash_cute.flash_attn_func else ["arch", "alibi_slopes"])
+    own = (["arch", "block_mask", "page_table", "alibi_slopes", "dropout_p"]
+           if fn is flash_cute.flash_attn_func else ["arch", "alibi_slopes", "dropout_p"])
     assert [(p.name, p.kind) for p in params[len(fa4):]] == [
         (name, inspect.Parameter.KEYWORD_ONLY) for name in own]
 
@@ -509,7 +509,7 @@ def test_a_repeated_call_is_validated_once(capability, monkeypatch):
         return validate_attention_inputs(*args, **{**kw, "require_cuda": False})
 
     def plan_forward(q, k, v, problem, *lengths):
-        def launch(q, k, v, *lengths):
+        def launch(q, k, v, *lengths, rng_seed=None):
             launched.append((problem.causal, "hopper"))
             return q, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
         return launch

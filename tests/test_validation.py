@@ -551,7 +551,7 @@ def test_check_inputs_checks_every_call_while_on(monkeypatch):
     plan = plans._Plan(validate(*_packed(), cu_seqlens_q=torch.tensor([0, 256], dtype=torch.int32),
                                 cu_seqlens_k=torch.tensor([0, 256], dtype=torch.int32),
                                 max_seqlen_q=256, max_seqlen_k=256),
-                       None, None, False, lambda *t: (t[0], None))
+                       None, None, False, lambda *t, rng_seed=None: (t[0], None))
     monkeypatch.setattr(plans, "_PLANS", type("P", (), {"get": staticmethod(lambda k: plan),
                                                         "put": staticmethod(lambda k, v: 0)})())
     monkeypatch.setattr(plans, "on_device", lambda t: __import__("contextlib").nullcontext())

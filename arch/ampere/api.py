@@ -26,11 +26,12 @@ _BWD_KERNEL = launch.KernelRef("flash_cute.arch.ampere.bwd", "AmpereBwd")
 
 
 def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, schedule=None):
+            seqused_q=None, seqused_k=None, schedule=None, rng_seed=None):
     """(out, lse) for validated inputs. `schedule` overrides (tile_m, tile_n, num_warps) for
     ablations; seqused_q/seqused_k: int32 [batch] or None, as `problem` was validated."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    return plan_forward(q, k, v, problem, *lengths, schedule=schedule)(q, k, v, *lengths)
+    return plan_forward(q, k, v, problem, *lengths, schedule=schedule)(q, k, v, *lengths,
+                                                                       rng_seed=rng_seed)
 
 
 def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -45,12 +46,13 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
 
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
-             cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False):
+             cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
+             rng_seed=None):
     """(dq, dk, dv) through `AmpereBwd` (see `flash_cute.launch.BackwardLaunch`); dQ is added by fp32
     atomics, so `deterministic` is refused (the descriptor does not list it)."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     return plan_backward(dout, dlse, q, k, v, out, lse, problem, *lengths, deterministic)(
-        dout, dlse, q, k, v, out, lse, *lengths)
+        dout, dlse, q, k, v, out, lse, *lengths, rng_seed=rng_seed)
 
 
 def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,

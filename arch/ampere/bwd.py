@@ -16,7 +16,9 @@ from cutlass import Float32, Int32
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import BwdArgs
 from flash_cute.block_range import m_block_range
-from flash_cute.bwd_blocks import atomic_add_rows, p_and_ds, row_stats, store_acc_tile
+from flash_cute.bwd_blocks import (atomic_add_rows, p_and_ds, p_and_ds_dropout, row_stats,
+                                   store_acc_tile)
+from flash_cute.dropout import Dropout
 from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
@@ -97,7 +99,8 @@ class AmpereBwd:
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
             tiled_mma(self.dtype, self.warps_sdp), tiled_mma(self.dtype, self.warps_dkv),
-            tiled_mma(self.dtype, self.warps_dq), SharedStorage,
+            tiled_mma(self.dtype, self.warps_dq), args.rng_seed, args.keep_threshold,
+            args.dropout_scale, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -111,6 +114,7 @@ class AmpereBwd:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sP_layout: cute.ComposedLayout, copy_qk: cute.TiledCopy, copy_v: cute.TiledCopy,
                mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+               mSeed: Optional[cute.Tensor], keep_threshold: Int32, dropout_scale: Float32,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
@@ -153,8 +157,12 @@ class AmpereBwd:
             gemm_dq = SmemGemm(mma_dq, tidx, self.dtype, sdS, transpose_view(sK), False, True)
             acc_dk = gemm_dk.new_acc((self.tile_n, self.hdim))
             acc_dv = gemm_dv.new_acc((self.tile_n, self.hdim_v))
+            drop = None
+            if cutlass.const_expr(self.dropout):
+                drop = Dropout(mSeed, keep_threshold, dropout_scale,
+                               batch * mQ.shape[-2] + head, self.tile_m, self.tile_n)
             step = BwdStep(self, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum, head,
-                           sP, sdS, scale_log2, mod_scale, win_left, win_right)
+                           sP, sdS, scale_log2, mod_scale, win_left, win_right, drop)
             for m_block in cutlass.range(m_min, m_max, unroll=1):
                 stage = (m_block - m_min) % self.num_stages
                 if cutlass.const_expr(self.num_stages > 1):
@@ -178,6 +186,8 @@ class AmpereBwd:
                     cute.arch.cp_async_commit_group()
 
             acc_dk.store(acc_dk.load() * softmax_scale)
+            if cutlass.const_expr(self.dropout):
+                acc_dv.store(acc_dv.load() * dropout_scale)
             store_acc_tile(mma_dkv, tidx, acc_dk, seq.k_view(mdK, head), (self.tile_n, self.hdim),
                            n_block, kv_rows)
             store_acc_tile(mma_dkv, tidx, acc_dv, seq.k_view(mdV, head), (self.tile_n, self.hdim_v),
@@ -212,8 +222,9 @@ class BwdStep(DslState):
     """The per-query-tile math: P and dS into shared memory, and the dQ partial sum."""
 
     def __init__(self, cfg: AmpereBwd, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum,
-                 head, sP, sdS, scale_log2, mod_scale, win_left, win_right):
+                 head, sP, sdS, scale_log2, mod_scale, win_left, win_right, dropout=None):
         self.cfg, self.seq, self.head = cfg, seq, head
+        self.dropout = dropout
         self.scale_log2 = scale_log2
         self.win_left, self.win_right = win_left, win_right
         thr_sdp = mma_sdp.get_slice(tidx)
@@ -247,7 +258,11 @@ class BwdStep(DslState):
         acc_dp = gemm_dp.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_dp.run(acc_dp, stage)
         dp_mn = acc_to_mn(acc_dp)
-        p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod)
+        if cutlass.const_expr(self.dropout is None):
+            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod)
+        else:
+            p_and_ds_dropout(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod,
+                             self.dropout, self.coord_s, m_block, n_block)
         r_p = cute.make_rmem_tensor_like(acc_s, cfg.dtype)
         r_p.store(acc_s.load().to(cfg.dtype))
         r_ds = cute.make_rmem_tensor_like(acc_dp, cfg.dtype)

@@ -15,6 +15,7 @@ from cutlass.cute.nvgpu import warp
 from flash_cute.block_range import block_range
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
+from flash_cute.dropout import Dropout
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
@@ -93,7 +94,7 @@ class AmpereFwd:
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v, cute.nvgpu.CopyUniversalOp()),
-            mma, SharedStorage,
+            mma, args.rng_seed, args.keep_threshold, args.dropout_scale, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -107,7 +108,8 @@ class AmpereFwd:
                mSeqUsedK: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, copy_qk: cute.TiledCopy, copy_v: cute.TiledCopy,
-               copy_o: cute.TiledCopy, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+               copy_o: cute.TiledCopy, tiled_mma: cute.TiledMma, mSeed: Optional[cute.Tensor],
+               keep_threshold: Int32, dropout_scale: Float32, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.causal or self.has_window_right):
@@ -138,6 +140,10 @@ class AmpereFwd:
             acc_o.fill(0.0)
             softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4)
             softmax.reset()
+            drop = None
+            if cutlass.const_expr(self.dropout):
+                drop = Dropout(mSeed, keep_threshold, dropout_scale,
+                               batch * mQ.shape[-2] + head, self.tile_m, self.tile_n)
 
             thr_qk = copy_qk.get_slice(tidx)
             thr_v = copy_v.get_slice(tidx)
@@ -173,10 +179,14 @@ class AmpereFwd:
                                    seq.seqlen_k - (n_block - 1) * self.tile_n)
                 cute.arch.cp_async_commit_group()
                 row_scale = softmax.online_softmax(acc_s_mn)
+                if cutlass.const_expr(self.dropout):
+                    # After the row sums, which count every weight.
+                    drop.drop(acc_s_mn, coord_mn, m_block, n_block)
                 rescale_o(acc_to_mn(acc_o), row_scale)
                 mma.pv(acc_s, acc_o)
 
-            o_scale, lse = softmax.finalize()
+            o_scale, lse = softmax.finalize(dropout_scale if cutlass.const_expr(self.dropout)
+                                            else Float32(1.0))
             rescale_o(acc_to_mn(acc_o), o_scale)
             self.epilogue(acc_o, lse, sQ, sO_layout, copy_o, tiled_mma, thr_mma, tidx, seq,
                           mO, mLSE, head, m_block)

@@ -38,7 +38,8 @@ def build_bwd(entry):
     dtype = DTYPES[entry.dtype]
     kernel = AmpereBwd(dtype, entry.hdim, entry.hdim_v, Variant.from_flags(entry.flag_dict))
     args = fake_backward_args(dtype, entry.hdim, entry.hdim_v, kernel.varlen,
-                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k))
+                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
+                              dropout=kernel.dropout)
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
                        options=COMPILE_OPTIONS)
 
@@ -52,7 +53,9 @@ def _fwd_configs():
                            ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
                            ((256, 256), {"causal": True}),
                            ((128, 128), {"causal": True, "varlen": True, "seqused_q": True,
-                                         "seqused_k": True})]:
+                                         "seqused_k": True}),
+                           ((128, 128), {"dropout": True}),
+                           ((64, 64), {"causal": True, "varlen": True, "dropout": True})]:
         targets = SM100_TOO if (d, flags) == (128, {"causal": True}) else TARGETS
         out.append(KernelConfig("ampere.fwd", targets, "bf16", d, dv, FWD_SCHEDULES[d],
                                 build_fwd, config_flags(**{**_SWITCHES, **flags})))
@@ -66,7 +69,10 @@ def _bwd_configs():
                            ((128, 128), {"local": True, "softcap": True}),
                            ((128, 128), {"causal": True, "varlen": True}),
                            ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
-                           ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True})]:
+                           ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True}),
+                           ((128, 128), {"dropout": True}),
+                           ((64, 64), {"causal": True, "varlen": True, "softcap": True,
+                                       "dropout": True})]:
         out.append(KernelConfig("ampere.bwd", TARGETS, "bf16", d, dv, BWD_SCHEDULES[d][:3],
                                 build_bwd, config_flags(**{**_SWITCHES, **flags})))
     return tuple(out)

@@ -26,11 +26,12 @@ _BWD_KERNEL = launch.KernelRef("flash_cute.arch.hopper.bwd", "HopperBwd")
 
 
 def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None, schedule=None):
+            seqused_q=None, seqused_k=None, schedule=None, rng_seed=None):
     """(out, lse) for validated inputs. `schedule` overrides the `config.FwdSchedule` for
     ablations; seqused_q/seqused_k: int32 [batch] or None, as `problem` was validated."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    return plan_forward(q, k, v, problem, *lengths, schedule=schedule)(q, k, v, *lengths)
+    return plan_forward(q, k, v, problem, *lengths, schedule=schedule)(q, k, v, *lengths,
+                                                                       rng_seed=rng_seed)
 
 
 def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -45,7 +46,8 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
     pack = launch.packed_heads(problem, PACK_ROWS, FWD_SCHEDULES[problem.hdim].tile_m)
     short = short_causal(problem.causal, problem.max_seqlen_q * pack, problem.max_seqlen_k)
     schedule = tuple(schedule or fwd_schedule(problem.hdim, pack,
-                                              problem.varlen or problem.has_seqused_q, short))
+                                              problem.varlen or problem.has_seqused_q, short,
+                                              problem.dropout_p > 0))
     return launch.ForwardLaunch("hopper.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
                                 cu_seqlens_k, seqused_q, seqused_k, schedule, COMPILE_OPTIONS,
                                 target, prepare=tma_ready, pack_gqa=pack)
@@ -53,13 +55,13 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
-             schedule=None):
+             schedule=None, rng_seed=None):
     """(dq, dk, dv) through `HopperBwd` (see `flash_cute.launch.BackwardLaunch`); `deterministic`
     makes dQ bitwise reproducible. `schedule` overrides the `config.BwdSchedule` for
     ablations."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     return plan_backward(dout, dlse, q, k, v, out, lse, problem, *lengths, deterministic,
-                         schedule)(dout, dlse, q, k, v, out, lse, *lengths)
+                         schedule)(dout, dlse, q, k, v, out, lse, *lengths, rng_seed=rng_seed)
 
 
 def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
@@ -75,20 +77,22 @@ def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_s
     plan = _bwd_plan(problem.hdim, problem.hdim_v, problem.varlen,
                      short_causal(problem.causal, problem.max_seqlen_q, problem.max_seqlen_k,
                                   SHORT_CAUSAL_BWD_ROWS),
-                     None if schedule is None else tuple(schedule), target)
+                     None if schedule is None else tuple(schedule), target,
+                     problem.dropout_p > 0)
     return launch.BackwardLaunch(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
                                  cu_seqlens_k, seqused_q, seqused_k, deterministic)
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, schedule, target: str):
+def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, schedule, target: str,
+              dropout: bool = False):
     """The `launch.BackwardPlan` of a backward configuration, worked out once: the schedule
     (`schedule` or the head dim's default, `short`: `config.short_causal`), where the dQ tile
     fits in shared memory the fragment-order dQaccum (`TiledDqAccum`), else one laid out like
     q, and `config.bwd_compile_options`; LSE₂ and Δ rows 16-byte aligned for their TMA."""
     from .dq_layout import TiledDqAccum
 
-    schedule = BwdSchedule(*(schedule or bwd_schedule(hdim, varlen, short)))
+    schedule = BwdSchedule(*(schedule or bwd_schedule(hdim, varlen, short, dropout)))
     dq_accum = (TiledDqAccum.of(schedule, hdim)
                 if bwd_smem_plan(hdim, hdim_v, schedule).dq_tma else launch.RowDqAccum(16))
     return launch.BackwardPlan("hopper.bwd", _BWD_KERNEL, tuple(schedule),

@@ -26,8 +26,10 @@ from flash_cute.arch.sm90plus.tma import (ROWS_FIRST, clear_tails, make_tma_pipe
                                           smem_tile, swizzled_layout, tma_load_atom,
                                           tma_partition)
 from flash_cute.block_range import m_block_range
-from flash_cute.bwd_blocks import (atomic_add_rows, dq_turn, ds_from_probs, p_and_ds, pass_turn,
-                                   probs, store_acc_tile, tile_row_values, wait_turn)
+from flash_cute.bwd_blocks import (atomic_add_rows, dq_turn, ds_from_probs, p_and_ds,
+                                   p_and_ds_dropout, pass_turn, probs, store_acc_tile,
+                                   tile_row_values, wait_turn)
+from flash_cute.dropout import Dropout
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import BwdArgs
 from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_strides,
@@ -198,6 +200,12 @@ class HopperBwd:
         derivative is a function of them (softcap's is 1 − tanh², of the tanh S holds)."""
         return self.score_mod is not None
 
+    @property
+    def fused_p_ds(self) -> bool:
+        """Whether P and dS are formed in one pass once S and dP have both landed: a score
+        mod's derivative reads S, and dropout's draws zero both dP and the P of dV."""
+        return self.ds_reads_scores or self.dropout
+
     # ---------------------------------------------------------------- host side
 
     @cute.jit
@@ -256,6 +264,7 @@ class HopperBwd:
             args.max_seqlen_q if cutlass.const_expr(self.varlen) else None, mCuSeqlensQ,
             args.cu_seqlens_k,
             args.seqused_q, args.seqused_k, *layouts, *mmas,
+            args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
             SharedStorage, tx_bytes,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -376,7 +385,8 @@ class HopperBwd:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.Layout,
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
-               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+               mma_dq: cute.TiledMma, mSeed: Optional[cute.Tensor], keep_threshold: Int32,
+               dropout_scale: Float32, nheads: Int32, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
         layouts = (sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout)
         mmas = (mma_sdp, mma_dk, mma_dv, mma_dq)
@@ -421,10 +431,21 @@ class HopperBwd:
                 cute.arch.setmaxregister_increase(BWD_CONSUMER_REGISTERS)
                 tidx = cute.arch.thread_idx()[0] - 128
                 step = BwdStep(self, tidx, seq, mmas, smem, (mLSElog2, mDelta), mdQaccum, head,
-                               scale_log2, mod_scale, win_left, win_right, order)
+                               scale_log2, mod_scale, win_left, win_right, order,
+                               self.cta_dropout((mSeed, keep_threshold, dropout_scale, nheads),
+                                                seq, head))
                 self.consume(step, smem, pipes, m_min, m_max, n_block)
                 self.store_dkv(step, mmas, tidx, seq, smem, mdK, mdV, head, n_block,
                                softmax_scale)
+
+    def cta_dropout(self, dropout_args, seq: SeqInfo, head: Int32) -> Optional[Dropout]:
+        """This CTA's `Dropout` (None without): its (batch entry, query head) draws, in the
+        S accumulator's order (transposed with swap_sdp)."""
+        if cutlass.const_expr(not self.dropout):
+            return None
+        seed, threshold, scale, nheads = dropout_args
+        return Dropout(seed, threshold, scale, seq.batch * nheads + head, self.tile_m,
+                       self.tile_n, rows_first=not self.swap_sdp)
 
     @cute.jit
     def store_dkv(self, step, mmas, tidx, seq, smem, mdK, mdV, head, n_block, softmax_scale):
@@ -433,6 +454,8 @@ class HopperBwd:
         Q's where one dO stage holds fewer rows than the keys), fp32 ones (GQA, summed by the
         host) straight from registers."""
         step.acc_dk.store(step.acc_dk.load() * softmax_scale)
+        if cutlass.const_expr(step.dropout is not None):
+            step.acc_dv.store(step.acc_dv.load() * step.dropout.scale)
         kv_rows = seq.seqlen_k - n_block * self.tile_n
         outs = ((step.acc_dk, mmas[1], mdK, self.hdim, smem.sQ),
                 (step.acc_dv, mmas[2], mdV, self.hdim_v, smem.sdO))
@@ -715,8 +738,9 @@ class BwdStep(DslState):
     and dV accumulators across the loop."""
 
     def __init__(self, cfg: HopperBwd, tidx, seq, mmas, smem: SmemTiles, stats, mdQaccum, head,
-                 scale_log2, mod_scale, win_left, win_right, order):
+                 scale_log2, mod_scale, win_left, win_right, order, dropout=None):
         self.cfg, self.seq, self.tidx, self.order = cfg, seq, tidx, order
+        self.dropout = dropout
         self.scale_log2 = scale_log2
         self.win_left, self.win_right = win_left, win_right
         mma_sdp, mma_dk, mma_dv, mma_dq = mmas
@@ -914,7 +938,7 @@ class BwdStep(DslState):
         s_qk, dp_qk = self.scores_view(acc_s), self.scores_view(acc_dp)
         if cutlass.const_expr(cfg.pds_stages == 1):
             self.pds_barrier.arrive_and_wait()
-        warpgroup.wait_group(0 if cutlass.const_expr(cfg.ds_reads_scores) else 1)
+        warpgroup.wait_group(0 if cutlass.const_expr(cfg.fused_p_ds) else 1)
         self.mask_scores(s_qk, m_block, n_block)
         # A thread holds 16 (at 80 rows 20, at 128 rows 32) queries' columns here, not 2 rows:
         # LSE₂ and Δ are each read just before their use, so that both are never live at once.
@@ -922,15 +946,15 @@ class BwdStep(DslState):
         # that dV reads from registers are never all live (with them, ptxas spills and
         # serializes the WGMMAs); dV then overlaps only dK and dQ. At 128 rows dS is also
         # stored first (`config.ds_stored_before_dv`).
-        ds_first = cfg.ds_reads_scores or cfg.tile_m != 64
+        ds_first = cfg.fused_p_ds or cfg.tile_m != 64
         if cutlass.const_expr(ds_first):
-            if cutlass.const_expr(not cfg.ds_reads_scores):
+            if cutlass.const_expr(not cfg.fused_p_ds):
                 warpgroup.wait_group(0)
                 probs(s_qk, self.row_values(m_block, stage, True), self.scale_log2)
                 ds_from_probs(s_qk, dp_qk, self.row_values(m_block, stage, False))
             else:
-                lse, delta = self.row_stats(m_block, stage, stage)
-                p_and_ds(s_qk, dp_qk, lse, delta, self.scale_log2, cfg.score_mod)
+                self.p_ds(s_qk, dp_qk, self.row_stats(m_block, stage, stage), m_block,
+                          n_block)
             r_p = self.to_dtype(acc_s)
             if cutlass.const_expr(cfg.ds_stored_first):
                 r_ds = self.store_ds(acc_dp, pds)
@@ -979,10 +1003,10 @@ class BwdStep(DslState):
             self.pds_barrier.arrive_and_wait()
         # A score mod's derivative (softcap's) reads S, which P overwrites: S and dP are both
         # waited for.
-        warpgroup.wait_group(0 if cutlass.const_expr(cfg.ds_reads_scores) else 1)
+        warpgroup.wait_group(0 if cutlass.const_expr(cfg.fused_p_ds) else 1)
         self.mask_scores(s_mn, m_block, n_block)
-        if cutlass.const_expr(cfg.ds_reads_scores):
-            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod)
+        if cutlass.const_expr(cfg.fused_p_ds):
+            self.p_ds(s_mn, dp_mn, (lse, delta), m_block, n_block)
         else:
             probs(s_mn, lse, self.scale_log2)
         self.to_smem(acc_s, self.tPsP, pds)
@@ -994,7 +1018,7 @@ class BwdStep(DslState):
             gemm(self.mma_dv, self.acc_dv, self.tdVrdOt, self.tdVrPt, do_stage, pds, True)
         else:
             gemm(self.mma_dv, self.acc_dv, self.tdVrPt, self.tdVrdOt, pds, do_stage, True)
-        if cutlass.const_expr(not cfg.ds_reads_scores):
+        if cutlass.const_expr(not cfg.fused_p_ds):
             warpgroup.wait_group(1)  # dP; dV still runs
             ds_from_probs(s_mn, dp_mn, delta)
         self.to_smem(acc_dp, self.tdSsdS, pds)
@@ -1027,6 +1051,18 @@ class BwdStep(DslState):
             self.dq_atomic(acc_dq, m_block)
         warpgroup.wait_group(0)
         pipe_q.consumer_release(q_state)
+
+    @cute.jit
+    def p_ds(self, s_mn: cute.Tensor, dp_mn: cute.Tensor, stats, m_block: Int32,
+             n_block: Int32):
+        """S → P and dP → dS in one pass (`HopperBwd.fused_p_ds`), with dropout's draws where
+        the kernel has them."""
+        lse, delta = stats
+        if cutlass.const_expr(self.dropout is None):
+            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, self.cfg.score_mod)
+        else:
+            p_and_ds_dropout(s_mn, dp_mn, lse, delta, self.scale_log2, self.cfg.score_mod,
+                             self.dropout, self.coord_s, m_block, n_block)
 
     @cute.jit
     def mask_scores(self, s_mn: cute.Tensor, m_block: Int32, n_block: Int32):

@@ -66,14 +66,17 @@ def short_causal(causal: bool, rows: int, keys: int, limit: int = SHORT_CAUSAL_R
 
 
 def fwd_schedule(hdim: int, pack: int = 1, rows_past_sequence: bool = False,
-             short: bool = False) -> FwdSchedule:
+             short: bool = False, dropout: bool = False) -> FwdSchedule:
     """The forward schedule of a head dim for a packing of `pack` heads per tile. A 192-row
     tile takes 128 rows instead where `pack` does not divide 192, or where packed O leaves by
     row stores (`rows_past_sequence`: varlen or seqused_q, see `o_smem_tile`): at 160
     registers ptxas then spills the packed rows' addresses (D-HF-PACK). `short`
     (`short_causal`): a 192-row tile takes 128 rows, and hdim
-    256 `SHORT_CAUSAL_TILE_N` key columns."""
+    256 `SHORT_CAUSAL_TILE_N` key columns. `dropout`: a 192-row tile takes 128 rows (at 160
+    registers the Philox rounds spill)."""
     schedule = FWD_SCHEDULES[hdim]
+    if dropout and schedule.tile_m > 128:
+        schedule = schedule._replace(tile_m=128)
     if pack > 1 and schedule.tile_m > PACK_ROWS and (schedule.tile_m % pack
                                                       or rows_past_sequence):
         return schedule._replace(tile_m=PACK_ROWS)
@@ -166,15 +169,16 @@ BWD_SCHEDULES = {64: BwdSchedule(128, 128, 2, True, dq_per_wg=True),
                  256: BwdSchedule(64, 48, 2, False, True, 1)}
 
 
-def bwd_schedule(hdim: int, varlen: bool = False, short: bool = False) -> BwdSchedule:
+def bwd_schedule(hdim: int, varlen: bool = False, short: bool = False,
+                 dropout: bool = False) -> BwdSchedule:
     """The backward schedule of a head dim. Varlen below 128 query rows takes 64 rows with P in
     shared memory (D-HB-VARLEN; at 128 rows the statistics are shared by shuffles,
     `bwd.ShuffledRows`, and fit). `short` (`short_causal`): 80 rows take 64 (dQ then not
-    transposed)."""
+    transposed); so does `dropout` (at 80 rows the Philox rounds spill, D-DROPOUT)."""
     schedule = BWD_SCHEDULES[hdim]
     if varlen and schedule.tile_m < 128:
         return schedule._replace(tile_m=64, swap_sdp=False)
-    if short and schedule.tile_m == 80:
+    if (short or dropout) and schedule.tile_m == 80:
         return schedule._replace(tile_m=64)
     return schedule
 

@@ -29,6 +29,7 @@ from flash_cute.arch.sm90plus.tma import (COLS_FIRST, ROWS_FIRST, clear_tails, m
                                           packed_tma_atom, permute, smem_tile, tma_load_atom,
                                           tma_partition)
 from flash_cute.block_range import block_range, block_runs
+from flash_cute.dropout import Dropout
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
@@ -207,7 +208,7 @@ class HopperFwd:
             args.max_seqlen_q if cutlass.const_expr(self.varlen) else None, mCuSeqlensQ,
             args.cu_seqlens_k, args.seqused_q,
             args.seqused_k, order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout,
-            sO_layout,
+            sO_layout, args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
             mma_qk, mma_pv, SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
@@ -308,6 +309,8 @@ class HopperFwd:
                mSeqUsedK: Optional[cute.Tensor], num_m_blocks: Int32, section: Int32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               mSeed: Optional[cute.Tensor], keep_threshold: Int32, dropout_scale: Float32,
+               nheads: Int32,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -343,7 +346,7 @@ class HopperFwd:
             out = OutputStore(self, mma_pv, tidx, tma_o, sO, mO, mLSE,
                               warp_idx == _O_STORE_WARP)
             self.consume(mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
-                         mod_scale)
+                         mod_scale, (mSeed, keep_threshold, dropout_scale, nheads))
 
     @cute.jit
     def produce(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles):
@@ -389,7 +392,7 @@ class HopperFwd:
 
     @cute.jit
     def consume(self, mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
-                mod_scale):
+                mod_scale, dropout_args):
         """One consumer warpgroup's 64 rows of each of this CTA's tiles (thread index relative
         to the first consumer, so the tiled MMAs place warpgroup 1 on rows 0..63, warpgroup 2
         on rows 64..127 and so on). Ping-pong turns start once and run on across tiles: every
@@ -403,14 +406,14 @@ class HopperFwd:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         step = functools.partial(self.consume_tile, gemms, coord_mn, turns, pipes, tiles, out,
-                                 scale_log2, mod_scale)
+                                 scale_log2, mod_scale, dropout_args)
         for_each_tile(tiles, self.persistent, step, (q_state, kv))
         turns.finish()
         out.drain()
 
     @cute.jit
     def consume_tile(self, gemms, coord_mn, turns, pipes, tiles, out, scale_log2, mod_scale,
-                     tile: Int32, q_state, kv):
+                     dropout_args, tile: Int32, q_state, kv):
         """One tile: main loop, softmax finalize, epilogue. Returns the Q and K/V states for
         the next tile."""
         pipe_q = pipes[0]
@@ -422,7 +425,8 @@ class HopperFwd:
             softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4)
             softmax.reset()
             seam = Scores(self.score_mod, mod_scale, tiles.mask(seq))
-            scores = SoftmaxStep(self, softmax, seam, coord_mn, m_block, rng)
+            drop = self.tile_dropout(dropout_args, seq, head)
+            scores = SoftmaxStep(self, softmax, seam, coord_mn, m_block, rng, drop)
             # Q is waited for even when no block is visited: its TMA must land before the
             # consumers release it (and before the CTA exits).
             pipe_q.consumer_wait(q_state)
@@ -433,11 +437,19 @@ class HopperFwd:
             if cutlass.const_expr(self.o_tile != "q"):
                 # The last QKᵀ has landed: the producer may load the next tile's Q now.
                 pipe_q.consumer_release(q_state)
-            o_scale, lse = softmax.finalize()
+            o_scale, lse = softmax.finalize(Float32(1.0) if drop is None else drop.scale)
             rescale_o(acc_to_mn(acc_o), o_scale)
             out.store(acc_o, lse, seq, head, m_block, pipe_q, q_state)
             q_state.advance()
         return q_state, kv
+
+    def tile_dropout(self, dropout_args, seq: SeqInfo, head: Int32) -> Optional[Dropout]:
+        """The tile's `Dropout` (None without): its (batch entry, query head) draws."""
+        if cutlass.const_expr(not self.dropout):
+            return None
+        seed, threshold, scale, nheads = dropout_args
+        return Dropout(seed, threshold, scale, seq.batch * nheads + head, self.tile_m,
+                       self.tile_n)
 
     @cute.jit
     def clear_v_tail(self, sV, pipe_v, v_state, n_block: Int32, seqlen_k: Int32):
@@ -789,9 +801,9 @@ class SoftmaxStep(DslState):
     factor the O accumulator must be rescaled by."""
 
     def __init__(self, cfg: HopperFwd, softmax: OnlineSoftmax, scores: Scores, coord_mn,
-                 m_block, rng):
+                 m_block, rng, dropout: Optional[Dropout] = None):
         self.cfg, self.softmax, self.scores, self.coord_mn = cfg, softmax, scores, coord_mn
-        self.m_block, self.rng = m_block, rng
+        self.m_block, self.rng, self.dropout = m_block, rng, dropout
 
     @property
     def mask(self) -> AttentionMask:
@@ -804,7 +816,11 @@ class SoftmaxStep(DslState):
         None to decide at run time (`needs_mask`)."""
         acc_s_mn = acc_to_mn(acc_s)
         self.scores.prepare(acc_s_mn, self.coord_mn, self.m_block, n_block, self.rng, masked)
-        return self.softmax.online_softmax(acc_s_mn, is_first=is_first)
+        row_scale = self.softmax.online_softmax(acc_s_mn, is_first=is_first)
+        if cutlass.const_expr(self.dropout is not None):
+            # After the row sums, which count every weight.
+            self.dropout.drop(acc_s_mn, self.coord_mn, self.m_block, n_block)
+        return row_scale
 
 
 class OverlappedStep(DslState):

@@ -41,7 +41,7 @@ def build_bwd(entry):
                               dkv_fp32=flags.get("dkv_fp32", False), stats_align=16,
                               dq_align=16, semaphores=kernel.deterministic,
                               seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
-                              dq_accum_cols=(entry.schedule[0] * entry.hdim if kernel.dq_tma
+                              dropout=kernel.dropout, dq_accum_cols=(entry.schedule[0] * entry.hdim if kernel.dq_tma
                                              else None))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
                        options=bwd_compile_options(entry.schedule),
@@ -88,10 +88,14 @@ def _fwd_configs():
                            ((256, 256), {"causal": True}), ((64, 64), {"fp16": True}),
                            ((256, 256), {"local": True, "softcap": True, "varlen": True}),
                            ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True}),
-                           ((64, 64), {"varlen": True, "seqused_q": True, "seqused_k": True})]:
+                           ((64, 64), {"varlen": True, "seqused_q": True, "seqused_k": True}),
+                           ((128, 128), {"dropout": True}),
+                           ((128, 128), {"causal": True, "varlen": True, "dropout": True}),
+                           ((64, 64), {"causal": True, "dropout": True})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
-        out.append(KernelConfig("hopper.fwd", TARGETS, dtype, d, dv, FWD_SCHEDULES[d],
+        out.append(KernelConfig("hopper.fwd", TARGETS, dtype, d, dv,
+                                fwd_schedule(d, dropout=flags.get("dropout", False)),
                                 build_fwd, config_flags(**full)))
     # The overlap ablation: each FA3 overlap on its own, and neither.
     plain = {"causal": False, "local": False, "softcap": False, "varlen": False}
@@ -148,12 +152,18 @@ def _bwd_configs():
                            ((128, 128), {"local": True, "varlen": True, "deterministic": True}),
                            ((256, 256), {"causal": True, "deterministic": True}),
                            ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True}),
-                           ((64, 64), {"varlen": True, "seqused_q": True, "seqused_k": True})]:
+                           ((64, 64), {"varlen": True, "seqused_q": True, "seqused_k": True}),
+                           ((128, 128), {"dropout": True}),
+                           ((128, 128), {"causal": True, "varlen": True, "dropout": True}),
+                           ((64, 64), {"causal": True, "dropout": True}),
+                           ((128, 128), {"softcap": True, "dropout": True}),
+                           ((256, 256), {"causal": True, "dropout": True})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False,
                 "dkv_fp32": False, "deterministic": False, **flags}
         out.append(KernelConfig("hopper.bwd", TARGETS, dtype, d, dv,
-                                bwd_schedule(d, full["varlen"]), build_bwd,
+                                bwd_schedule(d, full["varlen"], dropout=full.get("dropout", False)),
+                                build_bwd,
                                 config_flags(**full)))
     plain = {"causal": False, "local": False, "softcap": False, "varlen": False,
              "dkv_fp32": False, "deterministic": False}
