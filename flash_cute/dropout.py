@@ -12,6 +12,8 @@ backward use one group walk. Two fragment orders are known (`rows_first`):
 
 * True, the mma.sync / WGMMA accumulator (rows, cols) view: rows 2i, 2i+1 are queries q and
   q + 8, columns 4j..4j+3 are keys k, k+1, k+8, k+9: one group, eight elements.
+  With `aligned` False (a thread's columns start 8, not 16, into a group) each 8-column
+  atom draws its group alone and takes half of it.
 * False, the same view of a transposed (Sᵀ = K Qᵀ) accumulator: rows 2i, 2i+1 are queries
   q, q+1 and columns 2j, 2j+1 keys k, k+8; rows i and i+2 (queries 8 apart) share a group
   with the two keys: four elements per group, the key's parity picking the 16-bit half.
@@ -52,11 +54,14 @@ class Dropout(DslState):
     `scale` 1 / (1 - p) is kept for the caller (O's, dV's and dS's factor)."""
 
     def __init__(self, seed: cute.Tensor, threshold: Int32, scale, batch_head: Int32,
-                 tile_m: int, tile_n: int, rows_first: bool = True):
+                 tile_m: int, tile_n: int, rows_first: bool = True, aligned: bool = True):
         self.k0, self.k1 = Uint32(seed[0]), Uint32(seed[1])
         self.threshold, self.scale = Uint32(threshold), scale
         self.batch_head = Uint32(batch_head)
         self.tile_m, self.tile_n, self.rows_first = tile_m, tile_n, rows_first
+        # False: a thread's key columns start at a multiple of 8 but not of 16 (a warpgroup
+        # holding 24 of 48 keys), so its 8-column atoms do not pair up into groups.
+        self.aligned = aligned
 
     @cute.jit
     def _words(self, q: Int32, k: Int32):
@@ -68,7 +73,21 @@ class Dropout(DslState):
         score tile (m_block, n_block), `coord_mn` its tile coordinates (query, key)."""
         rows, cols = cute.size(coord_mn, mode=[0]), cute.size(coord_mn, mode=[1])
         q0, k0 = m_block * self.tile_m, n_block * self.tile_n
-        if cutlass.const_expr(self.rows_first):
+        if cutlass.const_expr(self.rows_first and not self.aligned):
+            # One group per 8-column atom, half of it used: which half of the group's words
+            # the atom takes is the key's bit 3, known at run time.
+            for i in cutlass.range_constexpr(rows // 2):
+                for a in cutlass.range_constexpr(cols // 2):
+                    crd = coord_mn[2 * i, 2 * a]
+                    k = k0 + crd[1]
+                    w = self._words(q0 + crd[0], k & Int32(~9))
+                    upper = (k & Int32(8)) != Int32(0)
+                    for e in cutlass.range_constexpr(4):
+                        qh, kl = e // 2, e % 2
+                        word = Uint32(cutlass.select_(upper, w[2 * qh + 1], w[2 * qh]))
+                        bits = word if cutlass.const_expr(kl == 1) else word << Uint32(16)
+                        visit(2 * i + qh, 2 * a + kl, bits < self.threshold)
+        elif cutlass.const_expr(self.rows_first):
             for i in cutlass.range_constexpr(rows // 2):
                 for j in cutlass.range_constexpr(cols // 4):
                     crd = coord_mn[2 * i, 4 * j]

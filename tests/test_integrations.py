@@ -121,3 +121,26 @@ def test_gemma2_sliding_window_and_softcap_match_eager():
         got_pad, want_pad = (m(ids, attention_mask=mask).logits for m in (ours, eager))
     assert _close(got, want) and not _close(far, want)
     assert _close(got_pad[0, 11:], want_pad[0, 11:]) and _close(got_pad[1], want_pad[1])
+
+
+def test_attention_dropout_reaches_the_kernels():
+    """A training layer's dropout goes to dropout_p (the same mask as a direct call under the
+    same seed), padded batches included."""
+    from types import SimpleNamespace
+
+    from flash_cute import flash_attn_func
+    from flash_cute.integrations.transformers import attention_forward
+
+    q, k, v = (torch.randn(2, 4, 24, 64, dtype=torch.bfloat16) for _ in range(3))
+    layer = SimpleNamespace(is_causal=True)
+    torch.manual_seed(3)
+    out, _ = attention_forward(layer, q, k, v, None, dropout=0.3)
+    torch.manual_seed(3)
+    want, _ = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True,
+                              dropout_p=0.3)
+    assert torch.equal(out, want)
+    assert not torch.equal(out, attention_forward(layer, q, k, v, None)[0])
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, :5] = 0
+    padded, _ = attention_forward(layer, q, k, v, mask, dropout=0.3)
+    assert padded[1, :5].eq(0).all() and padded.isfinite().all()

@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flash_cute import flash_attn_func
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -41,10 +43,24 @@ def test_sdpa_with_flash_cute_activated_runs_ours_and_matches():
         assert _close(got, want)
         for g, w in zip(grads, want_grads):
             assert _close(g, w)
-        # Dropout has no kernel here: torch's previous flash kernel runs, with a warning.
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.warns(UserWarning, match="dropout"):
-            F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
-        assert len(calls) == 1   # SDPA's flash backend ran flash-cute's kernels
+        # Dropout runs ours too: the mask flash_attn_func draws under the same seed, and the
+        # backward redraws it from the seed SDPA hands back.
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            torch.manual_seed(5)
+            dropped = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+            dgrads = torch.autograd.grad(dropped.float().sum(), (q, k, v))
+        torch.manual_seed(5)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        direct = flash_attn_func(qt, kt, vt, causal=True, dropout_p=0.1)[0]
+        assert torch.equal(dropped, direct.transpose(1, 2))
+        for g, w in zip(dgrads, torch.autograd.grad(direct.float().sum(), (q, k, v))):
+            assert _close(g, w)
+        assert len(calls) == 2   # SDPA's flash backend ran flash-cute's kernels
+        # A head dim with no kernel here: torch's previous flash kernel runs, with a warning.
+        q40 = torch.randn(1, 2, 64, 40, device="cuda", dtype=BF16)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.warns(UserWarning,
+                                                                   match="previous flash"):
+            F.scaled_dot_product_attention(q40, q40, q40)
     finally:
         torch.ops.flash_cute.fwd = fwd
         attention.restore_flash_attention_impl()

@@ -159,8 +159,11 @@ class AmpereBwd:
             acc_dv = gemm_dv.new_acc((self.tile_n, self.hdim_v))
             drop = None
             if cutlass.const_expr(self.dropout):
+                # With warps side by side in N a thread's 8-column atoms are 32 columns
+                # apart (`mma.tiled_mma`), not in pairs.
                 drop = Dropout(mSeed, keep_threshold, dropout_scale,
-                               batch * mQ.shape[-2] + head, self.tile_m, self.tile_n)
+                               batch * mQ.shape[-2] + head, self.tile_m, self.tile_n,
+                               aligned=self.warps_sdp[1] == 1)
             step = BwdStep(self, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum, head,
                            sP, sdS, scale_log2, mod_scale, win_left, win_right, drop)
             for m_block in cutlass.range(m_min, m_max, unroll=1):

@@ -444,8 +444,9 @@ class HopperBwd:
         if cutlass.const_expr(not self.dropout):
             return None
         seed, threshold, scale, nheads = dropout_args
+        wg_cols = self.tile_n // self.splits["sdp"][1]
         return Dropout(seed, threshold, scale, seq.batch * nheads + head, self.tile_m,
-                       self.tile_n, rows_first=not self.swap_sdp)
+                       self.tile_n, rows_first=not self.swap_sdp, aligned=wg_cols % 16 == 0)
 
     @cute.jit
     def store_dkv(self, step, mmas, tidx, seq, smem, mdK, mdV, head, n_block, softmax_scale):

@@ -10,13 +10,16 @@ versions that have it) calls our register function on activation. It overrides, 
 the two operators SDPA's flash backend dispatches to (`aten::_scaled_dot_product_flash_
 attention` and its backward) with ours, which run on every GPU flash-cute runs on (sm80 and
 up, not only sm90/sm100). The kernels it replaces are kept (`torch.library.get_kernel`):
-inputs flash-cute cannot take (dropout, fp32, a head dim with no kernel, ...) run them
-instead, with a one-time warning naming the reason.
+inputs flash-cute cannot take (fp32, a head dim with no kernel, ...) run them
+instead, with a one-time warning naming the reason. Dropout runs in our kernels: the call's seed
+(`rng.draw_seed`) travels in the rng_state slot (philox_seed) to the backward.
 """
 
 import warnings
 
 import torch
+
+from flash_cute.rng import draw_seed
 
 IMPL = "flash_cute"
 _FWD = "_scaled_dot_product_flash_attention"
@@ -74,9 +77,7 @@ def _fallback(name: str, reason: str, keyset, *args, **kwargs):
     return kernel.call_boxed(keyset, *args, **kwargs)
 
 
-def _refusal(query, dropout_p, return_debug_mask=False):
-    if dropout_p:
-        return "dropout_p > 0 is not built yet"
+def _refusal(query, return_debug_mask=False):
     if return_debug_mask:
         return "return_debug_mask is not supported"
     if query.dtype not in (torch.float16, torch.bfloat16):
@@ -87,20 +88,26 @@ def _refusal(query, dropout_p, return_debug_mask=False):
 def _forward(keyset, query, key, value, dropout_p=0.0, is_causal=False,
              return_debug_mask=False, *, scale=None):
     args = (query, key, value, dropout_p, is_causal, return_debug_mask)
-    reason = _refusal(query, dropout_p, return_debug_mask)
+    reason = _refusal(query, return_debug_mask)
     if reason is None:
+        # The backward redraws this call's dropout from its seed, kept in philox_seed.
+        seed = draw_seed(query.device) if dropout_p > 0 else None
         try:
-            # SDPA's [b, h, s, d] as our [b, s, h, d] views.
+            # SDPA's [b, h, s, d] as our [b, s, h, d] views. needs_grad: a backward we could
+            # not run would meet torch's kernel, whose dropout masks are not ours.
             out, lse = torch.ops.flash_cute.fwd(
                 query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None,
                 None, None, None, None, scale, bool(is_causal), None, None, 0.0, None,
-                torch.are_deterministic_algorithms_enabled(), None, True, 0)
+                torch.are_deterministic_algorithms_enabled(), None, True, 0, float(dropout_p),
+                seed)
         except (TypeError, ValueError, NotImplementedError) as exc:
             reason = str(exc).split(";")[0]
     if reason is not None:
         return _fallback(_FWD, reason, keyset, *args, scale=scale)
-    zero = torch.zeros((2,), dtype=torch.uint64, device=query.device)
-    return (out.transpose(1, 2), lse, None, None, query.shape[2], key.shape[2], zero,
+    rng_state = torch.zeros((2,), dtype=torch.uint64, device=query.device)
+    if seed is not None:
+        rng_state.view(torch.int64)[:1].copy_(seed)
+    return (out.transpose(1, 2), lse, None, None, query.shape[2], key.shape[2], rng_state,
             torch.zeros((), dtype=torch.uint64, device=query.device),
             torch.empty(0, dtype=query.dtype, device=query.device))
 
@@ -109,14 +116,15 @@ def _backward(keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cu
               max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
     args = (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
             dropout_p, is_causal, philox_seed, philox_offset)
-    reason = _refusal(query, dropout_p)
+    reason = _refusal(query)
     if reason is None:
+        seed = philox_seed.view(torch.int64)[:1] if dropout_p > 0 else None
         try:
             dq, dk, dv = torch.ops.flash_cute.bwd(
                 grad_out.transpose(1, 2), None, query.transpose(1, 2), key.transpose(1, 2),
                 value.transpose(1, 2), out.transpose(1, 2), logsumexp, None, None, None, None,
                 None, None, scale, bool(is_causal), None, None, 0.0, None,
-                torch.are_deterministic_algorithms_enabled(), None, 0)
+                torch.are_deterministic_algorithms_enabled(), None, 0, float(dropout_p), seed)
         except (TypeError, ValueError, NotImplementedError) as exc:
             reason = str(exc).split(";")[0]
     if reason is not None:

@@ -13,7 +13,8 @@ when nothing is padded), so:
 * padding (left or right, training or `generate`): tokens are unpadded to the packed layout
   and run through `flash_attn_varlen_func`, and the output is padded back with zeros;
 * `sliding_window` and `softcap` (Gemma-2) map to window_size=(sliding_window - 1, 0) and
-  softcap; `scaling` to softmax_scale. Attention dropout > 0 is refused (not built yet).
+  softcap; `scaling` to softmax_scale; attention dropout (training) to the kernels'
+  dropout_p.
 
 transformers is an optional dependency (``pip install flash-cute[transformers]``).
 """
@@ -69,9 +70,6 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     """transformers' attention-function contract: query [b, h, sq, d], key/value
     [b, h_kv, sk, d] and a 2-D [b, sk] padding mask (1 = token) or None; returns
     (out [b, sq, h, d], None)."""
-    if dropout:
-        raise NotImplementedError("flash_cute: attention dropout > 0 is not built yet; use "
-                                  "attention_dropout=0 or model.eval()")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"flash_cute expects the flash-attention 2-D padding mask, got a "
                          f"{attention_mask.dim()}-D mask; call "
@@ -82,7 +80,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if sliding_window:
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
     opts = dict(softmax_scale=scaling, causal=causal, window_size=window,
-                softcap=float(softcap or 0.0))
+                softcap=float(softcap or 0.0), dropout_p=float(dropout or 0.0))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))   # [b, s, h, d]
     if attention_mask is None or bool(attention_mask.all()):
         out, _ = flash_attn_func(q, k, v, **opts)
