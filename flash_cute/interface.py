@@ -16,7 +16,8 @@ import torch
 from flash_cute import mod_graph, ops, plans  # noqa: F401 - ops registers torch.ops.flash_cute
 from flash_cute.plans import check_inputs, clear_plans  # noqa: F401 - public here
 from flash_cute.rng import draw_seed
-from flash_cute.validation import _normalize_mask, _real, validate_attention_inputs
+from flash_cute.validation import (_check_dropout_p, _normalize_mask, _real,
+                                   validate_attention_inputs)
 
 
 class _FlashAttnFunc(torch.autograd.Function):
@@ -447,9 +448,7 @@ def _dropout(dropout_p, q) -> tuple:
     """(dropout_p as a float, the call's seed or None)."""
     if dropout_p is None or (type(dropout_p) in (int, float) and dropout_p == 0):
         return 0.0, None
-    p = _real("dropout_p", dropout_p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    p = _check_dropout_p(dropout_p)
     return (p, draw_seed(q.device)) if p > 0 else (0.0, None)
 
 

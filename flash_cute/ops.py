@@ -44,10 +44,10 @@ _FWD_VARIANT, _BWD_VARIANT = 11, 10
 
 
 def _dropout_of(options: tuple, variant_index: int) -> tuple:
-    """(dropout_p, rng_seed) of a call: the dispatcher leaves out trailing arguments equal
-    to their defaults."""
-    tail = options[variant_index + 1:]
-    return (tail[0] if tail else 0.0), (tail[1] if len(tail) > 1 else None)
+    """(dropout_p, rng_seed) of a call (`plans.split_seed`: trailing defaults may be left
+    out)."""
+    options, seed = plans.split_seed(options, variant_index + 2)
+    return options[variant_index + 1], seed
 
 _LIB.impl("fwd", plans.forward, "CUDA")
 _LIB.impl("bwd", plans.backward, "CUDA")

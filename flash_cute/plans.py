@@ -189,7 +189,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options)
     (`flash_cute.ops`) orders them, after the tensors (the last, rng_seed, a tensor or
     None)."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    options, rng_seed = _split_seed(options, 13)
+    options, rng_seed = split_seed(options, 13)
     key = _call_key((q, k, v, rng_seed) + lengths, options)
     plan = _PLANS.get(key)
     if plan is None:
@@ -204,9 +204,10 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options)
         return plan.launch(q, k, v, *lengths, rng_seed=rng_seed)
 
 
-def _split_seed(options: tuple, count: int):
-    """(options without rng_seed, rng_seed): a schema call passes all `count` options and
-    the seed, a direct call may stop before the dropout ones (dropout_p 0, no seed)."""
+def split_seed(options: tuple, count: int):
+    """(options without rng_seed, rng_seed): a call may stop before the dropout options (the
+    dispatcher leaves out trailing arguments equal to their defaults, and a direct call may
+    omit dropout_p 0 and no seed); the missing ones are filled in."""
     if len(options) > count:
         return options[:count], options[count]
     return options + (0.0,) * (count - len(options)), None
@@ -216,7 +217,7 @@ def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
              *options):
     """`flash_cute::bwd` on CUDA tensors: ``(dq, dk, dv)``."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    options, rng_seed = _split_seed(options, 12)
+    options, rng_seed = split_seed(options, 12)
     dout = kernel_ready(dout)
     dlse = None if dlse is None else dlse.contiguous()
     key = _call_key((dout, dlse, q, k, v, out, lse, rng_seed) + lengths, options)

@@ -42,6 +42,20 @@ def _check_grads(grads, ref_grads, nat_grads):
         for name, r in zip(("dQ", "dK", "dV"), results))
 
 
+def _check_with_mask(out, inputs, seed, **kw):
+    """O and dQ, dK, dV of a dropout call against float64 and the native baseline, both with
+    the mask drawn from `seed` (`attention_ref`'s dropout); returns their LSEs."""
+    dout = torch.randn_like(out)
+    grads = _grads(out, inputs, dout)
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    nat_in = [t.detach().clone().requires_grad_() for t in inputs]
+    ref, lse_ref = attention_ref(*ref_in, dropout=(P, seed), **kw)
+    nat, lse_nat = attention_ref(*nat_in, mode="native", dropout=(P, seed), **kw)
+    _check("O", out, ref, nat)
+    _check_grads(grads, _grads(ref, ref_in, dout.double()), _grads(nat, nat_in, dout))
+    return lse_ref, lse_nat
+
+
 # (arch, batch, seqlen_q, seqlen_k, heads, heads_kv, hdim, causal, softcap)
 PADDED = [
     ("hopper", 2, 333, 333, 4, 4, 128, False, 0.0),
@@ -64,15 +78,8 @@ def test_padded_against_float64_with_the_same_mask(arch, b, sq, sk, h, hk, d, ca
     kw = dict(causal=causal, softcap=softcap)
     (out, lse), seed = _seeded_call(lambda: flash_attn_func(
         q, k, v, dropout_p=P, arch=arch, return_lse=True, **kw), seed=d + sq)
-    dout = torch.randn_like(out)
-    grads = _grads(out, (q, k, v), dout)
-    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    nat_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref, lse_ref = attention_ref(*ref_in, dropout=(P, seed), **kw)
-    nat, lse_nat = attention_ref(*nat_in, mode="native", dropout=(P, seed), **kw)
-    _check("O", out, ref, nat)
+    lse_ref, lse_nat = _check_with_mask(out, (q, k, v), seed, **kw)
     _check("LSE", lse, lse_ref, lse_nat, atol=1e-4)
-    _check_grads(grads, _grads(ref, ref_in, dout.double()), _grads(nat, nat_in, dout))
 
 
 @pytest.mark.parametrize("arch", ["hopper", "ampere"])
@@ -87,14 +94,7 @@ def test_varlen_with_seqused_against_float64(arch):
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k, causal=True)
     out, seed = _seeded_call(lambda: flash_attn_varlen_func(
         q, k, v, max_seqlen_q=300, max_seqlen_k=350, dropout_p=P, arch=arch, **kw)[0], seed=11)
-    dout = torch.randn_like(out)
-    grads = _grads(out, (q, k, v), dout)
-    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    nat_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref, _ = attention_ref(*ref_in, dropout=(P, seed), **kw)
-    nat, _ = attention_ref(*nat_in, mode="native", dropout=(P, seed), **kw)
-    _check("O", out, ref, nat)
-    _check_grads(grads, _grads(ref, ref_in, dout.double()), _grads(nat, nat_in, dout))
+    _check_with_mask(out, (q, k, v), seed, **kw)
 
 
 def _mask_readout(batch, heads, seqlen, p, arch=None, seed=0):

@@ -357,7 +357,7 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce
         # When ptxas cannot keep WGMMAs in flight (C7512, e.g. too few registers) it waits
         # after every one of them: as many DEPBARs as HGMMAs. The kernel waits per GEMM.
         if (config["hdim"], config.get("dropout", False)) in KNOWN_SERIALIZED_BWD:
-            # Known: the Philox rounds leave ptxas too few registers (docs/perf.md, session 21).
+            # Known: the Philox rounds leave ptxas too few registers (docs/perf.md).
             assert ops.get("WARPGROUP.DEPBAR", 0) == ops["HGMMA"], (e["config"], ops)
         else:
             assert 2 * ops.get("WARPGROUP.DEPBAR", 0) <= ops["HGMMA"], (e["config"], ops)
