@@ -133,3 +133,27 @@ def m_block_range(
     m_min = imin(row_first // tile_m, m_blocks)
     m_max = (row_end + tile_m - 1) // tile_m
     return m_min, m_max
+
+
+def split_range(rng: BlockRange, split, num_splits, blocks_per_split=0, *, imin=min,
+                imax=max) -> BlockRange:
+    """The part of a query block's visited range that split `split` of `num_splits` visits
+    (split-KV: each split reduces its own keys, `flash_cute.lse_merge` merges them).
+
+    ``blocks_per_split`` 0: the visited blocks are cut into `num_splits` runs of
+    ``ceil(visited / num_splits)`` blocks, from n_block_min. > 0 (from FA4's
+    ``seqlen_k_per_split``): split s covers the absolute blocks ``[s * bps, (s + 1) * bps)``,
+    so where a key's split boundaries lie depends on nothing but the key index (bitwise
+    reproducible whatever the batch or the split count). A split past the visited blocks gets
+    an empty range; the unmasked range is clamped into the split's. Branch-free (a run-time
+    `blocks_per_split`), with the operand rules of `block_range`.
+    """
+    fixed = imin(blocks_per_split, 1)
+    even = (imax(rng.n_block_max - rng.n_block_min, 0) + num_splits - 1) // num_splits
+    per_split = fixed * blocks_per_split + (1 - fixed) * even
+    base = (1 - fixed) * rng.n_block_min
+    lo = imin(imax(base + split * per_split, rng.n_block_min), rng.n_block_max)
+    hi = imax(imin(base + (split + 1) * per_split, rng.n_block_max), lo)
+    nm_lo = imin(imax(rng.n_block_min_no_mask, lo), hi)
+    nm_hi = imax(imin(rng.n_block_max_no_mask, hi), nm_lo)
+    return BlockRange(lo, hi, nm_lo, nm_hi)

@@ -13,10 +13,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from flash_cute import mod_graph, ops, plans  # noqa: F401 - ops registers torch.ops.flash_cute
+from flash_cute import mod_graph, ops, paging, plans  # noqa: F401 - ops registers torch.ops.flash_cute
 from flash_cute.plans import check_inputs, clear_plans  # noqa: F401 - public here
 from flash_cute.rng import draw_seed
-from flash_cute.validation import (_check_dropout_p, _normalize_mask, _real,
+from flash_cute.validation import (_check_dropout_p, check_splits, _normalize_mask, _real,
                                    validate_attention_inputs)
 
 
@@ -27,10 +27,10 @@ class _FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, options, variant,
-                dropout_p, rng_seed):
+                dropout_p, rng_seed, splits):
         fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
         out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options,
-                       True, variant, dropout_p, rng_seed)
+                       True, variant, dropout_p, rng_seed, *splits)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
                               seqused_k, rng_seed)
         ctx.options, ctx.variant, ctx.dropout_p = options, variant, dropout_p
@@ -46,7 +46,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         bwd = plans.backward if _eager(dout, q, out) else torch.ops.flash_cute.bwd
         dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options, ctx.variant,
                          ctx.dropout_p, rng_seed)
-        return _not_differentiable(dq, dk, dv) + (None,) * 8
+        return _not_differentiable(dq, dk, dv) + (None,) * 9
 
 
 def _not_differentiable(*grads) -> tuple:
@@ -98,9 +98,13 @@ def flash_attn_func(
 
     The parameters are flash_attn.cute's (flash-attn 4.0.0b36), in its order, so positional
     calls work too; `arch` (keyword-only) is flash-cute's own. Those with no kernel here yet
-    (qv, gathered K/V, sinks, score/mask mods, aux tensors, block sparsity, num_splits > 1)
-    raise NotImplementedError naming the feature; num_splits 1 or below (FA4's "choose")
-    runs unsplit.
+    (qv, gathered K/V, sinks, score/mask mods, aux tensors, block sparsity) raise
+    NotImplementedError naming the feature.
+
+    ``num_splits`` (split-KV, FA4's meaning): 1 (the default) no split; 0 or below the
+    heuristic (`flash_cute.splits`), which splits the keys where the query tiles are too few
+    to fill the GPU (decode); n > 1 n splits. Each split writes an fp32 partial and the LSE
+    merge combines them; the result agrees with the unsplit one to fp32 rounding.
 
     ``lse`` is [batch, nheads, seqlen_q] fp32 (natural log), ``None`` unless `return_lse` or a
     backward pass needs it. Masks are bottom-right aligned; ``window_size=(left, right)`` with
@@ -129,13 +133,13 @@ def flash_attn_func(
     hopper tile's 128 rows); False never packs. The result is the same either way.
     """
     if (qv is not None or gather_kv_indices is not None or learnable_sink is not None
-            or num_splits > 1 or score_mod_bwd is not None or aux_tensors is not None
+            or score_mod_bwd is not None or aux_tensors is not None
             or aux_scalars is not None or block_sparse_tensors is not None
             or block_sparse_tensors_bwd is not None or gather_bwd_recompute_p
             or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
     if page_table is not None:   # keys: every row of each sequence's pages
-        k, v = _paged(k, v, page_table, None, q)
+        k, v, page_table = _paged(k, v, page_table, None, q)
     variant = 0
     if (score_mod is not None or mask_mod is not None or block_mask is not None
             or alibi_slopes is not None):
@@ -145,7 +149,7 @@ def flash_attn_func(
                                q.shape[0], q.shape[2])
     return _attention(q, k, v, (None, None, None, None), None, None, softmax_scale, causal,
                       window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant,
-                      dropout_p)
+                      dropout_p, (num_splits, None), page_table)
 
 
 def flash_attn_varlen_func(
@@ -192,10 +196,18 @@ def flash_attn_varlen_func(
     The parameters are flash_attn.cute's, in its order (the fourth is `qv`: pass cu_seqlens
     by keyword or after it), as in `flash_attn_func`; `min_seqlen_k` and
     `disable_scheduler_metadata` are scheduling hints, accepted and not needed here; a
-    scheduler_metadata or seqlen_k_per_split raises NotImplementedError. ``page_table``
+    scheduler_metadata raises NotImplementedError. ``num_splits`` as in `flash_attn_func`;
+    ``seqlen_k_per_split`` (FA4's): each split covers that many keys (a multiple of the
+    kernel's tile_n, which the ValueError names otherwise) from key 0 of every sequence, so
+    that a sequence's output is bitwise the same whatever else is in the batch and however
+    many splits run (num_splits 0 then picks at least as many as the longest sequence needs;
+    n > 1 must be enough; 1 runs unsplit, as in FA4). ``page_table``
     (int32 [batch, max_pages]) takes k / v as paged caches [num_pages, page_size, heads_kv, d]:
-    sequence b's keys are its pages in order, ``seqused_k[b]`` of them used; for now the pages
-    are gathered by torch operations before the kernels (page indices clamped into the cache).
+    sequence b's keys are its pages in order, ``seqused_k[b]`` of them used. The hopper
+    forward reads the pages itself (TMA boxes of gcd(tile_n, page_size) rows, page sizes
+    powers of two from 8); other pipelines, smaller pages and calls that need gradients
+    gather the pages with torch operations first (differentiable into the cache). Page
+    indices are clamped into the cache either way (`flash_cute.paging`).
 
     Layouts (flash_attn.cute's):
 
@@ -222,11 +234,10 @@ def flash_attn_varlen_func(
       seqused. The output and lse take the layout of q's side.
     """
     if (qv is not None or gather_kv_indices is not None
-            or learnable_sink is not None or num_splits > 1 or score_mod_bwd is not None
+            or learnable_sink is not None or score_mod_bwd is not None
             or aux_tensors is not None or aux_scalars is not None
             or block_sparse_tensors is not None or scheduler_metadata is not None
-            or seqlen_k_per_split is not None or gather_bwd_recompute_p
-            or gather_bwd_token_chunk is not None):
+            or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
     variant = 0
     if score_mod is not None or mask_mod is not None or alibi_slopes is not None:
@@ -239,10 +250,11 @@ def flash_attn_varlen_func(
         if cu_seqlens_k is not None:
             raise ValueError("page_table describes each sequence's keys by its pages: pass "
                              "seqused_k for their lengths, not cu_seqlens_k")
-        k, v = _paged(k, v, page_table, cu_seqlens_q, q)
-        max_seqlen_k = k.shape[1] if max_seqlen_k is None else max_seqlen_k
+        k, v, page_table = _paged(k, v, page_table, cu_seqlens_q, q)
+        if max_seqlen_k is None:
+            max_seqlen_k = k.shape[1] if page_table is None else page_table.shape[1] * k.shape[1]
     q_padded = None
-    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None) and page_table is None:
         # One side packed, the other padded: the padded side is packed too, as sequences of
         # its padded length (a view when its batch and sequence dims merge).
         if cu_seqlens_q is None:
@@ -255,7 +267,7 @@ def flash_attn_varlen_func(
     out, lse = _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
                           max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
                           softcap, pack_gqa, deterministic, arch, return_lse, variant,
-                          dropout_p)
+                          dropout_p, (num_splits, seqlen_k_per_split), page_table)
     if q_padded is not None:
         batch, seqlen = q_padded[:2]
         out = out.view(batch, seqlen, *out.shape[1:])
@@ -264,31 +276,25 @@ def flash_attn_varlen_func(
     return out, lse
 
 
-def page_rows(page_table: torch.Tensor, num_pages: int, page_size: int) -> torch.Tensor:
-    """[batch, max_pages * page_size]: the row of cache.flatten(0, 1) holding each
-    sequence's position, page indices clamped into the cache."""
-    pages = page_table.long().clamp(0, num_pages - 1)
-    return (pages[:, :, None] * page_size
-            + torch.arange(page_size, device=pages.device)).flatten(1)
+def _pages_in_kernel(q, k, v) -> bool:
+    """Whether a paged call hands its pages to the kernels (which gather the blocks
+    themselves, or fall back to `paging.gather` where they cannot): CUDA tensors and no
+    gradient (a backward into pages runs through the differentiable gather instead)."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def _paged(k_cache, v_cache, page_table, cu_seqlens_q, q):
-    """The padded [batch, max_pages * page_size, heads_kv, d] keys and values a page table
-    names (a gather; differentiable into the pages)."""
+    """(k, v, page_table for the operator): the cache and its table as they are, or the
+    padded keys and values the table names (`paging.gather`) and None."""
     batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
-    if not (isinstance(page_table, torch.Tensor) and page_table.dtype == torch.int32
-            and page_table.dim() == 2 and page_table.shape[0] == batch):
-        got = (f"{page_table.dtype} {tuple(page_table.shape)}"
-               if isinstance(page_table, torch.Tensor) else type(page_table).__name__)
-        raise ValueError(f"page_table must be int32 [batch={batch}, max_pages], got {got}")
-    for name, t in (("k", k_cache), ("v", v_cache)):
-        if t.dim() != 4 or t.shape[:3] != k_cache.shape[:3]:
-            raise ValueError(f"with page_table, {name} must be a paged cache [num_pages, "
-                             f"page_size, heads_kv, d] like k, got {tuple(t.shape)}")
-    rows = page_rows(page_table, *k_cache.shape[:2])
-    gathered = [t.flatten(0, 1)[rows.flatten()].view(batch, rows.shape[1], *t.shape[2:])
-                for t in (k_cache, v_cache)]
-    return gathered[0], gathered[1]
+    paging.check_paged(k_cache, v_cache, page_table, batch)
+    if _pages_in_kernel(q, k_cache, v_cache):
+        return k_cache, v_cache, page_table
+    k, v = paging.gather(k_cache, v_cache, page_table)
+    return k, v, None
 
 
 # Uniform cu_seqlens [0, s, 2s, ..., bs] by (batch, seqlen, device): a padded side of a mixed
@@ -329,12 +335,10 @@ def _pack_padded(name: str, t: torch.Tensor, other_cu: torch.Tensor, max_seqlen)
 _UNBUILT = {
     "qv": "MLA's qv operand", "gather_kv_indices": "gathered K/V (top-k attention)",
     "learnable_sink": "attention sinks",
-    "num_splits": "num_splits > 1, split-KV (the decode issue)",
     "score_mod": "score_mod (the variants issue)", "score_mod_bwd": "score_mod_bwd (variants)",
     "mask_mod": "mask_mod (the variants issue)", "aux_tensors": "aux_tensors (variants)",
     "aux_scalars": "aux_scalars (variants)", "block_sparse_tensors": "block sparsity",
     "block_sparse_tensors_bwd": "block sparsity", "scheduler_metadata": "scheduler_metadata",
-    "seqlen_k_per_split": "seqlen_k_per_split (split-KV)",
     "gather_bwd_recompute_p": "gather_bwd_recompute_p", "gather_bwd_token_chunk":
     "gather_bwd_token_chunk",
 }
@@ -417,30 +421,34 @@ def _checked_variant_key(score_mod, mask_mod, softcap, block_mask=None) -> int:
 def _refuse_unbuilt(args: dict) -> None:
     for name, what in _UNBUILT.items():
         value = args.get(name)
-        given = value > 1 if name == "num_splits" else (value is not None and value is not False)
-        if given:
+        if value is not None and value is not False:
             raise NotImplementedError(f"{name}: {what} is not built in flash-cute yet")
 
 
 def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant=0,
-               dropout_p=0.0):
+               dropout_p=0.0, splits=(1, None), page_table=None):
     """Both public functions' call of the operators. `lengths`: (cu_seqlens_q, cu_seqlens_k,
-    seqused_q, seqused_k), each a tensor or None. With dropout the call's seed is drawn
-    here, from torch's generator of q's device (`rng.draw_seed`)."""
+    seqused_q, seqused_k), each a tensor or None; `splits`: (num_splits, seqlen_k_per_split);
+    `page_table`: k and v are paged caches read through it (no gradient: `_paged`).
+    With dropout the call's seed is drawn here, from torch's generator of q's device
+    (`rng.draw_seed`)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
             and isinstance(v, torch.Tensor)):
         validate_attention_inputs(q, k, v)  # raises, naming the argument
     options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
                        pack_gqa, deterministic, arch)
     dropout_p, rng_seed = _dropout(dropout_p, q)
+    splits = check_splits(*splits)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)
     if needs_grad:
-        out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, options, variant, dropout_p, rng_seed)
+        out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, options, variant, dropout_p, rng_seed,
+                                        splits)
         return out, lse
     fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
-    out, lse = fwd(q, k, v, *lengths, *options, False, variant, dropout_p, rng_seed)
+    out, lse = fwd(q, k, v, *lengths, *options, False, variant, dropout_p, rng_seed, *splits,
+                   page_table)
     return out, (lse if return_lse else None)
 
 

@@ -35,6 +35,13 @@ class FwdArgs(NamedTuple):
     rng_seed: Optional[Any] = None  # dropout: int32 [2], the Philox key (`flash_cute.rng`)
     keep_threshold: Any = 0  # dropout: rng.keep_threshold(p) << 16, as an int32
     dropout_scale: Any = 1.0  # dropout: 1 / (1 - p)
+    # Split-KV (`Variant.split_kv`): out and lse are the per-split partials, out fp32
+    # [splits, *O's shape], lse [splits, *LSE's shape]; `block_range.split_range` splits.
+    num_splits: Any = 1
+    blocks_per_split: Any = 0
+    # Paged K/V (`Variant.page_size`): k, v [pages, page_size, hk, d] (also when q is varlen;
+    # cu_seqlens_k is then None) and the page table int32 [b, max_pages].
+    page_table: Optional[Any] = None
 
 
 class BwdArgs(NamedTuple):
@@ -132,24 +139,32 @@ def _fake_scalars() -> dict:
 
 
 def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
-                      seqused=(False, False), dropout: bool = False) -> FwdArgs:
+                      seqused=(False, False), dropout: bool = False,
+                      split_kv: bool = False, paged: bool = False) -> FwdArgs:
     """A forward record of fake tensors with dynamic batch, heads and lengths, padded or
     varlen, for cross-compiling; `seqused`: (seqused_q, seqused_k) given; `dropout`: with
-    the seed tensor."""
+    the seed tensor; `split_kv`: out and lse as fp32 partials with a leading split mode;
+    `paged`: k and v as paged caches with a page table."""
     from cutlass import Float32, Int32
 
-    from flash_cute.jit import fake_tensor
+    from flash_cute.jit import dynamic_dim, fake_tensor
 
     rows_q, rows_k, heads, heads_kv, lse_shape, cu = _fake_layout(varlen)
     used_q, used_k = _fake_seqused(*seqused)
+    splits, out_dtype = ((dynamic_dim(),), Float32) if split_kv else ((), dtype)
+    table = None
+    if paged:
+        rows_k, cu = (dynamic_dim(), dynamic_dim()), (cu[0], None)
+        table = fake_tensor(Int32, (dynamic_dim(), dynamic_dim()), align=4)
     return FwdArgs(
         q=fake_tensor(dtype, rows_q + (heads, hdim)),
         k=fake_tensor(dtype, rows_k + (heads_kv, hdim)),
         v=fake_tensor(dtype, rows_k + (heads_kv, hdim_v)),
-        out=fake_tensor(dtype, rows_q + (heads, hdim_v)),
-        lse=fake_tensor(Float32, lse_shape, align=4), **_fake_scalars(), max_seqlen_q=Int32(1),
-        cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], seqused_q=used_q, seqused_k=used_k,
-        **_fake_dropout(dropout))
+        out=fake_tensor(out_dtype, splits + rows_q + (heads, hdim_v)),
+        lse=fake_tensor(Float32, splits + lse_shape, align=4), **_fake_scalars(),
+        max_seqlen_q=Int32(1), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], seqused_q=used_q,
+        seqused_k=used_k, **_fake_dropout(dropout), num_splits=Int32(1),
+        blocks_per_split=Int32(0), page_table=table)
 
 
 def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(False, False),

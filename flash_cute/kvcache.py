@@ -12,9 +12,11 @@ One call, in this order:
 3. attention of q over the cache rows ``cache_leftpad[b] ... cache_seqlens[b] + seqlen_new``
    (the appended tokens included, bottom-right causal), GQA as usual.
 
-This first version does the writes and the gather of the used rows with torch operations
-around the attention kernels (no host sync: CUDA-graph safe); the decode issue moves the
-append into the kernel and adds split-KV (``num_splits`` is accepted and runs unsplit).
+The writes are torch operations before the attention kernel (no host sync: CUDA-graph
+safe). Without cache_batch_idx or cache_leftpad the cache is read in place, dense or through
+block_table (`flash_attn_varlen_func`'s page_table), its used rows seqused_k; those two
+still gather the used rows with torch operations first. ``num_splits`` is split-KV's (default 0: the heuristic,
+as in flash_attn 2; `flash_cute.splits`).
 Index contents are clamped into the cache and page table (never read or written outside
 them); with `flash_cute.check_inputs(True)` their values are checked instead. alibi_slopes
 runs where flash-cute's mods run (CPU tensors for now).
@@ -24,7 +26,8 @@ from typing import Optional, Union
 
 import torch
 
-from flash_cute.interface import flash_attn_varlen_func, page_rows
+from flash_cute.interface import flash_attn_varlen_func
+from flash_cute.paging import page_rows
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -44,6 +47,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     paged = block_table is not None
     _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
            block_table)
+    attend = dict(softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
+                  softcap=softcap if softcap > 0 else 0.0, num_splits=num_splits,
+                  return_lse=return_softmax_lse, alibi_slopes=alibi_slopes)
+    in_place = cache_leftpad is None and cache_batch_idx is None
+    if paged:
+        attend["page_table"] = block_table
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if in_place and k is None and rotary_cos is None:
+        # Nothing to write: the cache is the keys (through its pages), its used rows
+        # seqused_k (clamped to the cache by the kernel), with no per-call work on them.
+        out, lse = flash_attn_varlen_func(q, k_cache, v_cache,
+                                          seqused_k=_used(cache_seqlens, batch, capacity, q,
+                                                          paged),
+                                          **attend)
+        return (out, lse) if return_softmax_lse else out
     seqlens = _lengths(cache_seqlens, batch, k_cache, paged, q.device)
     new = 0 if k is None else k.shape[1]
     rows = _row_index(batch, k_cache, block_table, cache_batch_idx, q.device)  # [b, capacity]
@@ -60,6 +78,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         offsets = torch.arange(seqlen_q, device=q.device) if local else \
             torch.zeros(seqlen_q, dtype=torch.long, device=q.device)
         q = _rotate(q, rotary_cos, rotary_sin, seqlens[:, None] + offsets, rotary_interleaved)
+    if in_place:
+        used = (seqlens + new).clamp(0, capacity).to(torch.int32)
+        out, lse = flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=used, **attend)
+        return (out, lse) if return_softmax_lse else out
     start = (torch.zeros_like(seqlens) if cache_leftpad is None else cache_leftpad.long())
     used = (seqlens + new - start).clamp(min=0)
     # Rows leftpad[b] + t of each batch entry, gathered into a padded [b, capacity] view.
@@ -68,12 +90,34 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     picked = rows.gather(1, cols).flatten()
     keys = k_flat.index_select(0, picked).view(batch, rows.shape[1], *k_cache.shape[2:])
     values = v_flat.index_select(0, picked).view(batch, rows.shape[1], *v_cache.shape[2:])
+    attend.pop("page_table", None)
     out, lse = flash_attn_varlen_func(
-        q, keys, values, seqused_k=used.clamp(max=rows.shape[1]).to(torch.int32),
-        softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
-        softcap=softcap if softcap > 0 else 0.0, return_lse=return_softmax_lse,
-        alibi_slopes=alibi_slopes)
+        q, keys, values, seqused_k=used.clamp(max=rows.shape[1]).to(torch.int32), **attend)
     return (out, lse) if return_softmax_lse else out
+
+
+# (batch, length, device) -> the int32 seqused_k of an int cache_seqlens (or None: full).
+_FULL_LENGTHS: dict = {}
+
+
+def _used(cache_seqlens, batch, capacity: int, q, paged: bool):
+    """seqused_k for a cache read in place: cache_seqlens itself (int32 [b], validated), or
+    for an int (None: the whole dense cache, `capacity` rows, or no row of a paged one, as
+    `_lengths`) a tensor made once per (batch, length, device)."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        return _lengths(cache_seqlens, batch, None, False, q.device, convert=False)
+    if cache_seqlens is None:
+        cache_seqlens = 0 if paged else capacity
+    length = min(cache_seqlens, capacity)
+    key = (batch, length, q.device)
+    used = None if torch.compiler.is_compiling() else _FULL_LENGTHS.get(key)
+    if used is None:
+        used = torch.full((batch,), max(length, 0), dtype=torch.int32, device=q.device)
+        if not torch.compiler.is_compiling():
+            if len(_FULL_LENGTHS) > 64:
+                _FULL_LENGTHS.clear()
+            _FULL_LENGTHS[key] = used
+    return used
 
 
 def _check(q, k_cache, v_cache, k, v, cos, sin, batch_idx, leftpad, block_table) -> None:
@@ -111,7 +155,7 @@ def _check(q, k_cache, v_cache, k, v, cos, sin, batch_idx, leftpad, block_table)
             raise NotImplementedError("cache_batch_idx with a paged cache (block_table)")
 
 
-def _lengths(cache_seqlens, batch, k_cache, paged, device) -> torch.Tensor:
+def _lengths(cache_seqlens, batch, k_cache, paged, device, convert=True) -> torch.Tensor:
     if cache_seqlens is None:
         return torch.full((batch,), 0 if paged else k_cache.shape[1], dtype=torch.long,
                           device=device)
@@ -120,7 +164,7 @@ def _lengths(cache_seqlens, batch, k_cache, paged, device) -> torch.Tensor:
     if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
         raise ValueError(f"cache_seqlens must be an int or int32 [{batch}], got "
                          f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
-    return cache_seqlens.long()
+    return cache_seqlens.long() if convert else cache_seqlens
 
 
 def _row_index(batch, k_cache, block_table, batch_idx, device) -> torch.Tensor:

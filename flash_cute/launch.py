@@ -43,6 +43,16 @@ def has_no_work(q, k, problem) -> bool:
             or problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0)
 
 
+def device_sms(device) -> int:
+    """SMs of a CUDA device (for `flash_cute.splits`); planning with no GPU (`cache warm`)
+    assumes an H100/H200's."""
+    from flash_cute.tile_scheduler import DEFAULT_NUM_SMS
+
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
     """How many query heads a forward tile of `tile_m` rows packs (packed GQA; 1: none).
 
@@ -116,11 +126,15 @@ class ForwardLaunch:
     `make_kernel(dtype, hdim, hdim_v, variant, schedule=...)` builds the arch's kernel (a
     class, or a `KernelRef`), whose `__call__` takes a `kernel_args.FwdArgs`. `seqused_q` /
     `seqused_k`: int32 [batch] or None, as `problem` was validated. `pack_gqa`: query heads
-    per tile (`packed_heads`), for a kernel class that packs them."""
+    per tile (`packed_heads`), for a kernel class that packs them. `splits`: a
+    `flash_cute.splits.Splits` (split-KV: the kernel writes fp32 partials per split, which
+    `lse_merge` then merges into O and LSE) or None. `page_table`: k / v are paged caches
+    read through it (an int32 [batch, max_pages] tensor of a first call; each call passes its
+    own), for a kernel class that pages."""
 
     def __init__(self, name: str, make_kernel, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                  seqused_q, seqused_k, schedule: tuple, options: str, target: str,
-                 prepare=None, pack_gqa: int = 1):
+                 prepare=None, pack_gqa: int = 1, splits=None, page_table=None):
         from flash_cute.jit import DTYPES, CompileKey, KernelCall, TensorArg, tensor_arg
 
         _check_seqused(problem, seqused_q, seqused_k)
@@ -135,7 +149,8 @@ class ForwardLaunch:
         # Varlen: also the rows of a sequence past max_seqlen_q, which no tile covers.
         self.lse_neg_inf = problem.varlen or problem.has_seqused_q
         self.no_work = has_no_work(q, k, problem)
-        self.call = None
+        self.call = self.merge = None
+        self.splits = splits
         if self.no_work:
             return
         self.restride = tuple(_restride(t, prepare) for t in (q, k, v))
@@ -146,24 +161,40 @@ class ForwardLaunch:
         drop = dropout_scalars(problem)
         self.dropout = problem.dropout_p > 0
         self.dropout_scalars = tuple(drop.values())
-        variant = Variant.from_problem(problem, pack_gqa)
+        variant = Variant.from_problem(problem, pack_gqa, split_kv=splits is not None,
+                                       page_size=0 if page_table is None else k.shape[1])
         dtype = dtype_name(q.dtype)
         key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(schedule),
                          variant.flags())
         out, lse = self._alloc()
         varlen = problem.varlen
-        args = FwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), out=TensorArg(out),
-                       lse=TensorArg(lse, 4), **scalars,
+        self.split_scalars = (1, 0) if splits is None else tuple(splits)
+        kernel_out, kernel_lse = (out, lse) if splits is None else self._alloc_parts()
+        if splits is not None:
+            from flash_cute.lse_merge import merge_call
+
+            self.merge = merge_call(q.dtype, problem.hdim_v, "varlen" if varlen else "padded",
+                                    (TensorArg(kernel_out), TensorArg(kernel_lse, 4),
+                                     TensorArg(out), TensorArg(lse, 4)))
+        args = FwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v),
+                       out=TensorArg(kernel_out), lse=TensorArg(kernel_lse, 4), **scalars,
                        cu_seqlens_q=tensor_arg(cu_seqlens_q, 4) if varlen else None,
                        cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
                        seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4),
-                       rng_seed=_seed_spec(q.device, self.dropout), **drop)
+                       rng_seed=_seed_spec(q.device, self.dropout), **drop,
+                       num_splits=self.split_scalars[0],
+                       blocks_per_split=self.split_scalars[1],
+                       page_table=tensor_arg(page_table, 4))
         self.call = KernelCall(key, lambda: make_kernel(DTYPES[dtype], problem.hdim,
                                                         problem.hdim_v, variant,
                                                         schedule=tuple(schedule)),
                                args, options)
 
     def _alloc(self):
+        if self.splits is not None:
+            # The merge writes every row of both.
+            return (torch.empty(self.out_shape, dtype=self.dtype, device=self.device),
+                    torch.empty(self.lse_shape, dtype=torch.float32, device=self.device))
         if self.zero_out:
             out = torch.zeros(self.out_shape, dtype=self.dtype, device=self.device)
         else:
@@ -174,8 +205,18 @@ class ForwardLaunch:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         return out, lse
 
+    def _alloc_parts(self):
+        """Split-KV partials: O fp32 [splits, *O], LSE [splits, *LSE]. Rows no tile writes
+        (varlen, seqused_q) keep LSE -inf, so the merge never reads their O."""
+        count = self.splits.count
+        o_parts = torch.empty((count, *self.out_shape), dtype=torch.float32, device=self.device)
+        fill = torch.full if self.lse_neg_inf else torch.empty
+        args = (-math.inf,) if self.lse_neg_inf else ()
+        return o_parts, fill((count, *self.lse_shape), *args, dtype=torch.float32,
+                             device=self.device)
+
     def __call__(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                 seqused_k=None, rng_seed=None):
+                 seqused_k=None, rng_seed=None, page_table=None):
         out, lse = self._alloc()
         if self.no_work:
             lse.fill_(-math.inf)
@@ -183,16 +224,51 @@ class ForwardLaunch:
         if self.restride is not None:
             rq, rk, rv = self.restride
             q, k, v = _apply(q, rq), _apply(k, rk), _apply(v, rv)
-        self.call(q, k, v, out, lse, *self.scalars, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                  seqused_k, _seed_words(rng_seed, self.dropout), *self.dropout_scalars)
+        kernel_out, kernel_lse = (out, lse) if self.merge is None else self._alloc_parts()
+        self.call(q, k, v, kernel_out, kernel_lse, *self.scalars, cu_seqlens_q, cu_seqlens_k,
+                  seqused_q, seqused_k, _seed_words(rng_seed, self.dropout),
+                  *self.dropout_scalars, *self.split_scalars, page_table)
+        if self.merge is not None:
+            self.merge(kernel_out, kernel_lse, out, lse)
         return out, lse
+
+
+class GatheredPages:
+    """A paged call for a kernel that reads no pages (`flash_cute.paging`): each call gathers
+    the pages into dense K/V (packed, with a uniform cu_seqlens_k, when q is) and runs the
+    dense launch."""
+
+    def __init__(self, plan_forward, q, k, v, problem, lengths, page_table):
+        cu_q, _, used_q, used_k = lengths
+        self.packed = cu_q is not None
+        self.cu_k = None
+        if self.packed:
+            rows = page_table.shape[1] * k.shape[1]
+            batch = page_table.shape[0]
+            self.cu_k = torch.arange(0, (batch + 1) * rows, rows, dtype=torch.int32,
+                                     device=q.device)
+        kg, vg = self._gather(k, v, page_table)
+        self.launch = plan_forward(q, kg, vg, problem, cu_q, self.cu_k, used_q, used_k)
+
+    def _gather(self, k, v, page_table):
+        from flash_cute.paging import gather
+
+        kg, vg = gather(k, v, page_table)
+        return (kg.flatten(0, 1), vg.flatten(0, 1)) if self.packed else (kg, vg)
+
+    def __call__(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                 seqused_k=None, rng_seed=None, page_table=None):
+        kg, vg = self._gather(k, v, page_table)
+        return self.launch(q, kg, vg, cu_seqlens_q, self.cu_k, seqused_q, seqused_k,
+                           rng_seed=rng_seed)
 
 
 # `ForwardLaunch.__call__` passes the record's fields in this order.
 assert FwdArgs._fields == ("q", "k", "v", "out", "lse", "softmax_scale", "softcap",
                            "window_left", "window_right", "max_seqlen_q", "cu_seqlens_q",
                            "cu_seqlens_k", "seqused_q", "seqused_k", "rng_seed",
-                           "keep_threshold", "dropout_scale")
+                           "keep_threshold", "dropout_scale", "num_splits", "blocks_per_split",
+                           "page_table")
 
 
 def _seed_words(rng_seed, dropout: bool):

@@ -1,9 +1,12 @@
 """LSE merge: combine attention results computed over disjoint key ranges.
 
-For parts k with outputs O_k and log-sum-exps LSE_k over disjoint key sets:
-``LSE = ln(sum_k exp(LSE_k))`` and ``O = sum_k exp(LSE_k - LSE) O_k``. Split-KV decode
-and ring attention both rest on it. `merge_lse_row` is the per-row block; the kernel
-merges a [splits, rows, d] stack. Model: `flash_cute.models.lse_merge`.
+For parts s with outputs O_s and log-sum-exps LSE_s over disjoint key sets:
+``LSE = ln(sum_s exp(LSE_s))`` and ``O = sum_s exp(LSE_s - LSE) O_s``. Split-KV decode
+and ring attention both rest on it. Model: `flash_cute.models.lse_merge`.
+
+The kernel takes the tensors in one of three layouts (`LAYOUTS`) and sees each as a
+(splits, rows, d) stack: the forward's split-KV partials, padded or varlen, or a plain
+[splits, rows, d] stack.
 """
 
 import cuda.bindings.driver as cuda
@@ -11,83 +14,138 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from flash_cute.layouts import assume_aligned_strides
 from flash_cute.softmax import LN_2, LOG2_E
 
+# Per layout, the mode order that makes each of (o_parts, lse_parts, out, lse) read
+# (splits, rows..., d) with the rows' modes ordered (head, query, batch), head fastest, so
+# neighbouring warps read neighbouring rows of O.
+LAYOUTS = {
+    # o_parts [S, rows, d], lse_parts [S, rows], out [rows, d], lse [rows]
+    "rows": ((0, 1, 2), (0, 1), (0, 1), (0,)),
+    # o_parts [S, b, sq, h, d], lse_parts [S, b, h, sq], out [b, sq, h, d], lse [b, h, sq]
+    "padded": ((0, 3, 2, 1, 4), (0, 2, 3, 1), (2, 1, 0, 3), (1, 2, 0)),
+    # o_parts [S, tq, h, d], lse_parts [S, h, tq], out [tq, h, d], lse [h, tq]
+    "varlen": ((0, 2, 1, 3), (0, 1, 2), (1, 0, 2), (0, 1)),
+}
 
-@cute.jit
-def merge_lse_row(mLSE_parts: cute.Tensor, num_splits: Int32, row: Int32):
-    """(LSE, max) of one row over the splits; all -inf gives (-inf, 0)."""
-    lse_max = -Float32.inf
-    for s in cutlass.range(num_splits, unroll=1):
-        lse_max = cute.arch.fmax(lse_max, mLSE_parts[s, row])
-    lse_max_safe = Float32(0.0) if lse_max == -Float32.inf else lse_max
-    total = Float32(0.0)
-    for s in cutlass.range(num_splits, unroll=1):
-        total = total + cute.math.exp2((mLSE_parts[s, row] - lse_max_safe) * Float32(LOG2_E), fastmath=True)
-    lse = -Float32.inf
-    if total > Float32(0.0):
-        lse = lse_max_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)
-    return lse
+
+def _rows_view(t: cute.Tensor, order: tuple, lead: int, tail: int) -> cute.Tensor:
+    """`t` with its modes in `order`, the modes between the first `lead` and the last `tail`
+    grouped into one (row) mode."""
+    t = cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(order)))
+    return cute.group_modes(t, lead, cute.rank(t) - tail)
 
 
 class LseMergeKernel:
-    """Merges split results: O [rows, d] and LSE [rows] from [splits, rows, d] and [splits, rows].
+    """Merges split results: O [rows, d] and LSE [rows] from [splits, rows, d] and
+    [splits, rows] (in any of `LAYOUTS`).
 
-    | warps | role                                                                       |
-    |-------|----------------------------------------------------------------------------|
-    | 0-3   | one row per warp at a time: LSE over the splits, then d/32 columns a lane   |
+    | warps | role                                                                         |
+    |-------|------------------------------------------------------------------------------|
+    | 0-3   | one row per warp: LSE with the splits across the lanes (a shuffle reduction), |
+    |       | then O with d/32 columns per lane, the splits' loads independent of each other |
 
-    No shared memory: the LSE of a row is read by the whole warp (one broadcast load per split).
+    No shared memory. A split whose LSE is -inf (no visible key, or a row its forward never
+    wrote) adds nothing: its O is selected away, so an unwritten partial cannot reach O. The
+    O loop has no branch, so the loads of several splits are in flight together.
     """
 
     num_threads = 128
     rows_per_cta = 4
 
-    def __init__(self, out_dtype, hdim: int):
+    def __init__(self, out_dtype, hdim: int, layout: str = "rows"):
         if hdim % 32 != 0:
             raise ValueError(f"LSE merge needs hdim % 32 == 0, got {hdim}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
         self.out_dtype = out_dtype
         self.hdim = hdim
         self.vec = hdim // 32
+        self.layout = layout
 
     @cute.jit
-    def __call__(
-        self,
-        mO_parts: cute.Tensor,
-        mLSE_parts: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        stream: cuda.CUstream,
-    ):
-        """mO_parts [splits, rows, d] fp32, mLSE_parts [splits, rows] fp32 -> mO [rows, d], mLSE [rows]."""
-        grid = (cute.ceil_div(mO.shape[0], self.rows_per_cta), 1, 1)
-        self.kernel(mO_parts, mLSE_parts, mO, mLSE).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream
-        )
+    def __call__(self, mO_parts: cute.Tensor, mLSE_parts: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, stream: cuda.CUstream):
+        """The four tensors as `LAYOUTS[self.layout]` names them; O parts fp32, LSEs fp32."""
+        o_order, lse_order, out_order, out_lse_order = LAYOUTS[self.layout]
+        # Rows of 16 bytes (the launch checks it): 128-bit loads of the partials.
+        mO_parts = _rows_view(assume_aligned_strides(mO_parts, 4), o_order, 1, 1)
+        mLSE_parts = _rows_view(mLSE_parts, lse_order, 1, 0)
+        mO = _rows_view(mO, out_order, 0, 1)
+        mLSE = _rows_view(mLSE, out_lse_order, 0, 0)
+        rows = cute.size(mO, mode=[0])
+        grid = (cute.ceil_div(rows, self.rows_per_cta), 1, 1)
+        self.kernel(mO_parts, mLSE_parts, mO, mLSE, rows).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mO_parts: cute.Tensor, mLSE_parts: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+    def kernel(self, mO_parts: cute.Tensor, mLSE_parts: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
         row = bidx * self.rows_per_cta + tidx // 32
-        num_splits = mO_parts.shape[0]
-        if row < mO.shape[0]:
-            lse = merge_lse_row(mLSE_parts, num_splits, row)
+        num_splits = cute.size(mO_parts, mode=[0])
+        if row < rows:
+            lse = self.row_lse(mLSE_parts, num_splits, row, lane)
             lse_safe = Float32(0.0) if lse == -Float32.inf else lse
             acc = cute.make_rmem_tensor(self.vec, Float32)
             acc.fill(0.0)
-            for s in cutlass.range(num_splits, unroll=1):
+            for s in cutlass.range(num_splits, unroll=8):
                 lse_s = mLSE_parts[s, row]
-                weight = Float32(0.0)
-                if lse_s > -Float32.inf:
-                    weight = cute.math.exp2((lse_s - lse_safe) * Float32(LOG2_E), fastmath=True)
-                part = cute.local_tile(mO_parts[s, row, None], (self.vec,), (lane,))
-                acc.store(acc.load() + part.load() * weight)
+                part = cute.local_tile(mO_parts[s, row, None], (self.vec,), (lane,)).load()
+                weight = cute.math.exp2((lse_s - lse_safe) * Float32(LOG2_E), fastmath=True)
+                kept = cute.full_like(part, lse_s > -Float32.inf, cutlass.Boolean)
+                acc.store(acc.load() + cute.where(kept, part * weight, cute.zeros_like(part)))
             out = cute.local_tile(mO[row, None], (self.vec,), (lane,))
             out.store(acc.load().to(self.out_dtype))
             if lane == 0:
                 mLSE[row] = lse
+
+    @cute.jit
+    def row_lse(self, mLSE_parts: cute.Tensor, num_splits: Int32, row: Int32, lane: Int32):
+        """LSE of one row over the splits, lane i taking splits i, i + 32, ...; every split
+        -inf gives -inf."""
+        lse_max = -Float32.inf
+        for s in cutlass.range(lane, num_splits, 32, unroll=1):
+            lse_max = cute.arch.fmax(lse_max, mLSE_parts[s, row])
+        lse_max = cute.arch.warp_reduction_max(lse_max)
+        lse_max_safe = Float32(0.0) if lse_max == -Float32.inf else lse_max
+        total = Float32(0.0)
+        for s in cutlass.range(lane, num_splits, 32, unroll=1):
+            total = total + cute.math.exp2((mLSE_parts[s, row] - lse_max_safe)
+                                           * Float32(LOG2_E), fastmath=True)
+        total = cute.arch.warp_reduction_sum(total)
+        lse = -Float32.inf
+        if total > Float32(0.0):
+            lse = lse_max_safe + cute.math.log2(total, fastmath=True) * Float32(LN_2)
+        return lse
+
+
+def merge_key(out_dtype, hdim: int, layout: str):
+    """The `jit.CompileKey` of the merge kernel of a dtype, head dim and layout."""
+    from flash_cute.jit import CompileKey, current_target
+    from flash_cute.variant import dtype_name
+
+    flags = () if layout == "rows" else (("layout", layout),)
+    return CompileKey("blocks.lse_merge", current_target(), dtype_name(out_dtype), hdim, hdim,
+                      (LseMergeKernel.rows_per_cta, hdim), flags)
+
+
+def _kernel(out_dtype, hdim: int, layout: str) -> LseMergeKernel:
+    from flash_cute.jit import DTYPES
+    from flash_cute.variant import dtype_name
+
+    return LseMergeKernel(DTYPES[dtype_name(out_dtype)], hdim, layout)
+
+
+def merge_call(out_dtype, hdim: int, layout: str, args: tuple):
+    """A `jit.KernelCall` of the merge kernel for `args` (four `jit.TensorArg`s)."""
+    from flash_cute.jit import KernelCall
+
+    return KernelCall(merge_key(out_dtype, hdim, layout),
+                      lambda: _kernel(out_dtype, hdim, layout), args)
 
 
 def lse_merge(o_parts, lse_parts, out_dtype=None, out=None, lse=None):
@@ -98,8 +156,7 @@ def lse_merge(o_parts, lse_parts, out_dtype=None, out=None, lse=None):
     """
     import torch
 
-    from flash_cute.jit import DTYPES, CompileKey, TensorArg, current_target, launch_kernel
-    from flash_cute.variant import dtype_name
+    from flash_cute.jit import TensorArg, launch_kernel
 
     out_dtype = out_dtype or torch.bfloat16
     _, rows, hdim = o_parts.shape
@@ -107,9 +164,7 @@ def lse_merge(o_parts, lse_parts, out_dtype=None, out=None, lse=None):
         out = torch.empty(rows, hdim, dtype=out_dtype, device=o_parts.device)
     if lse is None:
         lse = torch.empty(rows, dtype=torch.float32, device=o_parts.device)
-    dtype = dtype_name(out_dtype)
-    key = CompileKey("blocks.lse_merge", current_target(), dtype, hdim, hdim,
-                     (LseMergeKernel.rows_per_cta, hdim))
     args = (TensorArg(o_parts), TensorArg(lse_parts, 4), TensorArg(out), TensorArg(lse, 4))
-    launch_kernel(key, lambda: LseMergeKernel(DTYPES[dtype], hdim), args)
+    launch_kernel(merge_key(out_dtype, hdim, "rows"), lambda: _kernel(out_dtype, hdim, "rows"),
+                  args)
     return out, lse

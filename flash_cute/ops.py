@@ -21,7 +21,7 @@ forward's decisions from the same seed).
 
 import torch
 
-from flash_cute import mod_graph, plans
+from flash_cute import mod_graph, paging, plans
 from flash_cute.reference import attention_ref, attention_ref_backward
 
 # Options after the tensors, in the order both schemas take them.
@@ -32,7 +32,8 @@ _LENGTHS = "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, Tenso
 
 _LIB = torch.library.Library("flash_cute", "DEF")
 _LIB.define(f"fwd(Tensor q, Tensor k, Tensor v, {_LENGTHS}, {_OPTIONS}, bool needs_grad, "
-            f"int variant, float dropout_p=0.0, Tensor? rng_seed=None) -> (Tensor out, "
+            f"int variant, float dropout_p=0.0, Tensor? rng_seed=None, int num_splits=1, "
+            f"int? seqlen_k_per_split=None, Tensor? page_table=None) -> (Tensor out, "
             f"Tensor lse)")
 _LIB.define(f"bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, "
             f"Tensor lse, {_LENGTHS}, {_OPTIONS}, int variant, float dropout_p=0.0, "
@@ -58,12 +59,19 @@ def _variant(key: int):
     return mod_graph.lookup(key) if key else None
 
 
-def _reference_problem(q, k, v, lengths, options, dropout=(0.0, None)):
+def _page_table(options: tuple):
+    """A forward call's page table (after seqlen_k_per_split), or None."""
+    return options[16] if len(options) > 16 else None
+
+
+def _reference_problem(q, k, v, lengths, options, dropout=(0.0, None), splits=(1, None),
+                       page_table=None):
     """Validation of a CPU or fake call (contents of CPU index tensors included)."""
     if q.device.type == "cpu" and options[9] is not None:
         raise ValueError(f"arch={options[9]!r} picks a GPU pipeline, but the inputs are on "
                          "the CPU (which runs the reference); pass arch=None or CUDA tensors")
-    return plans.validate_call(q, k, v, lengths, options, require_cuda=False, dropout=dropout)
+    return plans.validate_call(q, k, v, lengths, options, require_cuda=False, dropout=dropout,
+                               splits=splits, page_table=page_table)
 
 
 def _reference_kwargs(problem, lengths, key: int, rng_seed) -> dict:
@@ -78,7 +86,16 @@ def _reference_kwargs(problem, lengths, key: int, rng_seed) -> dict:
 def _fwd_cpu(q, k, v, cu_q, cu_k, used_q, used_k, *options):
     lengths = (cu_q, cu_k, used_q, used_k)
     dropout = _dropout_of(options, _FWD_VARIANT)
-    problem = _reference_problem(q, k, v, lengths, options, dropout)
+    # Splits change how the GPU kernels reduce, not the result: validated, then unused.
+    page_table = _page_table(options)
+    problem = _reference_problem(q, k, v, lengths, options, dropout, plans.fwd_splits(options),
+                                 page_table)
+    if page_table is not None:
+        cu_k = paging.logical(k, v, page_table, cu_q is not None)[2]
+        k, v = paging.gather(k, v, page_table)
+        if cu_q is not None:
+            k, v = k.flatten(0, 1), v.flatten(0, 1)
+        lengths = (cu_q, cu_k, used_q, used_k)
     out, lse = attention_ref(q, k, v, mode="float32",
                              **_reference_kwargs(problem, lengths, options[_FWD_VARIANT],
                                                  dropout[1]))
@@ -103,7 +120,8 @@ _LIB.impl("bwd", _bwd_cpu, "CPU")
 def _fwd_fake(q, k, v, cu_q, cu_k, used_q, used_k, *options):
     _variant(options[_FWD_VARIANT])
     problem = _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options,
-                                 _dropout_of(options, _FWD_VARIANT))
+                                 _dropout_of(options, _FWD_VARIANT), plans.fwd_splits(options),
+                                 _page_table(options))
     out = q.new_empty((*q.shape[:-1], problem.hdim_v))
     if cu_q is not None:
         lse = q.new_empty((problem.nheads, q.shape[0]), dtype=torch.float32)
@@ -125,6 +143,7 @@ def _fwd_setup_context(ctx, inputs, output):
     q, k, v, *lengths = inputs[:7]
     dropout_p, rng_seed = _dropout_of(inputs[7:], _FWD_VARIANT)
     ctx.save_for_backward(q, k, v, output[0], output[1], *lengths, rng_seed)
+    ctx.paged = _page_table(inputs[7:]) is not None
     # Without needs_grad and the seed (saved above).
     ctx.options = inputs[7:17] + (inputs[18], dropout_p)
     ctx.set_materialize_grads(False)
@@ -132,11 +151,14 @@ def _fwd_setup_context(ctx, inputs, output):
 
 def _fwd_backward(ctx, dout, dlse):
     q, k, v, out, lse, *lengths, rng_seed = ctx.saved_tensors
+    if ctx.paged:
+        raise NotImplementedError("no backward through flash_cute::fwd's page_table: "
+                                  "flash_attn_func gathers the pages when gradients are needed")
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.flash_cute.bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options,
                                           rng_seed)
-    return (dq, dk, dv) + (None,) * 18
+    return (dq, dk, dv) + (None,) * 21
 
 
 torch.library.register_autograd("flash_cute::fwd", _fwd_backward,

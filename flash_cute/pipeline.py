@@ -54,7 +54,8 @@ class Pipeline:
     always). `hardware_tested`: it ran on real hardware; a pipeline that has not (compile-
     verified only) stays out of the default order and runs only when named with arch=.
     `inspect_configs()`: its registered configs for `inspect`, imported only when called.
-    `decode`: the split-KV decode entry point, once the pipeline has one.
+    Decode needs no entry point of its own: `plan_forward` takes `problem.num_splits`
+    (`flash_cute.splits`) and a `page_table` keyword (k / v paged, `flash_cute.paging`).
     """
 
     name: str
@@ -64,7 +65,6 @@ class Pipeline:
     check_supported: Callable
     inspect_configs: Callable[[], tuple]
     plan_backward: Optional[Callable] = None
-    decode: Optional[Callable] = None
     takes: Optional[Callable] = None
     hardware_tested: bool = True
 

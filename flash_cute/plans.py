@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from flash_cute import paging
 from flash_cute.dispatch import check_capabilities, select_backward_pipeline, select_pipeline
 from flash_cute.pipeline import Pipeline, required_capabilities
 from flash_cute.validation import (AttentionProblem, check_index_contents,
@@ -130,20 +131,44 @@ def _call_key(tensors: tuple, options: tuple) -> Optional[tuple]:
 
 
 def validate_call(q, k, v, lengths: tuple, options: tuple, require_cuda: bool = True,
-                  dropout=(0.0, None)):
+                  dropout=(0.0, None), splits=(1, None), page_table=None):
     """The `AttentionProblem` of an operator call (`options`: max_seqlen_q, max_seqlen_k,
     softmax_scale, causal, window_left, window_right, softcap, pack_gqa, ...; `dropout`:
-    (dropout_p, rng_seed))."""
+    (dropout_p, rng_seed); `splits`: (num_splits, seqlen_k_per_split); `page_table`: k and v
+    are paged caches, validated as the K and V they stand for, `paging.logical`)."""
     cu_q, cu_k, used_q, used_k = lengths
+    if page_table is not None:
+        k, v, cu_k = _paged_view(q, k, v, lengths, page_table, require_cuda)
+        require_cuda = False   # checked on the real tensors just now
     max_q, max_k, scale, causal, left, right, softcap, pack_gqa = options[:8]
     problem = validate_attention_inputs(
         q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
         softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
         seqused_k=used_k, max_seqlen_q=max_q, max_seqlen_k=max_k, pack_gqa=pack_gqa,
-        dropout_p=dropout[0], require_cuda=require_cuda)
+        dropout_p=dropout[0], num_splits=splits[0], seqlen_k_per_split=splits[1],
+        require_cuda=require_cuda)
     if problem.dropout_p > 0:
         _check_seed(dropout[1], q)
     return problem
+
+
+def _paged_view(q, k, v, lengths, page_table, require_cuda: bool):
+    """The logical K, V and cu_seqlens_k of a paged call, after the checks of its real
+    tensors."""
+    from flash_cute.validation import _check_devices, _check_memory_layout
+
+    cu_q, cu_k, used_q, used_k = lengths
+    if cu_k is not None:
+        raise ValueError("page_table describes each sequence's keys by its pages: pass "
+                         "seqused_k for their lengths, not cu_seqlens_k")
+    batch = q.shape[0] if cu_q is None else cu_q.shape[0] - 1
+    paging.check_paged(k, v, page_table, batch)
+    if require_cuda:
+        _check_devices(q=q, k=k, v=v, page_table=page_table, cu_seqlens_q=cu_q,
+                       seqused_q=used_q, seqused_k=used_k)
+    for name, t in (("k", k), ("v", v)):
+        _check_memory_layout(name, t)
+    return paging.logical(k, v, page_table, cu_q is not None)
 
 
 def _check_seed(rng_seed, q) -> None:
@@ -162,10 +187,16 @@ def _refuse_variant(key: int) -> None:
             "CPU tensors run them on the reference")
 
 
-def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed) -> _Plan:
+def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
+               page_table=None) -> _Plan:
     deterministic, arch, needs_grad = options[8:11]
     _refuse_variant(options[11])
-    problem = validate_call(q, k, v, lengths, options, dropout=(options[12], rng_seed))
+    problem = validate_call(q, k, v, lengths, options, dropout=(options[12], rng_seed),
+                            splits=splits, page_table=page_table)
+    if page_table is not None and needs_grad:
+        raise NotImplementedError("no backward through a page_table: call flash_attn_func / "
+                                  "flash_attn_varlen_func, which gather the pages when "
+                                  "gradients are needed")
     pipeline = select_pipeline(q.device, arch, problem)
     check_capabilities(pipeline, required_capabilities(problem))
     pipeline.check_supported(problem, q.device)
@@ -173,8 +204,9 @@ def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed) -> _Plan:
     if needs_grad:
         # Refused now, before the forward runs, rather than in the backward.
         bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
+    paged = {} if page_table is None else {"page_table": page_table}
     with torch.cuda.device(q.device):
-        launch = pipeline.plan_forward(q, k, v, problem, *lengths)
+        launch = pipeline.plan_forward(q, k, v, problem, *lengths, **paged)
     return _Plan(problem, pipeline, bwd_pipeline, bool(deterministic), launch)
 
 
@@ -189,19 +221,45 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options)
     (`flash_cute.ops`) orders them, after the tensors (the last, rng_seed, a tensor or
     None)."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    splits = fwd_splits(options)
+    page_table = options[16] if len(options) > 16 else None
     options, rng_seed = split_seed(options, 13)
-    key = _call_key((q, k, v, rng_seed) + lengths, options)
+    key = _call_key((q, k, v, rng_seed, page_table) + lengths, options + splits)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(q, k, v, lengths, options, rng_seed)
+        plan = _make_plan(q, k, v, lengths, options, rng_seed, splits, page_table)
         _PLANS.put(key, plan)
-    if _CHECK_INPUTS[0] and lengths != (None, None, None, None):
+    if _CHECK_INPUTS[0] and (lengths != (None, None, None, None) or page_table is not None):
         # Contents change from call to call under the same key: checked every call.
-        check_index_contents(q, k, *lengths, plan.problem.max_seqlen_q,
-                             plan.problem.max_seqlen_k)
+        _check_contents(q, k, v, lengths, plan.problem, page_table)
+    paged = {} if page_table is None else {"page_table": page_table}
     # Kernels launch on the current device and stream: make that q's device.
     with on_device(q):
-        return plan.launch(q, k, v, *lengths, rng_seed=rng_seed)
+        return plan.launch(q, k, v, *lengths, rng_seed=rng_seed, **paged)
+
+
+def _check_contents(q, k, v, lengths, problem, page_table) -> None:
+    """`check_index_contents` of a call (a paged one against the K its table stands for,
+    and its page indices inside the cache)."""
+    cu_q, cu_k, used_q, used_k = lengths
+    if page_table is not None:
+        bad = (page_table < 0) | (page_table >= k.shape[0])
+        if bool(bad.any()):
+            b, i = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"page_table[{b}, {i}] = {int(page_table[b, i])} is not a page of "
+                             f"the cache (it has {k.shape[0]})")
+        k, _, cu_k = paging.logical(k, v, page_table, cu_q is not None)
+        if cu_k is not None:
+            cu_k = cu_k.to(q.device)
+    check_index_contents(q, k, cu_q, cu_k, used_q, used_k, problem.max_seqlen_q,
+                         problem.max_seqlen_k)
+
+
+def fwd_splits(options: tuple) -> tuple:
+    """(num_splits, seqlen_k_per_split) of a forward call's options (after rng_seed, at
+    14 and 15; left out where they are the defaults)."""
+    tail = options[14:16]
+    return tuple(tail) + (1, None)[len(tail):]
 
 
 def split_seed(options: tuple, count: int):

@@ -35,22 +35,32 @@ def build_softmax_rows(entry):
 
 
 def build_lse_merge(entry):
-    """``blocks.lse_merge`` with fake [splits, rows, d] inputs."""
+    """``blocks.lse_merge`` with fake inputs in its layout (`lse_merge.LAYOUTS`)."""
     from cutlass import Float32
 
     from flash_cute.jit import DTYPES, dynamic_dim, fake_stream, fake_tensor
     from flash_cute.lse_merge import LseMergeKernel
     from flash_cute.kernel_config import CompileSpec
 
-    splits, rows = dynamic_dim(), dynamic_dim()
+    layout = entry.flag_dict.get("layout", "rows")
+    splits, d = dynamic_dim(), entry.hdim
+    if layout == "rows":
+        rows = dynamic_dim()
+        shapes = ((rows, d), (rows,))
+    elif layout == "padded":
+        b, sq, h = dynamic_dim(), dynamic_dim(), dynamic_dim()
+        shapes = ((b, sq, h, d), (b, h, sq))
+    else:
+        tq, h = dynamic_dim(), dynamic_dim()
+        shapes = ((tq, h, d), (h, tq))
     args = (
-        fake_tensor(Float32, (splits, rows, entry.hdim)),
-        fake_tensor(Float32, (splits, rows), align=4),
-        fake_tensor(DTYPES[entry.dtype], (rows, entry.hdim)),
-        fake_tensor(Float32, (rows,), align=4),
+        fake_tensor(Float32, (splits,) + shapes[0]),
+        fake_tensor(Float32, (splits,) + shapes[1], align=4),
+        fake_tensor(DTYPES[entry.dtype], shapes[0]),
+        fake_tensor(Float32, shapes[1], align=4),
         fake_stream(),
     )
-    return CompileSpec(LseMergeKernel(DTYPES[entry.dtype], entry.hdim), args)
+    return CompileSpec(LseMergeKernel(DTYPES[entry.dtype], entry.hdim, layout), args)
 
 
 def build_bwd_prep(entry):
@@ -95,6 +105,10 @@ _BLOCKS = (
     KernelConfig("blocks.softmax_rows", TARGETS, "fp16", None, 16, (64, 64), build_softmax_rows,
                  config_flags(causal=False, local=True, softcap=False)),
     KernelConfig("blocks.lse_merge", TARGETS, "bf16", 128, 128, (4, 128), build_lse_merge),
+    KernelConfig("blocks.lse_merge", TARGETS, "bf16", 128, 128, (4, 128), build_lse_merge,
+                 (("layout", "padded"),)),
+    KernelConfig("blocks.lse_merge", TARGETS, "fp16", 64, 64, (4, 64), build_lse_merge,
+                 (("layout", "varlen"),)),
 )
 _BWD_PREP = (
     KernelConfig("blocks.bwd.preprocess", TARGETS, "bf16", None, 128, (64, 128), build_bwd_prep,

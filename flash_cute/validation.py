@@ -93,6 +93,10 @@ class AttentionProblem:
     has_seqused_k: bool = False
     pack_gqa: bool | None = None
     dropout_p: float = 0.0
+    # Split-KV request (FA4's meaning): 1 none, 0 the heuristic, n > 1 n splits; the
+    # pipeline decides what runs (`flash_cute.splits.plan_splits`).
+    num_splits: int = 1
+    seqlen_k_per_split: int | None = None
 
     @property
     def qheads_per_kvhead(self) -> int:
@@ -134,6 +138,8 @@ def validate_attention_inputs(
     max_seqlen_k=None,
     pack_gqa=None,
     dropout_p=0.0,
+    num_splits=1,
+    seqlen_k_per_split=None,
     supported_dtypes: Collection[torch.dtype] = _DEFAULT_DTYPES,
     supported_hdims: Collection[tuple[int, int]] | None = None,
     require_cuda: bool = True,
@@ -164,6 +170,11 @@ def validate_attention_inputs(
             heads that share a K/V head together (packed GQA). It changes the schedule,
             not the result.
         dropout_p: dropout probability of the attention weights, in ``[0, 1)``.
+        num_splits: split-KV, FA4's meaning: 1 no split, 0 (or below) the heuristic, n > 1
+            n splits (at most 256).
+        seqlen_k_per_split: None, or each split's length in keys (a multiple of the
+            kernel's tile_n, checked by the pipeline), for results that do not depend on
+            the split count.
         supported_dtypes: dtypes the target kernel handles.
         supported_hdims: allowed ``(hdim, hdim_v)`` pairs; ``None`` allows any multiple
             of 8 in ``[8, 256]`` for each.
@@ -212,6 +223,7 @@ def validate_attention_inputs(
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa must be None, True or False, got {pack_gqa!r}")
     dropout_p = _check_dropout_p(dropout_p)
+    num_splits, seqlen_k_per_split = check_splits(num_splits, seqlen_k_per_split)
     return AttentionProblem(
         batch=batch,
         seqlen_q=None if varlen else dims["seqlen_q"],
@@ -233,7 +245,28 @@ def validate_attention_inputs(
         has_seqused_k=seqused_k is not None,
         pack_gqa=pack_gqa,
         dropout_p=dropout_p,
+        num_splits=num_splits,
+        seqlen_k_per_split=seqlen_k_per_split,
     )
+
+
+# FA4's bound on num_splits.
+MAX_NUM_SPLITS = 256
+
+
+def check_splits(num_splits, seqlen_k_per_split) -> tuple:
+    """(num_splits with every value below 1 as 0, the heuristic; seqlen_k_per_split)."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__} "
+                        f"({num_splits!r})")
+    if num_splits > MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be at most {MAX_NUM_SPLITS}, got {num_splits}")
+    if seqlen_k_per_split is not None and (
+            isinstance(seqlen_k_per_split, bool) or not isinstance(seqlen_k_per_split, int)
+            or seqlen_k_per_split <= 0):
+        raise ValueError(f"seqlen_k_per_split must be None or a positive int, got "
+                         f"{seqlen_k_per_split!r}")
+    return max(num_splits, 0), seqlen_k_per_split
 
 
 def _check_dropout_p(dropout_p) -> float:

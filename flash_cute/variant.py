@@ -6,6 +6,10 @@ lengths) stay kernel arguments. `flags()` is the variant's part of a CompileKey.
 compiled with None in their record fields (their values stay run-time). `pack_gqa` is the number of query heads a
 tile packs into its rows (1: none; see `flash_cute.launch.packed_heads`). `dropout`: the
 kernel drops attention weights (`flash_cute.dropout`; p, the seed and the scale are run-time).
+`split_kv`: the forward writes fp32 partial results per key split for `flash_cute.lse_merge`
+(split-KV; the split count and size are run-time). `page_size` > 0: K and V are a paged cache
+[pages, page_size, heads_kv, d] read through a page table (its rows are compile-time, the
+table and its lengths run-time; seqused_k gives the lengths).
 """
 
 from dataclasses import dataclass
@@ -30,6 +34,8 @@ class Variant:
     seqused_k: bool = False
     pack_gqa: int = 1
     dropout: bool = False
+    split_kv: bool = False
+    page_size: int = 0
 
     def __post_init__(self):
         # Causal is the window (left, 0): a right window on top of it means nothing.
@@ -37,14 +43,16 @@ class Variant:
             object.__setattr__(self, "window_right", False)
 
     @classmethod
-    def from_problem(cls, problem, pack_gqa: int = 1) -> "Variant":
+    def from_problem(cls, problem, pack_gqa: int = 1, split_kv: bool = False,
+                     page_size: int = 0) -> "Variant":
         """From a validated `flash_cute.validation.AttentionProblem` (and the pipeline's
-        decision on packing its heads)."""
+        decisions on packing its heads and splitting its keys)."""
         return cls(causal=problem.causal, window_left=problem.window_left is not None,
                    window_right=problem.window_right is not None and not problem.causal,
                    softcap=problem.softcap > 0, varlen=problem.varlen,
                    seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k,
-                   pack_gqa=pack_gqa, dropout=problem.dropout_p > 0)
+                   pack_gqa=pack_gqa, dropout=problem.dropout_p > 0, split_kv=split_kv,
+                   page_size=page_size)
 
     @classmethod
     def from_flags(cls, flags: dict) -> "Variant":
@@ -53,7 +61,8 @@ class Variant:
         return cls(causal=flags.get("causal", False), window_left=local, window_right=local,
                    softcap=flags.get("softcap", False), varlen=flags.get("varlen", False),
                    seqused_q=flags.get("seqused_q", False), seqused_k=flags.get("seqused_k", False),
-                   pack_gqa=flags.get("pack_gqa", 1), dropout=flags.get("dropout", False))
+                   pack_gqa=flags.get("pack_gqa", 1), dropout=flags.get("dropout", False),
+                   split_kv=flags.get("split_kv", False), page_size=flags.get("page", 0))
 
     def flags(self) -> tuple:
         flags = (("causal", self.causal), ("left", self.window_left), ("right", self.window_right),
@@ -61,7 +70,9 @@ class Variant:
                  ("seqused_k", self.seqused_k))
         # Only where they are on, so the other kernels keep their keys.
         flags += (("pack_gqa", self.pack_gqa),) if self.pack_gqa > 1 else ()
-        return flags + ((("dropout", True),) if self.dropout else ())
+        flags += (("dropout", True),) if self.dropout else ()
+        flags += (("split_kv", True),) if self.split_kv else ()
+        return flags + ((("page", self.page_size),) if self.page_size else ())
 
 
 def set_kernel_switches(kernel, variant: Variant) -> None:
@@ -78,6 +89,8 @@ def set_kernel_switches(kernel, variant: Variant) -> None:
     kernel.has_seqused_k = variant.seqused_k
     kernel.pack_gqa = variant.pack_gqa
     kernel.dropout = variant.dropout
+    kernel.split_kv = variant.split_kv
+    kernel.page_size = variant.page_size
 
 
 def kernel_head_dims(pipeline: str, hdim: int, hdim_v, schedules: dict, schedule) -> tuple:

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"flash_cute": ROOT / "flash_cute", "flash_cute.arch": ROOT / "arch"}
 TOOLING = {"flash_cute.registry", "flash_cute.kernel_config", "flash_cute.xcompile",
            "flash_cute.sass", "flash_cute.inspection", "flash_cute.bench", "flash_cute.bench_latency",
+           "flash_cute.bench_decode",
            "flash_cute.selfcheck", "flash_cute.cache_cli", "flash_cute.__main__"}
 # A pipeline descriptor's lazy reference to its inspect configs (`Pipeline.inspect_configs`):
 # the one place the runtime names tooling, in a function only `inspect` calls.

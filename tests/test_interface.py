@@ -192,7 +192,6 @@ def test_api_signature_matches_flash_attn_cute(fn, fa4):
 
 @pytest.mark.parametrize("name,value", [
     ("qv", torch.zeros(1)), ("gather_kv_indices", torch.zeros(1)), ("learnable_sink", torch.zeros(1)),
-    ("num_splits", 4),
     ("score_mod", lambda s, b, h, q, k, seqlen_info, aux: s),     # FA4's @cute.jit form
     ("mask_mod", lambda b, h, q, k, seqlen_info, aux: q >= k),
     ("aux_tensors", [torch.zeros(1)]), ("block_sparse_tensors", object()),
@@ -206,21 +205,41 @@ def test_fa4_features_not_built_raise_not_implemented_naming_them(name, value):
         flash_cute.flash_attn_varlen_func(q, q, q, **{name: value})
 
 
-def test_num_splits_one_or_auto_and_scheduling_hints_are_accepted(capability, monkeypatch):
-    """num_splits=1 (and FA4's 'choose' below 1), min_seqlen_k and disable_scheduler_metadata
-    run the usual path: they reach validation, not a refusal."""
+def test_num_splits_and_scheduling_hints_reach_validation(capability, monkeypatch):
+    """num_splits (1, FA4's 'choose' at 0 and below, n > 1) and seqlen_k_per_split reach
+    validation as given; min_seqlen_k and disable_scheduler_metadata are accepted hints."""
     capability(9, 0)
     seen = []
     monkeypatch.setattr(plans, "validate_attention_inputs",
                         lambda *a, **kw: seen.append(kw) or (_ for _ in ()).throw(ValueError("stop")))
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
-    for kw in ({"num_splits": 1}, {"num_splits": 0}):
+    for n in (1, 0, 4):
         with pytest.raises(ValueError, match="stop"):
-            flash_cute.flash_attn_func(q, q, q, **kw)
+            flash_cute.flash_attn_func(q, q, q, num_splits=n)
     with pytest.raises(ValueError, match="stop"):
         flash_cute.flash_attn_varlen_func(q, q, q, min_seqlen_k=3, disable_scheduler_metadata=True,
-                                          num_splits=-1)
-    assert len(seen) == 3
+                                          num_splits=-1, seqlen_k_per_split=256)
+    assert [(kw["num_splits"], kw["seqlen_k_per_split"]) for kw in seen] == [
+        (1, None), (0, None), (4, None), (0, 256)]
+
+
+@pytest.mark.parametrize("kw, error", [
+    ({"num_splits": 257}, ValueError), ({"num_splits": 2.0}, TypeError),
+    ({"num_splits": True}, TypeError), ({"seqlen_k_per_split": 0}, ValueError),
+    ({"seqlen_k_per_split": 128.0}, ValueError)])
+def test_bad_split_arguments_are_refused(kw, error):
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(error, match="num_splits|seqlen_k_per_split"):
+        flash_cute.flash_attn_varlen_func(q, q, q, **kw)
+
+
+def test_split_request_on_cpu_runs_the_reference():
+    """The CPU operator validates the split arguments and computes the unsplit result."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 9, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    want, _ = flash_cute.flash_attn_func(q, k, v)
+    got, _ = flash_cute.flash_attn_func(q, k, v, num_splits=3)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("varlen", [False, True])

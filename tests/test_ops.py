@@ -202,3 +202,50 @@ def test_unregistered_variant_keys_are_refused():
 
 def test_check_inputs_switch_is_public():
     assert flash_cute.check_inputs(False) in (True, False)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_forward_through_a_page_table_on_cpu(varlen):
+    """The CPU operator reads a paged cache through its table as the K/V it stands for
+    (pages shuffled; the gathered keys give the same result), padded or with packed q; fake
+    tensors get the shapes; the autograd formula refuses a backward through pages."""
+    from flash_cute.paging import gather
+
+    torch.manual_seed(0)
+    batch, pages_per, page, hk, d = 2, 3, 16, 2, 64
+    k_pages = torch.randn(batch * pages_per + 1, page, hk, d, dtype=torch.bfloat16)
+    v_pages = torch.randn_like(k_pages)
+    table = torch.randperm(batch * pages_per + 1)[:batch * pages_per].view(batch, pages_per)
+    table = table.to(torch.int32)
+    used = torch.tensor([40, 17], dtype=torch.int32)
+    kg, vg = gather(k_pages, v_pages, table)
+    if varlen:
+        q = torch.randn(5, 4, d, dtype=torch.bfloat16)
+        cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+        lengths = (cu_q, None, None, used)
+        opts = _options(max_q=3, max_k=pages_per * page)
+        rows = pages_per * page
+        cu_k = torch.tensor([0, rows, 2 * rows], dtype=torch.int32)
+        want = torch.ops.flash_cute.fwd(q, kg.flatten(0, 1), vg.flatten(0, 1), cu_q, cu_k, None,
+                                        used, *opts, False, 0)
+    else:
+        q = torch.randn(batch, 3, 4, d, dtype=torch.bfloat16)
+        lengths, opts = (None, None, None, used), _options()
+        want = torch.ops.flash_cute.fwd(q, kg, vg, *lengths, *opts, False, 0)
+    got = torch.ops.flash_cute.fwd(q, k_pages, v_pages, *lengths, *opts, False, 0, 0.0, None, 1,
+                                   None, table)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (q, k_pages, v_pages, table)]
+        fake_lengths = tuple(None if t is None else mode.from_tensor(t) for t in lengths)
+        out, lse = torch.ops.flash_cute.fwd(fake[0], fake[1], fake[2], *fake_lengths, *opts,
+                                            False, 0, 0.0, None, 1, None, fake[3])
+        assert out.shape == want[0].shape and lse.shape == want[1].shape
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        torch.ops.flash_cute.fwd(q, k_pages, v_pages, *lengths, *opts, False, 0, 0.0, None, 1,
+                                 None, table.long())
+    qg = q.clone().requires_grad_()
+    out, _ = torch.ops.flash_cute.fwd(qg, k_pages, v_pages, *lengths, *opts, True, 0, 0.0, None,
+                                      1, None, table)
+    with pytest.raises(NotImplementedError, match="page_table"):
+        out.float().sum().backward()

@@ -3,6 +3,7 @@
 import functools
 
 from flash_cute import launch
+from flash_cute.splits import plan_splits
 from flash_cute.validation import AttentionProblem
 
 from .config import (BWD_SCHEDULES, COMPILE_OPTIONS, SUPPORTED_HDIMS, FWD_SCHEDULES, bwd_smem_bytes,
@@ -35,14 +36,28 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
 
 
 def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None, schedule=None) -> launch.ForwardLaunch:
-    """The `launch.ForwardLaunch` of `forward`'s call configuration."""
+                 seqused_q=None, seqused_k=None, schedule=None,
+                 page_table=None) -> launch.ForwardLaunch:
+    """The `launch.ForwardLaunch` of `forward`'s call configuration (`page_table`: the
+    pages gathered first, `launch.GatheredPages`: this kernel reads no pages)."""
     from flash_cute.jit import current_target
 
+    if page_table is not None:
+        plan = functools.partial(plan_forward, schedule=schedule)
+        return launch.GatheredPages(plan, q, k, v, problem,
+                                    (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
+                                    page_table)
+
+    schedule = tuple(schedule or FWD_SCHEDULES[problem.hdim])
+    # One CTA per tile, no packing: as many CTAs per SM as shared memory holds (at most 2,
+    # a register file's worth at 4-8 warps of up to 255 registers).
+    per_sm = max(1, min(2, (227 * 1024) // fwd_smem_bytes(problem.hdim, problem.hdim_v,
+                                                          schedule)))
+    splits = plan_splits(problem, schedule[0], schedule[1], 1, launch.device_sms(q.device),
+                         per_sm)
     return launch.ForwardLaunch("ampere.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
-                                cu_seqlens_k, seqused_q, seqused_k,
-                                tuple(schedule or FWD_SCHEDULES[problem.hdim]), COMPILE_OPTIONS,
-                                current_target())
+                                cu_seqlens_k, seqused_q, seqused_k, schedule, COMPILE_OPTIONS,
+                                current_target(), splits=splits)
 
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,

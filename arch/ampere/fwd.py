@@ -12,7 +12,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
-from flash_cute.block_range import block_range
+from flash_cute.block_range import block_range, split_range
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
 from flash_cute.dropout import Dropout
@@ -45,6 +45,10 @@ class AmpereFwd:
 
     With seqused_q / seqused_k the lengths are those (`SeqInfo`): rows past them are zero-filled
     on load, never stored, and the masks align to the used lengths.
+
+    Split-KV (`split_kv`): the grid's head axis counts heads x splits (split-major); each CTA
+    reduces its split's K/V blocks (`block_range.split_range`) and stores O, fp32, and LSE
+    from registers into its split's partials, for `lse_merge`.
     """
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
@@ -66,8 +70,9 @@ class AmpereFwd:
     def __call__(self, args: FwdArgs, stream: cuda.CUstream):
         """`args`: a `kernel_args.FwdArgs` (its docstring gives the layouts)."""
         vec = 128 // self.dtype.width
-        mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v,
-                                                                     args.out))
+        mQ, mK, mV = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v))
+        # A split-KV partial is fp32, allocated by the launch with 16-byte rows.
+        mO = assume_aligned_strides(args.out, 128 // args.out.element_type.width)
         mCuSeqlensQ = args.cu_seqlens_q
         sQ_layout = smem_layout(self.tile_m, self.hdim)
         sK_layout = smem_layout(self.tile_n, self.hdim)
@@ -82,7 +87,9 @@ class AmpereFwd:
 
         mma = tiled_mma(self.dtype, (self.num_warps, 1))
         batch = SeqInfo.num_batches(mQ, mCuSeqlensQ)
-        grid = (cute.ceil_div(args.max_seqlen_q, self.tile_m), mQ.shape[-2], batch)
+        heads = mQ.shape[-2] * args.num_splits if cutlass.const_expr(self.split_kv) \
+            else mQ.shape[-2]
+        grid = (cute.ceil_div(args.max_seqlen_q, self.tile_m), heads, batch)
         scale_log2, mod_scale = fold_scores(self.score_mod, args.softmax_scale, args.softcap)
         self.kernel(
             mQ, mK, mV, mO, args.lse, scale_log2, mod_scale, args.window_left,
@@ -94,7 +101,8 @@ class AmpereFwd:
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v, cute.nvgpu.CopyUniversalOp()),
-            mma, args.rng_seed, args.keep_threshold, args.dropout_scale, SharedStorage,
+            mma, args.rng_seed, args.keep_threshold, args.dropout_scale, args.num_splits,
+            args.blocks_per_split, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -109,9 +117,16 @@ class AmpereFwd:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, copy_qk: cute.TiledCopy, copy_v: cute.TiledCopy,
                copy_o: cute.TiledCopy, tiled_mma: cute.TiledMma, mSeed: Optional[cute.Tensor],
-               keep_threshold: Int32, dropout_scale: Float32, SharedStorage: cutlass.Constexpr):
+               keep_threshold: Int32, dropout_scale: Float32, num_splits: Int32,
+               blocks_per_split: Int32, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        split = Int32(0)
+        if cutlass.const_expr(self.split_kv):
+            split = head // mQ.shape[-2]
+            head = head - split * mQ.shape[-2]
+            mO = mO[(split,) + (None,) * (cute.rank(mO) - 1)]
+            mLSE = mLSE[(split,) + (None,) * (cute.rank(mLSE) - 1)]
         if cutlass.const_expr(self.causal or self.has_window_right):
             # Heaviest query tiles first, so the tail of the grid is short.
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
@@ -130,6 +145,9 @@ class AmpereFwd:
             win_right = window_right if cutlass.const_expr(self.has_window_right) else None
             rng = block_range(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                               self.causal, win_left, win_right, imin=cutlass.min, imax=cutlass.max)
+            if cutlass.const_expr(self.split_kv):
+                rng = split_range(rng, split, num_splits, blocks_per_split, imin=cutlass.min,
+                                  imax=cutlass.max)
             scores = Scores(self.score_mod, mod_scale,
                             AttentionMask(self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                                           self.causal, win_left, win_right))
@@ -194,8 +212,42 @@ class AmpereFwd:
     @cute.jit
     def epilogue(self, acc_o, lse, sQ, sO_layout, copy_o, tiled_mma, thr_mma, tidx, seq,
                  mO, mLSE, head, m_block):
-        """O through shared memory (reusing Q's buffer) to 128-bit stores; LSE from the quad leader."""
+        """O through shared memory (reusing Q's buffer) to 128-bit stores (split-KV: the fp32
+        partial from registers); LSE from the quad leader."""
         cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(self.split_kv):
+            self.store_lse(lse, thr_mma, seq, mLSE, head, m_block)
+            self.store_o_rows(acc_o, thr_mma, seq, mO, head, m_block)
+        else:
+            self.store_staged(acc_o, lse, sQ, sO_layout, copy_o, tiled_mma, thr_mma, tidx, seq,
+                              mO, mLSE, head, m_block)
+
+    @cute.jit
+    def store_lse(self, lse, thr_mma, seq, mLSE, head, m_block):
+        coord_o = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+        g_lse = seq.lse_view(mLSE, head)
+        for r in cutlass.range_constexpr(cute.size(coord_o, mode=[0])):
+            row = m_block * self.tile_m + coord_o[r, 0][0]
+            if coord_o[0, 0][1] == 0 and row < seq.seqlen_q:
+                g_lse[row] = lse[r]
+
+    @cute.jit
+    def store_o_rows(self, acc_o, thr_mma, seq, mO, head, m_block):
+        """O straight from registers in mO's dtype, rows past seqlen_q skipped."""
+        coord = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+        gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim_v), (m_block, 0))
+        acc_mn = acc_to_mn(acc_o)
+        col0 = coord[0, 0][1]
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            row = coord[r, 0][0]
+            if row < seq.seqlen_q - m_block * self.tile_m:
+                g_row = cute.domain_offset((col0,), gO[row, None])
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    g_row[coord[0, c][1] - col0] = acc_mn[r, c].to(mO.element_type)
+
+    @cute.jit
+    def store_staged(self, acc_o, lse, sQ, sO_layout, copy_o, tiled_mma, thr_mma, tidx, seq,
+                     mO, mLSE, head, m_block):
         cute.arch.sync_threads()
         sO = cute.make_tensor(sQ.iterator, sO_layout)
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
@@ -204,13 +256,7 @@ class AmpereFwd:
         thr_r2s = cute.make_tiled_copy_C(s2r_atom, tiled_mma).get_slice(tidx)
         cute.copy(s2r_atom, thr_r2s.retile(r_o), thr_r2s.partition_D(sO))
 
-        coord_o = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
-        g_lse = seq.lse_view(mLSE, head)
-        for r in cutlass.range_constexpr(cute.size(coord_o, mode=[0])):
-            row = m_block * self.tile_m + coord_o[r, 0][0]
-            if coord_o[0, 0][1] == 0 and row < seq.seqlen_q:
-                g_lse[row] = lse[r]
-
+        self.store_lse(lse, thr_mma, seq, mLSE, head, m_block)
         cute.arch.sync_threads()
         gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim_v), (m_block, 0))
         thr_o = copy_o.get_slice(tidx)

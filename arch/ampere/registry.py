@@ -55,7 +55,10 @@ def _fwd_configs():
                            ((128, 128), {"causal": True, "varlen": True, "seqused_q": True,
                                          "seqused_k": True}),
                            ((128, 128), {"dropout": True}),
-                           ((64, 64), {"causal": True, "varlen": True, "dropout": True})]:
+                           ((64, 64), {"causal": True, "varlen": True, "dropout": True}),
+                           # Split-KV decode: cache lengths (seqused_k), causal, varlen.
+                           ((128, 128), {"causal": True, "seqused_k": True, "split_kv": True}),
+                           ((64, 64), {"varlen": True, "seqused_k": True, "split_kv": True})]:
         targets = SM100_TOO if (d, flags) == (128, {"causal": True}) else TARGETS
         out.append(KernelConfig("ampere.fwd", targets, "bf16", d, dv, FWD_SCHEDULES[d],
                                 build_fwd, config_flags(**{**_SWITCHES, **flags})))

@@ -4,9 +4,11 @@ import functools
 
 from flash_cute import launch
 from flash_cute.arch.sm90plus.host import tma_ready
+from flash_cute.splits import plan_splits
+
 from flash_cute.validation import AttentionProblem
 
-from .config import (BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, FWD_SCHEDULES, PACK_ROWS,
+from .config import (BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, FWD_SCHEDULES, MIN_PAGE_ROWS, PACK_ROWS,
                      SHORT_CAUSAL_BWD_ROWS, SUPPORTED_HDIMS, BwdSchedule, bwd_compile_options,
                      bwd_schedule, bwd_smem_plan, fwd_schedule, short_causal)
 
@@ -35,22 +37,43 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
 
 
 def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None, schedule=None) -> launch.ForwardLaunch:
-    """The `launch.ForwardLaunch` of `forward`'s call configuration."""
+                 seqused_q=None, seqused_k=None, schedule=None,
+                 page_table=None) -> launch.ForwardLaunch:
+    """The `launch.ForwardLaunch` of `forward`'s call configuration. `page_table`: k / v
+    are paged caches, read by the kernel (`paged`) where their page size allows, else
+    gathered first (`launch.GatheredPages`)."""
     from flash_cute.jit import current_target
 
     target = current_target()
     if target != "sm_90a":
         # WGMMA and setmaxnreg exist on sm_90a only; newer GPUs run their own pipeline.
         raise NotImplementedError(f"the hopper pipeline runs on sm_90a only, not {target}")
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    if page_table is not None and not pages_in_kernel(k.shape[1]):
+        plan = functools.partial(plan_forward, schedule=schedule)
+        return launch.GatheredPages(plan, q, k, v, problem, lengths, page_table)
     pack = launch.packed_heads(problem, PACK_ROWS, FWD_SCHEDULES[problem.hdim].tile_m)
     short = short_causal(problem.causal, problem.max_seqlen_q * pack, problem.max_seqlen_k)
-    schedule = tuple(schedule or fwd_schedule(problem.hdim, pack,
-                                              problem.varlen or problem.has_seqused_q, short,
+
+    def pick(row_stores: bool):
+        return tuple(schedule or fwd_schedule(problem.hdim, pack, row_stores, short,
                                               problem.dropout_p > 0))
+
+    chosen = pick(problem.varlen or problem.has_seqused_q)
+    splits = plan_splits(problem, chosen[0], chosen[1], pack, launch.device_sms(q.device))
+    if splits is not None:
+        # Split partials leave by row stores (`HopperFwd._rows_past_sequence`).
+        chosen = pick(True)
     return launch.ForwardLaunch("hopper.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
-                                cu_seqlens_k, seqused_q, seqused_k, schedule, COMPILE_OPTIONS,
-                                target, prepare=tma_ready, pack_gqa=pack)
+                                cu_seqlens_k, seqused_q, seqused_k, chosen, COMPILE_OPTIONS,
+                                target, prepare=tma_ready, pack_gqa=pack, splits=splits,
+                                page_table=page_table)
+
+
+def pages_in_kernel(page_size: int) -> bool:
+    """Whether the forward reads pages of `page_size` rows itself (every schedule's tile_n
+    then splits into boxes of whole swizzle atoms, `paged.page_chunk`)."""
+    return page_size & (page_size - 1) == 0 and page_size >= MIN_PAGE_ROWS
 
 
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,

@@ -10,6 +10,9 @@ BWD_NUM_THREADS = 128 * (1 + BWD_CONSUMER_WARPGROUPS)
 # setmaxnreg budgets by the number of consumer warpgroups: every register the CTA gets at
 # launch goes to a role (docs/decisions.md, D-HF-ROLES).
 ROLE_REGISTERS = {2: (24, 240), 3: (32, 160)}
+# Paged K/V: the producer also holds a block's page indices, read one block ahead
+# (`paged.PagedBlocks.load_all`); 8 registers move to it from each consumer thread.
+PAGED_ROLE_REGISTERS = {2: (40, 232)}
 BWD_PRODUCER_REGISTERS, BWD_CONSUMER_REGISTERS = ROLE_REGISTERS[BWD_CONSUMER_WARPGROUPS]
 
 
@@ -43,6 +46,10 @@ def with_switches(schedule: FwdSchedule, **switches) -> FwdSchedule:
         return schedule._replace(tile_m=128)
     return schedule
 
+
+# Paged K/V: a TMA box covers whole 128-byte swizzle atoms of the K and V tiles (8 rows), so
+# pages of fewer rows are gathered before the kernel (`paged.page_chunk`).
+MIN_PAGE_ROWS = 8
 
 # Packed GQA packs groups that divide 128 rows (every head dim has a 128-row schedule).
 PACK_ROWS = 128

@@ -28,7 +28,7 @@ from flash_cute.arch.sm90plus.convert import convert_pairs
 from flash_cute.arch.sm90plus.tma import (COLS_FIRST, ROWS_FIRST, clear_tails, make_tma_pipelines,
                                           packed_tma_atom, permute, smem_tile, tma_load_atom,
                                           tma_partition)
-from flash_cute.block_range import block_range, block_runs
+from flash_cute.block_range import block_range, block_runs, split_range
 from flash_cute.dropout import Dropout
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
@@ -41,8 +41,9 @@ from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 from flash_cute.work_loop import for_each_tile
 
-from .config import (FWD_SCHEDULES, ROLE_REGISTERS, SMEM_CAPACITY, FwdSchedule, o_smem_tile,
-                     smem_bytes)
+from .config import (FWD_SCHEDULES, PAGED_ROLE_REGISTERS, ROLE_REGISTERS, SMEM_CAPACITY,
+                     FwdSchedule, o_smem_tile, smem_bytes)
+from .paged import PagedBlocks, page_chunk, paged_tma_atoms
 from .wgmma import WARPGROUP_THREADS, wgmma_slice
 
 
@@ -73,7 +74,8 @@ class HopperFwd:
     | (3)       | 12..15| (160)     | consumer: rows 128..191 of a 192-row tile — same         |
 
     Registers in parentheses: a 192-row tile (`config.ROLE_REGISTERS`: all 65536 registers
-    go to the roles either way).
+    go to the roles either way); paged K/V moves 8 per consumer thread to the producer
+    (40 / 232, `config.PAGED_ROLE_REGISTERS`).
 
     | pipeline (PipelineTmaAsync) | stages | full barrier           | empty barrier          |
     |-----------------------------|--------|------------------------|------------------------|
@@ -124,6 +126,12 @@ class HopperFwd:
     loaded once for the group. Q and O move by TMA over a (heads, rows) box
     (`tma.packed_tma_atom`), LSE and row-stored O through `layouts.pack_heads` views, and the
     block range and mask see queries, not rows (their ``pack``).
+
+    Split-KV (``split_kv``): the tile order counts heads x splits; a tile visits its split's
+    blocks (`block_range.split_range`) and stores O (fp32) and LSE from registers into its
+    split's partials, which `lse_merge` merges after the kernel. Paged K/V (``page_size``):
+    the producer gathers each K/V block from the page table, box by box (`paged`); the
+    consumers see the same stages as with a dense cache.
     """
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
@@ -141,6 +149,8 @@ class HopperFwd:
             raise ValueError(f"tile_m must be 64 x {sorted(ROLE_REGISTERS)} (64 rows per "
                              f"consumer warpgroup), got {self.tile_m}")
         self.producer_registers, self.consumer_registers = ROLE_REGISTERS[self.num_wg]
+        if self.page_size and self.num_wg in PAGED_ROLE_REGISTERS:
+            self.producer_registers, self.consumer_registers = PAGED_ROLE_REGISTERS[self.num_wg]
         if self.num_wg == 3 and not self.persistent:
             raise ValueError("192-row tiles run persistent only (one CTA per tile spills "
                              "at 160 registers)")
@@ -153,13 +163,15 @@ class HopperFwd:
         self.lpt = self.causal or self.has_window_right
         self.o_tile = o_smem_tile(self.hdim, self.hdim_v, self._smem_schedule,
                                   self._rows_past_sequence)
+        self.page_chunk = page_chunk(self.tile_n, self.page_size) if self.page_size else 0
 
     @property
     def _rows_past_sequence(self) -> bool:
-        """Whether a query tile's rows past its sequence are rows of the output tensor that
-        must stay as they are (varlen: the next sequence's; seqused_q: padding left at 0), so
-        O cannot leave by a TMA store of the whole tile."""
-        return self.varlen or self.has_seqused_q
+        """Whether O leaves by row stores, not a TMA store of the whole tile: a query tile's
+        rows past its sequence are rows of the output tensor that must stay as they are
+        (varlen: the next sequence's; seqused_q: padding left at 0), or (split-KV) O is an
+        fp32 partial, written once and read once by the merge."""
+        return self.varlen or self.has_seqused_q or self.split_kv
 
     @property
     def _smem_schedule(self) -> tuple:
@@ -177,18 +189,22 @@ class HopperFwd:
         """`args`: a `kernel_args.FwdArgs` (its docstring gives the layouts)."""
         vec = 128 // self.dtype.width
         # TMA needs 16-byte global strides; validation guarantees them, this tells the compiler.
-        mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v,
-                                                                     args.out))
+        mQ, mK, mV = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v))
+        # A split-KV partial is fp32, allocated by the launch with 16-byte rows.
+        mO = assume_aligned_strides(args.out, 128 // args.out.element_type.width)
         mLSE, mCuSeqlensQ = args.lse, args.cu_seqlens_q
         mma_qk, mma_pv = self._tiled_mmas()
         layouts = self._smem_layouts()
         sQ_layout, sK_layout, sV_layout, sO_layout = layouts
 
-        rows_first, back_rows = ROWS_FIRST[self.varlen]
-        cols_first, back_cols = COLS_FIRST[self.varlen]
-        tma_k, tK = tma_load_atom(mK, rows_first, sK_layout, (self.tile_n, self.hdim))
-        tma_v, tV = tma_load_atom(mV, cols_first, sV_layout, (self.hdim_v, self.tile_n))
-        tK, tV = permute(tK, back_rows), permute(tV, back_cols)
+        if cutlass.const_expr(self.page_size > 0):
+            tma_k, tK, tma_v, tV = paged_tma_atoms(self, mK, mV, sK_layout, sV_layout)
+        else:
+            rows_first, back_rows = ROWS_FIRST[self.varlen]
+            cols_first, back_cols = COLS_FIRST[self.varlen]
+            tma_k, tK = tma_load_atom(mK, rows_first, sK_layout, (self.tile_n, self.hdim))
+            tma_v, tV = tma_load_atom(mV, cols_first, sV_layout, (self.hdim_v, self.tile_n))
+            tK, tV = permute(tK, back_rows), permute(tV, back_cols)
         tma_q, tQ, tma_o, mO, mLSE = self._q_o_lse(mQ, mO, mLSE, sQ_layout, sO_layout)
 
         SharedStorage = self._shared_storage(layouts)
@@ -198,7 +214,8 @@ class HopperFwd:
                              f"{self.smem_bytes}), capacity {SMEM_CAPACITY}")
         tx_bytes = tuple(cute.size_in_bytes(self.dtype, cute.slice_(layout, (None, None, 0)))
                          for layout in (sQ_layout, sK_layout, sV_layout))
-        order = self._tile_order(tQ, mK, args.max_seqlen_q, mCuSeqlensQ)
+        order = self._tile_order(tQ, mK, args.max_seqlen_q, mCuSeqlensQ, args.num_splits,
+                                 args.page_table)
         grid = launch_grid(order.num_tiles, self.persistent, num_sms(), imin=cutlass.min)
         scale_log2, mod_scale = fold_scores(self.score_mod, args.softmax_scale, args.softcap)
         self.kernel(
@@ -209,26 +226,30 @@ class HopperFwd:
             args.cu_seqlens_k, args.seqused_q,
             args.seqused_k, order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout,
             sO_layout, args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
-            mma_qk, mma_pv, SharedStorage, tx_bytes,
+            args.num_splits, args.blocks_per_split, args.page_table, mma_qk, mma_pv,
+            SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
     def _q_o_lse(self, mQ, mO, mLSE, sQ_layout, sO_layout):
         """Q's TMA atom and coordinates; O's TMA store atom and coordinates (None and the
         plain tensor where O leaves by row stores, `o_tile` "none"); LSE. With packed GQA all
-        three as their packed views (`tma.packed_tma_atom`, `layouts.pack_heads`)."""
+        three as their packed views (`tma.packed_tma_atom`, `layouts.pack_heads`). Split-KV:
+        O and LSE keep their leading split mode (`OutputStore` slices it per tile)."""
         rows_first, back_rows = ROWS_FIRST[self.varlen]
         tma_o = None
         if cutlass.const_expr(self.pack_gqa > 1):
             tma_q, tQ = packed_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ, self.varlen,
                                         sQ_layout, (self.tile_m, self.hdim), self.pack_gqa)
-            row_mode = 2 - self.varlen
+            lead = int(self.split_kv)
+            row_mode = 2 - self.varlen + lead
             mLSE = pack_heads(mLSE, row_mode, row_mode - 1, self.pack_gqa)
             if cutlass.const_expr(self.o_tile != "none"):
                 tma_o, mO = packed_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, self.varlen,
                                             sO_layout, (self.tile_m, self.hdim_v), self.pack_gqa)
             else:
-                mO = pack_heads(mO, 1 - self.varlen, 2 - self.varlen, self.pack_gqa)
+                mO = pack_heads(mO, 1 - self.varlen + lead, 2 - self.varlen + lead,
+                                self.pack_gqa)
             return tma_q, tQ, tma_o, mO, mLSE
         tma_q, tQ = tma_load_atom(mQ, rows_first, sQ_layout, (self.tile_m, self.hdim))
         if cutlass.const_expr(self.o_tile != "none"):
@@ -238,17 +259,22 @@ class HopperFwd:
             mO = permute(tO, back_rows)
         return tma_q, permute(tQ, back_rows), tma_o, mO, mLSE
 
-    def _tile_order(self, tQ, mK, max_seqlen_q, mCuSeqlensQ) -> TileOrder:
+    def _tile_order(self, tQ, mK, max_seqlen_q, mCuSeqlensQ, num_splits,
+                    page_table) -> TileOrder:
         """The launch's `TileOrder` over (query tile, head, batch), from Q's TMA coordinates
-        (packed GQA: their heads are the K/V heads). Varlen sizes the L2 sections by the mean
-        K/V length (only the section size depends on it)."""
+        (packed GQA: their heads are the K/V heads; split-KV: heads x splits, `WorkTiles.at`).
+        Varlen sizes the L2 sections by the mean K/V length (only the section size depends on
+        it)."""
         batch = SeqInfo.num_batches(tQ, mCuSeqlensQ)
         section = Int32(1)
         if cutlass.const_expr(self.lpt):
             seqlen_k = mK.shape[0] // batch if cutlass.const_expr(self.varlen) else mK.shape[1]
+            if cutlass.const_expr(self.page_size > 0):
+                seqlen_k = page_table.shape[1] * self.page_size
             kv_bytes_per_key = (self.hdim + self.hdim_v) * self.dtype.width // 8
             section = pairs_per_section(seqlen_k, kv_bytes_per_key, imax=cutlass.max)
-        return TileOrder(cute.ceil_div(max_seqlen_q * self.pack_gqa, self.tile_m), tQ.shape[-2],
+        heads = tQ.shape[-2] * num_splits if cutlass.const_expr(self.split_kv) else tQ.shape[-2]
+        return TileOrder(cute.ceil_div(max_seqlen_q * self.pack_gqa, self.tile_m), heads,
                          batch, section, self.lpt, self.persistent)
 
     def _smem_layouts(self):
@@ -310,7 +336,8 @@ class HopperFwd:
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                mSeed: Optional[cute.Tensor], keep_threshold: Int32, dropout_scale: Float32,
-               nheads: Int32,
+               nheads: Int32, num_splits: Int32, blocks_per_split: Int32,
+               mPageTable: Optional[cute.Tensor],
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -334,7 +361,8 @@ class HopperFwd:
         elif cutlass.const_expr(self.o_tile == "q"):
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         tiles = WorkTiles(self, num_m_blocks, section, mQ, mK, (mCuSeqlensQ, mCuSeqlensK),
-                          (mSeqUsedQ, mSeqUsedK), window_left, window_right, max_seqlen_q)
+                          (mSeqUsedQ, mSeqUsedK), window_left, window_right, max_seqlen_q,
+                          (num_splits, blocks_per_split), mPageTable)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_registers)
@@ -363,32 +391,53 @@ class HopperFwd:
         """TMA of one tile's Q and K/V blocks: `producer_acquire` elects the lane that arms the
         barrier, and the TMA copy elects its own issuing lane. The Q acquire waits until the
         consumers released the last tile's Q (see `OutputStore` for when that is)."""
-        pipe_q, pipe_k, pipe_v = pipes
-        m_block, head, head_kv, seq = tiles.at(tile)
+        pipe_q = pipes[0]
+        m_block, head, head_kv, seq, split = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
-            rng = tiles.block_range(m_block, seq)
+            rng = tiles.block_range(m_block, seq, split)
             gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
-            gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (None, 0))
-            gVt = cute.local_tile(permute(seq.k_view(mV, head_kv), (1, 0)),
-                                  (self.hdim_v, self.tile_n), (0, None))
             tQsQ, tQgQ = tma_partition(tma_q, sQ, gQ)
-            tKsK, tKgK = tma_partition(tma_k, sK, gK)
-            tVsV, tVgV = tma_partition(tma_v, sV, gVt)
-
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
-            for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
-                n_block = rng.n_block_max - 1 - i
-                pipe_k.producer_acquire(kv)
-                cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv))
-                pipe_v.producer_acquire(kv)
-                cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv))
-                kv.advance()
+            if cutlass.const_expr(self.page_size > 0):
+                kv = self.produce_paged(tma_k, tma_v, mK, mV, sK, sV, pipes, tiles, seq,
+                                        head_kv, rng, kv)
+            else:
+                kv = self.produce_dense(tma_k, tma_v, mK, mV, sK, sV, pipes, seq, head_kv,
+                                        rng, kv)
         # Returned so the caller's tile loop rebinds them (the DSL carries plain locals only).
         return q_state, kv
+
+    @cute.jit
+    def produce_dense(self, tma_k, tma_v, tK, tV, sK, sV, pipes, seq: SeqInfo, head_kv: Int32,
+                      rng, kv):
+        """The tile's K/V blocks, right to left, one TMA each."""
+        _, pipe_k, pipe_v = pipes
+        gK = cute.local_tile(seq.k_view(tK, head_kv), (self.tile_n, self.hdim), (None, 0))
+        gVt = cute.local_tile(permute(seq.k_view(tV, head_kv), (1, 0)),
+                              (self.hdim_v, self.tile_n), (0, None))
+        tKsK, tKgK = tma_partition(tma_k, sK, gK)
+        tVsV, tVgV = tma_partition(tma_v, sV, gVt)
+        for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
+            n_block = rng.n_block_max - 1 - i
+            pipe_k.producer_acquire(kv)
+            cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv))
+            pipe_v.producer_acquire(kv)
+            cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv))
+            kv.advance()
+        return kv
+
+    @cute.jit
+    def produce_paged(self, tma_k, tma_v, tK, tV, sK, sV, pipes, tiles, seq: SeqInfo,
+                      head_kv: Int32, rng, kv):
+        """The tile's K/V blocks, right to left, each gathered box by box from its pages
+        (`paged.PagedBlocks`)."""
+        blocks = PagedBlocks(self, tma_k, tK, tma_v, tV, sK, sV, tiles.page_table, seq.batch,
+                             head_kv)
+        return blocks.load_all(pipes[1], pipes[2], kv, rng)
 
     @cute.jit
     def consume(self, mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
@@ -417,9 +466,9 @@ class HopperFwd:
         """One tile: main loop, softmax finalize, epilogue. Returns the Q and K/V states for
         the next tile."""
         pipe_q = pipes[0]
-        m_block, head, _, seq = tiles.at(tile)
+        m_block, head, _, seq, split = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
-            rng = tiles.block_range(m_block, seq)
+            rng = tiles.block_range(m_block, seq, split)
             acc_o = gemms.new_acc_o()
             acc_o.fill(0.0)
             softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4)
@@ -439,7 +488,7 @@ class HopperFwd:
                 pipe_q.consumer_release(q_state)
             o_scale, lse = softmax.finalize(Float32(1.0) if drop is None else drop.scale)
             rescale_o(acc_to_mn(acc_o), o_scale)
-            out.store(acc_o, lse, seq, head, m_block, pipe_q, q_state)
+            out.store(acc_o, lse, seq, head, m_block, pipe_q, q_state, split)
             q_state.advance()
         return q_state, kv
 
@@ -459,7 +508,7 @@ class HopperFwd:
         padded tensor ends at seqlen_k, where TMA zero-fills).
         Only the first block visited (the last, n_block_max - 1) can reach past seqlen_k; the
         test is uniform over the CTA, so every consumer warpgroup meets at the barrier."""
-        if cutlass.const_expr(self.varlen or self.has_seqused_k):
+        if cutlass.const_expr(self.varlen or self.has_seqused_k or self.page_size > 0):
             valid = seqlen_k - n_block * self.tile_n
             if valid < self.tile_n:
                 pipe_v.consumer_wait(v_state)
@@ -573,12 +622,18 @@ class WorkTiles(DslState):
     role derives from it the same way: coordinates, sequence bounds, K/V block range, mask."""
 
     def __init__(self, cfg: HopperFwd, num_m_blocks: Int32, section: Int32, mQ, mK, cu_seqlens,
-                 seqused, window_left: Int32, window_right: Int32, max_seqlen_q: Int32):
-        """`mQ`: Q's TMA coordinate tensor, whose head mode counts the heads of the tile
-        order (packed GQA: K/V heads, rows (pack, seqlen))."""
+                 seqused, window_left: Int32, window_right: Int32, max_seqlen_q: Int32,
+                 splits, page_table: Optional[cute.Tensor] = None):
+        """`mQ`: Q's TMA coordinate tensor, whose head mode counts the heads of a split
+        (packed GQA: K/V heads, rows (pack, seqlen)); `splits`: (num_splits,
+        blocks_per_split), read with split-KV only."""
         self.cfg = cfg
         self.num_m_blocks, self.section = num_m_blocks, section
-        self.num_heads = mQ.shape[-2]
+        self.heads_per_split = mQ.shape[-2]
+        self.num_splits, self.blocks_per_split = splits
+        self.num_heads = self.heads_per_split
+        if cutlass.const_expr(cfg.split_kv):
+            self.num_heads = self.heads_per_split * self.num_splits
         self.num_batches = SeqInfo.num_batches(mQ, cu_seqlens[0])
         # Packed, a tile's head is its K/V head.
         self.qheads_per_kvhead = 1 if cfg.pack_gqa > 1 else mQ.shape[-2] // mK.shape[-2]
@@ -587,6 +642,10 @@ class WorkTiles(DslState):
         self.seqlen_q, self.seqlen_k = mQ.shape[row], mK.shape[row]
         if cutlass.const_expr(cfg.pack_gqa > 1):
             self.seqlen_q = mQ.shape[row][1]
+        self.page_table = page_table
+        if cutlass.const_expr(cfg.page_size > 0):
+            # Paged: K's rows are the page table's (K itself is [pages, page_size, ...]).
+            self.seqlen_k = page_table.shape[1] * cfg.page_size
         self.cu_q, self.cu_k = cu_seqlens
         self.used_q, self.used_k = seqused
         self.max_seqlen_q = max_seqlen_q  # None unless varlen
@@ -606,24 +665,35 @@ class WorkTiles(DslState):
                                       imax=cutlass.max)
 
     def at(self, tile: Int32):
-        """(m_block, head, head_kv, SeqInfo) of tile number `tile` (an empty number, of the
-        folded persistent order, gets an m_block past every sequence: `in_bounds` is False)."""
+        """(m_block, head, head_kv, SeqInfo, split) of tile number `tile` (an empty number,
+        of the folded persistent order, gets an m_block past every sequence: `in_bounds` is
+        False). Split-KV: the order counts heads x splits, split-major (split = head // heads), so
+        the query heads sharing a K/V head stay neighbours, as without splits."""
         m_block, head, batch = self.order.coords(tile, cute.arch.grid_dim()[0],
                                                  imin=cutlass.min, imax=cutlass.max)
+        split = Int32(0)
+        if cutlass.const_expr(self.cfg.split_kv):
+            split = head // self.heads_per_split
+            head = head - split * self.heads_per_split
         seq = SeqInfo(batch, self.seqlen_q, self.seqlen_k, self.cu_q, self.cu_k, self.used_q,
                       self.used_k, self.cfg.pack_gqa, max_seqlen_q=self.max_seqlen_q)
-        return m_block, head, head // self.qheads_per_kvhead, seq
+        return m_block, head, head // self.qheads_per_kvhead, seq, split
 
     def in_bounds(self, m_block: Int32, seq: SeqInfo):
         """Whether the tile has rows (varlen tiles past the sequence have none): uniform over
         the CTA, so every role skips the same tiles and none is left waiting."""
         return m_block * self.cfg.tile_m < seq.rows_q
 
-    def block_range(self, m_block: Int32, seq: SeqInfo):
+    def block_range(self, m_block: Int32, seq: SeqInfo, split: Int32):
+        """The K/V blocks the tile visits (split-KV: those of its split)."""
         cfg = self.cfg
-        return block_range(m_block, cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
-                           cfg.causal, self.win_left, self.win_right, cfg.pack_gqa,
-                           imin=cutlass.min, imax=cutlass.max)
+        rng = block_range(m_block, cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
+                          cfg.causal, self.win_left, self.win_right, cfg.pack_gqa,
+                          imin=cutlass.min, imax=cutlass.max)
+        if cutlass.const_expr(cfg.split_kv):
+            rng = split_range(rng, split, self.num_splits, self.blocks_per_split,
+                              imin=cutlass.min, imax=cutlass.max)
+        return rng
 
     def mask(self, seq: SeqInfo) -> AttentionMask:
         cfg = self.cfg
@@ -670,12 +740,17 @@ class OutputStore(DslState):
 
     @cute.jit
     def store(self, acc_o: cute.Tensor, lse, seq: SeqInfo, head: Int32, m_block: Int32,
-              pipe_q, q_state):
-        """O and LSE of tile (m_block, head, seq.batch). Releases Q when sO is Q's tile."""
+              pipe_q, q_state, split: Int32):
+        """O and LSE of tile (m_block, head, seq.batch) (split-KV: into split `split`'s
+        partials). Releases Q when sO is Q's tile."""
         cfg = self.cfg
-        self.store_lse(lse, seq, head, m_block)
+        mO, mLSE = self.mO, self.mLSE
+        if cutlass.const_expr(cfg.split_kv):
+            mO = mO[(split,) + (None,) * (cute.rank(mO) - 1)]
+            mLSE = mLSE[(split,) + (None,) * (cute.rank(mLSE) - 1)]
+        self.store_lse(mLSE, lse, seq, head, m_block)
         if cutlass.const_expr(cfg.o_tile == "none"):
-            self.store_o_rows(acc_o, seq, head, m_block)
+            self.store_o_rows(mO, acc_o, seq, head, m_block)
         else:
             self.store_o_tma(acc_o, seq, head, m_block)
             if cutlass.const_expr(cfg.o_tile == "q"):
@@ -685,8 +760,8 @@ class OutputStore(DslState):
                 pipe_q.consumer_release(q_state)
 
     @cute.jit
-    def store_lse(self, lse, seq: SeqInfo, head: Int32, m_block: Int32):
-        g_lse = seq.lse_view(self.mLSE, head)
+    def store_lse(self, mLSE, lse, seq: SeqInfo, head: Int32, m_block: Int32):
+        g_lse = seq.lse_view(mLSE, head)
         valid_rows = seq.rows_q - m_block * self.cfg.tile_m
         for r in cutlass.range_constexpr(cute.size(self.coord, mode=[0])):
             row = self.coord[r, 0][0]
@@ -695,17 +770,21 @@ class OutputStore(DslState):
                     g_lse[m_block * self.cfg.tile_m + row] = lse[r]
 
     @cute.jit
-    def store_o_rows(self, acc_o: cute.Tensor, seq: SeqInfo, head: Int32, m_block: Int32):
-        """O straight from registers, rows past seqlen_q skipped."""
+    def store_o_rows(self, mO, acc_o: cute.Tensor, seq: SeqInfo, head: Int32, m_block: Int32):
+        """O straight from registers (in mO's dtype), rows past seqlen_q skipped."""
         cfg = self.cfg
-        gO = cute.local_tile(seq.q_view(self.mO, head), (cfg.tile_m, cfg.hdim_v), (m_block, 0))
+        gO = cute.local_tile(seq.q_view(mO, head), (cfg.tile_m, cfg.hdim_v), (m_block, 0))
         acc_mn = acc_to_mn(acc_o)
         valid_rows = seq.rows_q - m_block * cfg.tile_m
+        # Column offsets from the thread's first column, so that one row address serves
+        # every store of the row (a packed row's address is a div/mod of its index).
+        col0 = self.coord[0, 0][1]
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             row = self.coord[r, 0][0]
             if row < valid_rows:
+                g_row = cute.domain_offset((col0,), gO[row, None])
                 for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    gO[row, self.coord[0, c][1]] = acc_mn[r, c].to(cfg.dtype)
+                    g_row[self.coord[0, c][1] - col0] = acc_mn[r, c].to(mO.element_type)
 
     @cute.jit
     def store_o_tma(self, acc_o: cute.Tensor, seq: SeqInfo, head: Int32, m_block: Int32):

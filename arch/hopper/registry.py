@@ -91,11 +91,29 @@ def _fwd_configs():
                            ((64, 64), {"varlen": True, "seqused_q": True, "seqused_k": True}),
                            ((128, 128), {"dropout": True}),
                            ((128, 128), {"causal": True, "varlen": True, "dropout": True}),
-                           ((64, 64), {"causal": True, "dropout": True})]:
+                           ((64, 64), {"causal": True, "dropout": True}),
+                           # Split-KV decode: packed GQA, causal, cache lengths (seqused_k).
+                           ((128, 128), {"split_kv": True, "pack_gqa": 4}),
+                           ((128, 128), {"causal": True, "seqused_k": True, "split_kv": True,
+                                         "pack_gqa": 8}),
+                           ((128, 128), {"causal": True, "varlen": True, "seqused_k": True,
+                                         "split_kv": True}),
+                           ((64, 64), {"split_kv": True, "pack_gqa": 4}),
+                           # Paged K/V: boxes of 16 rows, of 64, one page per block (256).
+                           ((128, 128), {"seqused_k": True, "split_kv": True, "pack_gqa": 4,
+                                         "page": 16}),
+                           ((128, 128), {"causal": True, "seqused_k": True, "pack_gqa": 4,
+                                         "page": 64}),
+                           ((128, 128), {"causal": True, "varlen": True, "seqused_k": True,
+                                         "split_kv": True, "page": 256}),
+                           ((256, 256), {"causal": True, "split_kv": True})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
         out.append(KernelConfig("hopper.fwd", TARGETS, dtype, d, dv,
-                                fwd_schedule(d, dropout=flags.get("dropout", False)),
+                                fwd_schedule(d, flags.get("pack_gqa", 1),
+                                             flags.get("varlen", False)
+                                             or flags.get("split_kv", False),
+                                             dropout=flags.get("dropout", False)),
                                 build_fwd, config_flags(**full)))
     # The overlap ablation: each FA3 overlap on its own, and neither.
     plain = {"causal": False, "local": False, "softcap": False, "varlen": False}

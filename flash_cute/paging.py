@@ -1,0 +1,56 @@
+"""Paged KV caches on the host: their checks, the logical K/V they stand for, and the gather
+that turns them into dense K/V where a kernel cannot read pages.
+
+A paged cache is k / v [num_pages, page_size, heads_kv, d] with a page table int32
+[batch, max_pages]: sequence b's key j is row ``j % page_size`` of page
+``page_table[b, j // page_size]``, so its keys are the max_pages * page_size rows of its
+pages in order (seqused_k[b] of them used). Page indices are clamped into the cache here and
+in the kernels: whatever the table holds, nothing outside the cache is read.
+"""
+
+import torch
+
+
+def check_paged(k_cache, v_cache, page_table, batch: int) -> None:
+    """Shapes and dtypes of a paged call's cache and table (ValueError naming the argument)."""
+    if not (isinstance(page_table, torch.Tensor) and page_table.dtype == torch.int32
+            and page_table.dim() == 2 and page_table.shape[0] == batch):
+        got = (f"{page_table.dtype} {tuple(page_table.shape)}"
+               if isinstance(page_table, torch.Tensor) else type(page_table).__name__)
+        raise ValueError(f"page_table must be int32 [batch={batch}, max_pages], got {got}")
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[:3] != k_cache.shape[:3]:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"with page_table, {name} must be a paged cache [num_pages, "
+                             f"page_size, heads_kv, d] like k, got {got}")
+    if page_table.device != k_cache.device:
+        raise ValueError(f"page_table is on {page_table.device}, the cache on "
+                         f"{k_cache.device}")
+
+
+def page_rows(page_table: torch.Tensor, num_pages: int, page_size: int) -> torch.Tensor:
+    """[batch, max_pages * page_size]: the row of cache.flatten(0, 1) holding each
+    sequence's position, page indices clamped into the cache."""
+    pages = page_table.long().clamp(0, num_pages - 1)
+    return (pages[:, :, None] * page_size
+            + torch.arange(page_size, device=pages.device)).flatten(1)
+
+
+def gather(k_cache, v_cache, page_table):
+    """The padded [batch, max_pages * page_size, heads_kv, d] keys and values a page table
+    names (differentiable into the pages)."""
+    batch = page_table.shape[0]
+    rows = page_rows(page_table, *k_cache.shape[:2]).flatten()
+    return tuple(t.flatten(0, 1)[rows].view(batch, -1, *t.shape[2:]) for t in (k_cache, v_cache))
+
+
+def logical(k_cache, v_cache, page_table, varlen: bool):
+    """Meta tensors shaped as the K and V the table stands for (for validation): padded
+    [batch, rows, heads_kv, d], or packed [batch * rows, heads_kv, d] with its uniform
+    cu_seqlens_k (CPU) when q is packed."""
+    batch, rows = page_table.shape[0], page_table.shape[1] * k_cache.shape[1]
+    lead = (batch * rows,) if varlen else (batch, rows)
+    k, v = (torch.empty(lead + tuple(t.shape[2:]), dtype=t.dtype, device="meta")
+            for t in (k_cache, v_cache))
+    cu = torch.arange(0, (batch + 1) * rows, rows, dtype=torch.int32) if varlen else None
+    return k, v, cu
