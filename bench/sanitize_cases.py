@@ -6,7 +6,8 @@
 Families: the attention forward and backward (with the backward's preprocess and dQ
 postprocess), padded and varlen (an empty sequence, lengths that end mid-tile), GQA and
 packed GQA, causal, a sliding window, softcap, seqused, the deterministic backward, and the
-shared blocks' kernels (score attention, LSE merge). Index contents past the tensors are
+shared blocks' kernels (score attention, LSE merge), and decode (split-KV, paged K/V with
+garbage page indices). Index contents past the tensors are
 included: the clamps of `flash_cute.seqlen` must keep every access inside. Prints one line
 per case; exits 1 if a result is not finite.
 """
@@ -73,6 +74,28 @@ def blocks() -> torch.Tensor:
     return torch.stack([out.float().abs().sum(), merged.float().abs().sum()])
 
 
+def decode() -> torch.Tensor:
+    """Split-KV and paged decode, forward only: garbage page indices (negative, past the
+    cache, INT32_MAX) and cache lengths past the cache, which the kernels clamp."""
+    from flash_cute import flash_attn_varlen_func
+
+    q = torch.randn(3, 4, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(40, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.randint(0, 40, (3, 12), dtype=torch.int32, device="cuda")
+    table[0, 1], table[1, 5], table[2, 11] = -7, 40, 2 ** 31 - 1
+    used = torch.tensor([0, 700, 5000], dtype=torch.int32, device="cuda")
+    sums = []
+    for splits in (1, 0, 7):
+        out, lse = flash_attn_varlen_func(q, k, v, page_table=table, seqused_k=used,
+                                          causal=True, num_splits=splits, return_lse=True)
+        sums.append(out.float().abs().sum())
+    dense_k = torch.randn(3, 3000, 2, 128, device="cuda", dtype=torch.bfloat16)
+    out, _ = flash_attn_varlen_func(q, dense_k, dense_k, seqused_k=used, num_splits=5)
+    sums.append(out.float().abs().sum())
+    return torch.stack(sums)
+
+
 def _zero_tma_outputs() -> None:
     """Fill O, dK and dV with zeros (a torch kernel: initcheck sees that) as they are
     allocated; every other buffer keeps its real allocation, so initcheck still checks it."""
@@ -109,6 +132,11 @@ def main() -> int:
         ok = bool(torch.isfinite(sums).all())
         bad += not ok
         print(f"{args.arch} {name}: {'ok' if ok else 'NOT FINITE'}", flush=True)
+    if args.arch == "hopper":
+        ok = bool(torch.isfinite(decode()).all())
+        bad += not ok
+        print(f"decode (split-KV, paged, garbage indices): {'ok' if ok else 'NOT FINITE'}",
+              flush=True)
     ok = bool(torch.isfinite(blocks()).all())
     bad += not ok
     print(f"blocks (score attention, lse merge): {'ok' if ok else 'NOT FINITE'}")

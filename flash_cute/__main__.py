@@ -1,4 +1,4 @@
-"""`python -m flash_cute [inspect|bench [latency]|check|cache]` (also the `flash-cute` command).
+"""`python -m flash_cute [inspect|bench [latency|decode]|check|cache]` (also the `flash-cute` command).
 
 With no sub-command: on a CUDA machine, `check` (a quick correctness check against the
 float64 reference and a short benchmark with a plot); without a GPU, `inspect` (one forward
@@ -34,6 +34,10 @@ def main(argv=None) -> int:
         from flash_cute import inspection
 
         return inspection.run(args)
+    if args.command == "bench" and args.what == "decode":
+        from flash_cute import bench_decode
+
+        return bench_decode.run(args)
     if args.command == "bench" and args.what == "latency":
         from flash_cute import bench_latency
 

@@ -859,10 +859,11 @@ def _provider_list(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `bench` options to `parser` (the `bench` subparser of the CLI), with those of
     `bench latency` (`flash_cute.bench_latency`, which `flash_cute.__main__` runs)."""
-    parser.add_argument("what", nargs="?", choices=("throughput", "latency"),
+    parser.add_argument("what", nargs="?", choices=("throughput", "latency", "decode"),
                         default="throughput",
                         help="throughput: TFLOP/s over the grid (default); latency: host time "
-                             "per call of a tiny problem (flash_cute.bench_latency)")
+                             "per call of a tiny problem (flash_cute.bench_latency); decode: "
+                             "GB/s of KV-cache decode (flash_cute.bench_decode)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small grid: hdim {QUICK_HDIMS}, (batch, seqlen) {QUICK_SIZES}")
     parser.add_argument("--hdim", type=_int_list, default=None,
@@ -888,6 +889,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     latency.add_argument("--rounds", type=int, default=7, help="rounds per provider and case")
     latency.add_argument("--cases", default="fwd,fwd_bwd", help="fwd, fwd_bwd")
     latency.add_argument("--json", default=None, help="write the records here")
+    decode = parser.add_argument_group("decode")
+    decode.add_argument("--pages", type=_int_list, default=None,
+                        help="page sizes to run, 0 for the dense cache (default 0,16,64,256)")
     return parser
 
 
