@@ -76,8 +76,9 @@ def blocks() -> torch.Tensor:
 
 def decode() -> torch.Tensor:
     """Split-KV and paged decode, forward only: garbage page indices (negative, past the
-    cache, INT32_MAX) and cache lengths past the cache, which the kernels clamp."""
-    from flash_cute import flash_attn_varlen_func
+    cache, INT32_MAX) and cache lengths past the cache, which the kernels clamp; the
+    in-kernel append with garbage cache lengths."""
+    from flash_cute import flash_attn_varlen_func, flash_attn_with_kvcache
 
     q = torch.randn(3, 4, 16, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(40, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
@@ -93,6 +94,13 @@ def decode() -> torch.Tensor:
     dense_k = torch.randn(3, 3000, 2, 128, device="cuda", dtype=torch.bfloat16)
     out, _ = flash_attn_varlen_func(q, dense_k, dense_k, seqused_k=used, num_splits=5)
     sums.append(out.float().abs().sum())
+    # The in-kernel append (`kv_append`) with lengths before, inside and past the caches.
+    new = torch.randn(3, 4, 2, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([-9, 700, 2 ** 31 - 5], dtype=torch.int32, device="cuda")
+    for cache, pages in ((k, table), (dense_k, None)):
+        out = flash_attn_with_kvcache(q, cache, cache.clone(), new, new, cache_seqlens=lens,
+                                      block_table=pages, causal=True)
+        sums.append(out[1:].float().abs().sum())
     return torch.stack(sums)
 
 
@@ -120,12 +128,14 @@ def main() -> int:
     p.add_argument("--zero-tma-outputs", action="store_true",
                    help="zero the outputs the hopper kernels store by TMA (O, dK, dV) before "
                         "the kernels run: initcheck counts no TMA store as a write")
+    p.add_argument("--decode-only", action="store_true",
+                   help="only the decode family (split-KV, paged, the in-kernel append)")
     args = p.parse_args()
     if args.zero_tma_outputs:
         _zero_tma_outputs()
     torch.manual_seed(0)
     bad = 0
-    for name, spec in cases(args.arch):
+    for name, spec in [] if args.decode_only else cases(args.arch):
         print(f"== {args.arch} {name}", flush=True)
         sums = run_case(spec)
         torch.cuda.synchronize()
@@ -137,6 +147,8 @@ def main() -> int:
         bad += not ok
         print(f"decode (split-KV, paged, garbage indices): {'ok' if ok else 'NOT FINITE'}",
               flush=True)
+    if args.decode_only:
+        return int(bad > 0)
     ok = bool(torch.isfinite(blocks()).all())
     bad += not ok
     print(f"blocks (score attention, lse merge): {'ok' if ok else 'NOT FINITE'}")

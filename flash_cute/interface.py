@@ -427,10 +427,11 @@ def _refuse_unbuilt(args: dict) -> None:
 
 def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant=0,
-               dropout_p=0.0, splits=(1, None), page_table=None):
+               dropout_p=0.0, splits=(1, None), page_table=None, append=None):
     """Both public functions' call of the operators. `lengths`: (cu_seqlens_q, cu_seqlens_k,
     seqused_q, seqused_k), each a tensor or None; `splits`: (num_splits, seqlen_k_per_split);
-    `page_table`: k and v are paged caches read through it (no gradient: `_paged`).
+    `page_table`: k and v are paged caches read through it (no gradient: `_paged`);
+    `append`: (k_new, v_new) the kernel writes into the cache first (`attend_and_append`).
     With dropout the call's seed is drawn here, from torch's generator of q's device
     (`rng.draw_seed`)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
@@ -446,10 +447,39 @@ def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scal
         out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, options, variant, dropout_p, rng_seed,
                                         splits)
         return out, lse
+    if append is not None:
+        out, lse = plans.forward(q, k, v, *lengths, *options, False, variant, dropout_p,
+                                 rng_seed, *splits, page_table, *append)
+        return out, (lse if return_lse else None)
     fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
     out, lse = fwd(q, k, v, *lengths, *options, False, variant, dropout_p, rng_seed, *splits,
                    page_table)
     return out, (lse if return_lse else None)
+
+
+def attend_and_append(q, k_cache, v_cache, k_new, v_new, seqused_k, page_table=None,
+                      softmax_scale=None, causal=False, softcap=0.0, num_splits=0,
+                      return_lse=False, arch=None):
+    """The decode step of `flash_attn_with_kvcache` in one kernel: q [b, sq, h, d] attends to
+    the first seqused_k[b] rows of a padded (or, with page_table, paged) cache after the
+    kernel wrote k_new / v_new [b, s_new, hk, d] (contiguous) into its last s_new of them.
+    Eager CUDA calls with no gradient only: the operators, which torch.compile and the CPU
+    run, take no append (`flash_attn_with_kvcache` appends with torch operations there).
+    Every tile writes the new rows among the keys it visits before reading them
+    (`flash_cute.kv_append`), so a mask that leaves a new row unseen by every query (a local
+    window) would leave it unwritten: causal or no mask only."""
+    if not _eager(q, k_cache, v_cache, k_new, v_new, seqused_k):
+        raise ValueError("attend_and_append runs eager CUDA calls only")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache, k_new,
+                                                                 v_new)):
+        raise ValueError("attend_and_append has no backward: call it without gradients")
+    if page_table is not None:
+        paging.check_paged(k_cache, v_cache, page_table, q.shape[0])
+    paging.check_append(k_cache, v_cache, k_new, v_new, q.shape[0], seqused_k)
+    return _attention(q, k_cache, v_cache, (None, None, None, seqused_k), None, None,
+                      softmax_scale, causal, (None, None), softcap, None, False, arch,
+                      return_lse, splits=(num_splits, None), page_table=page_table,
+                      append=(k_new, v_new))
 
 
 def _dropout(dropout_p, q) -> tuple:

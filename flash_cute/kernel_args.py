@@ -42,6 +42,11 @@ class FwdArgs(NamedTuple):
     # Paged K/V (`Variant.page_size`): k, v [pages, page_size, hk, d] (also when q is varlen;
     # cu_seqlens_k is then None) and the page table int32 [b, max_pages].
     page_table: Optional[Any] = None
+    # In-place append (`Variant.append`, padded k only): k_new [b, s_new, hk, d] and v_new
+    # [b, s_new, hk, dv], written into k / v (dense or paged) at rows seqused_k[b] - s_new ..
+    # seqused_k[b] - 1 of sequence b before they are read.
+    k_new: Optional[Any] = None
+    v_new: Optional[Any] = None
 
 
 class BwdArgs(NamedTuple):
@@ -140,11 +145,12 @@ def _fake_scalars() -> dict:
 
 def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
                       seqused=(False, False), dropout: bool = False,
-                      split_kv: bool = False, paged: bool = False) -> FwdArgs:
+                      split_kv: bool = False, paged: bool = False,
+                      append: bool = False) -> FwdArgs:
     """A forward record of fake tensors with dynamic batch, heads and lengths, padded or
     varlen, for cross-compiling; `seqused`: (seqused_q, seqused_k) given; `dropout`: with
     the seed tensor; `split_kv`: out and lse as fp32 partials with a leading split mode;
-    `paged`: k and v as paged caches with a page table."""
+    `paged`: k and v as paged caches with a page table; `append`: with k_new / v_new."""
     from cutlass import Float32, Int32
 
     from flash_cute.jit import dynamic_dim, fake_tensor
@@ -156,6 +162,11 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
     if paged:
         rows_k, cu = (dynamic_dim(), dynamic_dim()), (cu[0], None)
         table = fake_tensor(Int32, (dynamic_dim(), dynamic_dim()), align=4)
+    new = (None, None)
+    if append:
+        rows_new = (dynamic_dim(), dynamic_dim())
+        new = (fake_tensor(dtype, rows_new + (heads_kv, hdim)),
+               fake_tensor(dtype, rows_new + (heads_kv, hdim_v)))
     return FwdArgs(
         q=fake_tensor(dtype, rows_q + (heads, hdim)),
         k=fake_tensor(dtype, rows_k + (heads_kv, hdim)),
@@ -164,7 +175,7 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
         lse=fake_tensor(Float32, splits + lse_shape, align=4), **_fake_scalars(),
         max_seqlen_q=Int32(1), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], seqused_q=used_q,
         seqused_k=used_k, **_fake_dropout(dropout), num_splits=Int32(1),
-        blocks_per_split=Int32(0), page_table=table)
+        blocks_per_split=Int32(0), page_table=table, k_new=new[0], v_new=new[1])
 
 
 def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(False, False),

@@ -71,7 +71,8 @@ def forward_spec(kernel, options: str, extra: Optional[dict] = None) -> "Compile
     args = fake_forward_args(kernel.dtype, kernel.hdim, kernel.hdim_v, kernel.varlen,
                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
                              dropout=kernel.dropout,
-                             split_kv=kernel.split_kv, paged=kernel.page_size > 0)
+                             split_kv=kernel.split_kv, paged=kernel.page_size > 0,
+                             append=getattr(kernel, "append", False))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=options,
                        extra=extra or {})
 

@@ -12,11 +12,16 @@ One call, in this order:
 3. attention of q over the cache rows ``cache_leftpad[b] ... cache_seqlens[b] + seqlen_new``
    (the appended tokens included, bottom-right causal), GQA as usual.
 
-The writes are torch operations before the attention kernel (no host sync: CUDA-graph
-safe). Without cache_batch_idx or cache_leftpad the cache is read in place, dense or through
-block_table (`flash_attn_varlen_func`'s page_table), its used rows seqused_k; those two
-still gather the used rows with torch operations first. ``num_splits`` is split-KV's (default 0: the heuristic,
-as in flash_attn 2; `flash_cute.splits`).
+Where the attention kernel can (the hopper pipeline on eager CUDA calls with no gradient, no
+local window, no cache_batch_idx / cache_leftpad), step 1's write is the kernel's own: each
+query tile writes the new rows among the keys it reads before reading them
+(`flash_cute.kv_append`, `interface.attend_and_append`); rotary is then torch operations on
+the new rows and q only. Elsewhere (torch.compile, the CPU, the ampere pipeline, small pages
+the kernel does not read) the writes are torch operations before the kernel (no host sync:
+CUDA-graph safe). Without cache_batch_idx or cache_leftpad the cache is read in place, dense
+or through block_table (`flash_attn_varlen_func`'s page_table), its used rows seqused_k;
+those two still gather the used rows with torch operations first. ``num_splits`` is
+split-KV's (default 0: the heuristic, as in flash_attn 2; `flash_cute.splits`).
 Index contents are clamped into the cache and page table (never read or written outside
 them); with `flash_cute.check_inputs(True)` their values are checked instead. alibi_slopes
 runs where flash-cute's mods run (CPU tensors for now).
@@ -26,8 +31,12 @@ from typing import Optional, Union
 
 import torch
 
-from flash_cute.interface import flash_attn_varlen_func
-from flash_cute.paging import page_rows
+from flash_cute import paging
+from flash_cute.interface import _eager, attend_and_append, flash_attn_varlen_func
+
+# Whether the attention kernel itself writes the appended k / v into the cache where it can
+# (`_kernel_appends`); off, torch operations write them first (tests compare the two).
+APPEND_IN_KERNEL = True
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -64,24 +73,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return (out, lse) if return_softmax_lse else out
     seqlens = _lengths(cache_seqlens, batch, k_cache, paged, q.device)
     new = 0 if k is None else k.shape[1]
-    rows = _row_index(batch, k_cache, block_table, cache_batch_idx, q.device)  # [b, capacity]
-    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    positions = None
     if k is not None:
         positions = seqlens[:, None] + torch.arange(new, device=q.device)
         if rotary_cos is not None:
             k = _rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
-        target = rows.gather(1, positions.clamp(0, rows.shape[1] - 1).long())
-        k_flat.index_copy_(0, target.flatten(), k.flatten(0, 1).to(k_cache.dtype))
-        v_flat.index_copy_(0, target.flatten(), v.flatten(0, 1).to(v_cache.dtype))
     if rotary_cos is not None:
         local = causal or tuple(window_size) != (-1, -1)
         offsets = torch.arange(seqlen_q, device=q.device) if local else \
             torch.zeros(seqlen_q, dtype=torch.long, device=q.device)
         q = _rotate(q, rotary_cos, rotary_sin, seqlens[:, None] + offsets, rotary_interleaved)
+    used = (seqlens + new).clamp(0, capacity).to(torch.int32)
+    if in_place and k is not None and _kernel_appends(q, k_cache, v_cache, k, v, window_size,
+                                                      alibi_slopes):
+        out, lse = attend_and_append(
+            q, k_cache, v_cache, k.to(k_cache.dtype).contiguous(),
+            v.to(v_cache.dtype).contiguous(), used, block_table, softmax_scale, causal,
+            attend["softcap"], num_splits, return_softmax_lse)
+        return (out, lse) if return_softmax_lse else out
+    rows = _row_index(batch, k_cache, block_table, cache_batch_idx, q.device)  # [b, capacity]
+    if k is not None:
+        paging.write_rows(k_cache, v_cache, k, v, rows, positions)
     if in_place:
-        used = (seqlens + new).clamp(0, capacity).to(torch.int32)
         out, lse = flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=used, **attend)
         return (out, lse) if return_softmax_lse else out
+    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     start = (torch.zeros_like(seqlens) if cache_leftpad is None else cache_leftpad.long())
     used = (seqlens + new - start).clamp(min=0)
     # Rows leftpad[b] + t of each batch entry, gathered into a padded [b, capacity] view.
@@ -118,6 +134,16 @@ def _used(cache_seqlens, batch, capacity: int, q, paged: bool):
                 _FULL_LENGTHS.clear()
             _FULL_LENGTHS[key] = used
     return used
+
+
+def _kernel_appends(q, k_cache, v_cache, k, v, window_size, alibi_slopes) -> bool:
+    """Whether the attention kernel appends k / v itself (`interface.attend_and_append`):
+    eager CUDA calls with no gradient, a query row, no local window (every new row must be
+    seen by some query tile, which writes it) and no ALiBi."""
+    tensors = (q, k_cache, v_cache, k, v)
+    return (APPEND_IN_KERNEL and _eager(*tensors) and q.shape[0] > 0 and q.shape[1] > 0
+            and tuple(window_size) in ((-1, -1), (None, None)) and alibi_slopes is None
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
 def _check(q, k_cache, v_cache, k, v, cos, sin, batch_idx, leftpad, block_table) -> None:
@@ -170,12 +196,11 @@ def _lengths(cache_seqlens, batch, k_cache, paged, device, convert=True) -> torc
 def _row_index(batch, k_cache, block_table, batch_idx, device) -> torch.Tensor:
     """[b, capacity]: the flat cache row (of k_cache.flatten(0, 1)) of each sequence's
     position, every index clamped into the cache."""
-    if block_table is None:
-        seq = k_cache.shape[1]
-        entry = torch.arange(batch, device=device) if batch_idx is None else \
-            batch_idx.long().clamp(0, k_cache.shape[0] - 1)
-        return entry[:, None] * seq + torch.arange(seq, device=device)
-    return page_rows(block_table, *k_cache.shape[:2])
+    if batch_idx is None:
+        return paging.cache_rows(k_cache, block_table, batch)
+    seq = k_cache.shape[1]
+    entry = batch_idx.long().clamp(0, k_cache.shape[0] - 1)
+    return entry[:, None] * seq + torch.arange(seq, device=device)
 
 
 def _rotate(x, cos, sin, positions, interleaved: bool):

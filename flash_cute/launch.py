@@ -130,11 +130,13 @@ class ForwardLaunch:
     `flash_cute.splits.Splits` (split-KV: the kernel writes fp32 partials per split, which
     `lse_merge` then merges into O and LSE) or None. `page_table`: k / v are paged caches
     read through it (an int32 [batch, max_pages] tensor of a first call; each call passes its
-    own), for a kernel class that pages."""
+    own), for a kernel class that pages. `append`: (k_new, v_new) of a first call, contiguous
+    [batch, s_new, heads_kv, d]: the kernel writes them into k / v first (`kv_append`), for a
+    kernel class that appends."""
 
     def __init__(self, name: str, make_kernel, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                  seqused_q, seqused_k, schedule: tuple, options: str, target: str,
-                 prepare=None, pack_gqa: int = 1, splits=None, page_table=None):
+                 prepare=None, pack_gqa: int = 1, splits=None, page_table=None, append=None):
         from flash_cute.jit import DTYPES, CompileKey, KernelCall, TensorArg, tensor_arg
 
         _check_seqused(problem, seqused_q, seqused_k)
@@ -151,6 +153,8 @@ class ForwardLaunch:
         self.no_work = has_no_work(q, k, problem)
         self.call = self.merge = None
         self.splits = splits
+        if self.no_work and append is not None:
+            raise ValueError("an append needs a launch that runs (a query row and a key)")
         if self.no_work:
             return
         self.restride = tuple(_restride(t, prepare) for t in (q, k, v))
@@ -162,7 +166,8 @@ class ForwardLaunch:
         self.dropout = problem.dropout_p > 0
         self.dropout_scalars = tuple(drop.values())
         variant = Variant.from_problem(problem, pack_gqa, split_kv=splits is not None,
-                                       page_size=0 if page_table is None else k.shape[1])
+                                       page_size=0 if page_table is None else k.shape[1],
+                                       append=append is not None)
         dtype = dtype_name(q.dtype)
         key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(schedule),
                          variant.flags())
@@ -184,7 +189,9 @@ class ForwardLaunch:
                        rng_seed=_seed_spec(q.device, self.dropout), **drop,
                        num_splits=self.split_scalars[0],
                        blocks_per_split=self.split_scalars[1],
-                       page_table=tensor_arg(page_table, 4))
+                       page_table=tensor_arg(page_table, 4),
+                       k_new=None if append is None else TensorArg(append[0]),
+                       v_new=None if append is None else TensorArg(append[1]))
         self.call = KernelCall(key, lambda: make_kernel(DTYPES[dtype], problem.hdim,
                                                         problem.hdim_v, variant,
                                                         schedule=tuple(schedule)),
@@ -216,7 +223,7 @@ class ForwardLaunch:
                              device=self.device)
 
     def __call__(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                 seqused_k=None, rng_seed=None, page_table=None):
+                 seqused_k=None, rng_seed=None, page_table=None, append=(None, None)):
         out, lse = self._alloc()
         if self.no_work:
             lse.fill_(-math.inf)
@@ -227,7 +234,7 @@ class ForwardLaunch:
         kernel_out, kernel_lse = (out, lse) if self.merge is None else self._alloc_parts()
         self.call(q, k, v, kernel_out, kernel_lse, *self.scalars, cu_seqlens_q, cu_seqlens_k,
                   seqused_q, seqused_k, _seed_words(rng_seed, self.dropout),
-                  *self.dropout_scalars, *self.split_scalars, page_table)
+                  *self.dropout_scalars, *self.split_scalars, page_table, *append)
         if self.merge is not None:
             self.merge(kernel_out, kernel_lse, out, lse)
         return out, lse
@@ -263,12 +270,34 @@ class GatheredPages:
                            rng_seed=rng_seed)
 
 
+class AppendFirst:
+    """An append (`ForwardLaunch`'s `append`) for a launch whose kernel writes none: torch
+    operations write k_new / v_new into the cache at rows seqused_k[b] - s_new .. of each
+    sequence (`paging.write_rows`, indices clamped into the cache), then the launch runs."""
+
+    def __init__(self, launch):
+        self.launch = launch
+
+    def __call__(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                 seqused_k=None, rng_seed=None, page_table=None, append=(None, None)):
+        from flash_cute import paging
+
+        k_new, v_new = append
+        rows = paging.cache_rows(k, page_table, k_new.shape[0])
+        positions = (seqused_k[:, None].long() - k_new.shape[1]
+                     + torch.arange(k_new.shape[1], device=k.device))
+        paging.write_rows(k, v, k_new, v_new, rows, positions)
+        paged = {} if page_table is None else {"page_table": page_table}
+        return self.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                           rng_seed=rng_seed, **paged)
+
+
 # `ForwardLaunch.__call__` passes the record's fields in this order.
 assert FwdArgs._fields == ("q", "k", "v", "out", "lse", "softmax_scale", "softcap",
                            "window_left", "window_right", "max_seqlen_q", "cu_seqlens_q",
                            "cu_seqlens_k", "seqused_q", "seqused_k", "rng_seed",
                            "keep_threshold", "dropout_scale", "num_splits", "blocks_per_split",
-                           "page_table")
+                           "page_table", "k_new", "v_new")
 
 
 def _seed_words(rng_seed, dropout: bool):

@@ -54,3 +54,40 @@ def logical(k_cache, v_cache, page_table, varlen: bool):
             for t in (k_cache, v_cache))
     cu = torch.arange(0, (batch + 1) * rows, rows, dtype=torch.int32) if varlen else None
     return k, v, cu
+
+
+def check_append(k_cache, v_cache, k_new, v_new, batch: int, seqused_k) -> None:
+    """Shapes, dtypes and devices of the rows an attention call appends to its cache
+    (ValueError naming the argument): k_new [batch, s_new, heads_kv, d] and v_new like it
+    with v's head dim, the cache's dtype and device, contiguous; seqused_k (the lengths after
+    the append) given."""
+    want = (batch, None, k_cache.shape[2])
+    for name, new, cache in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
+        if not (isinstance(new, torch.Tensor) and new.dim() == 4 and new.shape[0] == batch
+                and new.shape[1] == k_new.shape[1] >= 1 and new.shape[2:] == cache.shape[2:]):
+            got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+            raise ValueError(f"{name} must be [batch={batch}, s_new >= 1, heads_kv={want[2]}, "
+                             f"{cache.shape[3]}] (the rows appended to the cache), got {got}")
+        if new.dtype != cache.dtype or new.device != cache.device or not new.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {cache.dtype} tensor on "
+                             f"{cache.device}, like the cache, got {new.dtype} on {new.device}")
+    if seqused_k is None:
+        raise ValueError("an append needs seqused_k: each sequence's length after it")
+
+
+def cache_rows(k_cache, page_table, batch: int) -> torch.Tensor:
+    """[batch, capacity]: the row of cache.flatten(0, 1) of each sequence's position, in a
+    dense [batch, capacity, heads_kv, d] cache or through a page table."""
+    if page_table is not None:
+        return page_rows(page_table, *k_cache.shape[:2])
+    capacity = k_cache.shape[1]
+    return (torch.arange(batch, device=k_cache.device)[:, None] * capacity
+            + torch.arange(capacity, device=k_cache.device))
+
+
+def write_rows(k_cache, v_cache, k_new, v_new, rows, positions) -> None:
+    """k_new / v_new [batch, s_new, ..] into the caches at `positions` [batch, s_new] of each
+    sequence (rows: `cache_rows`), in place; positions clamped into the rows."""
+    target = rows.gather(1, positions.clamp(0, rows.shape[1] - 1).long()).flatten()
+    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+        cache.flatten(0, 1).index_copy_(0, target, new.flatten(0, 1).to(cache.dtype))

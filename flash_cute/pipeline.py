@@ -24,6 +24,9 @@ SEQUSED = "seqused"  # per-sequence used lengths (seqused_q / seqused_k)
 PACK_GQA = "pack_gqa"  # a K/V head's query heads in one tile's rows, on request
 DETERMINISTIC = "deterministic"  # bitwise reproducible backward
 DROPOUT = "dropout"  # dropout of the attention weights in the kernels (`flash_cute.dropout`)
+# The forward writes a decode step's new K/V rows into the cache it reads (`kv_append`);
+# without it they are written by torch operations first (`launch.AppendFirst`).
+APPEND = "append"
 
 # What a message calls each one (the argument a user passed).
 _SPELLED = {SEQUSED: "seqused_q/seqused_k", PACK_GQA: "pack_gqa=True",
@@ -55,7 +58,8 @@ class Pipeline:
     verified only) stays out of the default order and runs only when named with arch=.
     `inspect_configs()`: its registered configs for `inspect`, imported only when called.
     Decode needs no entry point of its own: `plan_forward` takes `problem.num_splits`
-    (`flash_cute.splits`) and a `page_table` keyword (k / v paged, `flash_cute.paging`).
+    (`flash_cute.splits`), a `page_table` keyword (k / v paged, `flash_cute.paging`) and,
+    with the `append` capability, an `append` keyword ((k_new, v_new) written into the cache).
     """
 
     name: str

@@ -18,7 +18,7 @@ import torch
 
 from flash_cute import paging
 from flash_cute.dispatch import check_capabilities, select_backward_pipeline, select_pipeline
-from flash_cute.pipeline import Pipeline, required_capabilities
+from flash_cute.pipeline import APPEND, Pipeline, required_capabilities
 from flash_cute.validation import (AttentionProblem, check_index_contents,
                                    validate_attention_inputs, validate_backward_inputs)
 
@@ -188,7 +188,7 @@ def _refuse_variant(key: int) -> None:
 
 
 def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
-               page_table=None) -> _Plan:
+               page_table=None, append=None) -> _Plan:
     deterministic, arch, needs_grad = options[8:11]
     _refuse_variant(options[11])
     problem = validate_call(q, k, v, lengths, options, dropout=(options[12], rng_seed),
@@ -205,9 +205,24 @@ def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
         # Refused now, before the forward runs, rather than in the backward.
         bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
     paged = {} if page_table is None else {"page_table": page_table}
+    if append is not None:
+        _check_append(q, k, v, lengths, append, problem, page_table)
+        if APPEND in pipeline.capabilities:
+            paged["append"] = append
     with torch.cuda.device(q.device):
         launch = pipeline.plan_forward(q, k, v, problem, *lengths, **paged)
+    if append is not None and APPEND not in pipeline.capabilities:
+        from flash_cute.launch import AppendFirst
+
+        launch = AppendFirst(launch)
     return _Plan(problem, pipeline, bwd_pipeline, bool(deterministic), launch)
+
+
+def _check_append(q, k, v, lengths, append, problem, page_table) -> None:
+    if problem.varlen or lengths[3] is None:
+        raise ValueError("an append runs on a padded (or paged) cache with seqused_k, not "
+                         "with cu_seqlens")
+    paging.check_append(k, v, *append, problem.batch, lengths[3])
 
 
 def _backward_pipeline(device, pipeline, problem, deterministic) -> Pipeline:
@@ -223,16 +238,22 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options)
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     splits = fwd_splits(options)
     page_table = options[16] if len(options) > 16 else None
+    # (k_new, v_new): written into the cache by the call (`interface.attend_and_append`,
+    # eager calls only: the operator's schema has no such argument).
+    append = tuple(options[17:19]) if len(options) > 17 else None
     options, rng_seed = split_seed(options, 13)
-    key = _call_key((q, k, v, rng_seed, page_table) + lengths, options + splits)
+    key = _call_key((q, k, v, rng_seed, page_table) + lengths + (append or ()),
+                    options + splits)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(q, k, v, lengths, options, rng_seed, splits, page_table)
+        plan = _make_plan(q, k, v, lengths, options, rng_seed, splits, page_table, append)
         _PLANS.put(key, plan)
     if _CHECK_INPUTS[0] and (lengths != (None, None, None, None) or page_table is not None):
         # Contents change from call to call under the same key: checked every call.
         _check_contents(q, k, v, lengths, plan.problem, page_table)
     paged = {} if page_table is None else {"page_table": page_table}
+    if append is not None:
+        paged["append"] = append
     # Kernels launch on the current device and stream: make that q's device.
     with on_device(q):
         return plan.launch(q, k, v, *lengths, rng_seed=rng_seed, **paged)

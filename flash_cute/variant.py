@@ -9,7 +9,9 @@ kernel drops attention weights (`flash_cute.dropout`; p, the seed and the scale 
 `split_kv`: the forward writes fp32 partial results per key split for `flash_cute.lse_merge`
 (split-KV; the split count and size are run-time). `page_size` > 0: K and V are a paged cache
 [pages, page_size, heads_kv, d] read through a page table (its rows are compile-time, the
-table and its lengths run-time; seqused_k gives the lengths).
+table and its lengths run-time; seqused_k gives the lengths). `append`: the forward first
+writes new keys and values (k_new / v_new, the last rows of each sequence's seqused_k) into
+the cache it reads (the decode step's in-place append, `flash_attn_with_kvcache`).
 """
 
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ class Variant:
     dropout: bool = False
     split_kv: bool = False
     page_size: int = 0
+    append: bool = False
 
     def __post_init__(self):
         # Causal is the window (left, 0): a right window on top of it means nothing.
@@ -44,7 +47,7 @@ class Variant:
 
     @classmethod
     def from_problem(cls, problem, pack_gqa: int = 1, split_kv: bool = False,
-                     page_size: int = 0) -> "Variant":
+                     page_size: int = 0, append: bool = False) -> "Variant":
         """From a validated `flash_cute.validation.AttentionProblem` (and the pipeline's
         decisions on packing its heads and splitting its keys)."""
         return cls(causal=problem.causal, window_left=problem.window_left is not None,
@@ -52,7 +55,7 @@ class Variant:
                    softcap=problem.softcap > 0, varlen=problem.varlen,
                    seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k,
                    pack_gqa=pack_gqa, dropout=problem.dropout_p > 0, split_kv=split_kv,
-                   page_size=page_size)
+                   page_size=page_size, append=append)
 
     @classmethod
     def from_flags(cls, flags: dict) -> "Variant":
@@ -62,7 +65,8 @@ class Variant:
                    softcap=flags.get("softcap", False), varlen=flags.get("varlen", False),
                    seqused_q=flags.get("seqused_q", False), seqused_k=flags.get("seqused_k", False),
                    pack_gqa=flags.get("pack_gqa", 1), dropout=flags.get("dropout", False),
-                   split_kv=flags.get("split_kv", False), page_size=flags.get("page", 0))
+                   split_kv=flags.get("split_kv", False), page_size=flags.get("page", 0),
+                   append=flags.get("append", False))
 
     def flags(self) -> tuple:
         flags = (("causal", self.causal), ("left", self.window_left), ("right", self.window_right),
@@ -72,7 +76,8 @@ class Variant:
         flags += (("pack_gqa", self.pack_gqa),) if self.pack_gqa > 1 else ()
         flags += (("dropout", True),) if self.dropout else ()
         flags += (("split_kv", True),) if self.split_kv else ()
-        return flags + ((("page", self.page_size),) if self.page_size else ())
+        flags += (("page", self.page_size),) if self.page_size else ()
+        return flags + ((("append", True),) if self.append else ())
 
 
 def set_kernel_switches(kernel, variant: Variant) -> None:
@@ -91,6 +96,7 @@ def set_kernel_switches(kernel, variant: Variant) -> None:
     kernel.dropout = variant.dropout
     kernel.split_kv = variant.split_kv
     kernel.page_size = variant.page_size
+    kernel.append = variant.append
 
 
 def kernel_head_dims(pipeline: str, hdim: int, hdim_v, schedules: dict, schedule) -> tuple:

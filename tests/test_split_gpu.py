@@ -281,3 +281,70 @@ def test_kvcache_reads_pages_in_place(page):
     kg, vg = gather(k, v, table)
     assert torch.equal(kg[0, 300], new_k[0, 0]) and torch.equal(kg[1, 511], new_k[1, 0])
     check_forward(out, None, q, kg, vg, seqused_k=lens + 1, causal=True)
+
+
+# ---------------------------------------------------------------- in-kernel append
+
+
+@pytest.mark.parametrize("page", [None, 1, 16, 64, 256])
+@pytest.mark.parametrize("num_splits, new, group", [(1, 1, 4), (0, 4, 1), (5, 1, 8),
+                                                   (0, 1, 4), (3, 4, 4)])
+def test_kernel_append_equals_the_torch_append(monkeypatch, page, num_splits, new, group):
+    """flash_attn_with_kvcache with k / v appended by the attention kernel (`kv_append`)
+    against the same call appending with torch operations first: the caches bitwise equal
+    afterwards, the outputs against float64 on the appended cache; lengths ragged (0, inside a
+    page, at a split's edge), rotary on, causal."""
+    from flash_cute import kvcache
+    from flash_cute.paging import gather
+
+    hk, d, capacity = 2, 128, 1024
+    gen = torch.Generator(device="cuda").manual_seed(page or 0)
+    shape = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    lens = torch.tensor([0, 5, 511, 1019 - new], dtype=torch.int32, device="cuda")
+    b = lens.shape[0]
+    q = torch.randn(b, new, hk * group, d, **shape)
+    k_new, v_new = torch.randn(b, new, hk, d, **shape), torch.randn(b, new, hk, d, **shape)
+    angle = torch.rand(capacity, 32, device="cuda", generator=gen) * 6.28
+    cos, sin = torch.cos(angle).bfloat16(), torch.sin(angle).bfloat16()
+    if page is None:
+        k_cache, v_cache = torch.randn(b, capacity, hk, d, **shape), None
+        v_cache, table = torch.randn_like(k_cache), None
+    else:
+        k_cache, v_cache, table = _paged_cache(b, capacity // page, page, hk, d, seed=page)
+    results = []
+    for in_kernel in (True, False):
+        monkeypatch.setattr(kvcache, "APPEND_IN_KERNEL", in_kernel)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out, lse = flash_cute.flash_attn_with_kvcache(
+            q, kc, vc, k_new, v_new, cos, sin, cache_seqlens=lens, block_table=table,
+            causal=True, num_splits=num_splits, rotary_interleaved=False,
+            return_softmax_lse=True)
+        results.append((out, lse, kc, vc))
+    (out, lse, kc, vc), (_, _, kc_torch, vc_torch) = results
+    assert torch.equal(kc, kc_torch) and torch.equal(vc, vc_torch)
+    kg, vg = (kc, vc) if table is None else gather(kc, vc, table)
+    qr = _rotate_like_kvcache(q, cos, sin, lens)
+    check_forward(out, lse, qr, kg, vg, seqused_k=lens + new, causal=True)
+
+
+def _rotate_like_kvcache(q, cos, sin, lens):
+    """q rotated as flash_attn_with_kvcache does for a causal call (GPT-NeoX halves)."""
+    from flash_cute.kvcache import _rotate
+
+    positions = lens[:, None].long() + torch.arange(q.shape[1], device=q.device)
+    return _rotate(q, cos, sin, positions, False)
+
+
+def test_kernel_append_with_garbage_lengths_stays_inside_the_cache():
+    """cache_seqlens past the cache and negative: the kernel's writes and reads stay inside
+    the cache (compute-sanitizer runs this family in bench/sanitize_cases.py)."""
+    k_cache = torch.randn(3, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    guard = k_cache.clone()
+    q = torch.randn(3, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
+    new = torch.randn(3, 2, 2, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([-40, 255, 10 ** 6], dtype=torch.int32, device="cuda")
+    out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=lens,
+                                             causal=True)
+    assert torch.isfinite(out[1:]).all()
+    assert torch.equal(k_cache[0], guard[0])   # every row of sequence 0 lies before row 0

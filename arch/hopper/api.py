@@ -38,10 +38,11 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
 
 def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, schedule=None,
-                 page_table=None) -> launch.ForwardLaunch:
+                 page_table=None, append=None) -> launch.ForwardLaunch:
     """The `launch.ForwardLaunch` of `forward`'s call configuration. `page_table`: k / v
     are paged caches, read by the kernel (`paged`) where their page size allows, else
-    gathered first (`launch.GatheredPages`)."""
+    gathered first (`launch.GatheredPages`). `append`: (k_new, v_new) written into the
+    cache by the kernel (`kv_append`), or by torch first where the pages are gathered."""
     from flash_cute.jit import current_target
 
     target = current_target()
@@ -51,7 +52,8 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     if page_table is not None and not pages_in_kernel(k.shape[1]):
         plan = functools.partial(plan_forward, schedule=schedule)
-        return launch.GatheredPages(plan, q, k, v, problem, lengths, page_table)
+        gathered = launch.GatheredPages(plan, q, k, v, problem, lengths, page_table)
+        return gathered if append is None else launch.AppendFirst(gathered)
     pack = launch.packed_heads(problem, PACK_ROWS, FWD_SCHEDULES[problem.hdim].tile_m)
     short = short_causal(problem.causal, problem.max_seqlen_q * pack, problem.max_seqlen_k)
 
@@ -67,7 +69,7 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
     return launch.ForwardLaunch("hopper.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
                                 cu_seqlens_k, seqused_q, seqused_k, chosen, COMPILE_OPTIONS,
                                 target, prepare=tma_ready, pack_gqa=pack, splits=splits,
-                                page_table=page_table)
+                                page_table=page_table, append=append)
 
 
 def pages_in_kernel(page_size: int) -> bool:

@@ -32,6 +32,7 @@ from flash_cute.block_range import block_range, block_runs, split_range
 from flash_cute.dropout import Dropout
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
+from flash_cute.kv_append import append_rows
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
@@ -226,10 +227,18 @@ class HopperFwd:
             args.cu_seqlens_k, args.seqused_q,
             args.seqused_k, order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout,
             sO_layout, args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
-            args.num_splits, args.blocks_per_split, args.page_table, mma_qk, mma_pv,
-            SharedStorage, tx_bytes,
+            args.num_splits, args.blocks_per_split, args.page_table,
+            self._append_tensors(mK, mV, args), mma_qk, mma_pv, SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
+
+    def _append_tensors(self, mK, mV, args: FwdArgs):
+        """(cache K, cache V, k_new, v_new) as global tensors for `kv_append` (None without
+        the append)."""
+        if cutlass.const_expr(not self.append):
+            return None
+        vec = 128 // self.dtype.width
+        return (mK, mV) + tuple(assume_aligned_strides(t, vec) for t in (args.k_new, args.v_new))
 
     def _q_o_lse(self, mQ, mO, mLSE, sQ_layout, sO_layout):
         """Q's TMA atom and coordinates; O's TMA store atom and coordinates (None and the
@@ -337,7 +346,7 @@ class HopperFwd:
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                mSeed: Optional[cute.Tensor], keep_threshold: Int32, dropout_scale: Float32,
                nheads: Int32, num_splits: Int32, blocks_per_split: Int32,
-               mPageTable: Optional[cute.Tensor],
+               mPageTable: Optional[cute.Tensor], append_tensors,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -367,7 +376,8 @@ class HopperFwd:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
-                self.produce(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles)
+                self.produce(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles,
+                             append_tensors)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             tidx = cute.arch.thread_idx()[0] - 128
@@ -377,20 +387,22 @@ class HopperFwd:
                          mod_scale, (mSeed, keep_threshold, dropout_scale, nheads))
 
     @cute.jit
-    def produce(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles):
+    def produce(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles,
+                append_tensors):
         """Warp 0 of the producer warpgroup, all 32 lanes, over this CTA's tiles."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         step = functools.partial(self.produce_tile, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV,
-                                 pipes, tiles)
+                                 pipes, tiles, append_tensors)
         for_each_tile(tiles, self.persistent, step, (q_state, kv))
 
     @cute.jit
     def produce_tile(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles,
-                     tile: Int32, q_state, kv):
+                     append_tensors, tile: Int32, q_state, kv):
         """TMA of one tile's Q and K/V blocks: `producer_acquire` elects the lane that arms the
         barrier, and the TMA copy elects its own issuing lane. The Q acquire waits until the
-        consumers released the last tile's Q (see `OutputStore` for when that is)."""
+        consumers released the last tile's Q (see `OutputStore` for when that is). With the
+        append, the new K/V rows among the tile's blocks are written first (`kv_append`)."""
         pipe_q = pipes[0]
         m_block, head, head_kv, seq, split = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
@@ -400,6 +412,11 @@ class HopperFwd:
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
+            if cutlass.const_expr(self.append):
+                append_rows(*append_tensors, tiles.page_table, self.page_size, seq.batch,
+                            head_kv, seq.seqlen_k, rng.n_block_min * self.tile_n,
+                            rng.n_block_max * self.tile_n, cute.arch.lane_idx(), 32)
+                cute.arch.sync_warp()
             if cutlass.const_expr(self.page_size > 0):
                 kv = self.produce_paged(tma_k, tma_v, mK, mV, sK, sV, pipes, tiles, seq,
                                         head_kv, rng, kv)

@@ -106,6 +106,11 @@ def _fwd_configs():
                                          "page": 64}),
                            ((128, 128), {"causal": True, "varlen": True, "seqused_k": True,
                                          "split_kv": True, "page": 256}),
+                           # The decode step's in-place append (`kv_append`), dense and paged.
+                           ((128, 128), {"causal": True, "seqused_k": True, "split_kv": True,
+                                         "pack_gqa": 4, "append": True}),
+                           ((128, 128), {"causal": True, "seqused_k": True, "split_kv": True,
+                                         "pack_gqa": 4, "page": 16, "append": True}),
                            ((256, 256), {"causal": True, "split_kv": True})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
