@@ -473,9 +473,8 @@ def attend_and_append(q, k_cache, v_cache, k_new, v_new, seqused_k, page_table=N
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache, k_new,
                                                                  v_new)):
         raise ValueError("attend_and_append has no backward: call it without gradients")
-    if page_table is not None:
-        paging.check_paged(k_cache, v_cache, page_table, q.shape[0])
-    paging.check_append(k_cache, v_cache, k_new, v_new, q.shape[0], seqused_k)
+    # The cache, its pages and the new rows are checked when the call's plan is made
+    # (`plans._make_plan`, `paging.check_append`).
     return _attention(q, k_cache, v_cache, (None, None, None, seqused_k), None, None,
                       softmax_scale, causal, (None, None), softcap, None, False, arch,
                       return_lse, splits=(num_splits, None), page_table=page_table,

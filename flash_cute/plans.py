@@ -206,7 +206,7 @@ def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
         bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
     paged = {} if page_table is None else {"page_table": page_table}
     if append is not None:
-        _check_append(q, k, v, lengths, append, problem, page_table)
+        _check_append(k, v, lengths, append, problem)
         if APPEND in pipeline.capabilities:
             paged["append"] = append
     with torch.cuda.device(q.device):
@@ -218,7 +218,7 @@ def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
     return _Plan(problem, pipeline, bwd_pipeline, bool(deterministic), launch)
 
 
-def _check_append(q, k, v, lengths, append, problem, page_table) -> None:
+def _check_append(k, v, lengths, append, problem) -> None:
     if problem.varlen or lengths[3] is None:
         raise ValueError("an append runs on a padded (or paged) cache with seqused_k, not "
                          "with cu_seqlens")

@@ -213,3 +213,48 @@ def test_page_table_on_the_varlen_function_reads_the_pages_in_order():
     assert torch.equal(full, want_full)
     with pytest.raises(ValueError, match="page_table must be int32"):
         flash_cute.flash_attn_varlen_func(q, k_pages, v_pages, page_table=table.long())
+
+
+def test_append_checks_and_the_torch_append_of_a_launch():
+    """`paging.check_append` names each bad argument; `launch.AppendFirst` (the append of a
+    pipeline whose kernel writes none) puts row i of k_new at seqused_k[b] - s_new + i of a
+    dense or paged cache, clamped into it, before running the launch."""
+    from flash_cute import launch, paging
+
+    cache = torch.zeros(2, 8, 1, 8)
+    new = torch.arange(2 * 3 * 8, dtype=torch.float32).view(2, 3, 1, 8) + 1
+    used = torch.tensor([5, 2], dtype=torch.int32)
+    paging.check_append(cache, cache, new, new, 2, used)
+    for bad, match in ((new[:1], "k_new must be"), (new.double(), "contiguous"),
+                       (new.transpose(1, 3).contiguous().transpose(1, 3), "contiguous")):
+        with pytest.raises(ValueError, match=match):
+            paging.check_append(cache, cache, bad, new, 2, used)
+    with pytest.raises(ValueError, match="needs seqused_k"):
+        paging.check_append(cache, cache, new, new, 2, None)
+
+    ran = []
+    run = launch.AppendFirst(lambda *a, **kw: ran.append(kw))
+    k, v = cache.clone(), cache.clone()
+    run(None, k, v, seqused_k=used, append=(new, new * 2))
+    assert ran == [{"rng_seed": None}]
+    assert torch.equal(k[0, 2:5], new[0]) and torch.equal(v[0, 2:5], 2 * new[0])
+    assert torch.equal(k[1, 0], new[1, 1]) and torch.equal(k[1, 1], new[1, 2])
+    assert not k[0, :2].any() and not k[0, 5:].any() and not k[1, 2:].any()
+
+    pages = torch.zeros(4, 4, 1, 8)
+    table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    run(None, pages, pages.clone(), seqused_k=used, append=(new, new), page_table=table)
+    assert torch.equal(pages[3, 2:4], new[0, :2]) and torch.equal(pages[1, 0], new[0, 2])
+    assert torch.equal(pages[0, 0:2], new[1, 1:3])
+
+
+def test_kernel_append_is_for_eager_cuda_calls_only():
+    from flash_cute.interface import attend_and_append
+    from flash_cute.kvcache import _kernel_appends
+
+    q = torch.randn(1, 1, 2, 8)
+    cache = torch.randn(1, 8, 1, 8)
+    assert not _kernel_appends(q, cache, cache, cache[:, :1], cache[:, :1], (-1, -1), None)
+    with pytest.raises(ValueError, match="eager CUDA calls only"):
+        attend_and_append(q, cache, cache, cache[:, :1], cache[:, :1],
+                          torch.tensor([3], dtype=torch.int32))
