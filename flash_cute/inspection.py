@@ -139,7 +139,8 @@ def comparison(entries: list) -> str:
     for family, names in _FAMILIES:
         rows.append((family, [", ".join(f"{name} {n}" for name, n in _by_name(e["sass"], names)
                                         if n) or "-" for e in cols]))
-    rows.append(("exp2 in software", ["none yet" for _ in cols]))
+    rows.append(("exp2 in software", [f"{e['config']['ex2_emu']}/16" if e["config"].get("ex2_emu")
+                                      else "off" for e in cols]))
     width = max(len(name) for name, _ in rows)
     col = max([len(v) for _, values in rows for v in values] + [10])
     out = [f"{name:<{width}}  " + "  ".join(f"{v:<{col}}" for v in values)

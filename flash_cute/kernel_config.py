@@ -42,6 +42,9 @@ class KernelConfig:
         # so do its named numbers past the leading three (the backward's do_stages), when set.
         out.update({n: x for n, x in zip(names[3:], self.schedule[3:]) if x is not None})
         out.update(self.flag_dict)
+        if "ex2_emu" in out:
+            # The software exp2's share of the softmax exponentials (`exp2_emu`).
+            out["ex2_emulation_fraction"] = out["ex2_emu"] / 16
         return out
 
 

@@ -16,7 +16,7 @@ import torch
 import tvm_ffi  # noqa: F401
 
 from flash_cute.kernel_args import BwdArgs, FwdArgs, dropout_scalars, score_scalars
-from flash_cute.variant import Variant, dtype_name
+from flash_cute.variant import Variant, dtype_name, ex2_emulation_per16
 
 
 def check_head_dims(pipeline: str, problem, supported) -> None:
@@ -167,7 +167,8 @@ class ForwardLaunch:
         self.dropout_scalars = tuple(drop.values())
         variant = Variant.from_problem(problem, pack_gqa, split_kv=splits is not None,
                                        page_size=0 if page_table is None else k.shape[1],
-                                       append=append is not None)
+                                       append=append is not None,
+                                       ex2_per16=ex2_emulation_per16())
         dtype = dtype_name(q.dtype)
         key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(schedule),
                          variant.flags())

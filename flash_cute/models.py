@@ -282,8 +282,14 @@ EXP2_POLY_MAX_REL_ERR = {3: 1.04e-4, 4: 3.5e-6, 5: 2.0e-7}
 _EXP2_MIN_INPUT = -127.0
 
 
-def exp2_poly(x: torch.Tensor, degree: int = 3) -> torch.Tensor:
+def exp2_poly(x: torch.Tensor, degree: int = 3, fused: bool = False) -> torch.Tensor:
     """Software 2^x in float32: ``2^floor(x) * p(x - floor(x))``.
+
+    ``fused``: each Horner step rounded once, as the kernels' FMA (`flash_cute.exp2_emu`)
+    rounds it: the product is exact in float64 and the sum is rounded to float64, then to
+    float32 (the same as one rounding unless the float64 sum lands exactly halfway between
+    two float32 values, which an H200 comparison counts); otherwise a multiply and an add,
+    each rounded to float32.
 
     Models the FA4 exp2 emulation step by step:
 
@@ -302,9 +308,12 @@ def exp2_poly(x: torch.Tensor, degree: int = 3) -> torch.Tensor:
     j = torch.floor(x)
     f = x - j  # exact in float32
     poly = torch.zeros_like(f)
-    for c in reversed(EXP2_POLY_COEFFS[degree]):
-        poly = poly * f + c
-    poly = poly * f + 1.0
+    for c in (*reversed(EXP2_POLY_COEFFS[degree]), 1.0):
+        if fused:
+            c32 = torch.tensor(c, dtype=torch.float32).double()
+            poly = (poly.double() * f.double() + c32).float()
+        else:
+            poly = poly * f + c
     bits = poly.view(torch.int32) + (j.to(torch.int32) << 23)
     return bits.view(torch.float32)
 

@@ -18,6 +18,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from flash_cute.dsl_state import DslState
+from flash_cute.exp2_emu import exp2_row
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -69,8 +70,11 @@ class OnlineSoftmax(DslState):
     (-inf) scores give exactly 0 and nothing turns into NaN.
     """
 
-    def __init__(self, scale_log2: Float32, num_rows: int, threads_per_row: int):
+    def __init__(self, scale_log2: Float32, num_rows: int, threads_per_row: int,
+                 ex2_per16: int = 0):
         self.scale_log2 = scale_log2
+        # Of every 16 scores of a thread's row, how many take the FMA exp2 (`exp2_emu`).
+        self.ex2_per16 = ex2_per16
         self.num_rows = num_rows
         self.threads_per_row = threads_per_row
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
@@ -111,7 +115,7 @@ class OnlineSoftmax(DslState):
             if cutlass.const_expr(check_inf):
                 m_safe = Float32(0.0) if m_cur == -Float32.inf else m_cur
             m_scaled = m_safe * self.scale_log2
-            p_row = cute.math.exp2(s_row * self.scale_log2 - m_scaled, fastmath=True)
+            p_row = self._exp2(s_row * self.scale_log2 - m_scaled, r)
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
                 self.row_sum[r] = _row_reduce(p_row, _add, Float32(0.0))
@@ -121,6 +125,16 @@ class OnlineSoftmax(DslState):
                 self.row_sum[r] = _row_reduce(p_row, _add, self.row_sum[r] * row_scale[r])
             acc_mn[r, None].store(p_row)
         return row_scale
+
+    def _exp2(self, x_row, row: int):
+        """2^x over row `row` (TensorSSA): all on MUFU.EX2, or with `ex2_per16` of every 16
+        values of the thread's fragment by FMA arithmetic (`exp2_emu.exp2_row`)."""
+        if self.ex2_per16 == 0:
+            return cute.math.exp2(x_row, fastmath=True)
+        values = cute.make_rmem_tensor(x_row.shape, Float32)
+        values.store(x_row)
+        exp2_row(values, self.ex2_per16, row * cute.size(x_row.shape))
+        return values.load()
 
     @cute.jit
     def finalize(self, final_scale: Float32 = Float32(1.0)):

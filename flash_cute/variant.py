@@ -12,9 +12,15 @@ kernel drops attention weights (`flash_cute.dropout`; p, the seed and the scale 
 table and its lengths run-time; seqused_k gives the lengths). `append`: the forward first
 writes new keys and values (k_new / v_new, the last rows of each sequence's seqused_k) into
 the cache it reads (the decode step's in-place append, `flash_attn_with_kvcache`).
+`ex2_per16`: of every 16 scores of a thread's softmax row, how many take the FMA exp2
+instead of MUFU.EX2 (`flash_cute.exp2_emu`; 0: none).
 """
 
+import os
 from dataclasses import dataclass
+
+# The forwards' software-exp2 share (`Variant.ex2_per16`), read when a call's plan is made.
+EX2_EMULATION_ENV = "FLASH_CUTE_EX2_EMULATION"
 
 # Compile-key names of the tensor dtypes, by torch dtype name (no torch import here).
 _DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
@@ -39,6 +45,7 @@ class Variant:
     split_kv: bool = False
     page_size: int = 0
     append: bool = False
+    ex2_per16: int = 0
 
     def __post_init__(self):
         # Causal is the window (left, 0): a right window on top of it means nothing.
@@ -47,7 +54,8 @@ class Variant:
 
     @classmethod
     def from_problem(cls, problem, pack_gqa: int = 1, split_kv: bool = False,
-                     page_size: int = 0, append: bool = False) -> "Variant":
+                     page_size: int = 0, append: bool = False,
+                     ex2_per16: int = 0) -> "Variant":
         """From a validated `flash_cute.validation.AttentionProblem` (and the pipeline's
         decisions on packing its heads and splitting its keys)."""
         return cls(causal=problem.causal, window_left=problem.window_left is not None,
@@ -55,7 +63,7 @@ class Variant:
                    softcap=problem.softcap > 0, varlen=problem.varlen,
                    seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k,
                    pack_gqa=pack_gqa, dropout=problem.dropout_p > 0, split_kv=split_kv,
-                   page_size=page_size, append=append)
+                   page_size=page_size, append=append, ex2_per16=ex2_per16)
 
     @classmethod
     def from_flags(cls, flags: dict) -> "Variant":
@@ -66,7 +74,7 @@ class Variant:
                    seqused_q=flags.get("seqused_q", False), seqused_k=flags.get("seqused_k", False),
                    pack_gqa=flags.get("pack_gqa", 1), dropout=flags.get("dropout", False),
                    split_kv=flags.get("split_kv", False), page_size=flags.get("page", 0),
-                   append=flags.get("append", False))
+                   append=flags.get("append", False), ex2_per16=flags.get("ex2_emu", 0))
 
     def flags(self) -> tuple:
         flags = (("causal", self.causal), ("left", self.window_left), ("right", self.window_right),
@@ -77,7 +85,8 @@ class Variant:
         flags += (("dropout", True),) if self.dropout else ()
         flags += (("split_kv", True),) if self.split_kv else ()
         flags += (("page", self.page_size),) if self.page_size else ()
-        return flags + ((("append", True),) if self.append else ())
+        flags += (("append", True),) if self.append else ()
+        return flags + ((("ex2_emu", self.ex2_per16),) if self.ex2_per16 else ())
 
 
 def set_kernel_switches(kernel, variant: Variant) -> None:
@@ -97,6 +106,7 @@ def set_kernel_switches(kernel, variant: Variant) -> None:
     kernel.split_kv = variant.split_kv
     kernel.page_size = variant.page_size
     kernel.append = variant.append
+    kernel.ex2_per16 = variant.ex2_per16
 
 
 def kernel_head_dims(pipeline: str, hdim: int, hdim_v, schedules: dict, schedule) -> tuple:
@@ -108,3 +118,28 @@ def kernel_head_dims(pipeline: str, hdim: int, hdim_v, schedules: dict, schedule
     if hdim_v > hdim or hdim_v % 32:
         raise ValueError(f"hdim_v must be a multiple of 32 and <= hdim, got {hdim_v}/{hdim}")
     return hdim, hdim_v
+
+
+def per16_of(fraction: float) -> int:
+    """A share of a row's exponentials as `Variant.ex2_per16` (0 to 16): exact sixteenths
+    only, so that the share is what inspect's MUFU.EX2 count shows."""
+    per16 = round(fraction * 16)
+    if not 0 <= per16 <= 16 or abs(per16 - fraction * 16) > 1e-9:
+        raise ValueError(f"ex2_emulation_fraction must be a multiple of 1/16 in [0, 1], "
+                         f"got {fraction}")
+    return per16
+
+
+def ex2_emulation_per16() -> int:
+    """The forwards' software-exp2 switch: the share of each softmax row's exponentials that
+    `flash_cute.exp2_emu` computes with FMAs, from ``FLASH_CUTE_EX2_EMULATION`` (a fraction in
+    sixteenths, e.g. 0.125; unset or 0: none). Read when a call's plan is made (`clear_plans`
+    re-reads it)."""
+    text = os.environ.get(EX2_EMULATION_ENV, "").strip()
+    if not text:
+        return 0
+    try:
+        fraction = float(text)
+    except ValueError:
+        raise ValueError(f"{EX2_EMULATION_ENV}={text!r} is not a number") from None
+    return per16_of(fraction)

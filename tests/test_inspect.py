@@ -510,3 +510,31 @@ def test_dropout_kernels_run_philox_in_registers(inspected):
         groups = e["config"]["schedule"][1] // 16 if e["kernel"].endswith(".fwd") else 2
         extra = e["sass"].get("IMAD.WIDE", 0) - twin["sass"].get("IMAD.WIDE", 0)
         assert extra >= 19 * groups, (e["config"], extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel, target", [("ampere.fwd", "sm_80"), ("hopper.fwd", "sm_90a")])
+def test_software_exp2_takes_its_share_off_mufu(inspected, kernel, target):
+    """The causal hdim-128 forward with the software exp2 on 2 and 4 of every 16 scores
+    (`exp2_emu`): MUFU.EX2 drops by that share of the softmax's exponentials (the per-row
+    rescale factors stay on MUFU), each emulated value costs 3 FFMA (degree 3), no spill."""
+    def entry(per16):
+        found = [e for e in inspected if e["kernel"] == kernel and e["target"] == target
+                 and e["config"].get("ex2_emu") == per16]
+        assert len(found) == 1, (per16, found)
+        return found[0]
+
+    two, four = entry(2), entry(4)
+    plain = {k: v for k, v in two["config"].items() if not k.startswith("ex2")}
+    (base,) = [e for e in inspected if e["kernel"] == kernel and e["target"] == target
+               and e["config"] == plain]
+    assert plain["causal"] and plain["hdim"] == 128
+    ex2 = [e["sass"].get("MUFU.EX2", 0) for e in (base, two, four)]
+    drop2, drop4 = ex2[0] - ex2[1], ex2[0] - ex2[2]
+    assert drop2 > 0 and drop4 == 2 * drop2, ex2
+    # The rescale factors (one per row and softmax step) are the part of MUFU.EX2 that stays.
+    assert 0.8 * 2 / 16 <= drop2 / ex2[0] <= 2 / 16, ex2
+    ffma = [e["sass"].get("FFMA", 0) for e in (base, two, four)]
+    assert ffma[1] - ffma[0] == 3 * drop2 and ffma[2] - ffma[0] == 3 * drop4, ffma
+    assert two["spill_bytes"] == four["spill_bytes"] == 0
+    assert two["config"]["ex2_emulation_fraction"] == 0.125

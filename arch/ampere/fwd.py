@@ -156,7 +156,8 @@ class AmpereFwd:
             acc_o = cute.make_rmem_tensor(
                 thr_mma.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
             acc_o.fill(0.0)
-            softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4)
+            softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4,
+                                    self.ex2_per16)
             softmax.reset()
             drop = None
             if cutlass.const_expr(self.dropout):

@@ -58,7 +58,10 @@ def _fwd_configs():
                            ((64, 64), {"causal": True, "varlen": True, "dropout": True}),
                            # Split-KV decode: cache lengths (seqused_k), causal, varlen.
                            ((128, 128), {"causal": True, "seqused_k": True, "split_kv": True}),
-                           ((64, 64), {"varlen": True, "seqused_k": True, "split_kv": True})]:
+                           ((64, 64), {"varlen": True, "seqused_k": True, "split_kv": True}),
+                           # The software exp2 on 2 and 4 of every 16 scores (`exp2_emu`).
+                           ((128, 128), {"causal": True, "ex2_emu": 2}),
+                           ((128, 128), {"causal": True, "ex2_emu": 4})]:
         targets = SM100_TOO if (d, flags) == (128, {"causal": True}) else TARGETS
         out.append(KernelConfig("ampere.fwd", targets, "bf16", d, dv, FWD_SCHEDULES[d],
                                 build_fwd, config_flags(**{**_SWITCHES, **flags})))

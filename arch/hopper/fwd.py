@@ -488,7 +488,8 @@ class HopperFwd:
             rng = tiles.block_range(m_block, seq, split)
             acc_o = gemms.new_acc_o()
             acc_o.fill(0.0)
-            softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4)
+            softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4,
+                                    self.ex2_per16)
             softmax.reset()
             seam = Scores(self.score_mod, mod_scale, tiles.mask(seq))
             drop = self.tile_dropout(dropout_args, seq, head)

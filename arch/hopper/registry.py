@@ -111,7 +111,10 @@ def _fwd_configs():
                                          "pack_gqa": 4, "append": True}),
                            ((128, 128), {"causal": True, "seqused_k": True, "split_kv": True,
                                          "pack_gqa": 4, "page": 16, "append": True}),
-                           ((256, 256), {"causal": True, "split_kv": True})]:
+                           ((256, 256), {"causal": True, "split_kv": True}),
+                           # The software exp2 on 2 and 4 of every 16 scores (`exp2_emu`).
+                           ((128, 128), {"causal": True, "ex2_emu": 2}),
+                           ((128, 128), {"causal": True, "ex2_emu": 4})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
         out.append(KernelConfig("hopper.fwd", TARGETS, dtype, d, dv,
