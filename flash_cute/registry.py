@@ -97,6 +97,20 @@ def build_bwd_prep(entry):
     return CompileSpec(kernel, args)
 
 
+def build_exp2_emulated(entry):
+    """``blocks.exp2_emulated`` over fake float32 vectors."""
+    from cutlass import Float32
+
+    from flash_cute.exp2_emu import Exp2EmulatedKernel
+    from flash_cute.jit import dynamic_dim, fake_stream, fake_tensor
+    from flash_cute.kernel_config import CompileSpec
+
+    n = dynamic_dim()
+    return CompileSpec(Exp2EmulatedKernel(entry.schedule[0]),
+                       (fake_tensor(Float32, (n,), align=4), fake_tensor(Float32, (n,), align=4),
+                        fake_stream()))
+
+
 _BLOCKS = (
     KernelConfig("blocks.softmax_rows", TARGETS, "bf16", None, 16, (64, 64), build_softmax_rows,
                  config_flags(causal=False, local=False, softcap=False)),
@@ -109,6 +123,8 @@ _BLOCKS = (
                  (("layout", "padded"),)),
     KernelConfig("blocks.lse_merge", TARGETS, "fp16", 64, 64, (4, 64), build_lse_merge,
                  (("layout", "varlen"),)),
+    KernelConfig("blocks.exp2_emulated", TARGETS, "fp32", None, None, (3,),
+                 build_exp2_emulated),
 )
 _BWD_PREP = (
     KernelConfig("blocks.bwd.preprocess", TARGETS, "bf16", None, 128, (64, 128), build_bwd_prep,
