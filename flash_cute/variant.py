@@ -133,7 +133,7 @@ def per16_of(fraction: float) -> int:
 def ex2_emulation_per16() -> int:
     """The forwards' software-exp2 switch: the share of each softmax row's exponentials that
     `flash_cute.exp2_emu` computes with FMAs, from ``FLASH_CUTE_EX2_EMULATION`` (a fraction in
-    sixteenths, e.g. 0.125; unset or 0: none). Read when a call's plan is made (`clear_plans`
+    sixteenths, e.g. 0.125; unset or 0: none). Read when a call's plan is made (`plans.clear_plans`
     re-reads it)."""
     text = os.environ.get(EX2_EMULATION_ENV, "").strip()
     if not text:

@@ -5,7 +5,8 @@ switch on against float64 by the FlashAttention rule (the ampere and hopper forw
 import pytest
 import torch
 
-from flash_cute import clear_plans, flash_attn_func
+from flash_cute import flash_attn_func
+from flash_cute.plans import clear_plans
 from flash_cute.models import exp2_poly
 
 from attention_checks import check_forward
