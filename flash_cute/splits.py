@@ -17,7 +17,8 @@ from typing import NamedTuple, Optional
 
 from flash_cute.block_range import block_range
 
-# Splits at most (FA2/FA3/FA4's bound; also caps the merge's loop).
+# Splits the heuristic picks at most (FA2/FA3's bound); an explicit num_splits may go up to
+# validation's MAX_NUM_SPLITS (the merge loops over any count).
 MAX_SPLITS = 128
 # The cost model's constants, in units of one K/V block's time on one SM (docs/decisions.md,
 # D-SPLIT): every split pays the tile's prologue and epilogue (Q's load, the first K/V
