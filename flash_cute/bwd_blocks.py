@@ -4,6 +4,8 @@ Like the forward blocks they see only (rows, cols) views of a thread's fragments
 and the matching coordinate views, never an MMA layout.
 """
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -70,15 +72,19 @@ def tile_row_values(coord_mn: cute.Tensor, valid_rows: Int32, t_rows: cute.Tenso
 
 @cute.jit
 def p_and_ds(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor, delta: cute.Tensor,
-             scale_log2: Float32, score_mod: cutlass.Constexpr = None):
+             scale_log2: Float32, score_mod: cutlass.Constexpr = None,
+             grad_mn: Optional[cute.Tensor] = None):
     """In place: S → P = exp2(S·scale_log2 − LSE₂) and dP → dS = P ∘ (dP − Δ) [∘ f'(s)].
 
     With a score mod (`flash_cute.score`; softcap) S holds the mod's output and dS takes its
     derivative, `score_mod.grad` of that output (the softmax scale is applied to dK and dQ at
-    the end).
+    the end); a traced mod's derivative comes in `grad_mn` instead (`Scores.prepare`).
     """
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-        if cutlass.const_expr(score_mod is not None):
+        if cutlass.const_expr(grad_mn is not None):
+            for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+                dp_mn[r, c] = (dp_mn[r, c] - delta[r]) * grad_mn[r, c]
+        elif cutlass.const_expr(score_mod is not None and score_mod.value_grad):
             for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
                 grad = score_mod.grad(s_mn[r, c])
                 dp_mn[r, c] = (dp_mn[r, c] - delta[r]) * grad
@@ -90,7 +96,8 @@ def p_and_ds(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor, delta: cut
 
 
 def p_and_ds_dropout(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse, delta, scale_log2: Float32,
-                     score_mod, dropout, coord_mn: cute.Tensor, m_block: Int32, n_block: Int32):
+                     score_mod, dropout, coord_mn: cute.Tensor, m_block: Int32, n_block: Int32,
+                     grad_mn: Optional[cute.Tensor] = None):
     """`p_and_ds` with dropout (`flash_cute.dropout`; Z its keep decisions, 1/(1-p) its
     scale): S → Z ∘ P, the operand of dV (which the kernel scales by 1/(1-p) at the end), and
     dP → dS = P ∘ (Z ∘ dP / (1 - p) − Δ) [∘ f'(s)]. Dropped entries still get dS = −P·Δ: the
@@ -104,7 +111,9 @@ def p_and_ds_dropout(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse, delta, scale_lo
         s = s_mn[r, c]
         p = cute.math.exp2(s * scale_log2 - lse_r, fastmath=True)
         ds = p * cute.math.fma(kept(keep, dp_mn[r, c]), dropout.scale, -delta_r)
-        if score_mod is not None:
+        if grad_mn is not None:
+            ds = ds * grad_mn[r, c]
+        elif score_mod is not None and score_mod.value_grad:
             ds = ds * score_mod.grad(s)
         dp_mn[r, c] = ds
         s_mn[r, c] = kept(keep, p)

@@ -14,6 +14,13 @@ from cutlass.base_dsl.typing import NumericMeta
 _STATIC_TYPES = (int, float, bool, str, type(None), type, NumericMeta, cutlass.Constexpr)
 
 
+def _is_static(value) -> bool:
+    """A compile-time value: a static type, or a tuple of them (a traced mod's graph)."""
+    if isinstance(value, tuple):
+        return all(_is_static(v) for v in value)
+    return isinstance(value, _STATIC_TYPES)
+
+
 class DslState:
     """Mixin: DSL values in instance attributes survive run-time control flow."""
 
@@ -21,7 +28,7 @@ class DslState:
         return [
             name
             for name, value in vars(self).items()
-            if not name.startswith("_dsl") and not isinstance(value, _STATIC_TYPES)
+            if not name.startswith("_dsl") and not _is_static(value)
         ]
 
     def __extract_mlir_values__(self):

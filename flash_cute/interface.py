@@ -115,8 +115,9 @@ def flash_attn_func(
     ``page_table`` (keyword-only): k / v are paged caches, as in `flash_attn_varlen_func`
     (every row of each sequence's pages is a key);
     ``block_mask`` (keyword-only, flash-cute's own): a FlexAttention `BlockMask`
-    (`flash_cute.create_block_mask`), with its meaning (`flash_cute.block_mask`). Both run on
-    CPU tensors for now; the GPU kernels refuse them until the variants issue.
+    (`flash_cute.create_block_mask`), with its meaning (`flash_cute.block_mask`). The mods run
+    in the hopper and ampere kernels, forward and backward (`flash_cute.graph_mods`; examples
+    in `flash_cute.mod_examples`); block masks run on CPU tensors only, for now.
 
     ``dropout_p`` (keyword-only, flash-cute's own; FA4 has none): dropout of the attention
     weights in the kernels, forward and backward, FA2's semantics (kept weights scaled by

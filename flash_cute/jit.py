@@ -164,7 +164,8 @@ def tensor_arg(t, align: int = 16):
 
 
 _TORCH_TO_DSL = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                 torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
+                 torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
+                 torch.int64: cutlass.Int64, torch.uint8: cutlass.Uint8}
 
 
 def _value(arg):

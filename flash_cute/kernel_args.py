@@ -47,6 +47,12 @@ class FwdArgs(NamedTuple):
     # seqused_k[b] - 1 of sequence b before they are read.
     k_new: Optional[Any] = None
     v_new: Optional[Any] = None
+    # Traced mods (`Variant.mods`): the tensors they capture, contiguous, in `KernelMods.aux`
+    # order (`mod_graph.MAX_AUX` slots; unused ones None).
+    aux0: Optional[Any] = None
+    aux1: Optional[Any] = None
+    aux2: Optional[Any] = None
+    aux3: Optional[Any] = None
 
 
 class BwdArgs(NamedTuple):
@@ -77,6 +83,35 @@ class BwdArgs(NamedTuple):
     rng_seed: Optional[Any] = None
     keep_threshold: Any = 0
     dropout_scale: Any = 1.0
+    aux0: Optional[Any] = None
+    aux1: Optional[Any] = None
+    aux2: Optional[Any] = None
+    aux3: Optional[Any] = None
+
+
+AUX_FIELDS = ("aux0", "aux1", "aux2", "aux3")
+# Bytes per element of the captured tensors' dtypes (`mod_graph.AUX_DTYPES` names): the
+# alignment a kernel may assume of their data pointers.
+AUX_ALIGN = {"fp32": 4, "fp16": 2, "bf16": 2, "i32": 4, "i64": 8, "u8": 1}
+
+
+def aux_fields(tensors) -> dict:
+    """The aux fields of a record for a call's captured tensors (`jit.TensorArg`s or fakes)."""
+    return dict(zip(AUX_FIELDS, tuple(tensors) + (None,) * (len(AUX_FIELDS) - len(tensors))))
+
+
+def fake_aux(mods) -> dict:
+    """Fake aux fields for a `KernelMods` (None: no mods): dynamic extents, compact."""
+    if mods is None:
+        return {}
+    import cutlass
+
+    from flash_cute.jit import dynamic_dim, fake_tensor
+
+    dsl = {"fp32": cutlass.Float32, "fp16": cutlass.Float16, "bf16": cutlass.BFloat16,
+           "i32": cutlass.Int32, "i64": cutlass.Int64, "u8": cutlass.Uint8}
+    return aux_fields([fake_tensor(dsl[name], tuple(dynamic_dim() for _ in range(rank)),
+                                   align=AUX_ALIGN[name]) for name, rank in mods.aux])
 
 
 def score_scalars(problem) -> dict:
@@ -146,11 +181,12 @@ def _fake_scalars() -> dict:
 def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
                       seqused=(False, False), dropout: bool = False,
                       split_kv: bool = False, paged: bool = False,
-                      append: bool = False) -> FwdArgs:
+                      append: bool = False, mods=None) -> FwdArgs:
     """A forward record of fake tensors with dynamic batch, heads and lengths, padded or
     varlen, for cross-compiling; `seqused`: (seqused_q, seqused_k) given; `dropout`: with
     the seed tensor; `split_kv`: out and lse as fp32 partials with a leading split mode;
-    `paged`: k and v as paged caches with a page table; `append`: with k_new / v_new."""
+    `paged`: k and v as paged caches with a page table; `append`: with k_new / v_new;
+    `mods`: a `KernelMods`, with its aux tensors."""
     from cutlass import Float32, Int32
 
     from flash_cute.jit import dynamic_dim, fake_tensor
@@ -175,17 +211,20 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
         lse=fake_tensor(Float32, splits + lse_shape, align=4), **_fake_scalars(),
         max_seqlen_q=Int32(1), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], seqused_q=used_q,
         seqused_k=used_k, **_fake_dropout(dropout), num_splits=Int32(1),
-        blocks_per_split=Int32(0), page_table=table, k_new=new[0], v_new=new[1])
+        blocks_per_split=Int32(0), page_table=table, k_new=new[0], v_new=new[1],
+        **fake_aux(mods))
 
 
 def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(False, False),
                        dkv_fp32: bool = False, stats_align: int = 4, dq_align: int = 4,
                        dq_accum_cols: Optional[int] = None,
-                       semaphores: bool = False, dropout: bool = False) -> BwdArgs:
+                       semaphores: bool = False, dropout: bool = False,
+                       mods=None) -> BwdArgs:
     """A backward record of fake tensors, as `fake_forward_args`. The alignments are those the
     arch's launch promises (`launch.BackwardPlan`); `dq_accum_cols`: dQaccum as [.., h, cols]
     fragment-order tiles (`arch.hopper.dq_accum`) instead of laid out like q; `semaphores`:
-    the deterministic backward's dQ semaphores."""
+    the deterministic backward's dQ semaphores; `mods`: a `KernelMods`, with its aux
+    tensors."""
     from cutlass import Float32, Int32
 
     from flash_cute.jit import dynamic_dim, fake_tensor
@@ -208,4 +247,4 @@ def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(
         dv=fake_tensor(dkv_dtype, rows_k + (h, hdim_v), align=dkv_align), **_fake_scalars(),
         max_seqlen_k=Int32(1), max_seqlen_q=Int32(1), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
         seqused_q=used_q,
-        seqused_k=used_k, dq_semaphores=sem, **_fake_dropout(dropout))
+        seqused_k=used_k, dq_semaphores=sem, **_fake_dropout(dropout), **fake_aux(mods))

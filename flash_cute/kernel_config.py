@@ -75,7 +75,8 @@ def forward_spec(kernel, options: str, extra: Optional[dict] = None) -> "Compile
                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
                              dropout=kernel.dropout,
                              split_kv=kernel.split_kv, paged=kernel.page_size > 0,
-                             append=getattr(kernel, "append", False))
+                             append=getattr(kernel, "append", False),
+                             mods=getattr(kernel, "mods", None))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=options,
                        extra=extra or {})
 

@@ -117,6 +117,36 @@ def _apply(t, how):
     return t.detach() if how == "detach" else t.as_strided(t.shape, how)
 
 
+class CapturedTensors:
+    """The tensors a call's traced mods capture (`problem.mods`), as the records' aux fields:
+    the same tensor objects every call (a learnable bias updated in place is read as it is
+    then), made kernel-ready (`mod_graph.aux_for_kernel`) at each call."""
+
+    def __init__(self, problem):
+        from flash_cute.kernel_args import AUX_FIELDS
+
+        self.tensors = ()
+        if problem.mods is not None:
+            from flash_cute.mod_graph import kernel_mods
+
+            self.tensors = kernel_mods(problem.mods)[1]
+        self.empty = (None,) * (len(AUX_FIELDS) - len(self.tensors))
+
+    def values(self) -> tuple:
+        if not self.tensors:
+            return self.empty
+        from flash_cute.mod_graph import aux_for_kernel
+
+        return tuple(aux_for_kernel(t) for t in self.tensors) + self.empty
+
+    def fields(self) -> dict:
+        from flash_cute.jit import TensorArg
+        from flash_cute.kernel_args import aux_fields
+
+        return aux_fields([TensorArg(t, t.element_size()) for t in self.values()
+                           if t is not None])
+
+
 class ForwardLaunch:
     """One attention forward's launch for a call configuration (dtypes, shapes, strides,
     alignment, options), worked out once: the outputs' shapes and fill, the no-work case,
@@ -165,6 +195,7 @@ class ForwardLaunch:
         drop = dropout_scalars(problem)
         self.dropout = problem.dropout_p > 0
         self.dropout_scalars = tuple(drop.values())
+        self.aux = CapturedTensors(problem)
         variant = Variant.from_problem(problem, pack_gqa, split_kv=splits is not None,
                                        page_size=0 if page_table is None else k.shape[1],
                                        append=append is not None,
@@ -192,7 +223,8 @@ class ForwardLaunch:
                        blocks_per_split=self.split_scalars[1],
                        page_table=tensor_arg(page_table, 4),
                        k_new=None if append is None else TensorArg(append[0]),
-                       v_new=None if append is None else TensorArg(append[1]))
+                       v_new=None if append is None else TensorArg(append[1]),
+                       **self.aux.fields())
         self.call = KernelCall(key, lambda: make_kernel(DTYPES[dtype], problem.hdim,
                                                         problem.hdim_v, variant,
                                                         schedule=tuple(schedule)),
@@ -235,7 +267,8 @@ class ForwardLaunch:
         kernel_out, kernel_lse = (out, lse) if self.merge is None else self._alloc_parts()
         self.call(q, k, v, kernel_out, kernel_lse, *self.scalars, cu_seqlens_q, cu_seqlens_k,
                   seqused_q, seqused_k, _seed_words(rng_seed, self.dropout),
-                  *self.dropout_scalars, *self.split_scalars, page_table, *append)
+                  *self.dropout_scalars, *self.split_scalars, page_table, *append,
+                  *self.aux.values())
         if self.merge is not None:
             self.merge(kernel_out, kernel_lse, out, lse)
         return out, lse
@@ -298,7 +331,7 @@ assert FwdArgs._fields == ("q", "k", "v", "out", "lse", "softmax_scale", "softca
                            "window_left", "window_right", "max_seqlen_q", "cu_seqlens_q",
                            "cu_seqlens_k", "seqused_q", "seqused_k", "rng_seed",
                            "keep_threshold", "dropout_scale", "num_splits", "blocks_per_split",
-                           "page_table", "k_new", "v_new")
+                           "page_table", "k_new", "v_new", "aux0", "aux1", "aux2", "aux3")
 
 
 def _seed_words(rng_seed, dropout: bool):
@@ -407,6 +440,7 @@ class BackwardLaunch:
         varlen, align = problem.varlen, plan.row_stats_align
         drop = dropout_scalars(problem)
         self.dropout, self.dropout_scalars = problem.dropout_p > 0, tuple(drop.values())
+        self.aux = CapturedTensors(problem)
         args = BwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), dout=TensorArg(dout),
                        lse_log2=TensorArg(lse_log2, align), delta=TensorArg(delta, align),
                        dq_accum=TensorArg(dq_accum, plan.dq_accum.align),
@@ -416,7 +450,8 @@ class BackwardLaunch:
                        cu_seqlens_k=tensor_arg(cu_seqlens_k, 4) if varlen else None,
                        seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4),
                        dq_semaphores=tensor_arg(sem, 4),
-                       rng_seed=_seed_spec(q.device, self.dropout), **drop)
+                       rng_seed=_seed_spec(q.device, self.dropout), **drop,
+                       **self.aux.fields())
         self.scalars = tuple(setup.scalars.values())
         self.main = KernelCall(setup.key, setup.make_kernel, args, plan.options)
         self.finish = plan.dq_accum.finisher(dq_accum, q, problem, cu_seqlens_q, plan.target)
@@ -444,7 +479,7 @@ class BackwardLaunch:
         self.main(_apply(q, rq), _apply(k, rk), _apply(v, rv), _apply(dout, rdo), lse_log2, delta,
                   dq_accum, dk, dv, *self.scalars, cu_seqlens_q, cu_seqlens_k, seqused_q,
                   seqused_k, self._alloc_sem(), _seed_words(rng_seed, self.dropout),
-                  *self.dropout_scalars)
+                  *self.dropout_scalars, *self.aux.values())
         dq = self.finish(dq_accum, cu_seqlens_q)
         if self.group_shapes is not None:
             dk = dk.view(self.group_shapes[0]).sum(-2).to(q.dtype)
@@ -457,7 +492,7 @@ assert BwdArgs._fields == ("q", "k", "v", "dout", "lse_log2", "delta", "dq_accum
                            "softmax_scale", "softcap", "window_left", "window_right",
                            "max_seqlen_k", "max_seqlen_q", "cu_seqlens_q", "cu_seqlens_k",
                            "seqused_q", "seqused_k", "dq_semaphores", "rng_seed",
-                           "keep_threshold", "dropout_scale")
+                           "keep_threshold", "dropout_scale", "aux0", "aux1", "aux2", "aux3")
 
 
 def _contiguous_strides(shape) -> tuple:

@@ -277,7 +277,9 @@ def _rule(nodes, node, i, deriv, zero, one) -> int:
         if d[1] != zero:
             raise UnsupportedMod("score_mod raises to a power that depends on the score")
         a, n = args
-        return new("mul", new("mul", n, new("pow", a, new("sub", n, one))), d[0])
+        lower = (_append(nodes, Node("const", (nodes[n].args[0] - 1,)))
+                 if nodes[n].op == "const" else new("sub", n, one))
+        return new("mul", new("mul", n, new("pow", a, lower)), d[0])
     if op == "exp":
         return new("mul", i, d[0])
     if op == "log":
@@ -298,6 +300,92 @@ def _rule(nodes, node, i, deriv, zero, one) -> int:
     if op == "where":
         return zero if d[1] == d[2] == zero else new("where", args[0], d[1], d[2])
     raise UnsupportedMod(f"no derivative rule for {op!r}")
+
+
+# The kernels' limits: captured tensors per call, their dtypes (bool is read as uint8, int64
+# values as int32), and the exponents `pow` takes (constants only).
+MAX_AUX = 4
+AUX_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+              torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.bool: "u8"}
+
+
+class KernelMods(NamedTuple):
+    """What a kernel compiles of a call's mods (`kernel_mods`): one node list holding the score
+    mod, its derivative in the score and the mask mod, their output nodes (None where absent;
+    `score_grad` None where the derivative is identically 1, as for any additive bias), and
+    each captured tensor's (dtype name, rank). Python values only: hashable, the compile key's
+    part (`key`)."""
+    nodes: tuple
+    score: Optional[int]
+    score_grad: Optional[int]
+    mask: Optional[int]
+    aux: tuple
+
+    def key(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(repr(tuple(self)).encode()).hexdigest()[:16]
+
+
+def kernel_mods(variant: "Variant") -> tuple:
+    """(`KernelMods`, the captured tensors in its aux order) of a registered `Variant`; raises
+    `UnsupportedMod` for what the kernels cannot run (too many captured tensors, a dtype outside
+    `AUX_DTYPES`, `pow` with an exponent that is not a constant)."""
+    nodes, aux, outputs = [], [], {}
+    score = variant.score_mod
+    if score is not None:
+        grad = score_derivative(score)
+        base = _merge(nodes, aux, grad)
+        outputs["score"] = base + score.output
+        constant_one = (grad.nodes[grad.output].op == "const"
+                        and grad.nodes[grad.output].args[0] == 1.0)
+        outputs["score_grad"] = None if constant_one else base + grad.output
+    if variant.mask_mod is not None:
+        outputs["mask"] = _merge(nodes, aux, variant.mask_mod) + variant.mask_mod.output
+    for node in nodes:
+        if node.op == "pow" and nodes[node.args[1]].op != "const":
+            raise UnsupportedMod("the kernels raise to constant powers only (x ** 2, x ** 0.5)")
+    if len(aux) > MAX_AUX:
+        raise UnsupportedMod(f"the mods capture {len(aux)} tensors; the kernels take at most "
+                             f"{MAX_AUX} (stack them into one)")
+    sig = []
+    for t in aux:
+        if t.dtype not in AUX_DTYPES:
+            raise UnsupportedMod(f"a mod loads from a {t.dtype} tensor; the kernels read "
+                                 f"{', '.join(sorted(str(d) for d in AUX_DTYPES))}")
+        sig.append((AUX_DTYPES[t.dtype], t.dim()))
+    spec = KernelMods(tuple(nodes), outputs.get("score"), outputs.get("score_grad"),
+                      outputs.get("mask"), tuple(sig))
+    return spec, tuple(aux)
+
+
+def _merge(nodes: list, aux: list, graph: ModGraph) -> int:
+    """Append `graph`'s nodes to `nodes` (indices shifted, its captured tensors joined to
+    `aux` by identity); returns the offset of its first node."""
+    base = len(nodes)
+    remap = []
+    for t in graph.aux:
+        found = next((i for i, a in enumerate(aux) if a is t), None)
+        if found is None:
+            aux.append(t)
+            found = len(aux) - 1
+        remap.append(found)
+    for node in graph.nodes:
+        if node.op == "load":
+            nodes.append(Node("load", (remap[node.args[0]],
+                                       *[base + i for i in node.args[1:]])))
+        elif node.op in OPS:
+            nodes.append(Node(node.op, tuple(base + i for i in node.args)))
+        else:
+            nodes.append(node)
+    return base
+
+
+def aux_for_kernel(t: torch.Tensor) -> torch.Tensor:
+    """A captured tensor as a kernel reads it: contiguous (its fake tensor's unit last stride),
+    bool as uint8 (a view), detached (DLPack refuses a tensor that requires grad)."""
+    t = t.detach().contiguous()
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
 def index_grids(batch_index, heads: int, seqlen_q: int, seqlen_k: int, device=None) -> dict:

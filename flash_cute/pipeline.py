@@ -27,13 +27,18 @@ DROPOUT = "dropout"  # dropout of the attention weights in the kernels (`flash_c
 # The forward writes a decode step's new K/V rows into the cache it reads (`kv_append`);
 # without it they are written by torch operations first (`launch.AppendFirst`).
 APPEND = "append"
+# Traced score / mask mods in the score seam (`flash_cute.graph_mods`); a block mask's
+# block sparsity (its skipped and full blocks) is a capability of its own.
+MODS = "mods"
+BLOCK_SPARSE = "block_sparse"
 
 # What a message calls each one (the argument a user passed).
 _SPELLED = {SEQUSED: "seqused_q/seqused_k", PACK_GQA: "pack_gqa=True",
             DETERMINISTIC: "deterministic=True", VARLEN: "cu_seqlens (varlen)",
             LOCAL: "window_size", SOFTCAP: "softcap", CAUSAL: "causal=True",
             GQA: "GQA/MQA (fewer K/V heads)", BACKWARD: "a backward pass",
-            DROPOUT: "dropout_p > 0"}
+            DROPOUT: "dropout_p > 0", MODS: "score_mod / mask_mod / alibi_slopes",
+            BLOCK_SPARSE: "block_mask (block sparsity)"}
 
 
 def spelled(capability: str) -> str:
@@ -130,4 +135,8 @@ def required_capabilities(problem, backward: bool = False, deterministic: bool =
         needed.append(SEQUSED)
     if problem.dropout_p > 0:
         needed.append(DROPOUT)
+    if getattr(problem, "mods", None) is not None:
+        needed.append(MODS)
+        if problem.mods.block_states is not None:
+            needed.append(BLOCK_SPARSE)
     return tuple(needed)

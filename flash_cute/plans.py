@@ -9,6 +9,7 @@ allocating and launching (host time decides short calls: `bench latency`).
 """
 
 import contextlib
+import dataclasses
 import os
 import threading
 from collections import OrderedDict
@@ -16,7 +17,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from flash_cute import paging
+from flash_cute import mod_graph, paging
 from flash_cute.dispatch import check_capabilities, select_backward_pipeline, select_pipeline
 from flash_cute.pipeline import APPEND, Pipeline, required_capabilities
 from flash_cute.validation import (AttentionProblem, check_index_contents,
@@ -180,19 +181,26 @@ def _check_seed(rng_seed, q) -> None:
                          f"({q.device}; `flash_cute.rng.draw_seed`), got {got}")
 
 
-def _refuse_variant(key: int) -> None:
-    if key:
-        raise NotImplementedError(
-            "score_mod / mask_mod on the GPU kernels are not built yet (the variants issue); "
-            "CPU tensors run them on the reference")
+def _with_mods(problem, key: int, q):
+    """`problem` with the call's mods (registry `key`; 0: none), after the kernels' checks:
+    what their graphs may use (`mod_graph.kernel_mods`) and where their tensors live."""
+    if not key:
+        return problem
+    variant = mod_graph.lookup(key)
+    aux = mod_graph.kernel_mods(variant)[1]
+    for t in aux:
+        if t.device != q.device:
+            raise ValueError(f"a score_mod / mask_mod captures a tensor on {t.device}; the "
+                             f"kernels read it on q's device ({q.device}): move it there")
+    return dataclasses.replace(problem, mods=variant, mods_key=key)
 
 
 def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
                page_table=None, append=None) -> _Plan:
     deterministic, arch, needs_grad = options[8:11]
-    _refuse_variant(options[11])
     problem = validate_call(q, k, v, lengths, options, dropout=(options[12], rng_seed),
                             splits=splits, page_table=page_table)
+    problem = _with_mods(problem, options[11], q)
     if page_table is not None and needs_grad:
         raise NotImplementedError("no backward through a page_table: call flash_attn_func / "
                                   "flash_attn_varlen_func, which gather the pages when "
@@ -303,8 +311,8 @@ def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
     launch = _BWD_PLANS.get(key)
     if launch is None:
         deterministic, arch = options[8:10]
-        _refuse_variant(options[10])
         problem = validate_call(q, k, v, lengths, options, dropout=(options[11], rng_seed))
+        problem = _with_mods(problem, options[10], q)
         validate_backward_inputs(dout, q, k, v, out, lse, problem)
         pipeline = select_pipeline(q.device, arch, problem)
         bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)

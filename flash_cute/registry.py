@@ -111,6 +111,27 @@ def build_exp2_emulated(entry):
                         fake_stream()))
 
 
+def build_graph_mods(entry):
+    """``blocks.graph_mods`` of a documented mod (`mod_examples`) over fake [b, h, q, k]
+    float32 scores."""
+    from cutlass import Float32
+
+    from flash_cute.graph_mods import GraphModsKernel
+    from flash_cute.jit import dynamic_dim, fake_stream, fake_tensor
+    from flash_cute.kernel_args import AUX_FIELDS, fake_aux
+    from flash_cute.kernel_config import CompileSpec
+    from flash_cute.mod_examples import example_spec
+
+    spec = example_spec(entry.flag_dict["mods"])
+    aux = fake_aux(spec)
+
+    def scores():
+        return fake_tensor(Float32, tuple(dynamic_dim() for _ in range(4)), align=4)
+
+    return CompileSpec(GraphModsKernel(spec), (scores(), scores(), scores(),
+                                               *(aux[f] for f in AUX_FIELDS), fake_stream()))
+
+
 _BLOCKS = (
     KernelConfig("blocks.softmax_rows", TARGETS, "bf16", None, 16, (64, 64), build_softmax_rows,
                  config_flags(causal=False, local=False, softcap=False)),
@@ -125,6 +146,10 @@ _BLOCKS = (
                  (("layout", "varlen"),)),
     KernelConfig("blocks.exp2_emulated", TARGETS, "fp32", None, None, (3,),
                  build_exp2_emulated),
+    KernelConfig("blocks.graph_mods", TARGETS, "fp32", None, None, (64, 64), build_graph_mods,
+                 (("mods", "alibi_document"),)),
+    KernelConfig("blocks.graph_mods", TARGETS, "fp32", None, None, (64, 64), build_graph_mods,
+                 (("mods", "softcap"),)),
 )
 _BWD_PREP = (
     KernelConfig("blocks.bwd.preprocess", TARGETS, "bf16", None, 128, (64, 128), build_bwd_prep,

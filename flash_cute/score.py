@@ -12,6 +12,11 @@ Three parts, all arch-neutral, on the (rows, cols) view of a thread's scores (`a
 * `Scores` (device side): the mod, then the mask (`AttentionMask`) where the block needs it;
   its backward counterpart is `ScoreMod.grad`, the mod's derivative, which the backward
   blocks apply to dS (`bwd_blocks.p_and_ds`).
+* Traced mods (`Variant.mods`, FlexAttention-form score and mask mods): `GRAPH` is their
+  `ScoreMod` for the fold, and `tile_scores` binds their graph (`flash_cute.graph_mods`) to
+  a tile's batch entry and head; `Scores` runs it on every visited block, since a mask mod
+  may mask anywhere. Their derivative is not a function of the output: the backward asks
+  `Scores.prepare` for it in a fragment of its own (`grad_mn`).
 """
 
 from typing import Optional
@@ -22,6 +27,7 @@ from cutlass import Float32, Int32
 
 from flash_cute.block_range import BlockRange, needs_mask
 from flash_cute.dsl_state import DslState
+from flash_cute.graph_mods import GraphMods
 from flash_cute.mask import AttentionMask
 from flash_cute.softmax import LOG2_E
 
@@ -34,7 +40,10 @@ class ScoreMod:
     overwrites raw scores with what the softmax sees; `grad(value)` is d(softmax input)/d(raw
     score) divided by the softmax scale (applied to dK and dQ at the end), as a function of
     the value `apply` stored, so the backward keeps S until dS is formed. Without a mod
-    (None) the scores go to the mask as they are."""
+    (None) the scores go to the mask as they are. `value_grad` False: the derivative is not a
+    function of the output (a traced mod's); the backward takes it from `Scores.prepare`."""
+
+    value_grad = True
 
     def fold(self, softmax_scale: Float32, param: Float32):
         raise NotImplementedError
@@ -70,9 +79,43 @@ class Softcap(ScoreMod):
 SOFTCAP = Softcap()
 
 
+class GraphScore(ScoreMod):
+    """The fold of a traced score mod (`flash_cute.graph_mods`): the mod sees the scaled score,
+    so the scale stays with it (`mod_scale`) and the softmax's exp2 takes log2 e alone."""
+
+    value_grad = False
+
+    def fold(self, softmax_scale: Float32, param: Float32):
+        return Float32(LOG2_E), softmax_scale
+
+
+GRAPH = GraphScore()
+
+
 def score_mod_of(variant) -> Optional[ScoreMod]:
     """The compile-time score mod of a `Variant` (None: scores go to the mask as they are)."""
+    if variant.mods is not None and variant.mods.score is not None:
+        return GRAPH
     return SOFTCAP if variant.softcap else None
+
+
+def aux_tensors(cfg, args):
+    """The captured tensors of a kernel's traced mods from its argument record (None
+    without)."""
+    if cfg.mods is None:
+        return None
+    return tuple(getattr(args, f"aux{i}") for i in range(len(cfg.mods.aux)))
+
+
+def tile_scores(cfg, mod_scale: Float32, mask: AttentionMask, aux=None, batch=None,
+                head=None) -> "Scores":
+    """The score seam of one tile: the kernel's score mod and, with traced mods (`cfg.mods`),
+    their graph bound to the tile's batch entry and head (packed GQA: its K/V head)."""
+    mods = None
+    if cutlass.const_expr(cfg.mods is not None):
+        mods = GraphMods(cfg.mods, aux, batch, head, mask.seqlen_q, mask.seqlen_k,
+                         mask.tile_m, mask.tile_n, mask.pack)
+    return Scores(cfg.score_mod, mod_scale, mask, mods)
 
 
 def fold_scores(score_mod: Optional[ScoreMod], softmax_scale: Float32, param: Float32):
@@ -87,18 +130,27 @@ def fold_scores(score_mod: Optional[ScoreMod], softmax_scale: Float32, param: Fl
 class Scores(DslState):
     """A kernel thread's score step: the mod (when the kernel has one), then the mask."""
 
-    def __init__(self, score_mod: Optional[ScoreMod], mod_scale: Float32, mask: AttentionMask):
-        self.score_mod, self.mod_scale, self.mask = score_mod, mod_scale, mask
+    def __init__(self, score_mod: Optional[ScoreMod], mod_scale: Float32, mask: AttentionMask,
+                 mods: Optional[GraphMods] = None):
+        self.score_mod, self.mod_scale, self.mask, self.mods = score_mod, mod_scale, mask, mods
+
+    @property
+    def needs_grad(self) -> bool:
+        """Whether the backward must take the mod's derivative from `prepare` (`grad_mn`)."""
+        return self.mods is not None and self.mods.spec.score_grad is not None
 
     @cute.jit
     def prepare(self, acc_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32,
                 n_block: Int32, rng: Optional[BlockRange] = None,
-                masked: cutlass.Constexpr = None):
+                masked: cutlass.Constexpr = None, grad_mn: Optional[cute.Tensor] = None):
         """In place, before the softmax (or the backward's P): the mod, then the mask where
         the block needs it (masked entries stay -inf). `masked`: True or False when the
         caller knows, None to ask `needs_mask` at run time, with `rng` (the query block's
-        `block_range`, computed here when not given)."""
-        if cutlass.const_expr(self.score_mod is not None):
+        `block_range`, computed here when not given). `grad_mn` (backward, `needs_grad`):
+        receives the traced score mod's derivative."""
+        if cutlass.const_expr(self.mods is not None):
+            self.mods.apply(acc_mn, coord_mn, m_block, n_block, self.mod_scale, grad_mn)
+        elif cutlass.const_expr(self.score_mod is not None):
             self.score_mod.apply(acc_mn, self.mod_scale)
         if cutlass.const_expr(masked is None):
             visited = self.mask.block_range(m_block) if cutlass.const_expr(rng is None) else rng

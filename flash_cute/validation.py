@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -97,6 +97,10 @@ class AttentionProblem:
     # pipeline decides what runs (`flash_cute.splits.plan_splits`).
     num_splits: int = 1
     seqlen_k_per_split: int | None = None
+    # The call's traced score / mask mods and block mask (`flash_cute.mod_graph.Variant`),
+    # compared and hashed by their registry key (plans are cached by problem).
+    mods: object = field(default=None, compare=False)
+    mods_key: int = 0
 
     @property
     def qheads_per_kvhead(self) -> int:

@@ -13,11 +13,14 @@ table and its lengths run-time; seqused_k gives the lengths). `append`: the forw
 writes new keys and values (k_new / v_new, the last rows of each sequence's seqused_k) into
 the cache it reads (the decode step's in-place append, `flash_attn_with_kvcache`).
 `ex2_per16`: of every 16 scores of a thread's softmax row, how many take the FMA exp2
-instead of MUFU.EX2 (`flash_cute.exp2_emu`; 0: none).
+instead of MUFU.EX2 (`flash_cute.exp2_emu`; 0: none). `mods`: the call's traced score and
+mask mods as the kernel compiles them (`flash_cute.mod_graph.KernelMods`; their captured
+tensors are run-time, `FwdArgs.aux0`..); its hash joins the flags.
 """
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 # The forwards' software-exp2 share (`Variant.ex2_per16`), read when a call's plan is made.
 EX2_EMULATION_ENV = "FLASH_CUTE_EX2_EMULATION"
@@ -46,11 +49,15 @@ class Variant:
     page_size: int = 0
     append: bool = False
     ex2_per16: int = 0
+    mods: Any = None
 
     def __post_init__(self):
         # Causal is the window (left, 0): a right window on top of it means nothing.
         if self.causal and self.window_right:
             object.__setattr__(self, "window_right", False)
+        if self.softcap and self.mods is not None and self.mods.score is not None:
+            raise ValueError("softcap with a traced score mod: write the softcap inside the mod "
+                             "(flash_cute.mod_examples.softcap)")
 
     @classmethod
     def from_problem(cls, problem, pack_gqa: int = 1, split_kv: bool = False,
@@ -58,12 +65,17 @@ class Variant:
                      ex2_per16: int = 0) -> "Variant":
         """From a validated `flash_cute.validation.AttentionProblem` (and the pipeline's
         decisions on packing its heads and splitting its keys)."""
+        mods = None
+        if getattr(problem, "mods", None) is not None:
+            from flash_cute.mod_graph import kernel_mods
+
+            mods = kernel_mods(problem.mods)[0]
         return cls(causal=problem.causal, window_left=problem.window_left is not None,
                    window_right=problem.window_right is not None and not problem.causal,
                    softcap=problem.softcap > 0, varlen=problem.varlen,
                    seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k,
                    pack_gqa=pack_gqa, dropout=problem.dropout_p > 0, split_kv=split_kv,
-                   page_size=page_size, append=append, ex2_per16=ex2_per16)
+                   page_size=page_size, append=append, ex2_per16=ex2_per16, mods=mods)
 
     @classmethod
     def from_flags(cls, flags: dict) -> "Variant":
@@ -74,7 +86,8 @@ class Variant:
                    seqused_q=flags.get("seqused_q", False), seqused_k=flags.get("seqused_k", False),
                    pack_gqa=flags.get("pack_gqa", 1), dropout=flags.get("dropout", False),
                    split_kv=flags.get("split_kv", False), page_size=flags.get("page", 0),
-                   append=flags.get("append", False), ex2_per16=flags.get("ex2_emu", 0))
+                   append=flags.get("append", False), ex2_per16=flags.get("ex2_emu", 0),
+                   mods=_example_mods(flags.get("mods")))
 
     def flags(self) -> tuple:
         flags = (("causal", self.causal), ("left", self.window_left), ("right", self.window_right),
@@ -86,7 +99,18 @@ class Variant:
         flags += (("split_kv", True),) if self.split_kv else ()
         flags += (("page", self.page_size),) if self.page_size else ()
         flags += (("append", True),) if self.append else ()
-        return flags + ((("ex2_emu", self.ex2_per16),) if self.ex2_per16 else ())
+        flags += (("ex2_emu", self.ex2_per16),) if self.ex2_per16 else ()
+        return flags + ((("mods", self.mods.key()),) if self.mods is not None else ())
+
+
+def _example_mods(name):
+    """A registry config's mods: the `KernelMods` of a documented example by name
+    (`flash_cute.mod_examples`), or None."""
+    if name is None:
+        return None
+    from flash_cute.mod_examples import example_spec
+
+    return example_spec(name)
 
 
 def set_kernel_switches(kernel, variant: Variant) -> None:
@@ -107,6 +131,7 @@ def set_kernel_switches(kernel, variant: Variant) -> None:
     kernel.page_size = variant.page_size
     kernel.append = variant.append
     kernel.ex2_per16 = variant.ex2_per16
+    kernel.mods = variant.mods
 
 
 def kernel_head_dims(pipeline: str, hdim: int, hdim_v, schedules: dict, schedule) -> tuple:

@@ -56,6 +56,23 @@ def _does_softmax(kernel: str) -> bool:
 # Spills known and accepted, exactly: the sm80 forward compiled for sm_100a (what runs on
 # Blackwell until its own pipeline exists) spills at hdim 128.
 KNOWN_SPILLS = {("ampere.fwd", "sm_100a", 128): 32}
+# The hopper forward with a traced mod that loads per column or per element (a document id of
+# kv_idx, a relative-bias table): a few registers at the default schedule, which runs faster
+# than the spill-free one without intra-warpgroup overlap; the hdim-128 backward of a mod
+# whose derivative is not 1 (softcap), whose derivative takes a fragment of its own
+# (D-MODS-KERNEL).
+KNOWN_MOD_SPILLS = {("hopper.fwd", "sm_90a", "document", 128): 24,
+                    ("hopper.fwd", "sm_90a", "alibi_document", 128): 8,
+                    ("hopper.fwd", "sm_90a", "relative_bias", 128): 40,
+                    ("hopper.bwd", "sm_90a", "softcap", 128): 48}
+
+
+def known_spill(e: dict):
+    """The accepted spill bytes of an inspected entry (None: none accepted)."""
+    mods = e["config"].get("mods")
+    if mods is not None:
+        return KNOWN_MOD_SPILLS.get((e["kernel"], e["target"], mods, e["config"]["hdim"]))
+    return KNOWN_SPILLS.get((e["kernel"], e["target"], e["config"]["hdim"]))
 
 
 @pytest.mark.slow
@@ -64,7 +81,7 @@ def test_blocks_use_exp2_and_do_not_spill(inspected):
     reported, not hidden."""
     for e in inspected:
         hdim = e["config"]["hdim"] or 0
-        known = KNOWN_SPILLS.get((e["kernel"], e["target"], hdim))
+        known = known_spill(e)
         if known is not None:
             assert e["spill_bytes"] == known, e
         elif hdim <= 128:
@@ -262,7 +279,7 @@ def test_ampere_fwd_is_an_sm80_mma_sync_pipeline(inspected):
         assert ops.get("LDSM", 0) > 0, "operands must come from shared memory through ldmatrix"
         assert ops.get("HGMMA", 0) == 0 and ops.get("UTMALDG", 0) == 0
         assert e["smem_bytes"] > 0
-        known = KNOWN_SPILLS.get((e["kernel"], e["target"], e["config"]["hdim"]))
+        known = known_spill(e)
         if e["config"]["hdim"] <= 128:
             assert e["spill_bytes"] == (known or 0)
 

@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import flash_cute
-from flash_cute import mod_graph, plans
+from flash_cute import mod_graph
 from flash_cute.reference import tolerance_check
 
 H, K = 4, 45
@@ -168,15 +168,82 @@ def test_varlen_mods_see_the_sequence_and_positions_inside_it():
         torch.testing.assert_close(out[rows], want[b], rtol=0, atol=0)
 
 
-def test_gpu_kernels_refuse_mods_for_now_and_softcap_goes_inside_the_mod():
+def test_softcap_goes_inside_the_mod_and_the_key_stays():
     key = mod_graph.register(alibi, None)
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="GPU kernels are not built yet"):
-        plans.forward(q, q, q, None, None, None, None, None, None, None, False, None, None, 0.0,
-                      None, False, None, False, key)
     with pytest.raises(ValueError, match="softcap inside the mod"):
         flash_cute.flash_attn_func(q, q, q, score_mod=alibi, softcap=5.0)
     assert mod_graph.register(alibi, None) == key   # the same function keeps its key
+
+
+def _kernel_spec(score_mod=None, mask_mod=None):
+    return mod_graph.kernel_mods(mod_graph.lookup(mod_graph.register(score_mod, mask_mod)))
+
+
+def test_kernel_mods_join_graphs_and_tell_a_bias_from_a_derivative():
+    """The kernels' view: one node list, shared captured tensors once, the derivative kept
+    only where it is not 1 (a bias needs no fragment in the backward), a hashable key that
+    tells mods apart and not calls."""
+    table = torch.randn(H, 9)
+    ids = torch.zeros(2, 40, dtype=torch.int32)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 4] - table[h, 0]
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (table[h, 1] > -100.0)
+
+    spec, aux = _kernel_spec(biased, same_doc)
+    assert aux == (table, ids) and spec.aux == (("fp32", 2), ("i32", 2))
+    assert spec.score_grad is None and spec.mask is not None
+    assert spec.nodes[spec.mask].op == "and"
+    assert _kernel_spec(softcap20)[0].score_grad is not None
+    assert _kernel_spec(biased, same_doc)[0].key() == spec.key()
+    assert _kernel_spec(softcap20)[0].key() != _kernel_spec(gated)[0].key()
+    assert hash(spec) == hash(_kernel_spec(biased, same_doc)[0])
+
+
+def test_kernel_mods_refuse_what_the_kernels_cannot_read():
+    many = [torch.ones(3) for _ in range(mod_graph.MAX_AUX + 1)]
+    wide = torch.ones(H, dtype=torch.float64)
+
+    def five_tables(score, b, h, q_idx, kv_idx):
+        return score + many[0][h] + many[1][h] + many[2][h] + many[3][h] + many[4][h]
+
+    def wide_bias(score, b, h, q_idx, kv_idx):
+        return score + wide[h]
+
+    def power(score, b, h, q_idx, kv_idx):
+        return score * 2 ** (q_idx - kv_idx)
+
+    for fn, match in ((five_tables, "at most"), (wide_bias, "float64"),
+                      (power, "constant powers")):
+        with pytest.raises(mod_graph.UnsupportedMod, match=match):
+            _kernel_spec(fn)
+
+
+def test_gpu_pipelines_need_the_mods_capability_and_refuse_block_sparsity():
+    """Dispatch: the mods are a capability (hopper and ampere have it); a block mask's
+    sparsity is another, which no GPU pipeline has yet."""
+    import dataclasses
+
+    from flash_cute.dispatch import PIPELINES
+    from flash_cute.pipeline import BLOCK_SPARSE, MODS, required_capabilities
+    from flash_cute.validation import validate_attention_inputs
+
+    q = torch.randn(1, 128, 2, 64, dtype=torch.bfloat16)
+    problem = validate_attention_inputs(q, q, q, require_cuda=False)
+    key = mod_graph.register(alibi, None)
+    with_mods = dataclasses.replace(problem, mods=mod_graph.lookup(key))
+    assert MODS in required_capabilities(with_mods) and MODS not in required_capabilities(problem)
+    block = create_block_mask(causal, 1, 2, 128, 128, device="cpu")
+    sparse = dataclasses.replace(problem, mods=mod_graph.lookup(
+        mod_graph.register(None, None, block)))
+    assert BLOCK_SPARSE in required_capabilities(sparse)
+    names = {p.name: p for p in PIPELINES}
+    for name in ("hopper", "ampere"):
+        assert names[name].missing(required_capabilities(with_mods)) is None
+        assert "block_mask" in names[name].missing(required_capabilities(sparse))
 
 
 def test_mods_under_compile_fullgraph_dynamic():

@@ -22,7 +22,7 @@ from flash_cute.dropout import Dropout
 from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.score import Scores, fold_scores
+from flash_cute.score import aux_tensors, fold_scores, tile_scores
 from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import BWD_SCHEDULES, bwd_smem_bytes
@@ -100,7 +100,7 @@ class AmpereBwd:
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
             tiled_mma(self.dtype, self.warps_sdp), tiled_mma(self.dtype, self.warps_dkv),
             tiled_mma(self.dtype, self.warps_dq), args.rng_seed, args.keep_threshold,
-            args.dropout_scale, SharedStorage,
+            args.dropout_scale, aux_tensors(self, args), SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -115,7 +115,7 @@ class AmpereBwd:
                sP_layout: cute.ComposedLayout, copy_qk: cute.TiledCopy, copy_v: cute.TiledCopy,
                mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
                mSeed: Optional[cute.Tensor], keep_threshold: Int32, dropout_scale: Float32,
-               SharedStorage: cutlass.Constexpr):
+               aux, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
@@ -165,7 +165,7 @@ class AmpereBwd:
                                batch * mQ.shape[-2] + head, self.tile_m, self.tile_n,
                                aligned=self.warps_sdp[1] == 1)
             step = BwdStep(self, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum, head,
-                           sP, sdS, scale_log2, mod_scale, win_left, win_right, drop)
+                           sP, sdS, scale_log2, mod_scale, win_left, win_right, drop, aux)
             for m_block in cutlass.range(m_min, m_max, unroll=1):
                 stage = (m_block - m_min) % self.num_stages
                 if cutlass.const_expr(self.num_stages > 1):
@@ -225,7 +225,8 @@ class BwdStep(DslState):
     """The per-query-tile math: P and dS into shared memory, and the dQ partial sum."""
 
     def __init__(self, cfg: AmpereBwd, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum,
-                 head, sP, sdS, scale_log2, mod_scale, win_left, win_right, dropout=None):
+                 head, sP, sdS, scale_log2, mod_scale, win_left, win_right, dropout=None,
+                 aux=None):
         self.cfg, self.seq, self.head = cfg, seq, head
         self.dropout = dropout
         self.scale_log2 = scale_log2
@@ -238,9 +239,10 @@ class BwdStep(DslState):
         self.g_lse = seq.lse_view(mLSElog2, head)
         self.g_delta = seq.lse_view(mDelta, head)
         self.g_dq = seq.q_view(mdQaccum, head)
-        self.scores = Scores(cfg.score_mod, mod_scale,
-                             AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                           cfg.causal, win_left, win_right))
+        self.scores = tile_scores(cfg, mod_scale,
+                                  AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q,
+                                                seq.seqlen_k, cfg.causal, win_left, win_right),
+                                  aux, seq.batch, head)
         r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cfg.dtype,
                                        num_bits_per_copy=2 * cfg.dtype.width)
         self.r2s_atom = r2s_atom
@@ -257,15 +259,18 @@ class BwdStep(DslState):
         acc_s = gemm_s.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_s.run(acc_s, stage)
         s_mn = acc_to_mn(acc_s)
-        self.scores.prepare(s_mn, self.coord_s, m_block, n_block)
+        grad_mn = None
+        if cutlass.const_expr(self.scores.needs_grad):
+            grad_mn = acc_to_mn(cute.make_rmem_tensor_like(acc_s, Float32))
+        self.scores.prepare(s_mn, self.coord_s, m_block, n_block, grad_mn=grad_mn)
         acc_dp = gemm_dp.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_dp.run(acc_dp, stage)
         dp_mn = acc_to_mn(acc_dp)
         if cutlass.const_expr(self.dropout is None):
-            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod)
+            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod, grad_mn)
         else:
             p_and_ds_dropout(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod,
-                             self.dropout, self.coord_s, m_block, n_block)
+                             self.dropout, self.coord_s, m_block, n_block, grad_mn)
         r_p = cute.make_rmem_tensor_like(acc_s, cfg.dtype)
         r_p.store(acc_s.load().to(cfg.dtype))
         r_ds = cute.make_rmem_tensor_like(acc_dp, cfg.dtype)

@@ -19,7 +19,8 @@ AMPERE = Pipeline(
     # dQ is added with fp32 atomics, so its rounding depends on the order CTAs finish: no
     # deterministic backward.
     capabilities=frozenset({caps.FORWARD, caps.BACKWARD, caps.CAUSAL, caps.LOCAL, caps.SOFTCAP,
-                            caps.GQA, caps.VARLEN, caps.SEQUSED, caps.DROPOUT}),
+                            caps.GQA, caps.VARLEN, caps.SEQUSED, caps.DROPOUT,
+                            caps.MODS}),
     plan_forward=api.plan_forward,
     plan_backward=api.plan_backward,
     check_supported=api.check_supported,

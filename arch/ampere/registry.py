@@ -39,7 +39,7 @@ def build_bwd(entry):
     kernel = AmpereBwd(dtype, entry.hdim, entry.hdim_v, Variant.from_flags(entry.flag_dict))
     args = fake_backward_args(dtype, entry.hdim, entry.hdim_v, kernel.varlen,
                               seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
-                              dropout=kernel.dropout)
+                              dropout=kernel.dropout, mods=kernel.mods)
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
                        options=COMPILE_OPTIONS)
 
@@ -61,7 +61,11 @@ def _fwd_configs():
                            ((64, 64), {"varlen": True, "seqused_k": True, "split_kv": True}),
                            # The software exp2 on 2 and 4 of every 16 scores (`exp2_emu`).
                            ((128, 128), {"causal": True, "ex2_emu": 2}),
-                           ((128, 128), {"causal": True, "ex2_emu": 4})]:
+                           ((128, 128), {"causal": True, "ex2_emu": 4}),
+                           # Traced mods (`mod_examples`): a bias, a mask, both.
+                           ((128, 128), {"causal": True, "mods": "alibi"}),
+                           ((128, 128), {"mods": "document"}),
+                           ((64, 64), {"varlen": True, "mods": "alibi_document"})]:
         targets = SM100_TOO if (d, flags) == (128, {"causal": True}) else TARGETS
         out.append(KernelConfig("ampere.fwd", targets, "bf16", d, dv, FWD_SCHEDULES[d],
                                 build_fwd, config_flags(**{**_SWITCHES, **flags})))
@@ -78,7 +82,10 @@ def _bwd_configs():
                            ((128, 128), {"causal": True, "seqused_q": True, "seqused_k": True}),
                            ((128, 128), {"dropout": True}),
                            ((64, 64), {"causal": True, "varlen": True, "softcap": True,
-                                       "dropout": True})]:
+                                       "dropout": True}),
+                           ((128, 128), {"causal": True, "mods": "alibi"}),
+                           ((128, 128), {"mods": "document"}),
+                           ((64, 64), {"mods": "softcap"})]:
         out.append(KernelConfig("ampere.bwd", TARGETS, "bf16", d, dv, BWD_SCHEDULES[d][:3],
                                 build_bwd, config_flags(**{**_SWITCHES, **flags})))
     return tuple(out)

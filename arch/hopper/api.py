@@ -103,21 +103,21 @@ def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_s
                      short_causal(problem.causal, problem.max_seqlen_q, problem.max_seqlen_k,
                                   SHORT_CAUSAL_BWD_ROWS),
                      None if schedule is None else tuple(schedule), target,
-                     problem.dropout_p > 0)
+                     problem.dropout_p > 0, problem.mods is not None)
     return launch.BackwardLaunch(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
                                  cu_seqlens_k, seqused_q, seqused_k, deterministic)
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, schedule, target: str,
-              dropout: bool = False):
+              dropout: bool = False, mods: bool = False):
     """The `launch.BackwardPlan` of a backward configuration, worked out once: the schedule
     (`schedule` or the head dim's default, `short`: `config.short_causal`), where the dQ tile
     fits in shared memory the fragment-order dQaccum (`TiledDqAccum`), else one laid out like
     q, and `config.bwd_compile_options`; LSE₂ and Δ rows 16-byte aligned for their TMA."""
     from .dq_layout import TiledDqAccum
 
-    schedule = BwdSchedule(*(schedule or bwd_schedule(hdim, varlen, short, dropout)))
+    schedule = BwdSchedule(*(schedule or bwd_schedule(hdim, varlen, short, dropout, mods)))
     dq_accum = (TiledDqAccum.of(schedule, hdim)
                 if bwd_smem_plan(hdim, hdim_v, schedule).dq_tma else launch.RowDqAccum(16))
     return launch.BackwardPlan("hopper.bwd", _BWD_KERNEL, tuple(schedule),

@@ -36,7 +36,7 @@ from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_stri
                                 transpose_view)
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.score import Scores, fold_scores
+from flash_cute.score import aux_tensors, fold_scores, tile_scores
 from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import (BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS, BWD_NUM_THREADS,
@@ -197,7 +197,10 @@ class HopperBwd:
     @property
     def ds_reads_scores(self) -> bool:
         """Whether dS needs the (modded) scores, which P overwrites in place: a score mod's
-        derivative is a function of them (softcap's is 1 − tanh², of the tanh S holds)."""
+        derivative is a function of them (softcap's is 1 − tanh², of the tanh S holds), or a
+        traced mod's derivative was taken beside them (none where it is 1: a bias)."""
+        if self.mods is not None:
+            return self.mods.score_grad is not None
         return self.score_mod is not None
 
     @property
@@ -265,7 +268,7 @@ class HopperBwd:
             args.cu_seqlens_k,
             args.seqused_q, args.seqused_k, *layouts, *mmas,
             args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
-            SharedStorage, tx_bytes,
+            aux_tensors(self, args), SharedStorage, tx_bytes,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def _row_stats_atom(self, t: cute.Tensor):
@@ -386,7 +389,7 @@ class HopperBwd:
                sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.Layout,
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dq: cute.TiledMma, mSeed: Optional[cute.Tensor], keep_threshold: Int32,
-               dropout_scale: Float32, nheads: Int32, SharedStorage: cutlass.Constexpr,
+               dropout_scale: Float32, nheads: Int32, aux, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
         layouts = (sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout)
         mmas = (mma_sdp, mma_dk, mma_dv, mma_dq)
@@ -433,7 +436,7 @@ class HopperBwd:
                 step = BwdStep(self, tidx, seq, mmas, smem, (mLSElog2, mDelta), mdQaccum, head,
                                scale_log2, mod_scale, win_left, win_right, order,
                                self.cta_dropout((mSeed, keep_threshold, dropout_scale, nheads),
-                                                seq, head))
+                                                seq, head), aux)
                 self.consume(step, smem, pipes, m_min, m_max, n_block)
                 self.store_dkv(step, mmas, tidx, seq, smem, mdK, mdV, head, n_block,
                                softmax_scale)
@@ -739,7 +742,7 @@ class BwdStep(DslState):
     and dV accumulators across the loop."""
 
     def __init__(self, cfg: HopperBwd, tidx, seq, mmas, smem: SmemTiles, stats, mdQaccum, head,
-                 scale_log2, mod_scale, win_left, win_right, order, dropout=None):
+                 scale_log2, mod_scale, win_left, win_right, order, dropout=None, aux=None):
         self.cfg, self.seq, self.tidx, self.order = cfg, seq, tidx, order
         self.dropout = dropout
         self.scale_log2 = scale_log2
@@ -766,9 +769,10 @@ class BwdStep(DslState):
         self.sQ, self.sdO = smem.sQ, smem.sdO
         # Without their TMA (varlen): the (seqlen_q,) global views.
         self.g_lse, self.g_delta = (seq.lse_view(t, head) for t in stats)
-        self.scores = Scores(cfg.score_mod, mod_scale,
-                             AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                           cfg.causal, win_left, win_right))
+        self.scores = tile_scores(cfg, mod_scale,
+                                  AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q,
+                                                seq.seqlen_k, cfg.causal, win_left, win_right),
+                                  aux, seq.batch, head)
         # P and dS leave the S accumulator layout by stmatrix: four 8x8 blocks per
         # instruction, one row address per lane, so few shared-memory addresses stay live.
         # A warpgroup's tile_n / 2 keys: 24 at tile_n 48 (swap_dkv) take pairs of blocks.
@@ -937,10 +941,11 @@ class BwdStep(DslState):
         pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
         acc_s, acc_dp = self.issue_s_dp(pipe_q, pipe_do, state, do_state, m_block)
         s_qk, dp_qk = self.scores_view(acc_s), self.scores_view(acc_dp)
+        g_qk = self.grad_view(acc_s, self.scores_view)
         if cutlass.const_expr(cfg.pds_stages == 1):
             self.pds_barrier.arrive_and_wait()
         warpgroup.wait_group(0 if cutlass.const_expr(cfg.fused_p_ds) else 1)
-        self.mask_scores(s_qk, m_block, n_block)
+        self.mask_scores(s_qk, m_block, n_block, g_qk)
         # A thread holds 16 (at 80 rows 20, at 128 rows 32) queries' columns here, not 2 rows:
         # LSE₂ and Δ are each read just before their use, so that both are never live at once.
         # Beyond 64 query rows: dS before dV is issued, so that the fp32 P, dP and the 16-bit P
@@ -955,7 +960,7 @@ class BwdStep(DslState):
                 ds_from_probs(s_qk, dp_qk, self.row_values(m_block, stage, False))
             else:
                 self.p_ds(s_qk, dp_qk, self.row_stats(m_block, stage, stage), m_block,
-                          n_block)
+                          n_block, g_qk)
             r_p = self.to_dtype(acc_s)
             if cutlass.const_expr(cfg.ds_stored_first):
                 r_ds = self.store_ds(acc_dp, pds)
@@ -999,15 +1004,16 @@ class BwdStep(DslState):
         acc_s, acc_dp = self.issue_s_dp(pipe_q, pipe_do, q_state, do_state, m_block)
         lse, delta = self.row_stats(m_block, stage, do_stage)
         s_mn, dp_mn = acc_to_mn(acc_s), acc_to_mn(acc_dp)
+        g_mn = self.grad_view(acc_s, acc_to_mn)
         if cutlass.const_expr(cfg.pds_stages == 1):
             # One P/dS buffer: both warpgroups' GEMMs of the previous tile are done with it.
             self.pds_barrier.arrive_and_wait()
         # A score mod's derivative (softcap's) reads S, which P overwrites: S and dP are both
         # waited for.
         warpgroup.wait_group(0 if cutlass.const_expr(cfg.fused_p_ds) else 1)
-        self.mask_scores(s_mn, m_block, n_block)
+        self.mask_scores(s_mn, m_block, n_block, g_mn)
         if cutlass.const_expr(cfg.fused_p_ds):
-            self.p_ds(s_mn, dp_mn, (lse, delta), m_block, n_block)
+            self.p_ds(s_mn, dp_mn, (lse, delta), m_block, n_block, g_mn)
         else:
             probs(s_mn, lse, self.scale_log2)
         self.to_smem(acc_s, self.tPsP, pds)
@@ -1055,21 +1061,28 @@ class BwdStep(DslState):
 
     @cute.jit
     def p_ds(self, s_mn: cute.Tensor, dp_mn: cute.Tensor, stats, m_block: Int32,
-             n_block: Int32):
+             n_block: Int32, grad_mn=None):
         """S → P and dP → dS in one pass (`HopperBwd.fused_p_ds`), with dropout's draws where
-        the kernel has them."""
+        the kernel has them; `grad_mn`: a traced mod's derivative (`grad_view`)."""
         lse, delta = stats
         if cutlass.const_expr(self.dropout is None):
-            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, self.cfg.score_mod)
+            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, self.cfg.score_mod, grad_mn)
         else:
             p_and_ds_dropout(s_mn, dp_mn, lse, delta, self.scale_log2, self.cfg.score_mod,
-                             self.dropout, self.coord_s, m_block, n_block)
+                             self.dropout, self.coord_s, m_block, n_block, grad_mn)
+
+    def grad_view(self, acc_s: cute.Tensor, view):
+        """A register fragment for a traced score mod's derivative, in S's `view` (None unless
+        the mod has one that is not 1)."""
+        if cutlass.const_expr(not self.scores.needs_grad):
+            return None
+        return view(cute.make_rmem_tensor_like(acc_s, Float32))
 
     @cute.jit
-    def mask_scores(self, s_mn: cute.Tensor, m_block: Int32, n_block: Int32):
+    def mask_scores(self, s_mn: cute.Tensor, m_block: Int32, n_block: Int32, grad_mn=None):
         """The score seam: score mod, then the mask where this block needs it
         (`flash_cute.score.Scores`)."""
-        self.scores.prepare(s_mn, self.coord_s, m_block, n_block)
+        self.scores.prepare(s_mn, self.coord_s, m_block, n_block, grad_mn=grad_mn)
 
     @cute.jit
     def p_barrier(self):

@@ -177,14 +177,18 @@ BWD_SCHEDULES = {64: BwdSchedule(128, 128, 2, True, dq_per_wg=True),
 
 
 def bwd_schedule(hdim: int, varlen: bool = False, short: bool = False,
-                 dropout: bool = False) -> BwdSchedule:
+                 dropout: bool = False, mods: bool = False) -> BwdSchedule:
     """The backward schedule of a head dim. Varlen below 128 query rows takes 64 rows with P in
     shared memory (D-HB-VARLEN; at 128 rows the statistics are shared by shuffles,
     `bwd.ShuffledRows`, and fit). `short` (`short_causal`): 80 rows take 64 (dQ then not
-    transposed); so does `dropout` (at 80 rows the Philox rounds spill, D-DROPOUT)."""
+    transposed); so does `dropout` (at 80 rows the Philox rounds spill, D-DROPOUT). `mods`:
+    64 rows at every head dim (a traced mod's per-element code spills at 80 and 128 rows,
+    D-MODS-KERNEL)."""
     schedule = BWD_SCHEDULES[hdim]
     if varlen and schedule.tile_m < 128:
         return schedule._replace(tile_m=64, swap_sdp=False)
+    if mods and schedule.tile_m > 64:
+        return schedule._replace(tile_m=64)
     if (short or dropout) and schedule.tile_m == 80:
         return schedule._replace(tile_m=64)
     return schedule

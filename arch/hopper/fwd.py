@@ -36,7 +36,7 @@ from flash_cute.kv_append import append_rows
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.score import Scores, fold_scores
+from flash_cute.score import Scores, aux_tensors, fold_scores, tile_scores
 from flash_cute.softmax import OnlineSoftmax, rescale_o
 from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
@@ -228,7 +228,8 @@ class HopperFwd:
             args.seqused_k, order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout,
             sO_layout, args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
             args.num_splits, args.blocks_per_split, args.page_table,
-            self._append_tensors(mK, mV, args), mma_qk, mma_pv, SharedStorage, tx_bytes,
+            self._append_tensors(mK, mV, args), aux_tensors(self, args), mma_qk, mma_pv,
+            SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -346,7 +347,7 @@ class HopperFwd:
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                mSeed: Optional[cute.Tensor], keep_threshold: Int32, dropout_scale: Float32,
                nheads: Int32, num_splits: Int32, blocks_per_split: Int32,
-               mPageTable: Optional[cute.Tensor], append_tensors,
+               mPageTable: Optional[cute.Tensor], append_tensors, aux,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -384,7 +385,7 @@ class HopperFwd:
             out = OutputStore(self, mma_pv, tidx, tma_o, sO, mO, mLSE,
                               warp_idx == _O_STORE_WARP)
             self.consume(mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
-                         mod_scale, (mSeed, keep_threshold, dropout_scale, nheads))
+                         mod_scale, (mSeed, keep_threshold, dropout_scale, nheads), aux)
 
     @cute.jit
     def produce(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles,
@@ -458,7 +459,7 @@ class HopperFwd:
 
     @cute.jit
     def consume(self, mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
-                mod_scale, dropout_args):
+                mod_scale, dropout_args, aux):
         """One consumer warpgroup's 64 rows of each of this CTA's tiles (thread index relative
         to the first consumer, so the tiled MMAs place warpgroup 1 on rows 0..63, warpgroup 2
         on rows 64..127 and so on). Ping-pong turns start once and run on across tiles: every
@@ -472,14 +473,14 @@ class HopperFwd:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         step = functools.partial(self.consume_tile, gemms, coord_mn, turns, pipes, tiles, out,
-                                 scale_log2, mod_scale, dropout_args)
+                                 scale_log2, mod_scale, dropout_args, aux)
         for_each_tile(tiles, self.persistent, step, (q_state, kv))
         turns.finish()
         out.drain()
 
     @cute.jit
     def consume_tile(self, gemms, coord_mn, turns, pipes, tiles, out, scale_log2, mod_scale,
-                     dropout_args, tile: Int32, q_state, kv):
+                     dropout_args, aux, tile: Int32, q_state, kv):
         """One tile: main loop, softmax finalize, epilogue. Returns the Q and K/V states for
         the next tile."""
         pipe_q = pipes[0]
@@ -491,7 +492,7 @@ class HopperFwd:
             softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4,
                                     self.ex2_per16)
             softmax.reset()
-            seam = Scores(self.score_mod, mod_scale, tiles.mask(seq))
+            seam = tile_scores(self, mod_scale, tiles.mask(seq), aux, seq.batch, head)
             drop = self.tile_dropout(dropout_args, seq, head)
             scores = SoftmaxStep(self, softmax, seam, coord_mn, m_block, rng, drop)
             # Q is waited for even when no block is visited: its TMA must land before the

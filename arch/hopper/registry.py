@@ -41,7 +41,7 @@ def build_bwd(entry):
                               dkv_fp32=flags.get("dkv_fp32", False), stats_align=16,
                               dq_align=16, semaphores=kernel.deterministic,
                               seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
-                              dropout=kernel.dropout, dq_accum_cols=(entry.schedule[0] * entry.hdim if kernel.dq_tma
+                              dropout=kernel.dropout, mods=kernel.mods, dq_accum_cols=(entry.schedule[0] * entry.hdim if kernel.dq_tma
                                              else None))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
                        options=bwd_compile_options(entry.schedule),
@@ -114,7 +114,14 @@ def _fwd_configs():
                            ((256, 256), {"causal": True, "split_kv": True}),
                            # The software exp2 on 2 and 4 of every 16 scores (`exp2_emu`).
                            ((128, 128), {"causal": True, "ex2_emu": 2}),
-                           ((128, 128), {"causal": True, "ex2_emu": 4})]:
+                           ((128, 128), {"causal": True, "ex2_emu": 4}),
+                           # Traced mods (`mod_examples`): a bias, a mask, both, packed GQA.
+                           ((128, 128), {"causal": True, "mods": "alibi"}),
+                           ((128, 128), {"mods": "document"}),
+                           ((128, 128), {"varlen": True, "mods": "alibi_document"}),
+                           ((128, 128), {"causal": True, "pack_gqa": 4,
+                                         "mods": "relative_bias"}),
+                           ((64, 64), {"mods": "softcap"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
         out.append(KernelConfig("hopper.fwd", TARGETS, dtype, d, dv,
@@ -183,12 +190,20 @@ def _bwd_configs():
                            ((128, 128), {"causal": True, "varlen": True, "dropout": True}),
                            ((64, 64), {"causal": True, "dropout": True}),
                            ((128, 128), {"softcap": True, "dropout": True}),
-                           ((256, 256), {"causal": True, "dropout": True})]:
+                           ((256, 256), {"causal": True, "dropout": True}),
+                           # Traced mods: biases (derivative 1), a mask, a derivative kept
+                           # in registers (softcap as a mod).
+                           ((128, 128), {"causal": True, "mods": "alibi"}),
+                           ((128, 128), {"mods": "document"}),
+                           ((64, 64), {"mods": "relative_bias"}),
+                           ((128, 128), {"mods": "softcap"}),
+                           ((64, 64), {"causal": True, "mods": "softcap"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False,
                 "dkv_fp32": False, "deterministic": False, **flags}
         out.append(KernelConfig("hopper.bwd", TARGETS, dtype, d, dv,
-                                bwd_schedule(d, full["varlen"], dropout=full.get("dropout", False)),
+                                bwd_schedule(d, full["varlen"], dropout=full.get("dropout", False),
+                                             mods="mods" in full),
                                 build_bwd,
                                 config_flags(**full)))
     plain = {"causal": False, "local": False, "softcap": False, "varlen": False,

@@ -1,0 +1,117 @@
+"""Attention variants on the GPU: flash-cute's traced mods against torch's FlexAttention
+(torch.compile'd, its block mask skipping empty blocks) on the very same functions, forward
+and backward, in one run with rounds interleaved; the built-in causal and window beside them.
+
+    python bench/variants.py [--seqlen 8192] [--hdim 128] [--rounds 3] [--cases alibi,...]
+                             [--fwd-ablation]
+
+Times are medians in ms (triton's do_bench, L2 flushed); `vs flex` is FlexAttention's time
+over ours. Every case passes causal=True to flash-cute where its mask is causal (the built-in
+block range then skips the upper triangle, as FlexAttention's block mask does); flash-cute
+has no block sparsity in its kernels yet, so a document or window mask still visits every
+block under the diagonal. `--fwd-ablation` adds the hopper forward with intra-warpgroup
+overlap off (its registers with a mod's loads, D-MODS-KERNEL).
+"""
+
+import argparse
+import dataclasses
+
+import torch
+
+from flash_cute import flash_attn_func, mod_examples, mod_graph
+from flash_cute.bench import interleaved_times, make_timer, markdown_table
+
+
+def _cases(batch, seqlen, nheads):
+    slopes = torch.exp2(-8.0 * torch.arange(1, nheads + 1, device="cuda") / nheads)
+    docs = torch.arange(seqlen, device="cuda") * 7 // seqlen          # 7 equal documents
+    doc_ids = docs.to(torch.int32).expand(batch, seqlen).contiguous()
+    causal = lambda b, h, q, k: k <= q  # noqa: E731
+    return {
+        "causal (mask_mod)": dict(mask_mod=causal, causal=True, flex_mask=causal),
+        "alibi + causal": dict(score_mod=mod_examples.alibi(slopes), causal=True,
+                               flex_mask=causal),
+        "document": dict(mask_mod=mod_examples.document_mask(doc_ids), causal=True),
+        "sliding window 1024": dict(mask_mod=mod_examples.sliding_window(1024), causal=True),
+        "softcap 30 (score_mod)": dict(score_mod=mod_examples.softcap(30.0)),
+    }
+
+
+def _ours(q, k, v, case, schedule=None):
+    """flash-cute's forward for `case` (a hopper `schedule` override: planned directly)."""
+    score_mod, mask_mod = case.get("score_mod"), case.get("mask_mod")
+    if schedule is None:
+        return lambda: flash_attn_func(q, k, v, causal=case.get("causal", False),
+                                       score_mod=score_mod, mask_mod=mask_mod)[0]
+    from flash_cute.arch.hopper import api
+    from flash_cute.validation import validate_attention_inputs
+
+    key = mod_graph.register(score_mod, mask_mod)
+    problem = dataclasses.replace(validate_attention_inputs(q, k, v,
+                                                            causal=case.get("causal", False)),
+                                  mods=mod_graph.lookup(key), mods_key=key)
+    launch = api.plan_forward(q, k, v, problem, schedule=schedule)
+    return lambda: launch(q, k, v)[0]
+
+
+def _flex(q, k, v, case, flex):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask = case.get("flex_mask", case.get("mask_mod"))
+    block_mask = None if mask is None else create_block_mask(
+        mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1], device="cuda")
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    return lambda: flex(qt, kt, vt, score_mod=case.get("score_mod"), block_mask=block_mask)
+
+
+def _backward(fwd, inputs):
+    out = fwd()
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--hdim", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    p.add_argument("--fwd-ablation", action="store_true")
+    args = p.parse_args()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    batch, nheads = max(1, 16384 // args.seqlen), 2048 // args.hdim
+    q, k, v = (torch.randn(batch, args.seqlen, nheads, args.hdim, device="cuda",
+                           dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    cases = _cases(batch, args.seqlen, nheads)
+    if args.cases:
+        cases = {n: c for n, c in cases.items() if n.split(" ")[0] in args.cases.split(",")}
+    timer = make_timer(10, 50)
+    rows = []
+    for name, case in cases.items():
+        fns = {"flash-cute": _ours(q, k, v, case), "flex": _flex(q, k, v, case, flex)}
+        if case.get("causal") and case.get("mask_mod") is not None and "sliding" not in name:
+            fns["flash-cute built-in causal"] = _ours(q, k, v, {"causal": True})
+        if "sliding" in name:
+            fns["flash-cute built-in window"] = lambda: flash_attn_func(
+                q, k, v, causal=True, window_size=(1023, 0))[0]
+        if args.fwd_ablation:
+            from flash_cute.arch.hopper.config import fwd_schedule
+
+            fns["flash-cute, no intra-wg overlap"] = _ours(
+                q, k, v, case, fwd_schedule(args.hdim)._replace(intra_wg_overlap=False))
+        for direction in ("fwd", "bwd"):
+            timed = fns if direction == "fwd" else {
+                n: _backward(f, (q, k, v)) for n, f in fns.items() if "overlap" not in n}
+            stats = interleaved_times(timed, args.rounds, timer)
+            base = stats["flex"][0]
+            for provider, st in stats.items():
+                rows.append([name, direction, provider, f"{st[0]:.3f}", f"{base / st[0]:.2f}"])
+                print(rows[-1], flush=True)
+    print(f"\nbf16, hdim {args.hdim}, {batch} x {args.seqlen} tokens, {nheads} heads\n")
+    print(markdown_table(["case", "pass", "provider", "ms", "vs flex"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Traced score and mask mods in the GPU kernels (`flash_cute.graph_mods`): forward and
+backward of the hopper and ampere pipelines against float64 by the FlashAttention rule, and
+the forward against torch's FlexAttention running the very same functions; GQA, odd lengths,
+causal with a mod, varlen with seqused, packed GQA, captured tensors read as they are at each
+call, and the refusals."""
+
+import pytest
+import torch
+
+from flash_cute import flash_attn_func, flash_attn_varlen_func, mod_examples, mod_graph
+from flash_cute.reference import attention_ref, tolerance_check
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+H, HK = 4, 2
+_AUX = {}
+
+
+def aux(name):
+    """Captured CUDA tensors, made once (the same objects keep a mod's registry key)."""
+    if name not in _AUX:
+        g = torch.Generator(device="cuda").manual_seed(7)
+        _AUX.update(
+            slopes=torch.rand(H, device="cuda", generator=g) * 0.5 + 0.05,
+            table=torch.randn(H, 1024, device="cuda", generator=g),
+            doc=torch.randint(0, 4, (2, 400), device="cuda", generator=g,
+                              dtype=torch.int32).sort(dim=1).values.to(torch.int32),
+            prefix=torch.tensor([17, 90], device="cuda", dtype=torch.int32),
+            gate=torch.rand(2, H, device="cuda", generator=g),
+            keep=torch.rand(2, 400, 400, device="cuda", generator=g) > 0.2)
+    return _AUX[name]
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - aux("slopes")[h] * (q_idx - kv_idx).abs()
+
+
+def relative_bias(score, b, h, q_idx, kv_idx):
+    return score + aux("table")[h, q_idx - kv_idx + 400]
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 8.0 * torch.tanh(score / 8.0)
+
+
+def exotic(score, b, h, q_idx, kv_idx):
+    """Most of the op subset: where, sigmoid, floor division and remainder of negatives,
+    minimum, exp, log, sqrt, pow, a per-(batch, head) load, int/float promotion."""
+    shift = ((q_idx - kv_idx) // 5) % 3 - 1
+    smooth = torch.log(torch.exp(score / 4) + 1.0) * 4 + torch.sqrt(score * score + 1.0) / 8
+    gated = score * torch.sigmoid(score) + aux("gate")[b, h] * shift
+    return torch.where(kv_idx % 2 == 0, smooth, torch.minimum(gated, score ** 2 / 4))
+
+
+def causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def document(b, h, q_idx, kv_idx):
+    return (aux("doc")[b, q_idx] == aux("doc")[b, kv_idx]) & (kv_idx <= q_idx)
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | (kv_idx < aux("prefix")[b])
+
+
+def dense_mask(b, h, q_idx, kv_idx):
+    """A bool tensor lookup, with the diagonal kept so no row is empty."""
+    return aux("keep")[b, q_idx, kv_idx] | (q_idx == kv_idx)
+
+
+CASES = [(alibi, None), (relative_bias, causal), (softcap, prefix_lm), (exotic, None),
+         (None, document), (alibi, dense_mask), (exotic, causal)]
+_ID = lambda f: getattr(f, "__name__", "none")  # noqa: E731
+
+
+def _inputs(seqlen_q, seqlen_k, d, dtype=torch.bfloat16, batch=2, heads_kv=HK):
+    g = torch.Generator(device="cuda").manual_seed(seqlen_q * 1000 + seqlen_k + d)
+    mk = lambda s, h: torch.randn(batch, s, h, d, device="cuda", dtype=dtype,  # noqa: E731
+                                  generator=g).requires_grad_()
+    return mk(seqlen_q, H), mk(seqlen_k, heads_kv), mk(seqlen_k, heads_kv)
+
+
+def _check(got, ref, nat, name):
+    res = tolerance_check(got, ref, nat)
+    assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e} (+{res.atol:.1e})"
+
+
+def _flex(q, k, v, score_mod, mask_mod):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = create_block_mask(mask_mod, q.shape[0], q.shape[2], q.shape[1],
+                                       k.shape[1], device="cuda")
+    out = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), score_mod=score_mod,
+                         block_mask=block_mask, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("arch", [None, "ampere"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("score_mod,mask_mod", CASES, ids=_ID)
+def test_forward_and_backward_against_float64_and_flex(score_mod, mask_mod, d, arch):
+    q, k, v = _inputs(113, 301, d)
+    out, lse = flash_attn_func(q, k, v, score_mod=score_mod, mask_mod=mask_mod, arch=arch,
+                               return_lse=True)
+    variant = mod_graph.lookup(mod_graph.register(score_mod, mask_mod))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, lse_ref = attention_ref(q64, k64, v64, mode="float64", variant=variant)
+    qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
+    nat, lse_nat = attention_ref(qn, kn, vn, mode="native", variant=variant)
+    _check(out, ref, nat, "O")
+    finite = lse_ref.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    _check(lse[finite], lse_ref[finite], lse_nat[finite], "LSE")
+    with torch.no_grad():
+        flex = _flex(q.detach(), k.detach(), v.detach(), score_mod, mask_mod)
+    # FlexAttention, an independent kernel of the same functions, as the baseline.
+    _check(out, ref, flex, "O vs FlexAttention's error")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads64 = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    grads_nat = torch.autograd.grad(nat, (qn, kn, vn), dout)
+    for name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
+        _check(g, r, n, name)
+
+
+@pytest.mark.parametrize("arch", [None, "ampere"])
+def test_varlen_with_seqused_sees_each_sequence(arch):
+    """Packed sequences with seqused_k: b is the sequence, q_idx / kv_idx count from its
+    start (the reference's varlen, on the same graphs)."""
+    torch.manual_seed(3)
+    cu_q = torch.tensor([0, 37, 117], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 120, 323], dtype=torch.int32, device="cuda")
+    seqused_k = torch.tensor([101, 203], dtype=torch.int32, device="cuda")
+    q = torch.randn(117, H, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(323, HK, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=80, max_seqlen_k=203, seqused_k=seqused_k,
+                                 causal=True, score_mod=exotic, mask_mod=prefix_lm,
+                                 arch=arch)[0]
+    variant = mod_graph.lookup(mod_graph.register(exotic, prefix_lm))
+    kw = dict(causal=True, variant=variant, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+              seqused_k=seqused_k)
+    ref = attention_ref(q.double(), k.double(), v.double(), mode="float64", **kw)[0]
+    nat = attention_ref(q, k, v, mode="native", **kw)[0]
+    _check(out, ref, nat, "O")
+
+
+def test_packed_gqa_split_kv_decode_with_a_mod():
+    """Decode-sized queries (packed GQA, split-KV) with a per-head bias and a mask."""
+    q, k, v = _inputs(3, 4000, 128, batch=2, heads_kv=1)
+    for splits in (1, 0, 5):
+        out = flash_attn_func(q, k, v, causal=True, score_mod=alibi, mask_mod=document,
+                              pack_gqa=True, num_splits=splits)[0]
+        variant = mod_graph.lookup(mod_graph.register(alibi, document))
+        args = [t.detach() for t in (q, k, v)]
+        ref = attention_ref(*(t.double() for t in args), mode="float64", causal=True,
+                            variant=variant)[0]
+        nat = attention_ref(*args, mode="native", causal=True, variant=variant)[0]
+        _check(out, ref, nat, f"O, num_splits={splits}")
+
+
+def test_captured_tensors_are_read_at_each_call():
+    """A learnable table updated in place: the next call reads the new values (no copy kept),
+    and the kernel is not compiled again."""
+    from flash_cute.jit import compile_cache
+
+    table = torch.zeros(H, 33, device="cuda")
+    mod = mod_examples.relative_bias(table, 16)
+    q, k, v = (t.detach() for t in _inputs(64, 64, 64))
+    flash_attn_func(q, k, v, score_mod=mod)
+    compiled = len(compile_cache)
+    table.normal_()
+    out = flash_attn_func(q, k, v, score_mod=mod)[0]
+    assert len(compile_cache) == compiled
+    variant = mod_graph.lookup(mod_graph.register(mod, None))
+    ref = attention_ref(q.double(), k.double(), v.double(), mode="float64", variant=variant)[0]
+    nat = attention_ref(q, k, v, mode="native", variant=variant)[0]
+    _check(out, ref, nat, "O after the table changed")
+
+
+def test_documented_examples_run():
+    slopes = torch.rand(H, device="cuda")
+    doc = torch.randint(0, 3, (2, 150), device="cuda", dtype=torch.int32).sort(1).values
+    q, k, v = (t.detach() for t in _inputs(150, 150, 128))
+    for score_mod, mask_mod in [(mod_examples.alibi(slopes), None),
+                                (mod_examples.softcap(30.0), mod_examples.sliding_window(40)),
+                                (None, mod_examples.document_mask(doc)),
+                                (None, mod_examples.prefix_lm(torch.tensor(
+                                    [5, 60], dtype=torch.int32, device="cuda")))]:
+        out = flash_attn_func(q, k, v, score_mod=score_mod, mask_mod=mask_mod)[0]
+        variant = mod_graph.lookup(mod_graph.register(score_mod, mask_mod))
+        ref = attention_ref(q.double(), k.double(), v.double(), mode="float64",
+                            variant=variant)[0]
+        nat = attention_ref(q, k, v, mode="native", variant=variant)[0]
+        _check(out, ref, nat, f"{_ID(score_mod)} / {_ID(mask_mod)}")
+
+
+def test_bad_captured_tensors_are_refused_before_launch():
+    q = torch.randn(1, 16, H, 64, device="cuda", dtype=torch.bfloat16)
+    on_cpu = torch.ones(H)
+
+    def cpu_bias(score, b, h, q_idx, kv_idx):
+        return score + on_cpu[h]
+
+    with pytest.raises(ValueError, match="move it there"):
+        flash_attn_func(q, q, q, score_mod=cpu_bias)
+    wide = torch.ones(H, device="cuda", dtype=torch.float64)
+
+    def wide_bias(score, b, h, q_idx, kv_idx):
+        return score + wide[h]
+
+    with pytest.raises(mod_graph.UnsupportedMod, match="float64"):
+        flash_attn_func(q, q, q, score_mod=wide_bias)
+
+
+def _graph_cases():
+    def e_div(score, b, h, q_idx, kv_idx):
+        return score + (((q_idx - kv_idx) // 5) % 3 - 1) * 0.5 + (kv_idx - q_idx) % 7
+
+    def e_float_div(score, b, h, q_idx, kv_idx):
+        return score // 0.75 + score % 1.5 - (q_idx - kv_idx) / 3
+
+    def e_pow(score, b, h, q_idx, kv_idx):
+        return score ** 3 / 8 + torch.abs(score) ** 0.5 - (q_idx + 1) ** 2 / 1000
+
+    def e_bool(b, h, q_idx, kv_idx):
+        return ~((q_idx - kv_idx) % 4 == 1) | (aux("keep")[b, q_idx, kv_idx] != (h > 1))
+    return [(e_div, None), (e_float_div, None), (e_pow, None), (exotic, e_bool),
+            (softcap, document), (alibi, prefix_lm), (relative_bias, dense_mask)]
+
+
+@pytest.mark.parametrize("score_mod,mask_mod", _graph_cases(), ids=_ID)
+def test_block_matches_the_graph_on_index_grids(score_mod, mask_mod):
+    """The block alone (`graph_mods.evaluate`, no attention around it) against
+    `mod_graph.evaluate` on the same graphs: every op's semantics, negative integer division
+    and remainder included, and the derivative in the score."""
+    from flash_cute import graph_mods
+
+    variant = mod_graph.lookup(mod_graph.register(score_mod, mask_mod))
+    scores = torch.randn(2, H, 150, 200, device="cuda") * 4
+    out, grad = graph_mods.evaluate(variant, scores)
+    grids = mod_graph.index_grids([0, 1], H, 150, 200, device="cuda")
+    want = scores.double()
+
+    def full(t):
+        return torch.broadcast_to(t.to(scores.device), scores.shape)
+
+    if variant.score_mod is not None:
+        want = full(mod_graph.evaluate(variant.score_mod, {"score": want, **grids}).double())
+        d = mod_graph.score_derivative(variant.score_mod)
+        want_grad = full(mod_graph.evaluate(d, {"score": scores.double(), **grids}))
+        torch.testing.assert_close(grad.double(), want_grad.double(), rtol=2e-3, atol=2e-3)
+    if variant.mask_mod is not None:
+        keep = full(mod_graph.evaluate(variant.mask_mod, grids))
+        assert torch.equal(out.isinf() & (out < 0), ~keep.bool())
+        want = want.masked_fill(~keep.bool(), float("-inf"))
+    torch.testing.assert_close(out.double(), want, rtol=2e-3, atol=2e-3)
