@@ -6,11 +6,11 @@ and backward, in one run with rounds interleaved; the built-in causal and window
                              [--fwd-ablation]
 
 Times are medians in ms (triton's do_bench, L2 flushed); `vs flex` is FlexAttention's time
-over ours. Every case passes causal=True to flash-cute where its mask is causal (the built-in
-block range then skips the upper triangle, as FlexAttention's block mask does); flash-cute
-has no block sparsity in its kernels yet, so a document or window mask still visits every
-block under the diagonal. `--fwd-ablation` adds the hopper forward with intra-warpgroup
-overlap off (its registers with a mod's loads, D-MODS-KERNEL).
+over the provider's. A case with a mask mod runs flash-cute with the very block mask
+FlexAttention gets (`create_block_mask`; block sparsity: empty tiles skipped, full ones
+without the mask rule), causal=False: the mask is the mod's alone. `--fwd-ablation` adds the
+hopper forward with intra-warpgroup overlap off (its registers with a mod's loads,
+D-MODS-KERNEL).
 """
 
 import argparse
@@ -28,25 +28,34 @@ def _cases(batch, seqlen, nheads):
     doc_ids = docs.to(torch.int32).expand(batch, seqlen).contiguous()
     causal = lambda b, h, q, k: k <= q  # noqa: E731
     return {
-        "causal (mask_mod)": dict(mask_mod=causal, causal=True, flex_mask=causal),
+        "causal (mask_mod)": dict(mask_mod=causal),
         "alibi + causal": dict(score_mod=mod_examples.alibi(slopes), causal=True,
                                flex_mask=causal),
-        "document": dict(mask_mod=mod_examples.document_mask(doc_ids), causal=True),
-        "sliding window 1024": dict(mask_mod=mod_examples.sliding_window(1024), causal=True),
+        "document": dict(mask_mod=mod_examples.document_mask(doc_ids)),
+        "sliding window 1024": dict(mask_mod=mod_examples.sliding_window(1024)),
         "softcap 30 (score_mod)": dict(score_mod=mod_examples.softcap(30.0)),
     }
 
 
+def _block_mask(q, k, case):
+    from flash_cute import create_block_mask
+
+    mask = case.get("flex_mask", case.get("mask_mod"))
+    return None if mask is None else create_block_mask(mask, q.shape[0], q.shape[2],
+                                                       q.shape[1], k.shape[1], device="cuda")
+
+
 def _ours(q, k, v, case, schedule=None):
     """flash-cute's forward for `case` (a hopper `schedule` override: planned directly)."""
-    score_mod, mask_mod = case.get("score_mod"), case.get("mask_mod")
+    score_mod = case.get("score_mod")
+    block_mask = None if case.get("causal") else _block_mask(q, k, case)
     if schedule is None:
         return lambda: flash_attn_func(q, k, v, causal=case.get("causal", False),
-                                       score_mod=score_mod, mask_mod=mask_mod)[0]
+                                       score_mod=score_mod, block_mask=block_mask)[0]
     from flash_cute.arch.hopper import api
     from flash_cute.validation import validate_attention_inputs
 
-    key = mod_graph.register(score_mod, mask_mod)
+    key = mod_graph.register(score_mod, None, block_mask)
     problem = dataclasses.replace(validate_attention_inputs(q, k, v,
                                                             causal=case.get("causal", False)),
                                   mods=mod_graph.lookup(key), mods_key=key)
@@ -55,11 +64,7 @@ def _ours(q, k, v, case, schedule=None):
 
 
 def _flex(q, k, v, case, flex):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    mask = case.get("flex_mask", case.get("mask_mod"))
-    block_mask = None if mask is None else create_block_mask(
-        mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1], device="cuda")
+    block_mask = _block_mask(q, k, case)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     return lambda: flex(qt, kt, vt, score_mod=case.get("score_mod"), block_mask=block_mask)
 
@@ -91,7 +96,7 @@ def main():
     rows = []
     for name, case in cases.items():
         fns = {"flash-cute": _ours(q, k, v, case), "flex": _flex(q, k, v, case, flex)}
-        if case.get("causal") and case.get("mask_mod") is not None and "sliding" not in name:
+        if name.startswith(("causal", "document")):
             fns["flash-cute built-in causal"] = _ours(q, k, v, {"causal": True})
         if "sliding" in name:
             fns["flash-cute built-in window"] = lambda: flash_attn_func(

@@ -75,3 +75,26 @@ def reblock(states: torch.Tensor, block_size, tile, seqlen_q: int, seqlen_k: int
     least = -torch.nn.functional.max_pool2d(-lo.view(b * h, 1, *lo.shape[2:]), steps, steps)
     out = torch.where(most == EMPTY, EMPTY, torch.where(least == FULL, FULL, PARTIAL))
     return out.view(b, h, *out.shape[2:]).to(torch.int8)
+
+
+def kernel_tiles(states: torch.Tensor, block_size, tile, batch: int, heads: int,
+                 seqlen_q: int, seqlen_k: int) -> tuple:
+    """What a kernel with (rows, cols) tiles `tile` reads of a block mask: the state of each
+    of its tiles, int32 [batch, heads, query tiles, key tiles] (`reblock`), and the tight
+    range of non-empty tiles, int32 [..., 2] (start, end), per query tile (the forward's
+    loop) and per key tile (the backward's): a kernel visits the range and treats an empty
+    tile inside it as masked, so any block mask is exact and a contiguous one is visited
+    exactly."""
+    tiles = reblock(states, block_size, tile, seqlen_q, seqlen_k).to(torch.int32)
+    tiles = tiles.expand(batch, heads, *tiles.shape[2:]).contiguous()
+    return tiles, _ranges(tiles != EMPTY), _ranges((tiles != EMPTY).transpose(2, 3))
+
+
+def _ranges(visible: torch.Tensor) -> torch.Tensor:
+    """int32 [..., 2]: the first and one past the last True along the last dimension ((0, 0)
+    where none is)."""
+    count = visible.shape[-1]
+    index = torch.arange(count, device=visible.device)
+    start = torch.where(visible, index, count).amin(-1)
+    end = torch.where(visible, index + 1, 0).amax(-1)
+    return torch.stack([torch.minimum(start, end), end], -1).to(torch.int32).contiguous()

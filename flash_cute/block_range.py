@@ -157,3 +157,20 @@ def split_range(rng: BlockRange, split, num_splits, blocks_per_split=0, *, imin=
     nm_lo = imin(imax(rng.n_block_min_no_mask, lo), hi)
     nm_hi = imax(imin(rng.n_block_max_no_mask, hi), nm_lo)
     return BlockRange(lo, hi, nm_lo, nm_hi)
+
+
+def narrow(rng: BlockRange, start, end, *, imin=min, imax=max) -> BlockRange:
+    """`rng` cut to the blocks ``[start, end)`` (a block mask's non-empty tiles,
+    `flash_cute.block_mask.kernel_tiles`), the unmasked range clamped into it as
+    `split_range` does; branch-free, with the operand rules of `block_range`."""
+    lo, hi = narrow_pair(rng.n_block_min, rng.n_block_max, start, end, imin=imin, imax=imax)
+    nm_lo = imin(imax(rng.n_block_min_no_mask, lo), hi)
+    nm_hi = imax(imin(rng.n_block_max_no_mask, hi), nm_lo)
+    return BlockRange(lo, hi, nm_lo, nm_hi)
+
+
+def narrow_pair(lo, hi, start, end, *, imin=min, imax=max) -> tuple:
+    """``[lo, hi)`` cut to ``[start, end)``, empty (lo' == hi') where they do not meet (the
+    backward's query-block range under a block mask; `narrow`)."""
+    new_lo = imin(imax(lo, start), hi)
+    return new_lo, imax(imin(hi, end), new_lo)

@@ -75,13 +75,23 @@ class GraphMods(DslState):
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.tile_m, self.tile_n, self.pack = tile_m, tile_n, pack
 
+    def nested(self) -> bool:
+        """Whether each of the kernel's tiles lies within one of the block mask's blocks, so
+        that a tile's state is its elements' (`block_mask.reblock`)."""
+        rows, cols = self.spec.block_size
+        return self.pack == 1 and rows % self.tile_m == 0 and cols % self.tile_n == 0
+
     def apply(self, acc_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32, n_block: Int32,
-              mod_scale: Float32, grad_mn=None):
+              mod_scale: Float32, grad_mn=None, mask="mod", visible=None):
         """In place: the score mod's output (of the raw score times `mod_scale`), -inf where
-        the mask mod says False; with `grad_mn`, the score mod's derivative there too. Plain
-        Python at trace time: the walk holds no staged control flow."""
+        the mask says False: the mask mod's output node by default, else the node `mask`
+        (None: no mask, a block mask's full tile; `Scores.sparse_mods`); with `grad_mn`, the
+        score mod's derivative there too; `visible` (a DSL Boolean, uniform over the tile)
+        ands into the mask. Plain Python at trace time: the walk holds no staged control
+        flow."""
         spec = self.spec
-        outs = (spec.score, spec.score_grad if grad_mn is not None else None, spec.mask)
+        self.mask_out = spec.mask if mask == "mod" else mask
+        outs = (spec.score, spec.score_grad if grad_mn is not None else None, self.mask_out)
         live = sorted(needed(spec.nodes, outs))
         level = levels(spec.nodes, self.pack)
         tile = _Walk(spec.nodes, self.aux, {"b": _index(self.batch), "h": _index(self.head),
@@ -104,7 +114,7 @@ class GraphMods(DslState):
                 r, c = (i, j) if n_rows <= n_cols else (j, i)
                 row_walk, col_walk = (kept[i], walk_j) if n_rows <= n_cols else (walk_j, kept[i])
                 self._element(col_walk.extended(row_walk.env, row_walk.values), acc_mn, grad_mn,
-                              r, c, mod_scale)
+                              r, c, mod_scale, visible)
 
     def _row_walk(self, tile, live, level, r, coord_mn, m_block, n_block):
         """Row r's inputs and its row-level values."""
@@ -127,7 +137,7 @@ class GraphMods(DslState):
                 walk.value(i)
         return walk
 
-    def _element(self, walk, acc_mn, grad_mn, r: int, c: int, mod_scale):
+    def _element(self, walk, acc_mn, grad_mn, r: int, c: int, mod_scale, visible):
         spec = self.spec
         s = acc_mn[r, c]
         if cutlass.const_expr(spec.score is not None):
@@ -135,8 +145,12 @@ class GraphMods(DslState):
             s = walk.as_float(walk.value(spec.score))
             if cutlass.const_expr(grad_mn is not None and spec.score_grad is not None):
                 grad_mn[r, c] = walk.as_float(walk.value(spec.score_grad))
-        if cutlass.const_expr(spec.mask is not None):
-            keep = walk.as_bool(walk.value(spec.mask))
+        keep = visible
+        if cutlass.const_expr(self.mask_out is not None):
+            keep = walk.as_bool(walk.value(self.mask_out))
+            if cutlass.const_expr(visible is not None):
+                keep = keep & visible
+        if cutlass.const_expr(keep is not None):
             s = _select(keep, (s, "f"), (-Float32.inf, "f"))[0]
         acc_mn[r, c] = s
 

@@ -53,6 +53,11 @@ class FwdArgs(NamedTuple):
     aux1: Optional[Any] = None
     aux2: Optional[Any] = None
     aux3: Optional[Any] = None
+    # A block mask (`KernelMods.sparse`): int32 [b, h, query tiles, key tiles] states of the
+    # kernel's tiles and [b, h, tiles, 2] ranges of non-empty tiles, per query tile here
+    # (`block_mask.kernel_tiles`).
+    block_states: Optional[Any] = None
+    block_ranges: Optional[Any] = None
 
 
 class BwdArgs(NamedTuple):
@@ -87,6 +92,9 @@ class BwdArgs(NamedTuple):
     aux1: Optional[Any] = None
     aux2: Optional[Any] = None
     aux3: Optional[Any] = None
+    # A block mask: as `FwdArgs`'s, the ranges per key tile (the backward's loop).
+    block_states: Optional[Any] = None
+    block_ranges: Optional[Any] = None
 
 
 AUX_FIELDS = ("aux0", "aux1", "aux2", "aux3")
@@ -110,8 +118,13 @@ def fake_aux(mods) -> dict:
 
     dsl = {"fp32": cutlass.Float32, "fp16": cutlass.Float16, "bf16": cutlass.BFloat16,
            "i32": cutlass.Int32, "i64": cutlass.Int64, "u8": cutlass.Uint8}
-    return aux_fields([fake_tensor(dsl[name], tuple(dynamic_dim() for _ in range(rank)),
-                                   align=AUX_ALIGN[name]) for name, rank in mods.aux])
+    fields = aux_fields([fake_tensor(dsl[name], tuple(dynamic_dim() for _ in range(rank)),
+                                     align=AUX_ALIGN[name]) for name, rank in mods.aux])
+    if mods.sparse:
+        for name in ("block_states", "block_ranges"):
+            fields[name] = fake_tensor(cutlass.Int32, tuple(dynamic_dim() for _ in range(4)),
+                                       align=4)
+    return fields
 
 
 def score_scalars(problem) -> dict:

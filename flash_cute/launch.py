@@ -71,6 +71,11 @@ def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
         if problem.pack_gqa:
             raise NotImplementedError("pack_gqa=True with dropout_p > 0: pass pack_gqa=None")
         return 1
+    if problem.mods is not None and problem.mods.block_states is not None:
+        # A block mask's tiles are per query head.
+        if problem.pack_gqa:
+            raise NotImplementedError("pack_gqa=True with a block_mask: pass pack_gqa=None")
+        return 1
     if tile_m % group:
         if problem.pack_gqa:
             raise NotImplementedError(
@@ -122,7 +127,7 @@ class CapturedTensors:
     the same tensor objects every call (a learnable bias updated in place is read as it is
     then), made kernel-ready (`mod_graph.aux_for_kernel`) at each call."""
 
-    def __init__(self, problem):
+    def __init__(self, problem, device):
         from flash_cute.kernel_args import AUX_FIELDS
 
         self.tensors = ()
@@ -130,6 +135,11 @@ class CapturedTensors:
             from flash_cute.mod_graph import kernel_mods
 
             self.tensors = kernel_mods(problem.mods)[1]
+        for t in self.tensors:
+            if t.device != device:
+                raise ValueError(f"a mod captures a tensor (or a block mask) on '{t.device}'; "
+                                 f"the kernels read it on the inputs' device '{device}': "
+                                 "build it there (.to(q.device))")
         self.empty = (None,) * (len(AUX_FIELDS) - len(self.tensors))
 
     def values(self) -> tuple:
@@ -145,6 +155,30 @@ class CapturedTensors:
 
         return aux_fields([TensorArg(t, t.element_size()) for t in self.values()
                            if t is not None])
+
+
+class SparseTiles:
+    """A call's block mask as its kernel's tiles see them (`block_mask.kernel_tiles`), worked
+    out once per launch: the tile states and the ranges of non-empty tiles, per query tile
+    for a forward, per key tile for a `backward` (None, None without a block mask)."""
+
+    def __init__(self, problem, tile, backward: bool):
+        self.tensors = (None, None)
+        mods = problem.mods
+        if mods is None or mods.block_states is None:
+            return
+        from flash_cute.block_mask import kernel_tiles
+
+        states, fwd, bwd = kernel_tiles(mods.block_states, mods.block_size, tuple(tile),
+                                        problem.batch, problem.nheads, problem.max_seqlen_q,
+                                        problem.max_seqlen_k)
+        self.tensors = (states, bwd if backward else fwd)
+
+    def fields(self) -> dict:
+        from flash_cute.jit import tensor_arg
+
+        return {"block_states": tensor_arg(self.tensors[0], 4),
+                "block_ranges": tensor_arg(self.tensors[1], 4)}
 
 
 class ForwardLaunch:
@@ -195,7 +229,8 @@ class ForwardLaunch:
         drop = dropout_scalars(problem)
         self.dropout = problem.dropout_p > 0
         self.dropout_scalars = tuple(drop.values())
-        self.aux = CapturedTensors(problem)
+        self.aux = CapturedTensors(problem, q.device)
+        self.sparse = SparseTiles(problem, schedule[:2], backward=False)
         variant = Variant.from_problem(problem, pack_gqa, split_kv=splits is not None,
                                        page_size=0 if page_table is None else k.shape[1],
                                        append=append is not None,
@@ -224,7 +259,7 @@ class ForwardLaunch:
                        page_table=tensor_arg(page_table, 4),
                        k_new=None if append is None else TensorArg(append[0]),
                        v_new=None if append is None else TensorArg(append[1]),
-                       **self.aux.fields())
+                       **self.aux.fields(), **self.sparse.fields())
         self.call = KernelCall(key, lambda: make_kernel(DTYPES[dtype], problem.hdim,
                                                         problem.hdim_v, variant,
                                                         schedule=tuple(schedule)),
@@ -268,7 +303,7 @@ class ForwardLaunch:
         self.call(q, k, v, kernel_out, kernel_lse, *self.scalars, cu_seqlens_q, cu_seqlens_k,
                   seqused_q, seqused_k, _seed_words(rng_seed, self.dropout),
                   *self.dropout_scalars, *self.split_scalars, page_table, *append,
-                  *self.aux.values())
+                  *self.aux.values(), *self.sparse.tensors)
         if self.merge is not None:
             self.merge(kernel_out, kernel_lse, out, lse)
         return out, lse
@@ -331,7 +366,8 @@ assert FwdArgs._fields == ("q", "k", "v", "out", "lse", "softmax_scale", "softca
                            "window_left", "window_right", "max_seqlen_q", "cu_seqlens_q",
                            "cu_seqlens_k", "seqused_q", "seqused_k", "rng_seed",
                            "keep_threshold", "dropout_scale", "num_splits", "blocks_per_split",
-                           "page_table", "k_new", "v_new", "aux0", "aux1", "aux2", "aux3")
+                           "page_table", "k_new", "v_new", "aux0", "aux1", "aux2", "aux3",
+                           "block_states", "block_ranges")
 
 
 def _seed_words(rng_seed, dropout: bool):
@@ -440,7 +476,8 @@ class BackwardLaunch:
         varlen, align = problem.varlen, plan.row_stats_align
         drop = dropout_scalars(problem)
         self.dropout, self.dropout_scalars = problem.dropout_p > 0, tuple(drop.values())
-        self.aux = CapturedTensors(problem)
+        self.aux = CapturedTensors(problem, q.device)
+        self.sparse = SparseTiles(problem, plan.schedule[:2], backward=True)
         args = BwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), dout=TensorArg(dout),
                        lse_log2=TensorArg(lse_log2, align), delta=TensorArg(delta, align),
                        dq_accum=TensorArg(dq_accum, plan.dq_accum.align),
@@ -451,7 +488,7 @@ class BackwardLaunch:
                        seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4),
                        dq_semaphores=tensor_arg(sem, 4),
                        rng_seed=_seed_spec(q.device, self.dropout), **drop,
-                       **self.aux.fields())
+                       **self.aux.fields(), **self.sparse.fields())
         self.scalars = tuple(setup.scalars.values())
         self.main = KernelCall(setup.key, setup.make_kernel, args, plan.options)
         self.finish = plan.dq_accum.finisher(dq_accum, q, problem, cu_seqlens_q, plan.target)
@@ -479,7 +516,7 @@ class BackwardLaunch:
         self.main(_apply(q, rq), _apply(k, rk), _apply(v, rv), _apply(dout, rdo), lse_log2, delta,
                   dq_accum, dk, dv, *self.scalars, cu_seqlens_q, cu_seqlens_k, seqused_q,
                   seqused_k, self._alloc_sem(), _seed_words(rng_seed, self.dropout),
-                  *self.dropout_scalars, *self.aux.values())
+                  *self.dropout_scalars, *self.aux.values(), *self.sparse.tensors)
         dq = self.finish(dq_accum, cu_seqlens_q)
         if self.group_shapes is not None:
             dk = dk.view(self.group_shapes[0]).sum(-2).to(q.dtype)
@@ -492,7 +529,8 @@ assert BwdArgs._fields == ("q", "k", "v", "dout", "lse_log2", "delta", "dq_accum
                            "softmax_scale", "softcap", "window_left", "window_right",
                            "max_seqlen_k", "max_seqlen_q", "cu_seqlens_q", "cu_seqlens_k",
                            "seqused_q", "seqused_k", "dq_semaphores", "rng_seed",
-                           "keep_threshold", "dropout_scale", "aux0", "aux1", "aux2", "aux3")
+                           "keep_threshold", "dropout_scale", "aux0", "aux1", "aux2", "aux3",
+                           "block_states", "block_ranges")
 
 
 def _contiguous_strides(shape) -> tuple:

@@ -64,15 +64,16 @@ def sliding_window(window: int):
 def _examples() -> dict:
     """name -> (score_mod, mask_mod) over small stand-in tensors (ranks and dtypes as in use)."""
     heads = 4
+    docs = (torch.arange(256) >= 100).to(torch.int32)[None]   # two documents
     return {
         "alibi": (alibi(torch.ones(heads)), None),
         "relative_bias": (relative_bias(torch.zeros(heads, 257), 128), None),
         "softcap": (softcap(30.0), None),
-        "document": (None, document_mask(torch.zeros(1, 8, dtype=torch.int32))),
+        "document": (None, document_mask(docs)),
         "prefix_lm": (None, prefix_lm(torch.zeros(1, dtype=torch.int32))),
         "sliding_window": (None, sliding_window(256)),
         "alibi_document": (alibi(torch.ones(heads)),
-                           document_mask(torch.zeros(1, 8, dtype=torch.int32))),
+                           document_mask(docs)),
     }
 
 
@@ -80,15 +81,24 @@ _SPECS = {}
 
 
 def example_spec(name: str):
-    """The `mod_graph.KernelMods` of example `name` (as `_examples` builds it)."""
+    """The `mod_graph.KernelMods` of example `name` (as `_examples` builds it); a name
+    ending in "+blocks" adds the block mask `create_block_mask` makes of its mask mod (the
+    kernels' block sparsity)."""
     if name not in _SPECS:
         from flash_cute.mod_graph import Variant, kernel_mods, trace
 
         examples = _examples()
-        if name not in examples:
-            raise KeyError(f"no mod example {name!r}; have {sorted(examples)}")
-        score, mask = examples[name]
+        base = name.removesuffix("+blocks")
+        if base not in examples:
+            raise KeyError(f"no mod example {base!r}; have {sorted(examples)}")
+        score, mask = examples[base]
+        states = size = None
+        if name.endswith("+blocks"):
+            from flash_cute.block_mask import block_states, create_block_mask
+
+            block_mask = create_block_mask(mask, 1, 1, 256, 256, device="cpu")
+            states, size = block_states(block_mask).to(torch.int32), (128, 128)
         variant = Variant(None if score is None else trace(score, "score"),
-                          None if mask is None else trace(mask, "mask"))
+                          None if mask is None else trace(mask, "mask"), states, size)
         _SPECS[name] = kernel_mods(variant)[0]
     return _SPECS[name]

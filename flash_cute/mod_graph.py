@@ -320,6 +320,14 @@ class KernelMods(NamedTuple):
     score_grad: Optional[int]
     mask: Optional[int]
     aux: tuple
+    # With a block mask: FlexAttention's rule per element (`_block_rule`), for kernel tiles
+    # that straddle its blocks, and its (rows, cols) block size.
+    block_rule: Optional[int] = None
+    block_size: tuple = ()
+
+    @property
+    def sparse(self) -> bool:
+        return self.block_rule is not None
 
     def key(self) -> str:
         import hashlib
@@ -342,6 +350,8 @@ def kernel_mods(variant: "Variant") -> tuple:
         outputs["score_grad"] = None if constant_one else base + grad.output
     if variant.mask_mod is not None:
         outputs["mask"] = _merge(nodes, aux, variant.mask_mod) + variant.mask_mod.output
+    if variant.block_states is not None:
+        outputs["block_rule"] = _block_rule(nodes, aux, variant, outputs.get("mask"))
     for node in nodes:
         if node.op == "pow" and nodes[node.args[1]].op != "const":
             raise UnsupportedMod("the kernels raise to constant powers only (x ** 2, x ** 0.5)")
@@ -355,8 +365,34 @@ def kernel_mods(variant: "Variant") -> tuple:
                                  f"{', '.join(sorted(str(d) for d in AUX_DTYPES))}")
         sig.append((AUX_DTYPES[t.dtype], t.dim()))
     spec = KernelMods(tuple(nodes), outputs.get("score"), outputs.get("score_grad"),
-                      outputs.get("mask"), tuple(sig))
+                      outputs.get("mask"), tuple(sig), outputs.get("block_rule"),
+                      tuple(int(x) for x in variant.block_size or ()))
     return spec, tuple(aux)
+
+
+def _block_rule(nodes: list, aux: list, variant: "Variant", mask: Optional[int]) -> int:
+    """Append FlexAttention's rule per element to `nodes`: visible iff the element's block is
+    full, or partial and the mask mod (output node `mask`; None: none) says so; the block
+    states are a captured tensor [B or 1, H or 1, query blocks, key blocks]."""
+    states = variant.block_states
+    if not any(a is states for a in aux):
+        aux.append(states)
+    index = next(i for i, a in enumerate(aux) if a is states)
+
+    def add(op, *args):
+        nodes.append(Node(op, args))
+        return len(nodes) - 1
+
+    at = {name: add(name) for name in MASK_INPUTS}
+    zero = add("const", 0)
+    b = at["b"] if states.shape[0] > 1 else zero
+    h = at["h"] if states.shape[1] > 1 else zero
+    q_block = add("floordiv", at["q_idx"], add("const", int(variant.block_size[0])))
+    k_block = add("floordiv", at["kv_idx"], add("const", int(variant.block_size[1])))
+    state = add("load", index, b, h, q_block, k_block)
+    full = add("eq", state, add("const", 2))
+    partial = add("eq", state, add("const", 1))
+    return add("or", full, partial if mask is None else add("and", partial, mask))
 
 
 def _merge(nodes: list, aux: list, graph: ModGraph) -> int:
@@ -463,7 +499,8 @@ def _store(ident, score_graph: Callable, mask_mod, block_mask, owners: tuple) ->
     if block_mask is not None:
         from flash_cute.block_mask import block_states
 
-        states, size = block_states(block_mask), tuple(block_mask.BLOCK_SIZE)
+        # int32: the kernels read the states as a captured tensor (`kernel_mods`).
+        states, size = block_states(block_mask).to(torch.int32), tuple(block_mask.BLOCK_SIZE)
         owners += (block_mask,)
     variant = Variant(score_graph(), None if mask_mod is None else trace(mask_mod, "mask"),
                       states, size)

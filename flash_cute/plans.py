@@ -313,6 +313,9 @@ def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
         deterministic, arch = options[8:10]
         problem = validate_call(q, k, v, lengths, options, dropout=(options[11], rng_seed))
         problem = _with_mods(problem, options[10], q)
+        if deterministic and problem.mods is not None and problem.mods.block_states is not None:
+            raise NotImplementedError("deterministic=True with a block_mask: the fixed dQ "
+                                      "order assumes every key tile of the mask's range")
         validate_backward_inputs(dout, q, k, v, out, lse, problem)
         pipeline = select_pipeline(q.device, arch, problem)
         bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)

@@ -25,6 +25,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from flash_cute.block_mask import EMPTY, FULL
 from flash_cute.block_range import BlockRange, needs_mask
 from flash_cute.dsl_state import DslState
 from flash_cute.graph_mods import GraphMods
@@ -108,14 +109,48 @@ def aux_tensors(cfg, args):
 
 
 def tile_scores(cfg, mod_scale: Float32, mask: AttentionMask, aux=None, batch=None,
-                head=None) -> "Scores":
+                head=None, block_states=None) -> "Scores":
     """The score seam of one tile: the kernel's score mod and, with traced mods (`cfg.mods`),
-    their graph bound to the tile's batch entry and head (packed GQA: its K/V head)."""
-    mods = None
+    their graph bound to the tile's batch entry and head (packed GQA: its K/V head); with a
+    block mask (`KernelMods.sparse`), its tile states (`FwdArgs.block_states`)."""
+    mods = sparse = None
     if cutlass.const_expr(cfg.mods is not None):
         mods = GraphMods(cfg.mods, aux, batch, head, mask.seqlen_q, mask.seqlen_k,
                          mask.tile_m, mask.tile_n, mask.pack)
-    return Scores(cfg.score_mod, mod_scale, mask, mods)
+        if cutlass.const_expr(cfg.mods.sparse):
+            sparse = BlockStates(block_states, batch, head)
+    return Scores(cfg.score_mod, mod_scale, mask, mods, sparse)
+
+
+def block_mask_tensors(cfg, args):
+    """(tile states, ranges) of a kernel's block mask from its argument record (None
+    without one)."""
+    if cfg.mods is None or not cfg.mods.sparse:
+        return None
+    return args.block_states, args.block_ranges
+
+
+def block_mask_parts(block_mask) -> tuple:
+    """(tile states, ranges) of a kernel's `block_mask_tensors` ((None, None) for None)."""
+    return (None, None) if block_mask is None else block_mask
+
+
+def block_ranges(cfg, ranges, batch, head, block: Int32):
+    """(start, end) of the non-empty tiles a block mask leaves to `block` (a query tile in a
+    forward, a key tile in a backward; `FwdArgs.block_ranges`), or None without one."""
+    if cutlass.const_expr(cfg.mods is None or not cfg.mods.sparse):
+        return None
+    return ranges[batch, head, block, 0], ranges[batch, head, block, 1]
+
+
+class BlockStates(DslState):
+    """A block mask's state of each of a kernel's tiles for one (batch entry, head)."""
+
+    def __init__(self, states: cute.Tensor, batch: Int32, head: Int32):
+        self.states, self.batch, self.head = states, batch, head
+
+    def at(self, m_block: Int32, n_block: Int32) -> Int32:
+        return self.states[self.batch, self.head, m_block, n_block]
 
 
 def fold_scores(score_mod: Optional[ScoreMod], softmax_scale: Float32, param: Float32):
@@ -131,8 +166,9 @@ class Scores(DslState):
     """A kernel thread's score step: the mod (when the kernel has one), then the mask."""
 
     def __init__(self, score_mod: Optional[ScoreMod], mod_scale: Float32, mask: AttentionMask,
-                 mods: Optional[GraphMods] = None):
+                 mods: Optional[GraphMods] = None, sparse: Optional["BlockStates"] = None):
         self.score_mod, self.mod_scale, self.mask, self.mods = score_mod, mod_scale, mask, mods
+        self.sparse = sparse
 
     @property
     def needs_grad(self) -> bool:
@@ -148,7 +184,9 @@ class Scores(DslState):
         caller knows, None to ask `needs_mask` at run time, with `rng` (the query block's
         `block_range`, computed here when not given). `grad_mn` (backward, `needs_grad`):
         receives the traced score mod's derivative."""
-        if cutlass.const_expr(self.mods is not None):
+        if cutlass.const_expr(self.sparse is not None):
+            self.sparse_mods(acc_mn, coord_mn, m_block, n_block, grad_mn)
+        elif cutlass.const_expr(self.mods is not None):
             self.mods.apply(acc_mn, coord_mn, m_block, n_block, self.mod_scale, grad_mn)
         elif cutlass.const_expr(self.score_mod is not None):
             self.score_mod.apply(acc_mn, self.mod_scale)
@@ -158,3 +196,19 @@ class Scores(DslState):
                 self.mask.apply(acc_mn, coord_mn, m_block, n_block)
         elif cutlass.const_expr(masked):
             self.mask.apply(acc_mn, coord_mn, m_block, n_block)
+
+    @cute.jit
+    def sparse_mods(self, acc_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32,
+                    n_block: Int32, grad_mn: Optional[cute.Tensor] = None):
+        """The traced mods under a block mask: a full tile skips the mask rule, an empty one
+        (inside the visited range of a mask that is not contiguous) is masked whole."""
+        spec = self.mods.spec
+        # A partial tile inside one block runs the mask mod alone; one straddling blocks the
+        # per-element rule, which reads the block's state at each element.
+        partial = spec.mask if cutlass.const_expr(self.mods.nested()) else spec.block_rule
+        state = self.sparse.at(m_block, n_block)
+        if state == FULL:
+            self.mods.apply(acc_mn, coord_mn, m_block, n_block, self.mod_scale, grad_mn, None)
+        else:
+            self.mods.apply(acc_mn, coord_mn, m_block, n_block, self.mod_scale, grad_mn,
+                            partial, state != EMPTY)

@@ -222,9 +222,29 @@ def test_kernel_mods_refuse_what_the_kernels_cannot_read():
             _kernel_spec(fn)
 
 
-def test_gpu_pipelines_need_the_mods_capability_and_refuse_block_sparsity():
-    """Dispatch: the mods are a capability (hopper and ampere have it); a block mask's
-    sparsity is another, which no GPU pipeline has yet."""
+def test_captured_tensors_and_block_masks_must_be_on_the_inputs_device():
+    """A captured table or a block mask on another device is refused before launch (the
+    kernels would read a host pointer)."""
+    from types import SimpleNamespace
+
+    from flash_cute.launch import CapturedTensors
+
+    slopes = SLOPES.float()
+
+    def alibi32(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    block = create_block_mask(causal, 1, 2, 128, 128, device="cpu")
+    for key in (mod_graph.register(alibi32, None), mod_graph.register(None, None, block)):
+        problem = SimpleNamespace(mods=mod_graph.lookup(key))
+        assert len(CapturedTensors(problem, torch.device("cpu")).tensors) == 1
+        with pytest.raises(ValueError, match="on the inputs' device 'meta'"):
+            CapturedTensors(problem, torch.device("meta"))
+
+
+def test_gpu_pipelines_need_the_mods_and_block_sparse_capabilities():
+    """Dispatch: the mods are a capability and a block mask's sparsity another; hopper and
+    ampere have both."""
     import dataclasses
 
     from flash_cute.dispatch import PIPELINES
@@ -243,7 +263,7 @@ def test_gpu_pipelines_need_the_mods_capability_and_refuse_block_sparsity():
     names = {p.name: p for p in PIPELINES}
     for name in ("hopper", "ampere"):
         assert names[name].missing(required_capabilities(with_mods)) is None
-        assert "block_mask" in names[name].missing(required_capabilities(sparse))
+        assert names[name].missing(required_capabilities(sparse)) is None
 
 
 def test_mods_under_compile_fullgraph_dynamic():
@@ -353,3 +373,36 @@ def test_reblocking_to_kernel_tiles_is_conservative_and_exact_where_it_can_be():
                     assert part.all()
         assert tiles.shape[2:] == (-(-1000 // tile[0]), -(-1000 // tile[1]))
     assert torch.equal(bm.reblock(states, (128, 128), (128, 128), 1000, 1000), states)
+
+
+def test_kernel_tiles_and_narrowed_ranges_cover_exactly_the_non_empty_tiles():
+    """A block mask as a kernel's tiles read it (`block_mask.kernel_tiles`): the ranges are
+    the tightest holding every non-empty tile, per query tile and per key tile, and
+    `block_range.narrow` / `narrow_pair` cut a kernel's range to them (empty where none)."""
+    from flash_cute.block_mask import EMPTY, block_states, kernel_tiles
+    from flash_cute.block_range import block_range, narrow, narrow_pair
+
+    torch.manual_seed(5)
+    keep = torch.rand(9, 9) < 0.3
+
+    def scattered(b, h, q_idx, kv_idx):
+        return keep[q_idx // 128, kv_idx // 128] & (kv_idx <= q_idx + 700)
+
+    mask = create_block_mask(scattered, 1, 1, 1100, 1100, device="cpu")
+    for tile in ((128, 128), (128, 64), (64, 128), (192, 128), (80, 128)):
+        states, fwd, bwd = kernel_tiles(block_states(mask), (128, 128), tile, 2, 3, 1100, 1100)
+        assert states.shape[:2] == (2, 3) and torch.equal(states[0, 0], states[1, 2])
+        for ranges, grid in ((fwd, states[0, 0]), (bwd, states[0, 0].T)):
+            for i, row in enumerate(grid):
+                hit = (row != EMPTY).nonzero().flatten().tolist()
+                want = (hit[0], hit[-1] + 1) if hit else (0, 0)
+                assert tuple(ranges[0, 0, i].tolist()) == want
+        for m in range(states.shape[2]):
+            rng = block_range(m, tile[0], tile[1], 1100, 1100, causal=True)
+            start, end = fwd[1, 1, m].tolist()
+            cut = narrow(rng, start, end)
+            assert cut.n_block_min >= max(rng.n_block_min, start) or cut.n_block_max == cut.n_block_min
+            assert cut.n_block_max <= min(rng.n_block_max, max(end, cut.n_block_min))
+            assert cut.n_block_min <= cut.n_block_min_no_mask <= cut.n_block_max_no_mask <= cut.n_block_max
+    assert narrow_pair(2, 9, 4, 6) == (4, 6) and narrow_pair(2, 9, 10, 12) == (9, 9)
+    assert narrow_pair(2, 9, 0, 1) == (2, 2)

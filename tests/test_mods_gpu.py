@@ -265,3 +265,78 @@ def test_block_matches_the_graph_on_index_grids(score_mod, mask_mod):
         assert torch.equal(out.isinf() & (out < 0), ~keep.bool())
         want = want.masked_fill(~keep.bool(), float("-inf"))
     torch.testing.assert_close(out.double(), want, rtol=2e-3, atol=2e-3)
+
+
+def _block_cases(seqlen):
+    """(name, block mask, mask_mod) on [2, H, seqlen, seqlen]: masks whose blocks agree with
+    their mod (`create_block_mask`), one ≥ 90 % empty, and one whose blocks disagree with it
+    (listed by hand: full blocks the mod would mask, partial ones it decides)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from flash_cute import create_block_mask
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    blocks = -(-seqlen // 128)
+    doc = (torch.arange(seqlen, device="cuda") * 5 // seqlen).to(torch.int32)
+    doc = doc.expand(2, seqlen).contiguous()
+    # The diagonal and one far block per row: ≥ 90 % of the blocks empty, not contiguous.
+    i = torch.arange(blocks, device="cuda")
+    table = (i[:, None] == i[None, :]) | (i[:, None] - i[None, :] == 7)
+
+    def docs(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx)
+
+    def window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < 300)
+
+    def scattered(b, h, q_idx, kv_idx):
+        return table[q_idx // 128, kv_idx // 128] & ((q_idx + kv_idx) % 3 != 0)
+
+    def checker(b, h, q_idx, kv_idx):
+        return (q_idx + kv_idx) % 2 == 0
+
+    cases = [(name, create_block_mask(fn, 2, H, seqlen, seqlen, device="cuda"), fn)
+             for name, fn in (("document", docs), ("window", window),
+                              ("scattered", scattered))]
+    # By hand: in each query block, its diagonal block partial (the mod decides) and a random
+    # earlier one full (every key visible, whatever the mod says).
+    rows = torch.arange(blocks, device="cuda", dtype=torch.int32)
+    partial_idx = torch.zeros(1, 1, blocks, blocks, device="cuda", dtype=torch.int32)
+    partial_idx[..., 0] = rows
+    full_idx = torch.zeros_like(partial_idx)
+    full_idx[..., 0] = (torch.rand(blocks, device="cuda", generator=g) * rows).to(torch.int32)
+    ones = torch.ones(1, 1, blocks, dtype=torch.int32, device="cuda")
+    full_count = (rows > 0).to(torch.int32).view(1, 1, blocks)
+    by_hand = BlockMask.from_kv_blocks(ones, partial_idx, full_count, full_idx,
+                                       BLOCK_SIZE=128, mask_mod=checker,
+                                       seq_lengths=(seqlen, seqlen))
+    return cases + [("disagreeing", by_hand, checker)]
+
+
+@pytest.mark.parametrize("arch", [None, "ampere"])
+def test_block_masks_skip_tiles_and_match_the_reference(arch):
+    """Block sparsity in the kernels: empty tiles skipped, full ones without the mask rule,
+    FlexAttention's meaning per element (also where the blocks disagree with the mod, and
+    with ≥ 90 % of the tiles empty): forward and backward against float64 by the rule."""
+    seqlen = 2055
+    q, k, v = _inputs(seqlen, seqlen, 128)
+    # Held for the whole test: a block mask's registry entry goes with the block mask.
+    cases = _block_cases(seqlen)
+    for name, block_mask, mask_mod in cases:
+        out, lse = flash_attn_func(q, k, v, block_mask=block_mask, arch=arch, return_lse=True)
+        variant = mod_graph.lookup(mod_graph.register(None, None, block_mask))
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref, lse_ref = attention_ref(q64, k64, v64, mode="float64", variant=variant)
+        qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
+        nat, _ = attention_ref(qn, kn, vn, mode="native", variant=variant)
+        _check(out, ref, nat, f"{name}: O")
+        finite = lse_ref.isfinite()
+        assert torch.equal(lse.isfinite(), finite), name
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        grads64 = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+        grads_nat = torch.autograd.grad(nat, (qn, kn, vn), dout)
+        for g_name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
+            _check(g, r, n, f"{name}: {g_name}")
+    scattered = mod_graph.lookup(mod_graph.register(None, None, cases[2][1]))
+    assert (scattered.block_states == 0).float().mean() >= 0.9

@@ -15,14 +15,15 @@ from cutlass import Float32, Int32
 
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import BwdArgs
-from flash_cute.block_range import m_block_range
+from flash_cute.block_range import m_block_range, narrow_pair
 from flash_cute.bwd_blocks import (atomic_add_rows, p_and_ds, p_and_ds_dropout, row_stats,
                                    store_acc_tile)
 from flash_cute.dropout import Dropout
 from flash_cute.layouts import acc_to_mn, assume_aligned_strides, transpose_view
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.score import aux_tensors, fold_scores, tile_scores
+from flash_cute.score import (aux_tensors, block_mask_parts, block_mask_tensors, block_ranges,
+                              fold_scores, tile_scores)
 from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import BWD_SCHEDULES, bwd_smem_bytes
@@ -100,7 +101,8 @@ class AmpereBwd:
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
             tiled_mma(self.dtype, self.warps_sdp), tiled_mma(self.dtype, self.warps_dkv),
             tiled_mma(self.dtype, self.warps_dq), args.rng_seed, args.keep_threshold,
-            args.dropout_scale, aux_tensors(self, args), SharedStorage,
+            args.dropout_scale, aux_tensors(self, args), block_mask_tensors(self, args),
+            SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -115,7 +117,7 @@ class AmpereBwd:
                sP_layout: cute.ComposedLayout, copy_qk: cute.TiledCopy, copy_v: cute.TiledCopy,
                mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
                mSeed: Optional[cute.Tensor], keep_threshold: Int32, dropout_scale: Float32,
-               aux, SharedStorage: cutlass.Constexpr):
+               aux, block_mask, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
         head_kv = head // (mQ.shape[-2] // mK.shape[-2])
@@ -134,6 +136,11 @@ class AmpereBwd:
             m_min, m_max = m_block_range(n_block, self.tile_m, self.tile_n, seq.seqlen_q,
                                          seq.seqlen_k, self.causal, win_left, win_right,
                                          imin=cutlass.min, imax=cutlass.max)
+            states, ranges = block_mask_parts(block_mask)
+            sparse = block_ranges(self, ranges, seq.batch, head, n_block)
+            if cutlass.const_expr(sparse is not None):
+                m_min, m_max = narrow_pair(m_min, m_max, *sparse, imin=cutlass.min,
+                                           imax=cutlass.max)
 
             loader = TileLoader(self, tidx, seq, copy_qk, copy_v, mQ, mdO, sQ, sdO, head)
             thr_qk, thr_v = copy_qk.get_slice(tidx), copy_v.get_slice(tidx)
@@ -165,7 +172,8 @@ class AmpereBwd:
                                batch * mQ.shape[-2] + head, self.tile_m, self.tile_n,
                                aligned=self.warps_sdp[1] == 1)
             step = BwdStep(self, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum, head,
-                           sP, sdS, scale_log2, mod_scale, win_left, win_right, drop, aux)
+                           sP, sdS, scale_log2, mod_scale, win_left, win_right, drop, aux,
+                           states)
             for m_block in cutlass.range(m_min, m_max, unroll=1):
                 stage = (m_block - m_min) % self.num_stages
                 if cutlass.const_expr(self.num_stages > 1):
@@ -226,7 +234,7 @@ class BwdStep(DslState):
 
     def __init__(self, cfg: AmpereBwd, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum,
                  head, sP, sdS, scale_log2, mod_scale, win_left, win_right, dropout=None,
-                 aux=None):
+                 aux=None, block_states=None):
         self.cfg, self.seq, self.head = cfg, seq, head
         self.dropout = dropout
         self.scale_log2 = scale_log2
@@ -242,7 +250,7 @@ class BwdStep(DslState):
         self.scores = tile_scores(cfg, mod_scale,
                                   AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q,
                                                 seq.seqlen_k, cfg.causal, win_left, win_right),
-                                  aux, seq.batch, head)
+                                  aux, seq.batch, head, block_states)
         r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cfg.dtype,
                                        num_bits_per_copy=2 * cfg.dtype.width)
         self.r2s_atom = r2s_atom

@@ -12,14 +12,15 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
-from flash_cute.block_range import block_range, split_range
+from flash_cute.block_range import block_range, narrow, split_range
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
 from flash_cute.dropout import Dropout
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.score import aux_tensors, fold_scores, tile_scores
+from flash_cute.score import (aux_tensors, block_mask_parts, block_mask_tensors, block_ranges,
+                              fold_scores, tile_scores)
 from flash_cute.softmax import OnlineSoftmax, rescale_o
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 
@@ -102,7 +103,8 @@ class AmpereFwd:
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v, cute.nvgpu.CopyUniversalOp()),
             mma, args.rng_seed, args.keep_threshold, args.dropout_scale, args.num_splits,
-            args.blocks_per_split, aux_tensors(self, args), SharedStorage,
+            args.blocks_per_split, aux_tensors(self, args), block_mask_tensors(self, args),
+            SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -118,7 +120,7 @@ class AmpereFwd:
                sO_layout: cute.ComposedLayout, copy_qk: cute.TiledCopy, copy_v: cute.TiledCopy,
                copy_o: cute.TiledCopy, tiled_mma: cute.TiledMma, mSeed: Optional[cute.Tensor],
                keep_threshold: Int32, dropout_scale: Float32, num_splits: Int32,
-               blocks_per_split: Int32, aux, SharedStorage: cutlass.Constexpr):
+               blocks_per_split: Int32, aux, block_mask, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         split = Int32(0)
@@ -145,13 +147,17 @@ class AmpereFwd:
             win_right = window_right if cutlass.const_expr(self.has_window_right) else None
             rng = block_range(m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                               self.causal, win_left, win_right, imin=cutlass.min, imax=cutlass.max)
+            states, ranges = block_mask_parts(block_mask)
+            sparse = block_ranges(self, ranges, seq.batch, head, m_block)
+            if cutlass.const_expr(sparse is not None):
+                rng = narrow(rng, *sparse, imin=cutlass.min, imax=cutlass.max)
             if cutlass.const_expr(self.split_kv):
                 rng = split_range(rng, split, num_splits, blocks_per_split, imin=cutlass.min,
                                   imax=cutlass.max)
             scores = tile_scores(self, mod_scale,
                                  AttentionMask(self.tile_m, self.tile_n, seq.seqlen_q,
                                                seq.seqlen_k, self.causal, win_left, win_right),
-                                 aux, seq.batch, head)
+                                 aux, seq.batch, head, states)
 
             thr_mma = tiled_mma.get_slice(tidx)
             acc_o = cute.make_rmem_tensor(

@@ -20,7 +20,7 @@ AMPERE = Pipeline(
     # deterministic backward.
     capabilities=frozenset({caps.FORWARD, caps.BACKWARD, caps.CAUSAL, caps.LOCAL, caps.SOFTCAP,
                             caps.GQA, caps.VARLEN, caps.SEQUSED, caps.DROPOUT,
-                            caps.MODS}),
+                            caps.MODS, caps.BLOCK_SPARSE}),
     plan_forward=api.plan_forward,
     plan_backward=api.plan_backward,
     check_supported=api.check_supported,

@@ -65,7 +65,8 @@ def _fwd_configs():
                            # Traced mods (`mod_examples`): a bias, a mask, both.
                            ((128, 128), {"causal": True, "mods": "alibi"}),
                            ((128, 128), {"mods": "document"}),
-                           ((64, 64), {"varlen": True, "mods": "alibi_document"})]:
+                           ((64, 64), {"varlen": True, "mods": "alibi_document"}),
+                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
         targets = SM100_TOO if (d, flags) == (128, {"causal": True}) else TARGETS
         out.append(KernelConfig("ampere.fwd", targets, "bf16", d, dv, FWD_SCHEDULES[d],
                                 build_fwd, config_flags(**{**_SWITCHES, **flags})))
@@ -85,7 +86,8 @@ def _bwd_configs():
                                        "dropout": True}),
                            ((128, 128), {"causal": True, "mods": "alibi"}),
                            ((128, 128), {"mods": "document"}),
-                           ((64, 64), {"mods": "softcap"})]:
+                           ((64, 64), {"mods": "softcap"}),
+                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
         out.append(KernelConfig("ampere.bwd", TARGETS, "bf16", d, dv, BWD_SCHEDULES[d][:3],
                                 build_bwd, config_flags(**{**_SWITCHES, **flags})))
     return tuple(out)

@@ -25,7 +25,7 @@ from flash_cute.arch.sm90plus.barriers import named_barriers
 from flash_cute.arch.sm90plus.tma import (ROWS_FIRST, clear_tails, make_tma_pipelines, permute,
                                           smem_tile, swizzled_layout, tma_load_atom,
                                           tma_partition)
-from flash_cute.block_range import m_block_range
+from flash_cute.block_range import m_block_range, narrow_pair
 from flash_cute.bwd_blocks import (atomic_add_rows, dq_turn, ds_from_probs, p_and_ds,
                                    p_and_ds_dropout, pass_turn, probs, store_acc_tile,
                                    tile_row_values, wait_turn)
@@ -36,7 +36,8 @@ from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_stri
                                 transpose_view)
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.score import aux_tensors, fold_scores, tile_scores
+from flash_cute.score import (aux_tensors, block_mask_parts, block_mask_tensors, block_ranges,
+                              fold_scores, tile_scores)
 from flash_cute.variant import Variant, set_kernel_switches
 
 from .config import (BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS, BWD_NUM_THREADS,
@@ -268,7 +269,7 @@ class HopperBwd:
             args.cu_seqlens_k,
             args.seqused_q, args.seqused_k, *layouts, *mmas,
             args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
-            aux_tensors(self, args), SharedStorage, tx_bytes,
+            aux_tensors(self, args), block_mask_tensors(self, args), SharedStorage, tx_bytes,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def _row_stats_atom(self, t: cute.Tensor):
@@ -389,7 +390,8 @@ class HopperBwd:
                sPdS_layout: cute.ComposedLayout, sdQ_layout: cute.Layout,
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dq: cute.TiledMma, mSeed: Optional[cute.Tensor], keep_threshold: Int32,
-               dropout_scale: Float32, nheads: Int32, aux, SharedStorage: cutlass.Constexpr,
+               dropout_scale: Float32, nheads: Int32, aux, block_mask,
+               SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
         layouts = (sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout)
         mmas = (mma_sdp, mma_dk, mma_dv, mma_dq)
@@ -418,6 +420,11 @@ class HopperBwd:
             m_min, m_max = m_block_range(n_block, self.tile_m, self.tile_n, seq.seqlen_q,
                                          seq.seqlen_k, self.causal, win_left, win_right,
                                          imin=cutlass.min, imax=cutlass.max)
+            states, ranges = block_mask_parts(block_mask)
+            sparse = block_ranges(self, ranges, seq.batch, head, n_block)
+            if cutlass.const_expr(sparse is not None):
+                m_min, m_max = narrow_pair(m_min, m_max, *sparse, imin=cutlass.min,
+                                           imax=cutlass.max)
             order = None
             if cutlass.const_expr(self.deterministic):
                 order = DqOrder(self, mdQsem, seq, head, n_block, win_left, win_right)
@@ -436,7 +443,7 @@ class HopperBwd:
                 step = BwdStep(self, tidx, seq, mmas, smem, (mLSElog2, mDelta), mdQaccum, head,
                                scale_log2, mod_scale, win_left, win_right, order,
                                self.cta_dropout((mSeed, keep_threshold, dropout_scale, nheads),
-                                                seq, head), aux)
+                                                seq, head), aux, states)
                 self.consume(step, smem, pipes, m_min, m_max, n_block)
                 self.store_dkv(step, mmas, tidx, seq, smem, mdK, mdV, head, n_block,
                                softmax_scale)
@@ -742,7 +749,8 @@ class BwdStep(DslState):
     and dV accumulators across the loop."""
 
     def __init__(self, cfg: HopperBwd, tidx, seq, mmas, smem: SmemTiles, stats, mdQaccum, head,
-                 scale_log2, mod_scale, win_left, win_right, order, dropout=None, aux=None):
+                 scale_log2, mod_scale, win_left, win_right, order, dropout=None, aux=None,
+                 block_states=None):
         self.cfg, self.seq, self.tidx, self.order = cfg, seq, tidx, order
         self.dropout = dropout
         self.scale_log2 = scale_log2
@@ -772,7 +780,7 @@ class BwdStep(DslState):
         self.scores = tile_scores(cfg, mod_scale,
                                   AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q,
                                                 seq.seqlen_k, cfg.causal, win_left, win_right),
-                                  aux, seq.batch, head)
+                                  aux, seq.batch, head, block_states)
         # P and dS leave the S accumulator layout by stmatrix: four 8x8 blocks per
         # instruction, one row address per lane, so few shared-memory addresses stay live.
         # A warpgroup's tile_n / 2 keys: 24 at tile_n 48 (swap_dkv) take pairs of blocks.

@@ -28,7 +28,7 @@ from flash_cute.arch.sm90plus.convert import convert_pairs
 from flash_cute.arch.sm90plus.tma import (COLS_FIRST, ROWS_FIRST, clear_tails, make_tma_pipelines,
                                           packed_tma_atom, permute, smem_tile, tma_load_atom,
                                           tma_partition)
-from flash_cute.block_range import block_range, block_runs, split_range
+from flash_cute.block_range import block_range, block_runs, narrow, split_range
 from flash_cute.dropout import Dropout
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
@@ -36,7 +36,8 @@ from flash_cute.kv_append import append_rows
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
-from flash_cute.score import Scores, aux_tensors, fold_scores, tile_scores
+from flash_cute.score import (Scores, aux_tensors, block_mask_parts, block_mask_tensors,
+                              block_ranges, fold_scores, tile_scores)
 from flash_cute.softmax import OnlineSoftmax, rescale_o
 from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
@@ -228,8 +229,8 @@ class HopperFwd:
             args.seqused_k, order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout,
             sO_layout, args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
             args.num_splits, args.blocks_per_split, args.page_table,
-            self._append_tensors(mK, mV, args), aux_tensors(self, args), mma_qk, mma_pv,
-            SharedStorage, tx_bytes,
+            self._append_tensors(mK, mV, args), aux_tensors(self, args),
+            block_mask_tensors(self, args), mma_qk, mma_pv, SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -347,7 +348,7 @@ class HopperFwd:
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                mSeed: Optional[cute.Tensor], keep_threshold: Int32, dropout_scale: Float32,
                nheads: Int32, num_splits: Int32, blocks_per_split: Int32,
-               mPageTable: Optional[cute.Tensor], append_tensors, aux,
+               mPageTable: Optional[cute.Tensor], append_tensors, aux, block_mask,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -372,7 +373,7 @@ class HopperFwd:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         tiles = WorkTiles(self, num_m_blocks, section, mQ, mK, (mCuSeqlensQ, mCuSeqlensK),
                           (mSeqUsedQ, mSeqUsedK), window_left, window_right, max_seqlen_q,
-                          (num_splits, blocks_per_split), mPageTable)
+                          (num_splits, blocks_per_split), mPageTable, block_mask)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_registers)
@@ -407,7 +408,7 @@ class HopperFwd:
         pipe_q = pipes[0]
         m_block, head, head_kv, seq, split = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
-            rng = tiles.block_range(m_block, seq, split)
+            rng = tiles.block_range(m_block, seq, split, head)
             gQ = cute.local_tile(seq.q_view(mQ, head), (self.tile_m, self.hdim), (m_block, 0))
             tQsQ, tQgQ = tma_partition(tma_q, sQ, gQ)
             pipe_q.producer_acquire(q_state)
@@ -486,13 +487,14 @@ class HopperFwd:
         pipe_q = pipes[0]
         m_block, head, _, seq, split = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
-            rng = tiles.block_range(m_block, seq, split)
+            rng = tiles.block_range(m_block, seq, split, head)
             acc_o = gemms.new_acc_o()
             acc_o.fill(0.0)
             softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4,
                                     self.ex2_per16)
             softmax.reset()
-            seam = tile_scores(self, mod_scale, tiles.mask(seq), aux, seq.batch, head)
+            seam = tile_scores(self, mod_scale, tiles.mask(seq), aux, seq.batch, head,
+                               tiles.block_states)
             drop = self.tile_dropout(dropout_args, seq, head)
             scores = SoftmaxStep(self, softmax, seam, coord_mn, m_block, rng, drop)
             # Q is waited for even when no block is visited: its TMA must land before the
@@ -642,10 +644,11 @@ class WorkTiles(DslState):
 
     def __init__(self, cfg: HopperFwd, num_m_blocks: Int32, section: Int32, mQ, mK, cu_seqlens,
                  seqused, window_left: Int32, window_right: Int32, max_seqlen_q: Int32,
-                 splits, page_table: Optional[cute.Tensor] = None):
+                 splits, page_table: Optional[cute.Tensor] = None, block_mask=None):
         """`mQ`: Q's TMA coordinate tensor, whose head mode counts the heads of a split
         (packed GQA: K/V heads, rows (pack, seqlen)); `splits`: (num_splits,
-        blocks_per_split), read with split-KV only."""
+        blocks_per_split), read with split-KV only; `block_mask`: a block mask's (tile states,
+        ranges) (`FwdArgs.block_states`), read with one only."""
         self.cfg = cfg
         self.num_m_blocks, self.section = num_m_blocks, section
         self.heads_per_split = mQ.shape[-2]
@@ -662,6 +665,7 @@ class WorkTiles(DslState):
         if cutlass.const_expr(cfg.pack_gqa > 1):
             self.seqlen_q = mQ.shape[row][1]
         self.page_table = page_table
+        self.block_states, self.block_ranges = block_mask_parts(block_mask)
         if cutlass.const_expr(cfg.page_size > 0):
             # Paged: K's rows are the page table's (K itself is [pages, page_size, ...]).
             self.seqlen_k = page_table.shape[1] * cfg.page_size
@@ -703,12 +707,16 @@ class WorkTiles(DslState):
         the CTA, so every role skips the same tiles and none is left waiting."""
         return m_block * self.cfg.tile_m < seq.rows_q
 
-    def block_range(self, m_block: Int32, seq: SeqInfo, split: Int32):
-        """The K/V blocks the tile visits (split-KV: those of its split)."""
+    def block_range(self, m_block: Int32, seq: SeqInfo, split: Int32, head: Int32):
+        """The K/V blocks the tile visits (a block mask's non-empty ones; split-KV: those of
+        its split)."""
         cfg = self.cfg
         rng = block_range(m_block, cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
                           cfg.causal, self.win_left, self.win_right, cfg.pack_gqa,
                           imin=cutlass.min, imax=cutlass.max)
+        sparse = block_ranges(cfg, self.block_ranges, seq.batch, head, m_block)
+        if cutlass.const_expr(sparse is not None):
+            rng = narrow(rng, *sparse, imin=cutlass.min, imax=cutlass.max)
         if cutlass.const_expr(cfg.split_kv):
             rng = split_range(rng, split, self.num_splits, self.blocks_per_split,
                               imin=cutlass.min, imax=cutlass.max)

@@ -24,7 +24,8 @@ HOPPER = Pipeline(
     # (`HopperFwd.clear_v_tail`, `BwdStep.clear_tail`), so it takes every problem it supports.
     capabilities=frozenset({caps.FORWARD, caps.BACKWARD, caps.CAUSAL, caps.LOCAL, caps.SOFTCAP,
                             caps.GQA, caps.VARLEN, caps.SEQUSED, caps.PACK_GQA,
-                            caps.DETERMINISTIC, caps.DROPOUT, caps.APPEND, caps.MODS}),
+                            caps.DETERMINISTIC, caps.DROPOUT, caps.APPEND, caps.MODS,
+                            caps.BLOCK_SPARSE}),
     plan_forward=api.plan_forward,
     plan_backward=api.plan_backward,
     check_supported=api.check_supported,

@@ -121,7 +121,10 @@ def _fwd_configs():
                            ((128, 128), {"varlen": True, "mods": "alibi_document"}),
                            ((128, 128), {"causal": True, "pack_gqa": 4,
                                          "mods": "relative_bias"}),
-                           ((64, 64), {"mods": "softcap"})]:
+                           ((64, 64), {"mods": "softcap"}),
+                           # Block sparsity: a block mask's empty tiles skipped, full ones
+                           # without the mask rule.
+                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
         out.append(KernelConfig("hopper.fwd", TARGETS, dtype, d, dv,
@@ -197,7 +200,8 @@ def _bwd_configs():
                            ((128, 128), {"mods": "document"}),
                            ((64, 64), {"mods": "relative_bias"}),
                            ((128, 128), {"mods": "softcap"}),
-                           ((64, 64), {"causal": True, "mods": "softcap"})]:
+                           ((64, 64), {"causal": True, "mods": "softcap"}),
+                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False,
                 "dkv_fp32": False, "deterministic": False, **flags}
