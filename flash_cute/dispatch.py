@@ -13,11 +13,12 @@ from typing import Optional
 import torch
 
 from flash_cute.arch.ampere.pipeline import AMPERE
+from flash_cute.arch.blackwell.pipeline import BLACKWELL
 from flash_cute.arch.hopper.pipeline import HOPPER
 from flash_cute.device import capability_of
 from flash_cute.pipeline import Pipeline, required_capabilities
 
-PIPELINES = (HOPPER, AMPERE)
+PIPELINES = (BLACKWELL, HOPPER, AMPERE)
 
 
 def pipeline_named(name: str) -> Pipeline:

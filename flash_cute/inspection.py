@@ -32,7 +32,7 @@ _TABLE_OPS = ("HMMA", "HGMMA", "UTCHMMA", "LDGSTS", "UTMALDG", "MUFU.EX2", "FFMA
 
 
 def add_arguments(parser):
-    parser.add_argument("--target", default=",".join(TARGETS),
+    parser.add_argument("--target", "--arch", dest="target", default=",".join(TARGETS),
                         help=f"comma-separated SM targets (default: {','.join(TARGETS)})")
     parser.add_argument("--kernel", default=None,
                         help="kernel name (e.g. ampere.fwd) or prefix (e.g. hopper)")

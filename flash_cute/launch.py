@@ -196,11 +196,13 @@ class ForwardLaunch:
     read through it (an int32 [batch, max_pages] tensor of a first call; each call passes its
     own), for a kernel class that pages. `append`: (k_new, v_new) of a first call, contiguous
     [batch, s_new, heads_kv, d]: the kernel writes them into k / v first (`kv_append`), for a
-    kernel class that appends."""
+    kernel class that appends. `ex2_per16`: the pipeline's software-exp2 share (None: the
+    FLASH_CUTE_EX2_EMULATION switch, off when unset)."""
 
     def __init__(self, name: str, make_kernel, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                  seqused_q, seqused_k, schedule: tuple, options: str, target: str,
-                 prepare=None, pack_gqa: int = 1, splits=None, page_table=None, append=None):
+                 prepare=None, pack_gqa: int = 1, splits=None, page_table=None, append=None,
+                 ex2_per16=None):
         from flash_cute.jit import DTYPES, CompileKey, KernelCall, TensorArg, tensor_arg
 
         _check_seqused(problem, seqused_q, seqused_k)
@@ -234,7 +236,8 @@ class ForwardLaunch:
         variant = Variant.from_problem(problem, pack_gqa, split_kv=splits is not None,
                                        page_size=0 if page_table is None else k.shape[1],
                                        append=append is not None,
-                                       ex2_per16=ex2_emulation_per16())
+                                       ex2_per16=ex2_emulation_per16() if ex2_per16 is None
+                                       else ex2_per16)
         dtype = dtype_name(q.dtype)
         key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(schedule),
                          variant.flags())

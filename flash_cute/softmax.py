@@ -126,6 +126,45 @@ class OnlineSoftmax(DslState):
             acc_mn[r, None].store(p_row)
         return row_scale
 
+    @cute.jit
+    def update_max(self, acc_mn: cute.Tensor, threshold: cutlass.Constexpr[float] = 0.0):
+        """The first half of `online_softmax`, for a pipeline that hands the rescale of O to
+        another role before the exponentials (blackwell's correction warpgroup): the new row
+        maxima and the factors O and the sums take. With `threshold` > 0 (exp2 units) the max
+        stays where it was unless the tile's exceeds it by more than that (FA4's conditional
+        rescale): the factor is then exactly 1 and the rescale can be skipped, and P stays
+        below 2^threshold, which O, l and the final O / l tolerate in fp32."""
+        row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            m_prev = self.row_max[r]
+            m_cur = self._allreduce_max(_row_reduce(acc_mn[r, None].load(), _max, m_prev))
+            if cutlass.const_expr(threshold > 0.0):
+                grows = (m_cur - m_prev) * self.scale_log2 > Float32(threshold)
+                m_cur = m_cur if grows else m_prev
+            self.row_max[r] = m_cur
+            m_safe = Float32(0.0) if m_cur == -Float32.inf else m_cur
+            # m_prev = -inf (nothing seen yet) gives 0: the old sum and O were 0 anyway.
+            row_scale[r] = cute.math.exp2((m_prev - m_safe) * self.scale_log2, fastmath=True)
+        return row_scale
+
+    @cute.jit
+    def exp_and_sum(self, acc_mn: cute.Tensor, row_scale: cute.Tensor, first: int = 0):
+        """The second half: acc_mn's scores (columns from `first` of the row, for the
+        exp2 emulation's positions) turned into unnormalized probabilities in place against
+        the row max `update_max` set, their sum added to the rescaled running sum."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            m = self.row_max[r]
+            m_scaled = (Float32(0.0) if m == -Float32.inf else m) * self.scale_log2
+            values = cute.make_rmem_tensor(acc_mn[r, None].shape, Float32)
+            values.store(acc_mn[r, None].load() * self.scale_log2 - m_scaled)
+            if cutlass.const_expr(self.ex2_per16 == 0):
+                values.store(cute.math.exp2(values.load(), fastmath=True))
+            else:
+                exp2_row(values, self.ex2_per16, first)
+            self.row_sum[r] = _row_reduce(values.load(), _add, Float32(0.0)) \
+                + self.row_sum[r] * row_scale[r]
+            acc_mn[r, None].store(values.load())
+
     def _exp2(self, x_row, row: int):
         """2^x over row `row` (TensorSSA): all on MUFU.EX2, or with `ex2_per16` of every 16
         values of the thread's fragment by FMA arithmetic (`exp2_emu.exp2_row`)."""

@@ -11,3 +11,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def capability(monkeypatch):
+    """Dispatch as on a device of compute capability (major, minor), with no GPU."""
+    from flash_cute import dispatch
+
+    def set_cap(major, minor=0):
+        monkeypatch.setattr(dispatch, "capability_of", lambda device: (major, minor))
+        monkeypatch.setattr(torch.cuda, "get_device_name",
+                            lambda device=None: f"fake sm_{major}{minor}")
+    return set_cap

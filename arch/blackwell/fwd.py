@@ -1,0 +1,797 @@
+"""FlashAttention forward on sm100a (Blackwell): tcgen05 MMAs with S, P and O in tensor memory,
+TMA loads, warp-specialized roles with the softmax of two Q tiles ping-ponged through the
+tensor core, the rescale of O in its own warpgroup, and part of the exponentials by FMAs.
+
+Compile-verified only: it cross-compiles for sm_100a and its SASS is checked on the CPU
+(`tests/test_blackwell.py`), and it has not run on Blackwell hardware.
+"""
+
+import functools
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, pipeline
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.memory import TmemAllocator
+
+from flash_cute.arch.sm90plus.tma import COLS_FIRST, ROWS_FIRST, permute, smem_tile, tma_partition
+from flash_cute.block_range import block_range
+from flash_cute.dsl_state import DslState
+from flash_cute.kernel_args import FwdArgs
+from flash_cute.layouts import assume_aligned_strides
+from flash_cute.mask import AttentionMask
+from flash_cute.score import Scores, fold_scores
+from flash_cute.seqlen import SeqInfo
+from flash_cute.softmax import LN_2, OnlineSoftmax
+from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
+from flash_cute.variant import Variant, set_kernel_switches
+from flash_cute.work_loop import for_each_tile
+
+from .config import (DEFAULT_NUM_SMS, FWD_SCHEDULES, Q_STAGES, RESCALE_THRESHOLD,
+                     ROLE_REGISTERS, SMEM_CAPACITY, STATIC_SMEM, TILE_M, FwdSchedule,
+                     smem_bytes, tmem_plan)
+
+# Warp roles (`BlackwellFwd` docstring).
+_SOFTMAX1_WARP = 4  # softmax i: warps 4i .. 4i+3
+_CORRECTION_WARP = 8
+_MMA_WARP = 12
+_LOAD_WARP = 13
+_TMEM_ALLOC_BARRIER = 1
+# Columns per chunk of O that the correction warpgroup moves through registers at once.
+_O_CHUNK = 16
+# Columns of P (fp32 words, two 16-bit values each) per tensor-memory store.
+_P_CHUNK = 16
+
+
+class BlackwellFwd:
+    """Forward kernel: O = softmax(Q Kᵀ · scale) V and LSE over (256-row tile, head, batch).
+
+    | warps  | warpgroup | registers | role                                                 |
+    |--------|-----------|-----------|------------------------------------------------------|
+    | 0..3   | 0         | 192       | softmax 0: rows 0..127 (Q tile 0), one row a thread  |
+    | 4..7   | 1         | 192       | softmax 1: rows 128..255 (Q tile 1)                  |
+    | 8..11  | 2         | 80        | correction: rescales O_i in TMEM, then O / l → global, LSE |
+    | 12     | 3         | 48        | MMA: issues every tcgen05 MMA; allocates and frees TMEM |
+    | 13     | 3         | 48        | load: TMA of Q0, Q1, then K[n], V[n] per block         |
+    | 14, 15 | 3         | 48        | idle (setmaxnreg is warpgroup-wide)                  |
+
+    A thread of softmax i and of the correction warpgroup owns one row of its Q tile: TMEM
+    lane = row, and a warp may touch only its quarter of the lanes (warp % 4), so the roles
+    come in aligned groups of four warps.
+
+    | tensor memory (fp32 columns, `config.tmem_plan`) | hdim_v 64 | 128     |
+    |--------------------------------------------------|-----------|---------|
+    | S0 = Q0 Kᵀ; P0 (16-bit) in its upper half          | 0..127    | 0..127  |
+    | S1 = Q1 Kᵀ; P1 in its upper half                   | 128..255  | 128..255|
+    | O0, O1                                             | 256.., 320.. | 256.., 384.. |
+
+    | barrier                     | stages | arrivals                | meaning                 |
+    |-----------------------------|--------|-------------------------|-------------------------|
+    | Q ring (PipelineTmaUmma)    | 2      | TMA bytes / MMA commit  | Q_i landed / read        |
+    | K ring, V ring              | config | TMA bytes / MMA commit  | block landed / read      |
+    | s_full[i] (mbarrier)        | 1      | 1 (tcgen05.commit)      | S_i = Q_i K[j]ᵀ is in TMEM |
+    | p_ready[i] (mbarrier)       | 1      | 128 softmax + 128 correction | P_i written and O_i rescaled: PV_i may run |
+    | o_full[i] (mbarrier)        | 1      | 1 (tcgen05.commit)      | the tile's last PV_i done |
+    | stats[i] (PipelineAsync)    | 1      | 128 / 128               | softmax i's row factors (then l, m) in smem |
+
+    The MMA warp's order per tile: QK0(0), QK1(0); then per block j: PV0(j-1), QK0(j), PV1(j-1),
+    QK1(j); then PV0(n-1), PV1(n-1). PV_i(j-1) is issued before QK_i(j), so P_i can live in
+    S_i's columns (tcgen05 MMAs of one thread run in order) and S_i(j) being ready means
+    PV_i(j-1) is done: the correction warpgroup rescales O_i for block j when softmax i's
+    factors for it arrive, with no barrier of its own. The rescale is skipped where no row of
+    a warp moved its max (`OnlineSoftmax.update_max` with FA4's threshold).
+
+    Softmax i per block: wait s_full, load S_i (TMEM → registers), the score mod and mask
+    (`Scores`), the row max and factor (to smem, stats[i]), the exponentials (a share by FMAs,
+    `exp2_emu`), P_i to TMEM in 16-bit, fence, arrive p_ready, the row sum. At the tile's end
+    it hands l and m to the correction warpgroup, which waits o_full[i], normalizes O_i chunk
+    by chunk from TMEM and stores its rows to global memory (row predicates: varlen and
+    padding rows stay untouched), and writes the LSE.
+
+    Tiles (`flash_cute.tile_scheduler`): persistent, causal and right windows heaviest first.
+    Every role walks the same tiles and the same block count per tile (`block_range` of the
+    256-row tile; each Q tile masks its own rows), so their barrier phases stay in step; a tile
+    with no block skips the MMAs and stores O = 0, LSE = -inf. TMEM is allocated before the
+    roles split and freed after they join, on the kernel's one exit.
+    """
+
+    def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
+                 variant: Variant = Variant(), schedule: Optional[tuple] = None):
+        self.dtype = dtype
+        self.hdim, self.hdim_v = hdim, hdim if hdim_v is None else hdim_v
+        if (self.hdim, self.hdim_v) not in FWD_SCHEDULES and schedule is None:
+            raise ValueError(f"no blackwell schedule for hdim {(self.hdim, self.hdim_v)}; "
+                             f"have {sorted(FWD_SCHEDULES)}")
+        set_kernel_switches(self, variant)
+        for name, on in (("pack_gqa", self.pack_gqa > 1), ("dropout", self.dropout),
+                         ("split_kv", self.split_kv), ("paged K/V", self.page_size > 0),
+                         ("append", self.append), ("mods", self.mods is not None)):
+            if on:
+                raise ValueError(f"the blackwell forward has no {name} yet")
+        schedule = FwdSchedule(*(schedule or FWD_SCHEDULES[(self.hdim, self.hdim_v)]))
+        self.tile_m, self.tile_n = TILE_M, schedule.tile_n
+        self.k_stages, self.v_stages = schedule.k_stages, schedule.v_stages
+        self.persistent = schedule.persistent
+        self.schedule = schedule
+        self.tmem = tmem_plan(self.tile_n, self.hdim_v)
+        self.lpt = self.causal or self.has_window_right
+        self.num_threads = 512
+
+    @property
+    def ex2_emulation_fraction(self) -> float:
+        return self.ex2_per16 / 16
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.hdim, self.hdim_v, self.schedule)
+
+    # ---------------------------------------------------------------- host side
+
+    @cute.jit
+    def __call__(self, args: FwdArgs, stream: cuda.CUstream):
+        """`args`: a `kernel_args.FwdArgs` (its docstring gives the layouts)."""
+        vec = 128 // self.dtype.width
+        mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v,
+                                                                   args.out))
+        mma_qk, mma_pv = self._tiled_mmas()
+        sQ_layout, sK_layout, sV_layout, p_layout = self._smem_layouts(mma_qk, mma_pv)
+        rows_first = ROWS_FIRST[self.varlen][0]
+        op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        tma_q, tQ = cute.nvgpu.make_tiled_tma_atom_A(
+            op, permute(mQ, rows_first), cute.select(sQ_layout, mode=[0, 1, 2]),
+            self._qk_tiler, mma_qk)
+        tma_k, tK = cute.nvgpu.make_tiled_tma_atom_B(
+            op, permute(mK, rows_first), cute.select(sK_layout, mode=[0, 1, 2]),
+            self._qk_tiler, mma_qk)
+        tma_v, tV = cute.nvgpu.make_tiled_tma_atom_B(
+            op, permute(mV, COLS_FIRST[self.varlen][0]), cute.select(sV_layout, mode=[0, 1, 2]),
+            self._pv_tiler, mma_pv)
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
+        if cutlass.const_expr(SharedStorage.size_in_bytes() != self.smem_bytes
+                              or self.smem_bytes + STATIC_SMEM > SMEM_CAPACITY):
+            raise ValueError(f"shared memory: {SharedStorage.size_in_bytes()} B (estimated "
+                             f"{self.smem_bytes}) + {STATIC_SMEM} static, capacity "
+                             f"{SMEM_CAPACITY}")
+        tx_bytes = tuple(cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1, 2]))
+                         for layout in (sQ_layout, sK_layout, sV_layout))
+        order = self._tile_order(mQ, mK, args.max_seqlen_q, args.cu_seqlens_q)
+        grid = launch_grid(order.num_tiles, self.persistent, num_sms(DEFAULT_NUM_SMS),
+                           imin=cutlass.min)
+        scale_log2, mod_scale = fold_scores(self.score_mod, args.softmax_scale, args.softcap)
+        self.kernel(
+            tma_q, tQ, tma_k, tK, tma_v, tV, mO, args.lse, scale_log2, mod_scale,
+            args.window_left, args.window_right,
+            args.max_seqlen_q if cutlass.const_expr(self.varlen) else None,
+            (args.cu_seqlens_q, args.cu_seqlens_k), (args.seqused_q, args.seqused_k),
+            order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout, p_layout,
+            mma_qk, mma_pv, SharedStorage, tx_bytes,
+        ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
+
+    @property
+    def _qk_tiler(self) -> tuple:
+        return (self.tile_m, self.tile_n, self.hdim)
+
+    @property
+    def _pv_tiler(self) -> tuple:
+        return (self.tile_m, self.hdim_v, self.tile_n)
+
+    def _tiled_mmas(self):
+        """S = Q Kᵀ from shared memory (both K-major); O += P V with P from TMEM (K-major, as
+        tcgen05 requires for a TMEM operand) and V MN-major (head dim contiguous)."""
+        mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            tcgen05.CtaGroup.ONE, self._qk_tiler[:2])
+        mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            tcgen05.CtaGroup.ONE, self._pv_tiler[:2], tcgen05.OperandSource.TMEM)
+        return mma_qk, mma_pv
+
+    def _smem_layouts(self, mma_qk, mma_pv):
+        """Q (two tiles), the K and V rings, and P's TMEM operand layout (one stage)."""
+        sQ = sm100_utils.make_smem_layout_a(mma_qk, self._qk_tiler, self.dtype, Q_STAGES)
+        sK = sm100_utils.make_smem_layout_b(mma_qk, self._qk_tiler, self.dtype, self.k_stages)
+        sV = sm100_utils.make_smem_layout_b(mma_pv, self._pv_tiler, self.dtype, self.v_stages)
+        p = sm100_utils.make_smem_layout_a(mma_pv, self._pv_tiler, self.dtype, 1)
+        return sQ, sK, sV, p
+
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
+        q2, k2, v2 = 2 * Q_STAGES, 2 * self.k_stages, 2 * self.v_stages
+
+        @cute.struct
+        class SharedStorage:
+            q_bars: cute.struct.MemRange[cutlass.Int64, q2]
+            k_bars: cute.struct.MemRange[cutlass.Int64, k2]
+            v_bars: cute.struct.MemRange[cutlass.Int64, v2]
+            s_full: cute.struct.MemRange[cutlass.Int64, Q_STAGES]
+            p_ready: cute.struct.MemRange[cutlass.Int64, Q_STAGES]
+            o_full: cute.struct.MemRange[cutlass.Int64, Q_STAGES]
+            stats_bars: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
+            tmem_addr: Int32
+            # Per Q tile and row: a block's factor, or at the tile's end l, then m.
+            stats: cute.struct.Align[cute.struct.MemRange[Float32, Q_STAGES * TILE_M], 16]
+            sQ: smem_tile(self.dtype, sQ_layout)
+            sK: smem_tile(self.dtype, sK_layout)
+            sV: smem_tile(self.dtype, sV_layout)
+
+        return SharedStorage
+
+    def _tile_order(self, mQ, mK, max_seqlen_q, cu_seqlens_q) -> TileOrder:
+        """(256-row tile, head, batch) numbering; causal and right windows heaviest first, in
+        L2-sized sections of heads (`tile_scheduler`)."""
+        batch = SeqInfo.num_batches(mQ, cu_seqlens_q)
+        section = Int32(1)
+        if cutlass.const_expr(self.lpt):
+            seqlen_k = mK.shape[0] // batch if cutlass.const_expr(self.varlen) else mK.shape[1]
+            kv_bytes_per_key = (self.hdim + self.hdim_v) * self.dtype.width // 8
+            section = pairs_per_section(seqlen_k, kv_bytes_per_key, imax=cutlass.max)
+        return TileOrder(cute.ceil_div(max_seqlen_q, Q_STAGES * self.tile_m), mQ.shape[-2],
+                         batch, section, self.lpt, self.persistent)
+
+    # ---------------------------------------------------------------- device side
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
+               tma_v: cute.CopyAtom, tV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+               scale_log2: Float32, mod_scale: Float32, window_left: Int32, window_right: Int32,
+               max_seqlen_q: Optional[Int32], cu_seqlens, seqused, num_m_blocks: Int32,
+               section: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout,
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+               tx_bytes: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == _LOAD_WARP:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        rings = self._rings(storage, tx_bytes)
+        handshakes = Handshakes(storage)
+        handshakes.init(warp_idx)
+        stats = self._stats_pipes(storage)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # TMEM before the roles split, freed after they join: one exit frees it.
+        tmem = TmemAllocator(storage.tmem_addr.ptr, barrier_for_retrieve=pipeline.NamedBarrier(
+            barrier_id=_TMEM_ALLOC_BARRIER, num_threads=self.num_threads),
+            allocator_warp_id=_MMA_WARP)
+        if warp_idx == _MMA_WARP:
+            tmem.allocate(self.tmem.columns)
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(Float32)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sStats = storage.stats.get_tensor(cute.make_layout((TILE_M, Q_STAGES)))
+        tiles = Tiles(self, num_m_blocks, section, tQ, tK, cu_seqlens, seqused, window_left,
+                      window_right, max_seqlen_q)
+        tmem_tensors = TmemTensors(self, mma_qk, mma_pv, p_layout, tmem_ptr)
+
+        if warp_idx < _SOFTMAX1_WARP:
+            cute.arch.setmaxregister_increase(ROLE_REGISTERS[0])
+            self.softmax_role(tiles, 0, tmem_tensors, handshakes, stats[0], sStats, scale_log2,
+                              mod_scale)
+        elif warp_idx < _CORRECTION_WARP:
+            cute.arch.setmaxregister_increase(ROLE_REGISTERS[1])
+            self.softmax_role(tiles, 1, tmem_tensors, handshakes, stats[1], sStats, scale_log2,
+                              mod_scale)
+        elif warp_idx < _MMA_WARP:
+            cute.arch.setmaxregister_decrease(ROLE_REGISTERS[2])
+            self.correction_role(tiles, tmem_tensors, handshakes, stats, sStats, mO, mLSE,
+                                 scale_log2, (rings[2], sV, mma_pv))
+        else:
+            cute.arch.setmaxregister_decrease(ROLE_REGISTERS[3])
+            if warp_idx == _MMA_WARP:
+                self.mma_role(tiles, rings, handshakes, tmem_tensors, sQ, sK, sV, mma_qk,
+                              mma_pv)
+            elif warp_idx == _LOAD_WARP:
+                self.load_role(tiles, rings, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV,
+                               mma_qk, mma_pv)
+
+        cute.arch.sync_threads()
+        if warp_idx == _MMA_WARP:
+            tmem.relinquish_alloc_permit()
+            tmem.free(tmem_ptr, self.tmem.columns)
+
+    def _rings(self, storage, tx_bytes):
+        """The Q, K and V TMA rings: the load warp produces (one elected arrive plus the TMA's
+        bytes), the MMA warp consumes (its release is a tcgen05.commit: the stage frees when
+        the MMAs that read it are done)."""
+        one = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        return tuple(pipeline.PipelineTmaUmma.create(
+            num_stages=stages, producer_group=one, consumer_group=one, tx_count=tx,
+            barrier_storage=bars.data_ptr(), defer_sync=True)
+            for bars, stages, tx in ((storage.q_bars, Q_STAGES, tx_bytes[0]),
+                                     (storage.k_bars, self.k_stages, tx_bytes[1]),
+                                     (storage.v_bars, self.v_stages, tx_bytes[2])))
+
+    def _stats_pipes(self, storage):
+        """Softmax i → correction: a block's row factors, then the tile's l and m."""
+        group = pipeline.CooperativeGroup(pipeline.Agent.Thread, TILE_M)
+        bars = storage.stats_bars.data_ptr()
+        return tuple(pipeline.PipelineAsync.create(
+            num_stages=1, producer_group=group, consumer_group=group,
+            barrier_storage=bars + 2 * i, defer_sync=True) for i in range(Q_STAGES))
+
+    # ---------------------------------------------------------------- load warp
+
+    @cute.jit
+    def load_role(self, tiles, rings, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, mma_qk,
+                  mma_pv):
+        producer = pipeline.PipelineUserType.Producer
+        states = (pipeline.make_pipeline_state(producer, Q_STAGES),
+                  pipeline.make_pipeline_state(producer, self.k_stages),
+                  pipeline.make_pipeline_state(producer, self.v_stages))
+        step = functools.partial(self.load_tile, tiles, rings, (tma_q, tma_k, tma_v),
+                                 (tQ, tK, tV), (sQ, sK, sV), mma_qk.get_slice(0),
+                                 mma_pv.get_slice(0))
+        states = for_each_tile(tiles, self.persistent, step, states)
+        # Every stage released (its MMAs' commits landed) before the CTA may exit.
+        for pipe, state in zip(rings, states):
+            pipe.producer_tail(state)
+
+    @cute.jit
+    def load_tile(self, tiles, rings, atoms, coords, smem, thr_qk, thr_pv, tile: Int32,
+                  q_state, k_state, v_state):
+        """One tile's TMA loads: Q0, Q1, then K[n] and V[n] for each block, right to left."""
+        pipe_q, pipe_k, pipe_v = rings
+        tma_q, tma_k, tma_v = atoms
+        tQ, tK, tV = coords
+        sQ, sK, sV = smem
+        m_block, head, head_kv, seq = tiles.at(tile)
+        if tiles.in_bounds(m_block, seq):
+            n_min, n_max = tiles.blocks(m_block, seq)
+            gQ = cute.flat_divide(tiles.rows_view(seq, tQ, head, True), (self.tile_m, self.hdim))
+            tQsQ, tQgQ = tma_partition(tma_q, sQ, thr_qk.partition_A(gQ), 3)
+            gK = cute.flat_divide(tiles.rows_view(seq, tK, head_kv, False),
+                                  (self.tile_n, self.hdim))
+            tKsK, tKgK = tma_partition(tma_k, sK, thr_qk.partition_B(gK), 3)
+            gV = cute.flat_divide(tiles.v_view(seq, tV, head_kv), (self.hdim_v, self.tile_n))
+            tVsV, tVgV = tma_partition(tma_v, sV, thr_pv.partition_B(gV), 3)
+            for i in cutlass.range_constexpr(Q_STAGES):
+                pipe_q.producer_acquire(q_state)
+                cute.copy(tma_q, tQgQ[None, Q_STAGES * m_block + i, 0], tQsQ[None, q_state.index],
+                          tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+            for n in cutlass.range(n_max - 1, n_min - 1, -1, unroll=1):
+                pipe_k.producer_acquire(k_state)
+                cute.copy(tma_k, tKgK[None, n, 0], tKsK[None, k_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                k_state.advance()
+                pipe_v.producer_acquire(v_state)
+                cute.copy(tma_v, tVgV[None, 0, n], tVsV[None, v_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                v_state.advance()
+        return q_state, k_state, v_state
+
+    # ---------------------------------------------------------------- MMA warp
+
+    @cute.jit
+    def mma_role(self, tiles, rings, handshakes, tt, sQ, sK, sV, mma_qk, mma_pv):
+        consumer = pipeline.PipelineUserType.Consumer
+        thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
+        frags = (thr_qk.make_fragment_A(sQ), thr_qk.make_fragment_B(sK),
+                 thr_pv.make_fragment_B(sV))
+        states = (pipeline.make_pipeline_state(consumer, Q_STAGES),
+                  pipeline.make_pipeline_state(consumer, self.k_stages),
+                  pipeline.make_pipeline_state(consumer, self.v_stages), Int32(0))
+        step = functools.partial(self.mma_tile, tiles, rings, handshakes, tt, frags, mma_qk,
+                                 mma_pv)
+        for_each_tile(tiles, self.persistent, step, states)
+
+    @cute.jit
+    def mma_tile(self, tiles, rings, handshakes, tt, frags, mma_qk, mma_pv, tile: Int32,
+                 q_state, k_state, v_state, p_phase: Int32):
+        """One tile's MMAs: QK0(0), QK1(0); per further block PV0, QK0, PV1, QK1; the last
+        PVs (`BlackwellFwd` docstring)."""
+        pipe_q, pipe_k, pipe_v = rings
+        tSrQ, tSrK, tOrV = frags
+        m_block, _, _, seq = tiles.at(tile)
+        if tiles.in_bounds(m_block, seq):
+            n_min, n_max = tiles.blocks(m_block, seq)
+            q_index = q_state.index
+            for i in cutlass.range_constexpr(Q_STAGES):
+                pipe_q.consumer_wait(q_state)
+                q_state.advance()
+            if n_max > n_min:
+                pipe_k.consumer_wait(k_state)
+                for i in cutlass.range_constexpr(Q_STAGES):
+                    self._gemm_qk(mma_qk, tt.s[i], tSrQ, q_index + i, tSrK, k_state.index)
+                    handshakes.commit(handshakes.s_full, i)
+                pipe_k.consumer_release(k_state)
+                k_state.advance()
+                for n in cutlass.range(n_max - 2, n_min - 1, -1, unroll=1):
+                    pipe_v.consumer_wait(v_state)
+                    pipe_k.consumer_wait(k_state)
+                    for i in cutlass.range_constexpr(Q_STAGES):
+                        handshakes.wait(handshakes.p_ready, i, p_phase)
+                        self._gemm_pv(mma_pv, tt.o[i], tt.p_operand[i], tOrV, v_state.index,
+                                      n < n_max - 2)
+                        self._gemm_qk(mma_qk, tt.s[i], tSrQ, q_index + i, tSrK, k_state.index)
+                        handshakes.commit(handshakes.s_full, i)
+                    p_phase = p_phase ^ 1
+                    pipe_v.consumer_release(v_state)
+                    v_state.advance()
+                    pipe_k.consumer_release(k_state)
+                    k_state.advance()
+                pipe_v.consumer_wait(v_state)
+                for i in cutlass.range_constexpr(Q_STAGES):
+                    handshakes.wait(handshakes.p_ready, i, p_phase)
+                    self._gemm_pv(mma_pv, tt.o[i], tt.p_operand[i], tOrV, v_state.index,
+                                  n_max - n_min > 1)
+                    handshakes.commit(handshakes.o_full, i)
+                p_phase = p_phase ^ 1
+                pipe_v.consumer_release(v_state)
+                v_state.advance()
+            # The Q tiles free once every QKᵀ issued above has read them.
+            for i in cutlass.range_constexpr(Q_STAGES):
+                pipe_q.consumer_release(pipeline.PipelineState(Q_STAGES, Int32(0), q_index + i,
+                                                               Int32(0)))
+        return q_state, k_state, v_state, p_phase
+
+    @cute.jit
+    def _gemm_qk(self, mma, acc, tSrQ, q_index, tSrK, k_index):
+        # A fresh atom per call: its accumulate field is set where the MMAs are issued, never
+        # carried out of the loop or branch that set it.
+        atom = cute.make_mma_atom(mma.op)
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            atom.set(tcgen05.Field.ACCUMULATE, k != 0)
+            cute.gemm(atom, acc, tSrQ[None, None, k, q_index], tSrK[None, None, k, k_index], acc)
+
+    @cute.jit
+    def _gemm_pv(self, mma, acc, tOrP, tOrV, v_index, accumulate):
+        atom = cute.make_mma_atom(mma.op)
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            atom.set(tcgen05.Field.ACCUMULATE, cutlass.Boolean(accumulate) | (k != 0))
+            cute.gemm(atom, acc, tOrP[None, None, k], tOrV[None, None, k, v_index], acc)
+
+    # ---------------------------------------------------------------- softmax warpgroups
+
+    @cute.jit
+    def softmax_role(self, tiles, stage: cutlass.Constexpr[int], tt, handshakes, stats, sStats,
+                     scale_log2: Float32, mod_scale: Float32):
+        row = cute.arch.thread_idx()[0] % TILE_M
+        load, store = tt.s_load(stage, row), tt.p_store(stage, row)
+        rS_frag = cute.make_rmem_tensor(load[2], Float32)
+        states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1), Int32(0))
+        step = functools.partial(self.softmax_tile, tiles, stage, handshakes, stats, sStats,
+                                 load, store, rS_frag, row, scale_log2, mod_scale)
+        stats_state, _ = for_each_tile(tiles, self.persistent, step, states)
+        stats.producer_tail(stats_state)
+
+    @cute.jit
+    def softmax_tile(self, tiles, stage: cutlass.Constexpr[int], handshakes, stats, sStats,
+                     load, store, rS_frag, row: Int32, scale_log2: Float32, mod_scale: Float32,
+                     tile: Int32, stats_state, s_phase: Int32):
+        """Softmax of Q tile `stage` over one tile's blocks (`BlackwellFwd` docstring)."""
+        # The thread's row: 32x32b loads give lane `row`'s columns in order.
+        rS = cute.make_tensor(rS_frag.iterator, cute.make_layout((1, self.tile_n)))
+        coord = cute.domain_offset((row, 0), cute.make_identity_tensor((1, self.tile_n)))
+        m_block, _, _, seq = tiles.at(tile)
+        if tiles.in_bounds(m_block, seq):
+            n_min, n_max = tiles.blocks(m_block, seq)
+            q_block = Q_STAGES * m_block + stage
+            mask = tiles.mask(seq)
+            scores = Scores(self.score_mod, mod_scale, mask)
+            rng = mask.block_range(q_block)
+            softmax = OnlineSoftmax(scale_log2, 1, 1, self.ex2_per16)
+            softmax.reset()
+            for n in cutlass.range(n_max - 1, n_min - 1, -1, unroll=1):
+                handshakes.wait(handshakes.s_full, stage, s_phase)
+                s_phase = s_phase ^ 1
+                cute.copy(load[0], load[1], rS_frag)
+                scores.prepare(rS, coord, q_block, n, rng)
+                factor = softmax.update_max(rS, RESCALE_THRESHOLD)
+                stats_state = self._hand_over(stats, stats_state, sStats, stage, row, factor[0])
+                softmax.exp_and_sum(rS, factor)
+                self._store_p(rS, store)
+                cute.arch.fence_view_async_tmem_store()
+                handshakes.arrive(handshakes.p_ready, stage)
+            stats_state = self._hand_over(stats, stats_state, sStats, stage, row,
+                                          softmax.row_sum[0])
+            stats_state = self._hand_over(stats, stats_state, sStats, stage, row,
+                                          softmax.row_max[0])
+        return stats_state, s_phase
+
+    @cute.jit
+    def _hand_over(self, stats, state, sStats, stage: cutlass.Constexpr[int], row: Int32,
+                   value: Float32):
+        """Softmax → correction through shared memory, one value per row: a block's row
+        factor, or at the tile's end its row sum, then its max."""
+        stats.producer_acquire(state)
+        sStats[row, stage] = value
+        stats.producer_commit(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def _store_p(self, rS: cute.Tensor, store):
+        """P in 16-bit into its TMEM columns, chunk by chunk (two values per fp32 word)."""
+        copy, dst, words_shape = store
+        rW = cute.make_rmem_tensor(words_shape, Float32)
+        for c in cutlass.range_constexpr(cute.size(dst, mode=[2])):
+            chunk = rW[None, None, c]
+            half = cute.make_tensor(cute.recast_ptr(chunk.iterator, dtype=self.dtype),
+                                    cute.make_layout(2 * cute.size(chunk)))
+            for j in cutlass.range_constexpr(2 * cute.size(chunk)):
+                half[j] = rS[0, c * 2 * cute.size(chunk) + j].to(self.dtype)
+            cute.copy(copy, chunk, dst[None, None, c])
+
+    # ---------------------------------------------------------------- correction warpgroup
+
+    @cute.jit
+    def correction_role(self, tiles, tt, handshakes, stats, sStats, mO, mLSE,
+                        scale_log2: Float32, v_ring):
+        row = cute.arch.thread_idx()[0] % TILE_M
+        consumer = pipeline.PipelineUserType.Consumer
+        states = (pipeline.make_pipeline_state(consumer, 1),
+                  pipeline.make_pipeline_state(consumer, 1), Int32(0),
+                  pipeline.make_pipeline_state(consumer, self.v_stages))
+        o_chunks = tuple(tt.o_chunk(i, row) for i in range(Q_STAGES))
+        pipe_v, sV, mma_pv = v_ring
+        thr_pv = mma_pv.get_slice(0)
+        v_tail = (pipe_v, sV, thr_pv.partition_B(
+            cute.make_identity_tensor((self.hdim_v, self.tile_n))))
+        step = functools.partial(self.correction_tile, tiles, handshakes, stats, sStats,
+                                 o_chunks, row, mO, mLSE, scale_log2, v_tail)
+        for_each_tile(tiles, self.persistent, step, states)
+
+    @cute.jit
+    def correction_tile(self, tiles, handshakes, stats, sStats, o_chunks, row: Int32, mO, mLSE,
+                        scale_log2: Float32, v_tail, tile: Int32, state0, state1,
+                        o_phase: Int32, v_state):
+        """Per block, each Q tile's O rescaled by its row factors; then O / l and the LSE."""
+        m_block, head, _, seq = tiles.at(tile)
+        if tiles.in_bounds(m_block, seq):
+            n_min, n_max = tiles.blocks(m_block, seq)
+            if cutlass.const_expr(self.varlen or self.has_seqused_k):
+                if n_max > n_min:
+                    self._clear_v_tail(v_tail, v_state, seq.seqlen_k - (n_max - 1) * self.tile_n,
+                                       row)
+                for _ in cutlass.range(n_max - n_min, unroll=1):
+                    v_state.advance()
+            for n in cutlass.range(n_max - 1, n_min - 1, -1, unroll=1):
+                state0, factor0 = self._take_stats(stats[0], state0, sStats, row, 0)
+                self._correct(o_chunks[0], factor0, n < n_max - 1, handshakes, 0)
+                state1, factor1 = self._take_stats(stats[1], state1, sStats, row, 1)
+                self._correct(o_chunks[1], factor1, n < n_max - 1, handshakes, 1)
+            state0, sum0 = self._take_stats(stats[0], state0, sStats, row, 0)
+            state0, max0 = self._take_stats(stats[0], state0, sStats, row, 0)
+            state1, sum1 = self._take_stats(stats[1], state1, sStats, row, 1)
+            state1, max1 = self._take_stats(stats[1], state1, sStats, row, 1)
+            for i in cutlass.range_constexpr(Q_STAGES):
+                if n_max > n_min:
+                    handshakes.wait(handshakes.o_full, i, o_phase)
+                self._epilogue(o_chunks[i], (sum0, sum1)[i], (max0, max1)[i], n_max > n_min, seq,
+                               head, (Q_STAGES * m_block + i) * TILE_M + row, mO, mLSE,
+                               scale_log2)
+            if n_max > n_min:
+                o_phase = o_phase ^ 1
+            # The next tile's first PV overwrites O: its loads must have landed.
+            cute.arch.fence_view_async_tmem_load()
+        return state0, state1, o_phase, v_state
+
+    @cute.jit
+    def _clear_v_tail(self, v_tail, v_state, keys: Int32, tid: Int32):
+        """Zero the rows past the sequence of the tile's first V block (its last keys) before
+        any PV reads it: in varlen or a cache with seqused_k they hold the next sequence or
+        unused rows, possibly NaN, and 0 x NaN is NaN. The PVs wait for this warpgroup's
+        p_ready arrival, which follows the fence."""
+        pipe_v, tVsV, tVcV = v_tail
+        if keys < self.tile_n:
+            pipe_v.consumer_wait(v_state)
+            stage = tVsV[None, None, None, v_state.index]
+            for i in cutlass.range(tid, cute.size(tVcV), TILE_M, unroll=1):
+                if tVcV[i][1] >= keys:
+                    stage[i] = stage.element_type(0)
+            cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def _take_stats(self, stats, state, sStats, row: Int32, i: cutlass.Constexpr[int]):
+        """(state, value): softmax i's hand-over for this thread's row."""
+        stats.consumer_wait(state)
+        value = sStats[row, i]
+        stats.consumer_release(state)
+        state.advance()
+        return state, value
+
+    @cute.jit
+    def _correct(self, chunks, factor: Float32, rescale, handshakes, i: cutlass.Constexpr[int]):
+        """O_i rescaled for a block that is not the tile's first; then PV_i may run."""
+        if rescale:
+            self._rescale(chunks, factor)
+        handshakes.arrive(handshakes.p_ready, i)
+
+    @cute.jit
+    def _rescale(self, chunks, factor: Float32):
+        """O_i's row times `factor` in TMEM, skipped where no row of the warp moved its max."""
+        load, store, src, dst, regs = chunks
+        if cute.arch.vote_ballot_sync(factor != Float32(1.0)) != 0:
+            rO = cute.make_rmem_tensor(regs, Float32)
+            for c in cutlass.range_constexpr(self.hdim_v // _O_CHUNK):
+                cute.copy(load, src[None, None, c], rO[None, None, c])
+                rO[None, None, c].store(rO[None, None, c].load() * factor)
+                cute.copy(store, rO[None, None, c], dst[None, None, c])
+            cute.arch.fence_view_async_tmem_store()
+
+    @cute.jit
+    def _epilogue(self, chunks, row_sum: Float32, row_max: Float32, has_blocks, seq, head,
+                  q_row: Int32, mO, mLSE, scale_log2: Float32):
+        """O_i's row / l into the output (0 for a row that saw no key), and its LSE."""
+        load, _, src, _, regs = chunks
+        empty = row_sum == Float32(0.0)
+        scale = Float32(0.0) if empty else cute.arch.rcp_approx(row_sum)
+        in_seq = q_row < seq.seqlen_q
+        gO = seq.q_view(mO, head)
+        rO = cute.make_rmem_tensor(regs, Float32)
+        for c in cutlass.range_constexpr(self.hdim_v // _O_CHUNK):
+            chunk = rO[None, None, c]
+            chunk.fill(0.0)
+            if has_blocks:
+                cute.copy(load, src[None, None, c], chunk)
+            out = cute.make_rmem_tensor(cute.make_layout(_O_CHUNK), mO.element_type)
+            out.store((chunk.load() * scale).to(mO.element_type))
+            if in_seq:
+                cute.autovec_copy(out, cute.local_tile(gO, (1, _O_CHUNK), (q_row, c))[0, None])
+        if in_seq:
+            lse_log2 = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
+            seq.lse_view(mLSE, head)[q_row] = -Float32.inf if empty else lse_log2 * Float32(LN_2)
+
+
+class Handshakes(DslState):
+    """The raw mbarriers between the MMA warp and the softmax / correction warpgroups, one
+    per Q tile each (`BlackwellFwd` docstring): s_full (count 1, a tcgen05.commit), p_ready
+    (128 softmax + 128 correction threads), o_full (count 1). Phases are carried by their
+    waiters."""
+
+    def __init__(self, storage):
+        self.s_full = storage.s_full.data_ptr()
+        self.p_ready = storage.p_ready.data_ptr()
+        self.o_full = storage.o_full.data_ptr()
+
+    @cute.jit
+    def init(self, warp_idx: Int32):
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(Q_STAGES):
+                    cute.arch.mbarrier_init(self.s_full + i, 1)
+                    cute.arch.mbarrier_init(self.p_ready + i, 2 * TILE_M)
+                    cute.arch.mbarrier_init(self.o_full + i, 1)
+
+    def wait(self, bars, i: int, phase: Int32):
+        cute.arch.mbarrier_wait(bars + i, phase)
+
+    def arrive(self, bars, i: int):
+        cute.arch.mbarrier_arrive(bars + i)
+
+    def commit(self, bars, i: int):
+        """Arrive on `bars[i]` once the MMAs this thread issued so far are done."""
+        with cute.arch.elect_one():
+            tcgen05.commit(bars + i)
+
+
+class TmemTensors(DslState):
+    """S_i, O_i and P_i in tensor memory (`config.tmem_plan`), as the MMAs see them and as
+    one thread's row moves through registers."""
+
+    def __init__(self, cfg: BlackwellFwd, mma_qk, mma_pv, p_layout, tmem_ptr):
+        self.cfg = cfg
+        thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
+        s_layout = thr_qk.make_fragment_C(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))).layout
+        o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C((cfg.tile_m, cfg.hdim_v))).layout
+        plan = cfg.tmem
+        self.s_coords = thr_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        self.o_coords = thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.hdim_v)))
+        self.s = tuple(cute.make_tensor(tmem_ptr + plan.s[i], s_layout) for i in range(Q_STAGES))
+        self.o = tuple(cute.make_tensor(tmem_ptr + plan.o[i], o_layout) for i in range(Q_STAGES))
+        p_frag = thr_pv.make_fragment_A(cute.make_tensor(self.s[0].iterator, p_layout.outer))
+        p_frag = p_frag[None, None, None, 0]
+        self.p_operand = tuple(
+            cute.make_tensor(cute.recast_ptr(tmem_ptr + plan.p[i], dtype=p_frag.dtype),
+                             p_frag.layout) for i in range(Q_STAGES))
+        self.p_words = tuple(cute.make_tensor(
+            tmem_ptr + plan.p[i], cute.composition(s_layout, cute.make_layout(
+                (cfg.tile_m, cfg.tile_n // 2)))) for i in range(Q_STAGES))
+
+    def s_load(self, i: int, row: Int32):
+        """(tiled copy, S_i's row `row` partitioned): 32x32b loads, a thread per lane."""
+        atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+        copy = tcgen05.make_tmem_copy(atom, self.s[i])
+        thr = copy.get_slice(row)
+        return copy, thr.partition_S(self.s[i]), thr.partition_D(self.s_coords).shape
+
+    def p_store(self, i: int, row: Int32):
+        """(tiled copy, P_i's words for row `row` by chunk of `_P_CHUNK` columns)."""
+        atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(_P_CHUNK)),
+                                   Float32)
+        copy = tcgen05.make_tmem_copy(atom, self.p_words[i])
+        thr = copy.get_slice(row)
+        coords = cute.make_tensor(self.s_coords.iterator, cute.composition(
+            self.s_coords.layout, cute.make_layout((self.cfg.tile_m, self.cfg.tile_n // 2))))
+        return copy, thr.partition_D(self.p_words[i]), thr.partition_S(coords).shape
+
+    def o_chunk(self, i: int, row: Int32):
+        """(load, store, source, destination) of O_i's row by chunks of `_O_CHUNK` columns."""
+        o = self.o[i]
+        chunk = cute.make_layout((self.cfg.tile_m, _O_CHUNK))
+        view = cute.make_tensor(o.iterator, cute.composition(o.layout, chunk))
+        ld = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(_O_CHUNK)),
+                                 Float32)
+        st = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(_O_CHUNK)),
+                                 Float32)
+        load = tcgen05.make_tmem_copy(ld, view)
+        store = tcgen05.make_tmem_copy(st, view)
+        tiled = cute.make_tensor(o.iterator, cute.composition(
+            o.layout, cute.make_layout((self.cfg.tile_m, (_O_CHUNK, self.cfg.hdim_v // _O_CHUNK)))))
+        coords = cute.make_tensor(self.o_coords.iterator, cute.composition(
+            self.o_coords.layout, cute.make_layout(
+                (self.cfg.tile_m, (_O_CHUNK, self.cfg.hdim_v // _O_CHUNK)))))
+        regs = load.get_slice(row).partition_D(coords).shape
+        return (load, store, load.get_slice(row).partition_S(tiled),
+                store.get_slice(row).partition_D(tiled), regs)
+
+
+class Tiles(DslState):
+    """A CTA's tiles: number → (m_block of 256 rows, head, K/V head, `SeqInfo`), the blocks
+    each visits, and the mask of its Q tiles."""
+
+    def __init__(self, cfg: BlackwellFwd, num_m_blocks: Int32, section: Int32, tQ, tK,
+                 cu_seqlens, seqused, window_left: Int32, window_right: Int32, max_seqlen_q):
+        self.cfg = cfg
+        # TMA coordinates: (s, d, h, b), varlen (t, d, h).
+        batches = cu_seqlens[0].shape[0] - 1 if cutlass.const_expr(cfg.varlen) else tQ.shape[3]
+        self.order = TileOrder(num_m_blocks, tQ.shape[2], batches, section, cfg.lpt,
+                               cfg.persistent)
+        self.qheads_per_kvhead = tQ.shape[2] // tK.shape[2]
+        self.seqlen_q = tQ.shape[0]
+        self.seqlen_k = tK.shape[0]
+        self.cu_q, self.cu_k = cu_seqlens
+        self.used_q, self.used_k = seqused
+        self.win_left = window_left if cutlass.const_expr(cfg.has_window_left) else None
+        self.win_right = window_right if cutlass.const_expr(cfg.has_window_right) else None
+        self.max_seqlen_q = max_seqlen_q
+
+    @property
+    def num_numbers(self):
+        """The tile numbers the grid walks (`for_each_tile`)."""
+        return self.order.num_numbers(cute.arch.grid_dim()[0], imin=cutlass.min,
+                                      imax=cutlass.max)
+
+    def at(self, tile: Int32):
+        m_block, head, batch = self.order.coords(tile, cute.arch.grid_dim()[0],
+                                                 imin=cutlass.min, imax=cutlass.max)
+        seq = SeqInfo(batch, self.seqlen_q, self.seqlen_k, self.cu_q, self.cu_k, self.used_q,
+                      self.used_k, 1, max_seqlen_q=self.max_seqlen_q)
+        return m_block, head, head // self.qheads_per_kvhead, seq
+
+    def in_bounds(self, m_block: Int32, seq: SeqInfo):
+        return m_block * Q_STAGES * TILE_M < seq.seqlen_q
+
+    def blocks(self, m_block: Int32, seq: SeqInfo):
+        """(n_min, n_max): the K/V blocks the 256-row tile visits, the same for every role."""
+        rng = block_range(m_block, Q_STAGES * TILE_M, self.cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
+                          self.cfg.causal, self.win_left, self.win_right, 1,
+                          imin=cutlass.min, imax=cutlass.max)
+        return rng.n_block_min, rng.n_block_max
+
+    def mask(self, seq: SeqInfo) -> AttentionMask:
+        return AttentionMask(TILE_M, self.cfg.tile_n, seq.seqlen_q, seq.seqlen_k, self.cfg.causal,
+                             self.win_left, self.win_right)
+
+    def rows_view(self, seq: SeqInfo, t: cute.Tensor, head, is_q: bool):
+        """(seqlen, d) of Q's (`is_q`) or K's TMA coordinates for one head."""
+        offset = seq.offset_q if is_q else seq.offset_k
+        if cutlass.const_expr(self.cfg.varlen):
+            return cute.domain_offset((offset, 0), t[None, None, head])
+        return t[None, None, head, seq.batch]
+
+    def v_view(self, seq: SeqInfo, tV: cute.Tensor, head_kv):
+        """(hdim_v, seqlen_k) of V's TMA coordinates for one K/V head (head dim first)."""
+        if cutlass.const_expr(self.cfg.varlen):
+            return cute.domain_offset((0, seq.offset_k), tV[None, None, head_kv])
+        return tV[None, None, head_kv, seq.batch]

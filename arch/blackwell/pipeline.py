@@ -1,0 +1,26 @@
+"""The blackwell pipeline's descriptor: sm100a code (tcgen05 MMAs, tensor memory, TMA), forward
+only and compile-verified: it is not in dispatch's default order until it has run on
+Blackwell hardware, and runs when named (arch="blackwell")."""
+
+from flash_cute import pipeline as caps
+from flash_cute.pipeline import Pipeline
+
+from . import api
+
+
+def _inspect_configs() -> tuple:
+    from .registry import CONFIGS
+
+    return CONFIGS
+
+
+BLACKWELL = Pipeline(
+    name="blackwell",
+    majors=range(10, 11),
+    capabilities=frozenset({caps.FORWARD, caps.CAUSAL, caps.LOCAL, caps.SOFTCAP, caps.GQA,
+                            caps.VARLEN, caps.SEQUSED}),
+    plan_forward=api.plan_forward,
+    check_supported=api.check_supported,
+    inspect_configs=_inspect_configs,
+    hardware_tested=False,
+)

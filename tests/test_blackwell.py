@@ -1,0 +1,187 @@
+"""The blackwell forward on the CPU: its budgets against sm100's limits, its dispatch (opt-in:
+compile-verified only), and its SASS, cross-compiled for sm_100a: tcgen05 MMAs, tensor memory
+allocated and freed, no spill, the software exp2's share, and a static check of its
+synchronization (`check_pipeline`)."""
+
+import re
+
+import pytest
+import torch
+
+from flash_cute import dispatch
+from flash_cute.arch.blackwell import config
+from flash_cute.arch.blackwell.registry import CONFIGS
+
+
+def test_every_schedule_fits_tensor_and_shared_memory():
+    """S0, S1, O0, O1 within 512 TMEM columns (P in S's upper half); the rings, the Q tiles,
+    the barriers and the 1 KiB static within 227 KiB; registers 4 x 128 per thread across
+    the warpgroups, each a multiple of 8."""
+    for (hdim, hdim_v), schedule in config.FWD_SCHEDULES.items():
+        plan = config.tmem_plan(schedule.tile_n, hdim_v)
+        assert plan.s == (0, schedule.tile_n) and plan.o[0] == 2 * schedule.tile_n
+        assert plan.p == (schedule.tile_n // 2, schedule.tile_n * 3 // 2)
+        assert plan.o[1] + hdim_v <= plan.columns <= config.TMEM_COLUMNS
+        assert plan.columns & (plan.columns - 1) == 0 and plan.columns >= 32
+        total = config.smem_bytes(hdim, hdim_v, schedule) + config.STATIC_SMEM
+        assert total <= config.SMEM_CAPACITY, (hdim, hdim_v, total)
+        assert schedule.k_stages >= 2 and schedule.v_stages >= 1
+    assert sum(config.ROLE_REGISTERS) == 4 * 128
+    assert all(r % 8 == 0 for r in config.ROLE_REGISTERS)
+    with pytest.raises(ValueError, match="tensor memory"):
+        config.tmem_plan(128, 256)
+
+
+def test_default_exp2_share_is_fa4s_per_case():
+    assert config.default_ex2_per16(128, True) == config.default_ex2_per16(64, False) == 2
+    assert config.default_ex2_per16(192, True) == 1 and config.default_ex2_per16(192, False) == 2
+
+
+def test_blackwell_runs_only_when_named(capability):
+    """Not hardware-tested: on a 10.x device dispatch picks the ampere code unless
+    arch="blackwell" names it; its backward then runs in a pipeline that has one."""
+    from flash_cute.arch.ampere.pipeline import AMPERE
+    from flash_cute.arch.blackwell.pipeline import BLACKWELL
+    from flash_cute.validation import validate_attention_inputs
+
+    capability(10, 0)
+    device = torch.device("cuda")
+    q = torch.randn(1, 300, 4, 128, dtype=torch.bfloat16)
+    problem = validate_attention_inputs(q, q, q, causal=True, require_cuda=False)
+    assert not BLACKWELL.hardware_tested
+    assert dispatch.select_pipeline(device, None, problem) is AMPERE
+    assert dispatch.select_pipeline(device, "blackwell", problem) is BLACKWELL
+    assert dispatch.select_backward_pipeline(device, BLACKWELL, problem) is AMPERE
+    capability(9, 0)
+    with pytest.raises(ValueError, match="runs on compute capability 10"):
+        dispatch.select_pipeline(device, "blackwell", problem)
+
+
+def test_blackwell_refuses_what_it_lacks_before_any_launch():
+    from flash_cute.arch.blackwell.api import check_supported
+    from flash_cute.validation import validate_attention_inputs
+
+    q = torch.randn(1, 64, 4, 96, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"head dims \(96, 96\)"):
+        check_supported(validate_attention_inputs(q, q, q, require_cuda=False))
+    q = torch.randn(1, 64, 4, 128, dtype=torch.bfloat16)
+    k = torch.randn(1, 64, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="pack_gqa"):
+        check_supported(validate_attention_inputs(q, k, k, pack_gqa=True, require_cuda=False))
+
+
+# ---------------------------------------------------------------- SASS
+
+_ROLES = ("softmax 0", "softmax 1", "correction", "mma, load")
+
+
+def check_pipeline(sass: str) -> dict:
+    """Static checks of the kernel's synchronization that make a silent hang or a leak of
+    tensor memory unlikely (none needs hardware); returns the opcodes of each role.
+
+    * Tensor memory is allocated (UTCATOMSWS.FIND_AND_SET) after the barriers are set up and
+      before the roles split (USETMAXREG), then every thread meets at a named barrier over
+      all 512 threads, so no role reads the address before it exists.
+    * No thread exits before the roles join (the last BAR.SYNC 0): a role that left early
+      would leave the others waiting at the join, or the allocation unfreed. After the join
+      the tensor memory is freed (UTCATOMSWS.AND) exactly once, before the kernel's last EXIT.
+    * Each role's waits have a signaller: the softmax warpgroups wait for S (a tcgen05.commit,
+      UTCBAR, in the MMA warp) and for the correction's release of their hand-over slot (an
+      arrive there); the correction waits for the softmax's hand-over (arrives there) and for
+      O (UTCBAR); the MMA warp waits for TMA bytes (UTMALDG in the load warp) and for P (arrives
+      in both the softmax and correction warpgroups). Every mbarrier the kernel waits on is
+      initialized (SYNCS.EXCH.64) before the first barrier over the CTA.
+
+    It does not prove that the phases agree; that rests on every role walking the same tiles
+    and block counts (`BlackwellFwd` docstring) and on the hardware runs still to come."""
+    lines = [ln.split(";")[0].strip() for ln in sass.splitlines()]
+    ops = [re.sub(r"^/\*[0-9a-f]+\*/\s*", "", ln) for ln in lines]
+    ops = [op for op in ops if op and not op.startswith(("//", ".", "{", "}"))]
+    index = {name: [i for i, op in enumerate(ops) if re.search(name, op)]
+             for name in ("USETMAXREG", r"UTCATOMSWS\.FIND_AND_SET", r"UTCATOMSWS\.AND",
+                          r"BAR\.SYNC\S* 0x0\b", r"BAR\.SYNC\S* 0x1, 0x200", r"\bEXIT\b",
+                          r"SYNCS\.EXCH\.64")}
+    roles = index["USETMAXREG"]
+    assert len(roles) == 4, "four warpgroup roles"
+    joins = index[r"BAR\.SYNC\S* 0x0\b"]
+    assert len(joins) >= 2 and joins[-1] > roles[-1] and joins[0] < roles[0]
+    assert index[r"SYNCS\.EXCH\.64"] and max(index[r"SYNCS\.EXCH\.64"]) < joins[0]
+    allocs = index[r"UTCATOMSWS\.FIND_AND_SET"]
+    assert allocs and joins[0] < min(allocs) and max(allocs) < roles[0]
+    assert index[r"BAR\.SYNC\S* 0x1, 0x200"], "the allocation is published to all 512 threads"
+    assert max(allocs) < index[r"BAR\.SYNC\S* 0x1, 0x200"][0] < roles[0]
+    exits = index[r"\bEXIT\b"]
+    assert exits and min(exits) > joins[-1], "no thread leaves before the roles join"
+    frees = index[r"UTCATOMSWS\.AND"]
+    assert len(frees) == 1 and joins[-1] < frees[0] < exits[-1]
+    sections = {}
+    bounds = roles + [joins[-1]]
+    for name, lo, hi in zip(_ROLES, bounds, bounds[1:]):
+        sections[name] = ops[lo:hi]
+
+    def has(section, pattern):
+        return any(re.search(pattern, op) for op in sections[section])
+
+    wait, arrive, commit, tma = r"SYNCS\.PHASECHK", r"SYNCS\.ARRIVE", r"^UTCBAR", r"^UTMALDG"
+    for s in ("softmax 0", "softmax 1"):
+        assert has(s, wait) and has(s, arrive) and has(s, "^LDTM") and has(s, "^STTM")
+    assert has("correction", wait) and has("correction", arrive)
+    assert has("mma, load", wait) and has("mma, load", commit) and has("mma, load", tma)
+    assert has("mma, load", r"^UTCHMMA")
+    assert not any(has(s, r"^UTCHMMA") or has(s, tma) for s in _ROLES[:3])
+    return {name: len(sec) for name, sec in sections.items()}
+
+
+def mufu_ex2_expected(entry) -> int:
+    """MUFU.EX2 of a config: each softmax warpgroup's row of tile_n scores less the emulated
+    share, plus its one rescale factor; the two warpgroups' code is separate."""
+    per16 = entry.flag_dict.get("ex2_emu", 0)
+    tile_n = entry.schedule.tile_n
+    return 2 * (tile_n - tile_n * per16 // 16 + 1)
+
+
+def _check_sass(entry, art):
+    from flash_cute.sass import opcode_counts
+
+    ops = opcode_counts(art.sass)
+    assert ops.get("UTCHMMA", 0) > 0, "QKᵀ and PV on tcgen05"
+    assert ops.get("UTMALDG", 0) > 0 and ops.get("LDTM", 0) > 0 and ops.get("STTM", 0) > 0
+    assert ops.get("HGMMA", 0) == 0 and ops.get("HMMA", 0) == 0
+    assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
+    assert ops.get("MUFU.EX2", 0) == mufu_ex2_expected(entry), (entry.flag_dict, ops)
+    check_pipeline(art.sass)
+
+
+def test_the_causal_hdim128_forward_cross_compiles_with_its_pipeline_intact(tmp_path):
+    """One config in the default run (the rest in the `slow` sweep)."""
+    from flash_cute.xcompile import compile_for_target
+
+    entry = next(c for c in CONFIGS if c.hdim == 128 and c.flag_dict == {
+        **c.flag_dict, "causal": True, "varlen": False, "ex2_emu": 2})
+    _check_sass(entry, compile_for_target(entry, "sm_100a", out_dir=tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", CONFIGS, ids=lambda e: e.label)
+def test_every_blackwell_config_has_its_pipeline_intact(entry, tmp_path):
+    from flash_cute.xcompile import compile_for_target
+
+    _check_sass(entry, compile_for_target(entry, "sm_100a", out_dir=tmp_path))
+
+
+def test_check_pipeline_catches_an_early_exit_and_a_missing_free():
+    """The static check fails on the faults it is for (SASS edited by hand)."""
+    from flash_cute.xcompile import compile_for_target
+
+    entry = next(c for c in CONFIGS if c.hdim == 64)
+    sass = compile_for_target(entry, "sm_100a").sass
+    check_pipeline(sass)
+    lines = sass.splitlines()
+    first_role = next(i for i, ln in enumerate(lines) if "USETMAXREG" in ln)
+    early = "\n".join(lines[:first_role + 1] + ["        /*0000*/   EXIT ;"]
+                      + lines[first_role + 1:])
+    with pytest.raises(AssertionError, match="leaves before"):
+        check_pipeline(early)
+    leak = "\n".join(ln for ln in lines if "UTCATOMSWS.AND" not in ln)
+    with pytest.raises(AssertionError):
+        check_pipeline(leak)
