@@ -2,12 +2,14 @@
 
 `PIPELINES` lists every built pipeline's descriptor (`flash_cute.pipeline.Pipeline`), newest
 first; the dispatcher picks, in that order, the first that runs on the device, has been run on
-hardware (`hardware_tested`), has every capability the problem needs and takes it
-(`Pipeline.takes`). ``arch=`` names one instead (compile-verified ones included). The backward
+hardware (`hardware_tested`; or is allowed by ``FLASH_CUTE_ALLOW_UNTESTED``), has every
+capability the problem needs and takes it (`Pipeline.takes`). ``arch=`` names one instead
+(compile-verified ones included). The backward
 runs in the forward's pipeline when it has one, else in the newest that has a backward and
 can run the problem: the forward's (O, LSE) are the same in every pipeline.
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -19,6 +21,8 @@ from flash_cute.device import capability_of
 from flash_cute.pipeline import Pipeline, required_capabilities
 
 PIPELINES = (BLACKWELL, HOPPER, AMPERE)
+# Compile-verified pipelines dispatch may also pick by itself (`admitted`).
+ALLOW_UNTESTED_ENV = "FLASH_CUTE_ALLOW_UNTESTED"
 
 
 def pipeline_named(name: str) -> Pipeline:
@@ -42,7 +46,7 @@ def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=No
                              f"{majors[-1]}.x; {torch.cuda.get_device_name(device)} is {major}.x")
         return chosen
     needed = () if problem is None else required_capabilities(problem)
-    runs_here = [p for p in PIPELINES if p.runs_on(major) and p.hardware_tested]
+    runs_here = [p for p in PIPELINES if p.runs_on(major) and admitted(p)]
     for p in runs_here:
         if p.missing(needed) is None and (problem is None or p.takes is None or p.takes(problem)):
             return p
@@ -52,6 +56,13 @@ def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=No
         raise NotImplementedError(f"no pipeline on compute capability {major}.x takes this "
                                   "problem")
     raise NotImplementedError(f"no pipeline runs on compute capability {major}.x")
+
+
+def admitted(pipeline: Pipeline) -> bool:
+    """Whether dispatch may pick `pipeline` on its own: it ran on hardware, or it is named in
+    ``FLASH_CUTE_ALLOW_UNTESTED`` (comma-separated pipeline names, e.g. "blackwell")."""
+    allowed = os.environ.get(ALLOW_UNTESTED_ENV, "")
+    return pipeline.hardware_tested or pipeline.name in {n.strip() for n in allowed.split(",")}
 
 
 def check_capabilities(pipeline: Pipeline, needed: tuple) -> None:

@@ -57,6 +57,22 @@ def test_blackwell_runs_only_when_named(capability):
         dispatch.select_pipeline(device, "blackwell", problem)
 
 
+def test_an_environment_switch_admits_it_where_it_takes_the_problem(capability, monkeypatch):
+    """FLASH_CUTE_ALLOW_UNTESTED=blackwell: dispatch picks it on 10.x for the head dims it
+    has, and the ampere code for the others."""
+    from flash_cute.arch.ampere.pipeline import AMPERE
+    from flash_cute.arch.blackwell.pipeline import BLACKWELL
+    from flash_cute.validation import validate_attention_inputs
+
+    capability(10, 0)
+    monkeypatch.setenv(dispatch.ALLOW_UNTESTED_ENV, "blackwell")
+    device = torch.device("cuda")
+    for hdim, chosen in ((128, BLACKWELL), (64, BLACKWELL), (96, AMPERE)):
+        q = torch.randn(1, 100, 2, hdim, dtype=torch.bfloat16)
+        problem = validate_attention_inputs(q, q, q, require_cuda=False)
+        assert dispatch.select_pipeline(device, None, problem) is chosen
+
+
 def test_blackwell_refuses_what_it_lacks_before_any_launch():
     from flash_cute.arch.blackwell.api import check_supported
     from flash_cute.validation import validate_attention_inputs
@@ -92,8 +108,9 @@ def check_pipeline(sass: str) -> dict:
       in both the softmax and correction warpgroups). Every mbarrier the kernel waits on is
       initialized (SYNCS.EXCH.64) before the first barrier over the CTA.
 
-    It does not prove that the phases agree; that rests on every role walking the same tiles
-    and block counts (`BlackwellFwd` docstring) and on the hardware runs still to come."""
+    It does not prove that the phases agree: that rests on every role walking the same tiles
+    and block counts (`BlackwellFwd` docstring), on the protocol model
+    (`tests/test_blackwell_protocol.py`) and on the hardware runs still to come."""
     lines = [ln.split(";")[0].strip() for ln in sass.splitlines()]
     ops = [re.sub(r"^/\*[0-9a-f]+\*/\s*", "", ln) for ln in lines]
     ops = [op for op in ops if op and not op.startswith(("//", ".", "{", "}"))]

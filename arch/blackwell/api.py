@@ -22,6 +22,11 @@ def check_supported(problem: AttentionProblem, device=None, backward: bool = Fal
                                   "yet (pass pack_gqa=None)")
 
 
+def takes(problem: AttentionProblem) -> bool:
+    """Whether dispatch may give it `problem` (when allowed at all): its head dims, unpacked."""
+    return (problem.hdim, problem.hdim_v) in FWD_SCHEDULES and not problem.pack_gqa
+
+
 def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, schedule=None) -> launch.ForwardLaunch:
     """The `launch.ForwardLaunch` of a call configuration on sm_100a. The software exp2's share

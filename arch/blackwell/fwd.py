@@ -247,7 +247,7 @@ class BlackwellFwd:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         rings = self._rings(storage, tx_bytes)
         handshakes = Handshakes(storage)
         handshakes.init(warp_idx)

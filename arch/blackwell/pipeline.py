@@ -1,6 +1,7 @@
 """The blackwell pipeline's descriptor: sm100a code (tcgen05 MMAs, tensor memory, TMA), forward
 only and compile-verified: it is not in dispatch's default order until it has run on
-Blackwell hardware, and runs when named (arch="blackwell")."""
+Blackwell hardware, and runs when named (arch="blackwell") or allowed by
+FLASH_CUTE_ALLOW_UNTESTED=blackwell."""
 
 from flash_cute import pipeline as caps
 from flash_cute.pipeline import Pipeline
@@ -21,6 +22,7 @@ BLACKWELL = Pipeline(
                             caps.VARLEN, caps.SEQUSED}),
     plan_forward=api.plan_forward,
     check_supported=api.check_supported,
+    takes=api.takes,
     inspect_configs=_inspect_configs,
     hardware_tested=False,
 )
