@@ -67,6 +67,21 @@ def exp2_emulated(x: Float32, degree: int = 3) -> Float32:
     return _scale_by_exponent(split, poly)
 
 
+def exp2_emulated_pair(x0: Float32, x1: Float32, degree: int = 3) -> tuple:
+    """`exp2_emulated` of two values with sm100's packed f32x2 FADD and FFMA (half the
+    instructions), in the same roundings: bit-equal to two `exp2_emulated`. sm100+ only."""
+    clamped = (cute.arch.fmax(x0, Float32(_MIN_INPUT)), cute.arch.fmax(x1, Float32(_MIN_INPUT)))
+    magic = (Float32(_SPLIT), Float32(_SPLIT))
+    split = cute.arch.add_packed_f32x2(clamped, magic, rnd="rm", ftz=True)
+    frac = cute.arch.sub_packed_f32x2(clamped, cute.arch.sub_packed_f32x2(split, magic))
+    coeffs = EXP2_POLY_COEFFS[degree]
+    poly = (Float32(coeffs[-1]), Float32(coeffs[-1]))
+    for c in reversed(coeffs[:-1]):
+        poly = cute.arch.fma_packed_f32x2(poly, frac, (Float32(c), Float32(c)))
+    poly = cute.arch.fma_packed_f32x2(poly, frac, (Float32(1.0), Float32(1.0)))
+    return _scale_by_exponent(split[0], poly[0]), _scale_by_exponent(split[1], poly[1])
+
+
 def emulated(position: int, per16: int) -> bool:
     """Whether the value at static `position` of a thread's score fragment (rows one after
     another) takes the emulation: `per16` of every 16 consecutive positions, spread evenly
@@ -74,10 +89,22 @@ def emulated(position: int, per16: int) -> bool:
     return (position + 1) * per16 // 16 > position * per16 // 16
 
 
-def exp2_row(values: cute.Tensor, per16: int, first: int = 0, degree: int = 3):
+def exp2_row(values: cute.Tensor, per16: int, first: int = 0, degree: int = 3,
+             packed: bool = False):
     """values[i] = 2^values[i] over one row of a thread's fragment (rmem, static size), the
     row starting at fragment position `first`: MUFU.EX2, except at the positions `emulated`
-    picks. Traced, not compiled on its own (the positions are chosen while tracing)."""
+    picks. `packed` (sm100): the emulation goes by pairs of neighbours (`exp2_emulated_pair`),
+    `per16` of every 16 pairs, so the share stays per16 / 16 over rows of 32k values. Traced,
+    not compiled on its own (the positions are chosen while tracing)."""
+    if packed:
+        for j in range(cute.size(values) // 2):
+            a, b = 2 * j, 2 * j + 1
+            if emulated(first // 2 + j, per16):
+                values[a], values[b] = exp2_emulated_pair(values[a], values[b], degree)
+            else:
+                values[a] = cute.math.exp2(values[a], fastmath=True)
+                values[b] = cute.math.exp2(values[b], fastmath=True)
+        return
     for i in range(cute.size(values)):
         if emulated(first + i, per16):
             values[i] = exp2_emulated(values[i], degree)

@@ -148,19 +148,30 @@ class OnlineSoftmax(DslState):
         return row_scale
 
     @cute.jit
-    def exp_and_sum(self, acc_mn: cute.Tensor, row_scale: cute.Tensor, first: int = 0):
+    def exp_and_sum(self, acc_mn: cute.Tensor, row_scale: cute.Tensor, first: int = 0,
+                    packed: cutlass.Constexpr[bool] = False,
+                    packed_ex2: cutlass.Constexpr[bool] = False):
         """The second half: acc_mn's scores (columns from `first` of the row, for the
         exp2 emulation's positions) turned into unnormalized probabilities in place against
-        the row max `update_max` set, their sum added to the rescaled running sum."""
+        the row max `update_max` set, their sum added to the rescaled running sum. `packed`
+        (sm100): the scale-and-shift on f32x2 pairs; `packed_ex2`: the emulation too."""
         for r in cutlass.range_constexpr(self.num_rows):
             m = self.row_max[r]
             m_scaled = (Float32(0.0) if m == -Float32.inf else m) * self.scale_log2
-            values = cute.make_rmem_tensor(acc_mn[r, None].shape, Float32)
-            values.store(acc_mn[r, None].load() * self.scale_log2 - m_scaled)
+            if cutlass.const_expr(packed):
+                # In place: a second row of registers would not fit beside the scores.
+                values = acc_mn[r, None]
+                for j in cutlass.range_constexpr(cute.size(values) // 2):
+                    values[2 * j], values[2 * j + 1] = cute.arch.fma_packed_f32x2(
+                        (values[2 * j], values[2 * j + 1]), (self.scale_log2, self.scale_log2),
+                        (-m_scaled, -m_scaled))
+            else:
+                values = cute.make_rmem_tensor(acc_mn[r, None].shape, Float32)
+                values.store(acc_mn[r, None].load() * self.scale_log2 - m_scaled)
             if cutlass.const_expr(self.ex2_per16 == 0):
                 values.store(cute.math.exp2(values.load(), fastmath=True))
             else:
-                exp2_row(values, self.ex2_per16, first)
+                exp2_row(values, self.ex2_per16, first, packed=packed_ex2)
             self.row_sum[r] = _row_reduce(values.load(), _add, Float32(0.0)) \
                 + self.row_sum[r] * row_scale[r]
             acc_mn[r, None].store(values.load())

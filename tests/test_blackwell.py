@@ -166,6 +166,11 @@ def _check_sass(entry, art):
     assert ops.get("HGMMA", 0) == 0 and ops.get("HMMA", 0) == 0
     assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
     assert ops.get("MUFU.EX2", 0) == mufu_ex2_expected(entry), (entry.flag_dict, ops)
+    # The emulated share by packed pairs (scalar beside softcap): one round-down FADD2 per
+    # pair of each row.
+    tile_n, per16 = entry.schedule.tile_n, entry.flag_dict.get("ex2_emu", 0)
+    pairs = 0 if entry.flag_dict["softcap"] else 2 * (tile_n * per16 // 16) // 2
+    assert ops.get("FADD2.FTZ.RM", 0) == pairs, ops
     check_pipeline(art.sass)
 
 

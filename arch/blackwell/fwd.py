@@ -488,7 +488,8 @@ class BlackwellFwd:
                 scores.prepare(rS, coord, q_block, n, rng)
                 factor = softmax.update_max(rS, RESCALE_THRESHOLD)
                 stats_state = self._hand_over(stats, stats_state, sStats, stage, row, factor[0])
-                softmax.exp_and_sum(rS, factor)
+                # With softcap, the pairs' aligned registers beside tanh's spill (D-BW-EX2).
+                softmax.exp_and_sum(rS, factor, 0, True, self.score_mod is None)
                 self._store_p(rS, store)
                 cute.arch.fence_view_async_tmem_store()
                 handshakes.arrive(handshakes.p_ready, stage)
