@@ -80,9 +80,9 @@ def test_blackwell_refuses_what_it_lacks_before_any_launch():
     q = torch.randn(1, 64, 4, 96, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match=r"head dims \(96, 96\)"):
         check_supported(validate_attention_inputs(q, q, q, require_cuda=False))
-    q = torch.randn(1, 64, 4, 128, dtype=torch.bfloat16)
-    k = torch.randn(1, 64, 1, 128, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="pack_gqa"):
+    q = torch.randn(1, 64, 6, 128, dtype=torch.bfloat16)
+    k = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="pack_gqa=True: 3 query heads"):
         check_supported(validate_attention_inputs(q, k, k, pack_gqa=True, require_cuda=False))
 
 

@@ -375,7 +375,7 @@ def test_pack_gqa_request_is_validated_and_dispatched(capability):
     needed = required_capabilities(forced)
     assert AMPERE.missing(needed) == "pack_gqa=True"
     assert HOPPER.missing(needed) is None
-    with pytest.raises(NotImplementedError, match="pipelines that support it: hopper"):
+    with pytest.raises(NotImplementedError, match="pipelines that support it: blackwell, hopper"):
         dispatch.check_capabilities(AMPERE, needed)
     assert dispatch.select_pipeline(device, None, forced) is HOPPER
     # MHA has nothing to pack: any pipeline takes pack_gqa=True.

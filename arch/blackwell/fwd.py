@@ -21,7 +21,7 @@ from flash_cute.arch.sm90plus.tma import COLS_FIRST, ROWS_FIRST, permute, smem_t
 from flash_cute.block_range import block_range
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
-from flash_cute.layouts import assume_aligned_strides
+from flash_cute.layouts import assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
 from flash_cute.score import Scores, fold_scores
 from flash_cute.seqlen import SeqInfo
@@ -106,7 +106,9 @@ class BlackwellFwd:
             raise ValueError(f"no blackwell schedule for hdim {(self.hdim, self.hdim_v)}; "
                              f"have {sorted(FWD_SCHEDULES)}")
         set_kernel_switches(self, variant)
-        for name, on in (("pack_gqa", self.pack_gqa > 1), ("dropout", self.dropout),
+        if TILE_M % self.pack_gqa:
+            raise ValueError(f"pack_gqa {self.pack_gqa} must divide the {TILE_M}-row Q tile")
+        for name, on in (("dropout", self.dropout),
                          ("split_kv", self.split_kv), ("paged K/V", self.page_size > 0),
                          ("append", self.append), ("mods", self.mods is not None)):
             if on:
@@ -136,6 +138,13 @@ class BlackwellFwd:
         vec = 128 // self.dtype.width
         mQ, mK, mV, mO = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v,
                                                                    args.out))
+        mLSE = args.lse
+        if cutlass.const_expr(self.pack_gqa > 1):
+            # A K/V head's query heads folded into the rows (`layouts.pack_heads`): a Q tile
+            # is (pack heads) x (128 / pack queries), one TMA box.
+            rows, heads = 1 - self.varlen, 2 - self.varlen
+            mQ, mO = (pack_heads(t, rows, heads, self.pack_gqa) for t in (mQ, mO))
+            mLSE = pack_heads(mLSE, heads, rows, self.pack_gqa)
         mma_qk, mma_pv = self._tiled_mmas()
         sQ_layout, sK_layout, sV_layout, p_layout = self._smem_layouts(mma_qk, mma_pv)
         rows_first = ROWS_FIRST[self.varlen][0]
@@ -162,7 +171,7 @@ class BlackwellFwd:
                            imin=cutlass.min)
         scale_log2, mod_scale = fold_scores(self.score_mod, args.softmax_scale, args.softcap)
         self.kernel(
-            tma_q, tQ, tma_k, tK, tma_v, tV, mO, args.lse, scale_log2, mod_scale,
+            tma_q, tQ, tma_k, tK, tma_v, tV, mO, mLSE, scale_log2, mod_scale,
             args.window_left, args.window_right,
             args.max_seqlen_q if cutlass.const_expr(self.varlen) else None,
             (args.cu_seqlens_q, args.cu_seqlens_k), (args.seqused_q, args.seqused_k),
@@ -228,8 +237,8 @@ class BlackwellFwd:
             seqlen_k = mK.shape[0] // batch if cutlass.const_expr(self.varlen) else mK.shape[1]
             kv_bytes_per_key = (self.hdim + self.hdim_v) * self.dtype.width // 8
             section = pairs_per_section(seqlen_k, kv_bytes_per_key, imax=cutlass.max)
-        return TileOrder(cute.ceil_div(max_seqlen_q, Q_STAGES * self.tile_m), mQ.shape[-2],
-                         batch, section, self.lpt, self.persistent)
+        return TileOrder(cute.ceil_div(max_seqlen_q * self.pack_gqa, Q_STAGES * self.tile_m),
+                         mQ.shape[-2], batch, section, self.lpt, self.persistent)
 
     # ---------------------------------------------------------------- device side
 
@@ -627,7 +636,7 @@ class BlackwellFwd:
         load, _, src, _, regs = chunks
         empty = row_sum == Float32(0.0)
         scale = Float32(0.0) if empty else cute.arch.rcp_approx(row_sum)
-        in_seq = q_row < seq.seqlen_q
+        in_seq = q_row < seq.rows_q
         gO = seq.q_view(mO, head)
         rO = cute.make_rmem_tensor(regs, Float32)
         for c in cutlass.range_constexpr(self.hdim_v // _O_CHUNK):
@@ -748,8 +757,9 @@ class Tiles(DslState):
         batches = cu_seqlens[0].shape[0] - 1 if cutlass.const_expr(cfg.varlen) else tQ.shape[3]
         self.order = TileOrder(num_m_blocks, tQ.shape[2], batches, section, cfg.lpt,
                                cfg.persistent)
-        self.qheads_per_kvhead = tQ.shape[2] // tK.shape[2]
-        self.seqlen_q = tQ.shape[0]
+        # Packed, a tile's head is its K/V head and Q's row mode is (pack, seqlen).
+        self.qheads_per_kvhead = 1 if cfg.pack_gqa > 1 else tQ.shape[2] // tK.shape[2]
+        self.seqlen_q = tQ.shape[0][1] if cutlass.const_expr(cfg.pack_gqa > 1) else tQ.shape[0]
         self.seqlen_k = tK.shape[0]
         self.cu_q, self.cu_k = cu_seqlens
         self.used_q, self.used_k = seqused
@@ -767,26 +777,26 @@ class Tiles(DslState):
         m_block, head, batch = self.order.coords(tile, cute.arch.grid_dim()[0],
                                                  imin=cutlass.min, imax=cutlass.max)
         seq = SeqInfo(batch, self.seqlen_q, self.seqlen_k, self.cu_q, self.cu_k, self.used_q,
-                      self.used_k, 1, max_seqlen_q=self.max_seqlen_q)
+                      self.used_k, self.cfg.pack_gqa, max_seqlen_q=self.max_seqlen_q)
         return m_block, head, head // self.qheads_per_kvhead, seq
 
     def in_bounds(self, m_block: Int32, seq: SeqInfo):
-        return m_block * Q_STAGES * TILE_M < seq.seqlen_q
+        return m_block * Q_STAGES * TILE_M < seq.rows_q
 
     def blocks(self, m_block: Int32, seq: SeqInfo):
         """(n_min, n_max): the K/V blocks the 256-row tile visits, the same for every role."""
         rng = block_range(m_block, Q_STAGES * TILE_M, self.cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
-                          self.cfg.causal, self.win_left, self.win_right, 1,
+                          self.cfg.causal, self.win_left, self.win_right, self.cfg.pack_gqa,
                           imin=cutlass.min, imax=cutlass.max)
         return rng.n_block_min, rng.n_block_max
 
     def mask(self, seq: SeqInfo) -> AttentionMask:
         return AttentionMask(TILE_M, self.cfg.tile_n, seq.seqlen_q, seq.seqlen_k, self.cfg.causal,
-                             self.win_left, self.win_right)
+                             self.win_left, self.win_right, self.cfg.pack_gqa)
 
     def rows_view(self, seq: SeqInfo, t: cute.Tensor, head, is_q: bool):
         """(seqlen, d) of Q's (`is_q`) or K's TMA coordinates for one head."""
-        offset = seq.offset_q if is_q else seq.offset_k
+        offset = seq.offset_q * self.cfg.pack_gqa if is_q else seq.offset_k
         if cutlass.const_expr(self.cfg.varlen):
             return cute.domain_offset((offset, 0), t[None, None, head])
         return t[None, None, head, seq.batch]

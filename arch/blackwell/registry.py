@@ -29,6 +29,9 @@ def _fwd_configs():
                            ((128, 128), {"local": True, "softcap": True}),
                            ((128, 128), {"causal": True, "varlen": True, "seqused_k": True}),
                            ((64, 64), {"varlen": True, "seqused_q": True}),
+                           # Packed GQA: 4 and 8 query heads per K/V head in a Q tile.
+                           ((128, 128), {"causal": True, "pack_gqa": 4}),
+                           ((128, 128), {"varlen": True, "seqused_k": True, "pack_gqa": 8}),
                            # The exp2 share off, and doubled.
                            ((128, 128), {"causal": True, "ex2_emu": 0}),
                            ((128, 128), {"causal": True, "ex2_emu": 4})]:
