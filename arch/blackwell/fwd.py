@@ -53,10 +53,10 @@ class BlackwellFwd:
     |--------|-----------|-----------|------------------------------------------------------|
     | 0..3   | 0         | 192       | softmax 0: rows 0..127 (Q tile 0), one row a thread  |
     | 4..7   | 1         | 192       | softmax 1: rows 128..255 (Q tile 1)                  |
-    | 8..11  | 2         | 80        | correction: rescales O_i in TMEM, then O / l → global, LSE |
-    | 12     | 3         | 48        | MMA: issues every tcgen05 MMA; allocates and frees TMEM |
-    | 13     | 3         | 48        | load: TMA of Q0, Q1, then K[n], V[n] per block         |
-    | 14, 15 | 3         | 48        | idle (setmaxnreg is warpgroup-wide)                  |
+    | 8..11  | 2         | 88        | correction: rescales O_i in TMEM, then O / l → global, LSE |
+    | 12     | 3         | 40        | MMA: issues every tcgen05 MMA; allocates and frees TMEM |
+    | 13     | 3         | 40        | load: TMA of Q0, Q1, then K[n], V[n] per block         |
+    | 14, 15 | 3         | 40        | idle (setmaxnreg is warpgroup-wide)                  |
 
     A thread of softmax i and of the correction warpgroup owns one row of its Q tile: TMEM
     lane = row, and a warp may touch only its quarter of the lanes (warp % 4), so the roles
@@ -90,6 +90,10 @@ class BlackwellFwd:
     it hands l and m to the correction warpgroup, which waits o_full[i], normalizes O_i chunk
     by chunk from TMEM and stores its rows to global memory (row predicates: varlen and
     padding rows stay untouched), and writes the LSE.
+
+    Packed GQA (``pack_gqa`` = g > 1, g dividing 128): a Q tile's rows are g query heads of
+    one K/V head by 128 / g queries (row r: query r // g of head r % g), Q, O and LSE as
+    `layouts.pack_heads` views, Q loaded as one TMA box; the mask and block range see queries.
 
     Tiles (`flash_cute.tile_scheduler`): persistent, causal and right windows heaviest first.
     Every role walks the same tiles and the same block count per tile (`block_range` of the
