@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 # Opcodes whose modifiers matter enough to be counted on their own as well.
 # WARPGROUP.DEPBAR (a wait on in-flight WGMMAs) tells whether ptxas serialized the WGMMAs.
-# FADD2.FTZ.RM: the packed round-down split of sm100's software exp2 (`exp2_emulated_pair`).
+# FADD2.FTZ.RM: the packed round-down split of sm100's software exp2 (`exp2_emulated_pair`);
+# UTCATOMSWS.FIND_AND_SET / .AND: sm100's tensor-memory allocation and release.
 FULL_FORM_OPCODES = ("MUFU.EX2", "UTCHMMA.2CTA", "WARPGROUP.DEPBAR", "IMAD.WIDE",
-                     "FADD2.FTZ.RM")
+                     "FADD2.FTZ.RM", "UTCATOMSWS.FIND_AND_SET", "UTCATOMSWS.AND")
 
 _SASS_INSTR = re.compile(
     r"/\*[0-9a-f]{4,}\*/\s+(?:\{\s*)?(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)"

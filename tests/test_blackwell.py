@@ -162,6 +162,7 @@ def _check_sass(entry, art):
 
     ops = opcode_counts(art.sass)
     assert ops.get("UTCHMMA", 0) > 0, "QKᵀ and PV on tcgen05"
+    assert ops.get("UTCATOMSWS.FIND_AND_SET", 0) > 0 and ops.get("UTCATOMSWS.AND", 0) == 1
     assert ops.get("UTMALDG", 0) > 0 and ops.get("LDTM", 0) > 0 and ops.get("STTM", 0) > 0
     assert ops.get("HGMMA", 0) == 0 and ops.get("HMMA", 0) == 0
     assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
