@@ -98,8 +98,10 @@ def flash_attn_func(
 
     The parameters are flash_attn.cute's (flash-attn 4.0.0b36), in its order, so positional
     calls work too; `arch` (keyword-only) is flash-cute's own. Those with no kernel here yet
-    (qv, gathered K/V, sinks, score/mask mods, aux tensors, block sparsity) raise
-    NotImplementedError naming the feature.
+    (qv, gathered K/V, FA4-form score/mask mods, aux tensors, FA4's block sparsity tensors)
+    raise NotImplementedError naming the feature. ``learnable_sink`` (FA4's: one logit per
+    query head joining each row's softmax, with its gradient) is folded into the result
+    (`fold_sink`).
 
     ``num_splits`` (split-KV, FA4's meaning): 1 (the default) no split; 0 or below the
     heuristic (`flash_cute.splits`), which splits the keys where the query tiles are too few
@@ -117,7 +119,7 @@ def flash_attn_func(
     ``block_mask`` (keyword-only, flash-cute's own): a FlexAttention `BlockMask`
     (`flash_cute.create_block_mask`), with its meaning (`flash_cute.block_mask`). The mods run
     in the hopper and ampere kernels, forward and backward (`flash_cute.graph_mods`; examples
-    in `flash_cute.mod_examples`); block masks run on CPU tensors only, for now.
+    in `flash_cute.mod_examples`), block masks too (`flash_cute.block_mask.kernel_tiles`).
 
     ``dropout_p`` (keyword-only, flash-cute's own; FA4 has none): dropout of the attention
     weights in the kernels, forward and backward, FA2's semantics (kept weights scaled by
@@ -133,7 +135,7 @@ def flash_attn_func(
     where the pipeline cannot: the ampere pipeline, or a group that does not divide the
     hopper tile's 128 rows); False never packs. The result is the same either way.
     """
-    if (qv is not None or gather_kv_indices is not None or learnable_sink is not None
+    if (qv is not None or gather_kv_indices is not None
             or score_mod_bwd is not None or aux_tensors is not None
             or aux_scalars is not None or block_sparse_tensors is not None
             or block_sparse_tensors_bwd is not None or gather_bwd_recompute_p
@@ -150,7 +152,7 @@ def flash_attn_func(
                                q.shape[0], q.shape[2])
     return _attention(q, k, v, (None, None, None, None), None, None, softmax_scale, causal,
                       window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant,
-                      dropout_p, (num_splits, None), page_table)
+                      dropout_p, (num_splits, None), page_table, sink=learnable_sink)
 
 
 def flash_attn_varlen_func(
@@ -235,7 +237,7 @@ def flash_attn_varlen_func(
       seqused. The output and lse take the layout of q's side.
     """
     if (qv is not None or gather_kv_indices is not None
-            or learnable_sink is not None or score_mod_bwd is not None
+            or score_mod_bwd is not None
             or aux_tensors is not None or aux_scalars is not None
             or block_sparse_tensors is not None or scheduler_metadata is not None
             or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
@@ -268,7 +270,8 @@ def flash_attn_varlen_func(
     out, lse = _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
                           max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
                           softcap, pack_gqa, deterministic, arch, return_lse, variant,
-                          dropout_p, (num_splits, seqlen_k_per_split), page_table)
+                          dropout_p, (num_splits, seqlen_k_per_split), page_table,
+                          sink=learnable_sink)
     if q_padded is not None:
         batch, seqlen = q_padded[:2]
         out = out.view(batch, seqlen, *out.shape[1:])
@@ -335,7 +338,6 @@ def _pack_padded(name: str, t: torch.Tensor, other_cu: torch.Tensor, max_seqlen)
 # names them; they never raise TypeError, so FA4 code runs up to the feature it needs).
 _UNBUILT = {
     "qv": "MLA's qv operand", "gather_kv_indices": "gathered K/V (top-k attention)",
-    "learnable_sink": "attention sinks",
     "score_mod": "score_mod (the variants issue)", "score_mod_bwd": "score_mod_bwd (variants)",
     "mask_mod": "mask_mod (the variants issue)", "aux_tensors": "aux_tensors (variants)",
     "aux_scalars": "aux_scalars (variants)", "block_sparse_tensors": "block sparsity",
@@ -428,16 +430,24 @@ def _refuse_unbuilt(args: dict) -> None:
 
 def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant=0,
-               dropout_p=0.0, splits=(1, None), page_table=None, append=None):
+               dropout_p=0.0, splits=(1, None), page_table=None, append=None, sink=None):
     """Both public functions' call of the operators. `lengths`: (cu_seqlens_q, cu_seqlens_k,
     seqused_q, seqused_k), each a tensor or None; `splits`: (num_splits, seqlen_k_per_split);
     `page_table`: k and v are paged caches read through it (no gradient: `_paged`);
-    `append`: (k_new, v_new) the kernel writes into the cache first (`attend_and_append`).
+    `append`: (k_new, v_new) the kernel writes into the cache first (`attend_and_append`);
+    `sink`: FA4's learnable_sink, folded into the result (`fold_sink`).
     With dropout the call's seed is drawn here, from torch's generator of q's device
     (`rng.draw_seed`)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
             and isinstance(v, torch.Tensor)):
         validate_attention_inputs(q, k, v)  # raises, naming the argument
+    if sink is not None:
+        check_sink(sink, q)
+        out, lse = _attention(q, k, v, lengths, max_seqlen_q, max_seqlen_k, softmax_scale,
+                              causal, window_size, softcap, pack_gqa, deterministic, arch, True,
+                              variant, dropout_p, splits, page_table)
+        out, lse = fold_sink(out, lse, sink, lengths[0] is not None)
+        return out, (lse if return_lse else None)
     options = _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
                        pack_gqa, deterministic, arch)
     dropout_p, rng_seed = _dropout(dropout_p, q)
@@ -456,6 +466,34 @@ def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scal
     out, lse = fwd(q, k, v, *lengths, *options, False, variant, dropout_p, rng_seed, *splits,
                    page_table)
     return out, (lse if return_lse else None)
+
+
+def check_sink(sink, q) -> None:
+    """FA4's learnable_sink: one logit per query head, fp32/bf16/fp16, on q's device."""
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a tensor, got {type(sink).__name__}")
+    if sink.shape != (q.shape[-2],):
+        raise ValueError(f"learnable_sink must have shape (nheads,) = ({q.shape[-2]},), got "
+                         f"{tuple(sink.shape)}")
+    if sink.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"learnable_sink must be float32, bfloat16 or float16, got {sink.dtype}")
+    if sink.device != q.device:
+        raise ValueError(f"learnable_sink is on {sink.device}, q on {q.device}")
+
+
+def fold_sink(out, lse, sink, varlen: bool) -> tuple:
+    """(O, LSE) with a learnable sink: one more softmax column per query head, of logit
+    sink[h] (natural log, not scaled) and no value, folded into the attention's (O, LSE) as a
+    merge of two partial softmaxes (`lse_merge`'s rule): LSE' = logaddexp(LSE, sink), O' =
+    O · exp(LSE − LSE'). A row that sees no key gets O' = 0 and LSE' = sink, as in FA4.
+    Torch operations, so autograd gives d(sink) = −Σ_rows exp(sink − LSE') · (Δ − dLSE') and
+    carries dO and dLSE into the attention's backward (docs/decisions.md, D-SINK)."""
+    s = sink.float()
+    s = s[:, None] if varlen else s[None, :, None]
+    merged = torch.logaddexp(lse, s)
+    weight = torch.where(lse == float("-inf"), torch.zeros_like(lse), torch.exp(lse - merged))
+    weight = weight.transpose(0, 1) if varlen else weight.transpose(1, 2)
+    return (out.float() * weight[..., None]).to(out.dtype), merged
 
 
 def attend_and_append(q, k_cache, v_cache, k_new, v_new, seqused_k, page_table=None,

@@ -183,7 +183,7 @@ def test_api_signature_matches_flash_attn_cute(fn, fa4):
 
 
 @pytest.mark.parametrize("name,value", [
-    ("qv", torch.zeros(1)), ("gather_kv_indices", torch.zeros(1)), ("learnable_sink", torch.zeros(1)),
+    ("qv", torch.zeros(1)), ("gather_kv_indices", torch.zeros(1)),
     ("score_mod", lambda s, b, h, q, k, seqlen_info, aux: s),     # FA4's @cute.jit form
     ("mask_mod", lambda b, h, q, k, seqlen_info, aux: q >= k),
     ("aux_tensors", [torch.zeros(1)]), ("block_sparse_tensors", object()),
