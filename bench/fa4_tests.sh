@@ -11,6 +11,8 @@ test_file="$(realpath "$1")"; shift
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 cp "$test_file" "$scratch/"
+# The mod definitions FA4's score_mod / mask_mod tests import from beside them.
+cp "$(dirname "$test_file")"/*_definitions.py "$scratch/" 2>/dev/null || true
 cp "$root/bench/fa4_shim.py" "$scratch/conftest.py"
 cd "$scratch" && PYTHONPATH="$root:${PYTHONPATH:-}" python3 -m pytest -p no:cacheprovider \
   -o addopts="" "$@" "$(basename "$test_file")"

@@ -136,7 +136,6 @@ def flash_attn_func(
     hopper tile's 128 rows); False never packs. The result is the same either way.
     """
     if (qv is not None or gather_kv_indices is not None
-            or score_mod_bwd is not None or aux_tensors is not None
             or aux_scalars is not None or block_sparse_tensors is not None
             or block_sparse_tensors_bwd is not None or gather_bwd_recompute_p
             or gather_bwd_token_chunk is not None):
@@ -145,11 +144,12 @@ def flash_attn_func(
         k, v, page_table = _paged(k, v, page_table, None, q)
     variant = 0
     if (score_mod is not None or mask_mod is not None or block_mask is not None
-            or alibi_slopes is not None):
+            or alibi_slopes is not None or score_mod_bwd is not None
+            or aux_tensors is not None):
         if block_mask is not None:
             _check_block_mask(block_mask, q, k)
         variant = _variant_key(score_mod, mask_mod, softcap, block_mask, alibi_slopes,
-                               q.shape[0], q.shape[2])
+                               q.shape[0], q.shape[2], score_mod_bwd, aux_tensors)
     return _attention(q, k, v, (None, None, None, None), None, None, softmax_scale, causal,
                       window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant,
                       dropout_p, (num_splits, None), page_table, sink=learnable_sink)
@@ -237,17 +237,17 @@ def flash_attn_varlen_func(
       seqused. The output and lse take the layout of q's side.
     """
     if (qv is not None or gather_kv_indices is not None
-            or score_mod_bwd is not None
-            or aux_tensors is not None or aux_scalars is not None
+            or aux_scalars is not None
             or block_sparse_tensors is not None or scheduler_metadata is not None
             or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
     variant = 0
-    if score_mod is not None or mask_mod is not None or alibi_slopes is not None:
+    if (score_mod is not None or mask_mod is not None or alibi_slopes is not None
+            or score_mod_bwd is not None or aux_tensors is not None):
         batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None
                  else cu_seqlens_k.shape[0] - 1 if cu_seqlens_k is not None else q.shape[0])
         variant = _variant_key(score_mod, mask_mod, softcap, None, alibi_slopes, batch,
-                               q.shape[-2])
+                               q.shape[-2], score_mod_bwd, aux_tensors)
 
     if page_table is not None:
         if cu_seqlens_k is not None:
@@ -338,9 +338,7 @@ def _pack_padded(name: str, t: torch.Tensor, other_cu: torch.Tensor, max_seqlen)
 # names them; they never raise TypeError, so FA4 code runs up to the feature it needs).
 _UNBUILT = {
     "qv": "MLA's qv operand", "gather_kv_indices": "gathered K/V (top-k attention)",
-    "score_mod": "score_mod (the variants issue)", "score_mod_bwd": "score_mod_bwd (variants)",
-    "mask_mod": "mask_mod (the variants issue)", "aux_tensors": "aux_tensors (variants)",
-    "aux_scalars": "aux_scalars (variants)", "block_sparse_tensors": "block sparsity",
+    "aux_scalars": "aux_scalars (FA4's run-time scalar captures)", "block_sparse_tensors": "block sparsity",
     "block_sparse_tensors_bwd": "block sparsity", "scheduler_metadata": "scheduler_metadata",
     "gather_bwd_recompute_p": "gather_bwd_recompute_p", "gather_bwd_token_chunk":
     "gather_bwd_token_chunk",
@@ -348,7 +346,12 @@ _UNBUILT = {
 
 
 def _variant_key(score_mod, mask_mod, softcap, block_mask=None, alibi_slopes=None, batch=None,
-                 heads=None) -> int:
+                 heads=None, score_mod_bwd=None, aux_tensors=None) -> int:
+    forms = {_form(name, fn) for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod))
+             if fn is not None}
+    if "fa4" in forms or score_mod_bwd is not None or aux_tensors is not None:
+        return _fa4_key(score_mod, mask_mod, softcap, block_mask, alibi_slopes, score_mod_bwd,
+                        aux_tensors, forms)
     if alibi_slopes is not None:
         return _alibi_key(alibi_slopes, score_mod, mask_mod, block_mask, batch, heads)
     if torch.compiler.is_compiling():
@@ -393,28 +396,55 @@ def _check_block_mask(block_mask, q, k) -> None:
                          "(batch and heads may be 1)")
 
 
-def _checked_variant_key(score_mod, mask_mod, softcap, block_mask=None) -> int:
-    """The registry key of FlexAttention-form mods (`flash_cute.mod_graph`); FA4's `@cute.jit`
-    form (seven parameters) is not built yet."""
+def _form(name: str, fn) -> str:
+    """"flex" (FlexAttention's parameters: score, b, h, q_idx, kv_idx) or "fa4" (FA4's, with
+    seqlen_info and aux_tensors after them) for a score_mod or mask_mod."""
     import inspect
 
+    arity = 5 if name == "score_mod" else 4
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return "flex"
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return "flex"
+    if len(params) == arity:
+        return "flex"
+    if len(params) == arity + 2:
+        return "fa4"
+    raise TypeError(f"{name} takes {len(params)} parameters: FlexAttention's form has {arity} "
+                    f"({'score, ' if arity == 5 else ''}b, h, q_idx, kv_idx), FA4's {arity + 2} "
+                    "(then seqlen_info, aux_tensors)")
+
+
+def _fa4_key(score_mod, mask_mod, softcap, block_mask, alibi_slopes, score_mod_bwd,
+             aux_tensors, forms) -> int:
+    """The registry key of FA4-form mods (`flash_cute.fa4_mods`), which run in the GPU
+    kernels only."""
+    if score_mod_bwd is not None and (score_mod is None or "fa4" not in forms):
+        raise ValueError("score_mod_bwd goes with an FA4-form score_mod (FlexAttention-form "
+                         "mods get their derivative from the traced graph)")
+    if aux_tensors is not None and "fa4" not in forms:
+        raise ValueError("aux_tensors go with FA4-form mods; FlexAttention-form mods capture "
+                         "their tensors")
+    if forms - {"fa4"}:
+        raise ValueError("score_mod and mask_mod mix FlexAttention's form and FA4's: write "
+                         "both in one form")
+    for name, value in (("block_mask", block_mask), ("alibi_slopes", alibi_slopes)):
+        if value is not None:
+            raise NotImplementedError(f"{name} with FA4-form mods: not built yet")
+    if score_mod is not None and softcap:
+        raise ValueError("softcap with a score_mod: write the softcap inside the mod")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("FA4-form mods under torch.compile: not built yet")
+    return mod_graph.register_fa4(score_mod, mask_mod, score_mod_bwd, aux_tensors)
+
+
+def _checked_variant_key(score_mod, mask_mod, softcap, block_mask=None) -> int:
+    """The registry key of FlexAttention-form mods (`flash_cute.mod_graph`)."""
     key = mod_graph.registered(score_mod, mask_mod, block_mask)
     if key is not None and not (score_mod is not None and softcap):
         return key   # checked when it was registered
-    for name, fn, arity in (("score_mod", score_mod, 5), ("mask_mod", mask_mod, 4)):
-        if fn is None:
-            continue
-        try:
-            params = inspect.signature(fn).parameters.values()
-        except (TypeError, ValueError):
-            params = ()
-        count = arity if not params or any(p.kind is p.VAR_POSITIONAL for p in params) \
-            else len(params)
-        if count != arity:
-            raise NotImplementedError(
-                f"{name} with {count} parameters: flash-cute takes FlexAttention's form "
-                f"({'score, ' if arity == 5 else ''}b, h, q_idx, kv_idx); FA4's @cute.jit form "
-                "is not built yet")
     if score_mod is not None and softcap:
         raise ValueError("softcap with a score_mod: write the softcap inside the mod "
                          "(cap * torch.tanh(score / cap))")

@@ -83,7 +83,13 @@ _SPECS = {}
 def example_spec(name: str):
     """The `mod_graph.KernelMods` of example `name` (as `_examples` builds it); a name
     ending in "+blocks" adds the block mask `create_block_mask` makes of its mask mod (the
-    kernels' block sparsity)."""
+    kernels' block sparsity); one starting "fa4_" is an FA4-form example's `Fa4Spec`
+    (`flash_cute.fa4_mod_examples`)."""
+    if name.startswith("fa4_"):
+        from flash_cute.fa4_mod_examples import EXAMPLES
+        from flash_cute.fa4_mods import fa4_spec
+
+        return fa4_spec(*EXAMPLES[name])
     if name not in _SPECS:
         from flash_cute.mod_graph import Variant, kernel_mods, trace
 

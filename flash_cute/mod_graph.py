@@ -336,9 +336,12 @@ class KernelMods(NamedTuple):
 
 
 def kernel_mods(variant: "Variant") -> tuple:
-    """(`KernelMods`, the captured tensors in its aux order) of a registered `Variant`; raises
-    `UnsupportedMod` for what the kernels cannot run (too many captured tensors, a dtype outside
-    `AUX_DTYPES`, `pow` with an exponent that is not a constant)."""
+    """(`KernelMods`, the captured tensors in its aux order) of a registered `Variant` (FA4-form
+    mods: their `fa4_mods.Fa4Spec` and the call's aux tensors); raises `UnsupportedMod` for
+    what the kernels cannot run (too many captured tensors, a dtype outside `AUX_DTYPES`, `pow`
+    with an exponent that is not a constant)."""
+    if variant.fa4 is not None:
+        return variant.fa4, [ref() for ref in variant.aux_tensors]
     nodes, aux, outputs = [], [], {}
     score = variant.score_mod
     if score is not None:
@@ -455,11 +458,14 @@ def alibi_graph(slopes: torch.Tensor) -> ModGraph:
 
 class Variant(NamedTuple):
     """A call's modifications: the traced graphs (None where absent) and a block mask's
-    per-block states (`flash_cute.block_mask.block_states`) with its block size."""
+    per-block states (`flash_cute.block_mask.block_states`) with its block size; or FA4-form
+    mods (`fa4`: a `fa4_mods.Fa4Spec`) with weak references to the call's aux tensors."""
     score_mod: Optional[ModGraph]
     mask_mod: Optional[ModGraph]
     block_states: Optional[torch.Tensor] = None
     block_size: Optional[tuple] = None
+    fa4: Optional[object] = None
+    aux_tensors: tuple = ()
 
 
 _REGISTRY = {}
@@ -509,6 +515,37 @@ def _store(ident, score_graph: Callable, mask_mod, block_mask, owners: tuple) ->
     _KEYS[ident] = key
     for owner in owners:
         weakref.finalize(owner, _forget, ident, key)
+    return key
+
+
+def register_fa4(score_mod: Optional[Callable], mask_mod: Optional[Callable],
+                 score_mod_bwd: Optional[Callable], aux_tensors) -> int:
+    """The registry key of FA4-form mods (`flash_cute.fa4_mods`) with this call's aux tensors
+    (kept while they live: FA4 passes them per call, so each list gets its entry and none
+    recompiles, the compile key holding their dtypes and ranks only)."""
+    from flash_cute.fa4_mods import fa4_spec
+
+    aux = tuple(aux_tensors or ())
+    if len(aux) > MAX_AUX:
+        raise UnsupportedMod(f"{len(aux)} aux_tensors; the kernels take at most {MAX_AUX}")
+    sig = []
+    for t in aux:
+        if not isinstance(t, torch.Tensor) or t.dtype not in AUX_DTYPES:
+            raise UnsupportedMod(f"aux_tensors hold {getattr(t, 'dtype', type(t).__name__)}; "
+                                 f"the kernels read {', '.join(sorted(str(d) for d in AUX_DTYPES))}")
+        sig.append((AUX_DTYPES[t.dtype], t.dim()))
+    ident = ("fa4", score_mod, mask_mod, score_mod_bwd, tuple(id(t) for t in aux))
+    key = _KEYS.get(ident)
+    if key is not None:
+        return key
+    # Weak references: the entry goes when a tensor does (`_forget`), not kept alive by it.
+    variant = Variant(None, None, fa4=fa4_spec(score_mod, mask_mod, score_mod_bwd, tuple(sig)),
+                      aux_tensors=tuple(weakref.ref(t) for t in aux))
+    key, _NEXT[0] = _NEXT[0], _NEXT[0] + 1
+    _REGISTRY[key] = variant
+    _KEYS[ident] = key
+    for t in aux:
+        weakref.finalize(t, _forget, ident, key)
     return key
 
 

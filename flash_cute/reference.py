@@ -124,6 +124,9 @@ def _mod_grids(scores, batch_index):
 
 def _apply_mods(variant, scores, mask, batch_index):
     """A `mod_graph.Variant`'s score and mask mods on [b, h, sq, sk] scaled scores."""
+    if getattr(variant, "fa4", None) is not None:
+        raise NotImplementedError("FA4-form (@cute.jit) mods run in the GPU kernels only; on "
+                                  "CPU tensors write them in FlexAttention's form")
     from flash_cute.mod_graph import evaluate
 
     grids = _mod_grids(scores, batch_index)

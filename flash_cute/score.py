@@ -28,6 +28,7 @@ from cutlass import Float32, Int32
 from flash_cute.block_mask import EMPTY, FULL
 from flash_cute.block_range import BlockRange, needs_mask
 from flash_cute.dsl_state import DslState
+from flash_cute.fa4_mods import Fa4Mods, Fa4SeqInfo, Fa4Spec
 from flash_cute.graph_mods import GraphMods
 from flash_cute.mask import AttentionMask
 from flash_cute.softmax import LOG2_E
@@ -109,12 +110,17 @@ def aux_tensors(cfg, args):
 
 
 def tile_scores(cfg, mod_scale: Float32, mask: AttentionMask, aux=None, batch=None,
-                head=None, block_states=None) -> "Scores":
+                head=None, block_states=None, seq=None) -> "Scores":
     """The score seam of one tile: the kernel's score mod and, with traced mods (`cfg.mods`),
     their graph bound to the tile's batch entry and head (packed GQA: its K/V head); with a
-    block mask (`KernelMods.sparse`), its tile states (`FwdArgs.block_states`)."""
+    block mask (`KernelMods.sparse`), its tile states (`FwdArgs.block_states`); FA4-form mods
+    (`fa4_mods.Fa4Spec`) get the tile's sequence (`seq`, a `SeqInfo`) as their seqlen_info."""
     mods = sparse = None
-    if cutlass.const_expr(cfg.mods is not None):
+    if cutlass.const_expr(isinstance(cfg.mods, Fa4Spec)):
+        mods = Fa4Mods(cfg.mods, aux, batch, head,
+                       Fa4SeqInfo(seq.offset_q, seq.offset_k, mask.seqlen_q, mask.seqlen_k),
+                       mask.tile_m, mask.tile_n, mask.pack)
+    elif cutlass.const_expr(cfg.mods is not None):
         mods = GraphMods(cfg.mods, aux, batch, head, mask.seqlen_q, mask.seqlen_k,
                          mask.tile_m, mask.tile_n, mask.pack)
         if cutlass.const_expr(cfg.mods.sparse):

@@ -59,13 +59,15 @@ KNOWN_SPILLS = {("ampere.fwd", "sm_100a", 128): 32}
 # The hopper forward with a traced mod that loads per column or per element (a document id of
 # kv_idx, a relative-bias table): a few registers at the default schedule, which runs faster
 # than the spill-free one without intra-warpgroup overlap; the hdim-128 backward of a mod
-# whose derivative is not 1 (softcap), whose derivative takes a fragment of its own
-# (D-MODS-KERNEL).
+# whose derivative is not 1 (softcap, also in FA4's form, and the ampere backward there),
+# whose derivative takes a fragment of its own (D-MODS-KERNEL).
 KNOWN_MOD_SPILLS = {("hopper.fwd", "sm_90a", "document", 128): 24,
                     ("hopper.fwd", "sm_90a", "document+blocks", 128): 24,
                     ("hopper.fwd", "sm_90a", "alibi_document", 128): 8,
                     ("hopper.fwd", "sm_90a", "relative_bias", 128): 40,
-                    ("hopper.bwd", "sm_90a", "softcap", 128): 48}
+                    ("hopper.bwd", "sm_90a", "softcap", 128): 48,
+                    ("hopper.bwd", "sm_90a", "fa4_softcap_causal", 128): 40,
+                    ("ampere.bwd", "sm_80", "fa4_softcap_causal", 128): 72}
 
 
 def known_spill(e: dict):

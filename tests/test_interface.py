@@ -184,9 +184,7 @@ def test_api_signature_matches_flash_attn_cute(fn, fa4):
 
 @pytest.mark.parametrize("name,value", [
     ("qv", torch.zeros(1)), ("gather_kv_indices", torch.zeros(1)),
-    ("score_mod", lambda s, b, h, q, k, seqlen_info, aux: s),     # FA4's @cute.jit form
-    ("mask_mod", lambda b, h, q, k, seqlen_info, aux: q >= k),
-    ("aux_tensors", [torch.zeros(1)]), ("block_sparse_tensors", object()),
+    ("aux_scalars", (1.0,)), ("block_sparse_tensors", object()),
     ("gather_bwd_recompute_p", True)])
 def test_fa4_features_not_built_raise_not_implemented_naming_them(name, value):
     """Before validation or any launch: FA4 code gets NotImplementedError, never TypeError."""
@@ -195,6 +193,18 @@ def test_fa4_features_not_built_raise_not_implemented_naming_them(name, value):
         flash_cute.flash_attn_func(q, q, q, **{name: value})
     with pytest.raises(NotImplementedError, match=name):
         flash_cute.flash_attn_varlen_func(q, q, q, **{name: value})
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(score_mod=lambda s, b, h, q, k, seqlen_info, aux: s),
+    dict(mask_mod=lambda b, h, q, k, seqlen_info, aux: q >= k),
+    dict(score_mod=lambda s, b, h, q, k, seqlen_info, aux: s, aux_tensors=[torch.zeros(2)])])
+def test_fa4_form_mods_are_taken_and_run_in_the_gpu_kernels_only(kwargs):
+    """FA4's @cute.jit form (seven / six parameters) is recognized; CPU tensors, which run the
+    reference, refuse it naming the way out."""
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="GPU kernels only"):
+        flash_cute.flash_attn_func(q, q, q, **kwargs)
 
 
 def test_num_splits_and_scheduling_hints_reach_validation(capability, monkeypatch):

@@ -340,3 +340,78 @@ def test_block_masks_skip_tiles_and_match_the_reference(arch):
             _check(g, r, n, f"{name}: {g_name}")
     scattered = mod_graph.lookup(mod_graph.register(None, None, cases[2][1]))
     assert (scattered.block_states == 0).float().mean() >= 0.9
+
+
+# FA4-form mods (`flash_cute.fa4_mods`) paired with FlexAttention-form twins, whose float64
+# reference and native baseline check them.
+def _fa4_twins():
+    from flash_cute import fa4_mod_examples as fa4
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score - 0.01 * (q_idx - kv_idx).abs()
+
+    def softcap30(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    def causal_top_left(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    bias = torch.linspace(-1.0, 1.0, H, device="cuda")
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    return [("rel_bias", dict(score_mod=fa4.rel_bias), (rel_bias, None)),
+            ("softcap_causal", dict(score_mod=fa4.softcap30, mask_mod=fa4.causal),
+             (softcap30, causal_top_left)),
+            ("head_bias", dict(score_mod=fa4.head_bias, aux_tensors=[bias]), (head_bias, None))]
+
+
+@pytest.mark.parametrize("arch", [None, "ampere"])
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_fa4_form_mods_forward_and_backward(case, arch):
+    """FA4's @cute.jit form in our kernels, its derivative from dual numbers (no
+    score_mod_bwd), against float64 with the FlexAttention-form twin."""
+    name, fa4_kwargs, (score_mod, mask_mod) = _fa4_twins()[case]
+    q, k, v = _inputs(113, 301, 128)
+    out, lse = flash_attn_func(q, k, v, arch=arch, return_lse=True, **fa4_kwargs)
+    variant = mod_graph.lookup(mod_graph.register(score_mod, mask_mod))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, lse_ref = attention_ref(q64, k64, v64, mode="float64", variant=variant)
+    qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
+    nat, _ = attention_ref(qn, kn, vn, mode="native", variant=variant)
+    _check(out, ref, nat, f"{name}: O")
+    assert torch.equal(lse.isfinite(), lse_ref.isfinite())
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads64 = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    grads_nat = torch.autograd.grad(nat, (qn, kn, vn), dout)
+    for g_name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
+        _check(g, r, n, f"{name}: {g_name}")
+
+
+def test_fa4_form_score_mod_bwd_is_used_when_given():
+    """An explicit score_mod_bwd (FA4's signature) replaces the dual numbers: a wrong one
+    (twice the derivative) changes dQ, a right one matches."""
+    import cutlass.cute as cute
+
+    from flash_cute import fa4_mod_examples as fa4
+
+    @cute.jit
+    def right(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        t = cute.math.tanh(score * cute.full_like(score, 1.0 / 30.0))
+        return grad * (cute.full_like(score, 1.0) - t * t)
+
+    @cute.jit
+    def doubled(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return right(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors) * \
+            cute.full_like(score, 2.0)
+
+    q, k, v = _inputs(97, 97, 64)
+    dout = torch.randn(2, 97, H, 64, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for bwd in (None, right, doubled):
+        out = flash_attn_func(q, k, v, score_mod=fa4.softcap30, score_mod_bwd=bwd)[0]
+        results.append(torch.autograd.grad(out, (q,), dout)[0].float())
+    torch.testing.assert_close(results[1], results[0], atol=2e-2, rtol=2e-2)
+    assert (results[2] - results[0]).abs().max() > 10 * (results[1] - results[0]).abs().max()

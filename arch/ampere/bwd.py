@@ -250,7 +250,7 @@ class BwdStep(DslState):
         self.scores = tile_scores(cfg, mod_scale,
                                   AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q,
                                                 seq.seqlen_k, cfg.causal, win_left, win_right),
-                                  aux, seq.batch, head, block_states)
+                                  aux, seq.batch, head, block_states, seq)
         r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cfg.dtype,
                                        num_bits_per_copy=2 * cfg.dtype.width)
         self.r2s_atom = r2s_atom

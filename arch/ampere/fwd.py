@@ -157,7 +157,7 @@ class AmpereFwd:
             scores = tile_scores(self, mod_scale,
                                  AttentionMask(self.tile_m, self.tile_n, seq.seqlen_q,
                                                seq.seqlen_k, self.causal, win_left, win_right),
-                                 aux, seq.batch, head, states)
+                                 aux, seq.batch, head, states, seq)
 
             thr_mma = tiled_mma.get_slice(tidx)
             acc_o = cute.make_rmem_tensor(

@@ -64,6 +64,10 @@ def _fwd_configs():
                            ((128, 128), {"causal": True, "ex2_emu": 4}),
                            # Traced mods (`mod_examples`): a bias, a mask, both.
                            ((128, 128), {"causal": True, "mods": "alibi"}),
+                           # FA4-form mods (`fa4_mod_examples`): a derivative from dual
+                           # numbers with a mask mod, and an aux tensor.
+                           ((128, 128), {"mods": "fa4_softcap_causal"}),
+                           ((64, 64), {"mods": "fa4_head_bias"}),
                            ((128, 128), {"mods": "document"}),
                            ((64, 64), {"varlen": True, "mods": "alibi_document"}),
                            ((128, 128), {"causal": True, "mods": "document+blocks"})]:
@@ -85,6 +89,10 @@ def _bwd_configs():
                            ((64, 64), {"causal": True, "varlen": True, "softcap": True,
                                        "dropout": True}),
                            ((128, 128), {"causal": True, "mods": "alibi"}),
+                           # FA4-form mods (`fa4_mod_examples`): a derivative from dual
+                           # numbers with a mask mod, and an aux tensor.
+                           ((128, 128), {"mods": "fa4_softcap_causal"}),
+                           ((64, 64), {"mods": "fa4_head_bias"}),
                            ((128, 128), {"mods": "document"}),
                            ((64, 64), {"mods": "softcap"}),
                            ((128, 128), {"causal": True, "mods": "document+blocks"})]:

@@ -780,7 +780,7 @@ class BwdStep(DslState):
         self.scores = tile_scores(cfg, mod_scale,
                                   AttentionMask(cfg.tile_m, cfg.tile_n, seq.seqlen_q,
                                                 seq.seqlen_k, cfg.causal, win_left, win_right),
-                                  aux, seq.batch, head, block_states)
+                                  aux, seq.batch, head, block_states, seq)
         # P and dS leave the S accumulator layout by stmatrix: four 8x8 blocks per
         # instruction, one row address per lane, so few shared-memory addresses stay live.
         # A warpgroup's tile_n / 2 keys: 24 at tile_n 48 (swap_dkv) take pairs of blocks.

@@ -494,7 +494,7 @@ class HopperFwd:
                                     self.ex2_per16)
             softmax.reset()
             seam = tile_scores(self, mod_scale, tiles.mask(seq), aux, seq.batch, head,
-                               tiles.block_states)
+                               tiles.block_states, seq)
             drop = self.tile_dropout(dropout_args, seq, head)
             scores = SoftmaxStep(self, softmax, seam, coord_mn, m_block, rng, drop)
             # Q is waited for even when no block is visited: its TMA must land before the

@@ -117,6 +117,10 @@ def _fwd_configs():
                            ((128, 128), {"causal": True, "ex2_emu": 4}),
                            # Traced mods (`mod_examples`): a bias, a mask, both, packed GQA.
                            ((128, 128), {"causal": True, "mods": "alibi"}),
+                           # FA4-form mods (`fa4_mod_examples`): a derivative from dual
+                           # numbers with a mask mod, and an aux tensor.
+                           ((128, 128), {"mods": "fa4_softcap_causal"}),
+                           ((64, 64), {"mods": "fa4_head_bias"}),
                            ((128, 128), {"mods": "document"}),
                            ((128, 128), {"varlen": True, "mods": "alibi_document"}),
                            ((128, 128), {"causal": True, "pack_gqa": 4,
@@ -197,6 +201,10 @@ def _bwd_configs():
                            # Traced mods: biases (derivative 1), a mask, a derivative kept
                            # in registers (softcap as a mod).
                            ((128, 128), {"causal": True, "mods": "alibi"}),
+                           # FA4-form mods (`fa4_mod_examples`): a derivative from dual
+                           # numbers with a mask mod, and an aux tensor.
+                           ((128, 128), {"mods": "fa4_softcap_causal"}),
+                           ((64, 64), {"mods": "fa4_head_bias"}),
                            ((128, 128), {"mods": "document"}),
                            ((64, 64), {"mods": "relative_bias"}),
                            ((128, 128), {"mods": "softcap"}),

@@ -1,0 +1,45 @@
+"""FA4-form mods (`flash_cute.fa4_mods`), written as flash_attn.cute's tests write theirs:
+`@cute.jit` functions on one-value TensorSSA vectors. Used by the registry (`inspect`) and the
+GPU tests, and as templates for users porting FA4 code."""
+
+import operator
+
+import cutlass
+import cutlass.cute as cute
+
+
+@cute.jit
+def rel_bias(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """score − 0.01 · |q_idx − kv_idx| (its derivative is 1)."""
+    diff = (q_idx - kv_idx).to(cutlass.Float32)
+    dist = cute.where(operator.ge(diff, cute.full_like(diff, 0.0)), diff, -diff)
+    return score - dist * cute.full_like(score, 0.01)
+
+
+@cute.jit
+def softcap30(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """30 · tanh(score / 30): a derivative that is not 1, from the dual numbers."""
+    return cute.math.tanh(score * cute.full_like(score, 1.0 / 30.0)) * cute.full_like(score, 30.0)
+
+
+@cute.jit
+def causal(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """Top-left causal, as FA4's test mask mods write it."""
+    return operator.ge(q_idx, kv_idx)
+
+
+@cute.jit
+def head_bias(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """score + aux_tensors[0][h_idx]: a per-head bias read from a call's tensor."""
+    bias = aux_tensors[0]
+    value = cute.make_rmem_tensor(1, bias.element_type)
+    value[0] = bias[h_idx[0]]
+    return score + value.load().to(cutlass.Float32)
+
+
+# name -> (score_mod, mask_mod, score_mod_bwd, aux (dtype name, rank) signature)
+EXAMPLES = {
+    "fa4_rel_bias": (rel_bias, None, None, ()),
+    "fa4_softcap_causal": (softcap30, causal, None, ()),
+    "fa4_head_bias": (head_bias, None, None, (("fp32", 1),)),
+}

@@ -1,0 +1,80 @@
+"""FA4-form mods (`flash_cute.fa4_mods`) on the CPU: the dual numbers that differentiate a
+score mod, against torch.autograd for every operation they carry (run on torch tensors
+through the same code, `derivative(namespace=)`), and the compile key of a mod."""
+
+import types
+
+import pytest
+import torch
+
+from flash_cute import fa4_mods
+from flash_cute.fa4_mods import UnsupportedFa4Mod, derivative
+
+NS = types.SimpleNamespace(where=torch.where, full_like=torch.full_like)
+MATH = types.SimpleNamespace(exp=torch.exp, exp2=torch.exp2, log=torch.log, log2=torch.log2,
+                             tanh=torch.tanh, sqrt=torch.sqrt, rsqrt=torch.rsqrt,
+                             maximum=torch.maximum, minimum=torch.minimum)
+C = torch.tensor([0.7, -1.3, 2.1, 0.4], dtype=torch.float64)
+
+CASES = {
+    "add": lambda s: s + C, "radd": lambda s: C + s, "sub": lambda s: s - C,
+    "rsub": lambda s: C - s, "mul": lambda s: s * C, "rmul": lambda s: C * s,
+    "square": lambda s: s * s, "div": lambda s: s / C, "rdiv": lambda s: C / s,
+    "neg": lambda s: -s, "to": lambda s: s.to(torch.float64) * 3,
+    "exp": lambda s: MATH.exp(s), "exp2": lambda s: MATH.exp2(s),
+    "log": lambda s: MATH.log(s * s + 1), "log2": lambda s: MATH.log2(s * s + 1),
+    "tanh": lambda s: MATH.tanh(s), "sqrt": lambda s: MATH.sqrt(s * s + 1),
+    "rsqrt": lambda s: MATH.rsqrt(s * s + 1),
+    "where": lambda s: NS.where(C > 0, s, NS.full_like(s, float("-inf"))),
+    "where_both": lambda s: NS.where(C > 0, s * 2, s * s),
+    "maximum": lambda s: MATH.maximum(s, C), "minimum": lambda s: MATH.minimum(C, s),
+    "softcap": lambda s: 30.0 * MATH.tanh(s / 30.0),
+    "alibi": lambda s: s - 0.25 * torch.tensor([3.0, 1.0, 0.0, 2.0], dtype=torch.float64),
+    "constant": lambda s: NS.full_like(s, 2.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_dual_numbers_match_autograd(name):
+    f = CASES[name]
+    s = torch.tensor([0.3, -0.8, 1.7, -2.2], dtype=torch.float64, requires_grad=True)
+    want_value = f(s)
+    want = (torch.autograd.grad(want_value.sum(), s, allow_unused=True)[0]
+            if want_value.requires_grad else None)
+    want = torch.zeros_like(s) if want is None else want
+    value, grad = derivative(lambda x, *rest: f(x), s.detach(), namespace=(NS, MATH))
+    finite = torch.isfinite(want_value)
+    torch.testing.assert_close(value[finite], want_value.detach()[finite])
+    torch.testing.assert_close(grad[finite], want[finite])
+
+
+def test_patched_functions_come_back_and_plain_values_pass_through():
+    saved = (NS.where, MATH.exp)
+    with fa4_mods.dual_numbers((NS, MATH)):
+        assert torch.equal(MATH.exp(torch.zeros(2)), torch.ones(2))
+    assert (NS.where, MATH.exp) == saved
+
+
+def test_a_mod_the_dual_numbers_cannot_carry_is_refused_naming_the_way_out():
+    with pytest.raises(UnsupportedFa4Mod, match="score_mod_bwd"):
+        derivative(lambda s, *rest: s.abs(), torch.ones(3, dtype=torch.float64),
+                   namespace=(NS, MATH))
+
+
+def test_the_compile_key_follows_code_and_closure_not_the_object():
+    def make(scale):
+        def mod(s, b, h, q, kv, seqlen_info, aux):
+            return s * scale
+        return mod
+
+    assert fa4_mods.identity(make(2.0)) == fa4_mods.identity(make(2.0))
+    assert fa4_mods.identity(make(2.0)) != fa4_mods.identity(make(3.0))
+
+    def other(s, b, h, q, kv, seqlen_info, aux):
+        return s + 1
+
+    spec = fa4_mods.fa4_spec(make(2.0), None, None, (("fp32", 1),))
+    assert spec.key() == fa4_mods.fa4_spec(make(2.0), None, None, (("fp32", 1),)).key()
+    assert spec.key() != fa4_mods.fa4_spec(other, None, None, (("fp32", 1),)).key()
+    assert spec.key() != fa4_mods.fa4_spec(make(2.0), None, None, (("bf16", 1),)).key()
+    assert spec.score is not None and spec.score_grad is not None and spec.mask is None
