@@ -150,11 +150,13 @@ class OnlineSoftmax(DslState):
     @cute.jit
     def exp_and_sum(self, acc_mn: cute.Tensor, row_scale: cute.Tensor, first: int = 0,
                     packed: cutlass.Constexpr[bool] = False,
-                    packed_ex2: cutlass.Constexpr[bool] = False):
+                    packed_ex2: cutlass.Constexpr[bool] = False,
+                    with_sum: cutlass.Constexpr[bool] = True):
         """The second half: acc_mn's scores (columns from `first` of the row, for the
         exp2 emulation's positions) turned into unnormalized probabilities in place against
-        the row max `update_max` set, their sum added to the rescaled running sum. `packed`
-        (sm100): the scale-and-shift on f32x2 pairs; `packed_ex2`: the emulation too."""
+        the row max `update_max` set, their sum added to the rescaled running sum (not
+        `with_sum`: left to `add_row_sums`, later). `packed` (sm100): the scale-and-shift on
+        f32x2 pairs; `packed_ex2`: the emulation too."""
         for r in cutlass.range_constexpr(self.num_rows):
             m = self.row_max[r]
             m_scaled = (Float32(0.0) if m == -Float32.inf else m) * self.scale_log2
@@ -172,9 +174,18 @@ class OnlineSoftmax(DslState):
                 values.store(cute.math.exp2(values.load(), fastmath=True))
             else:
                 exp2_row(values, self.ex2_per16, first, packed=packed_ex2)
-            self.row_sum[r] = _row_reduce(values.load(), _add, Float32(0.0)) \
-                + self.row_sum[r] * row_scale[r]
+            if cutlass.const_expr(with_sum):
+                self.row_sum[r] = _row_reduce(values.load(), _add, Float32(0.0)) \
+                    + self.row_sum[r] * row_scale[r]
             acc_mn[r, None].store(values.load())
+
+    @cute.jit
+    def add_row_sums(self, p_mn: cute.Tensor, row_scale: cute.Tensor):
+        """row_sum = Σ p + row_sum · row_scale per row (`exp_and_sum` without its sum, for a
+        pipeline that takes it off the path to the PV)."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            total = _row_reduce(p_mn[r, None].load(), _add, Float32(0.0))
+            self.row_sum[r] = total + self.row_sum[r] * row_scale[r]
 
     def _exp2(self, x_row, row: int):
         """2^x over row `row` (TensorSSA): all on MUFU.EX2, or with `ex2_per16` of every 16

@@ -126,6 +126,9 @@ def mma_role(tiles, q, k, v, s_full, p_ready, o_full):
                 vc.advance()
                 k.empty[k_index].arrive()
                 kc.advance()
+            # Q released once every QKᵀ is issued, before the last PVs.
+            for i in range(Q_STAGES):
+                q.empty[(q_index + i) % q.stages].arrive()
             w, v_index = vc.wait()
             yield from wait(w)
             for i in range(Q_STAGES):
@@ -133,8 +136,9 @@ def mma_role(tiles, q, k, v, s_full, p_ready, o_full):
                 o_full[i].arrive()
             v.empty[v_index].arrive()
             vc.advance()
-        for i in range(Q_STAGES):
-            q.empty[(q_index + i) % q.stages].arrive()
+        else:
+            for i in range(Q_STAGES):
+                q.empty[(q_index + i) % q.stages].arrive()
 
 
 def softmax_role(tiles, i, s_full, p_ready, stats):

@@ -432,6 +432,9 @@ class BlackwellFwd:
                     v_state.advance()
                     pipe_k.consumer_release(k_state)
                     k_state.advance()
+                # Every QKᵀ is issued: the Q tiles free (when those MMAs are done) before the
+                # last PVs, so the next tile's Q loads under them.
+                self._release_q(pipe_q, q_index)
                 pipe_v.consumer_wait(v_state)
                 for i in cutlass.range_constexpr(Q_STAGES):
                     handshakes.wait(handshakes.p_ready, i, p_phase)
@@ -441,11 +444,15 @@ class BlackwellFwd:
                 p_phase = p_phase ^ 1
                 pipe_v.consumer_release(v_state)
                 v_state.advance()
-            # The Q tiles free once every QKᵀ issued above has read them.
-            for i in cutlass.range_constexpr(Q_STAGES):
-                pipe_q.consumer_release(pipeline.PipelineState(Q_STAGES, Int32(0), q_index + i,
-                                                               Int32(0)))
+            else:
+                self._release_q(pipe_q, q_index)
         return q_state, k_state, v_state, p_phase
+
+    @cute.jit
+    def _release_q(self, pipe_q, q_index: Int32):
+        for i in cutlass.range_constexpr(Q_STAGES):
+            pipe_q.consumer_release(pipeline.PipelineState(
+                Q_STAGES, Int32(0), (q_index + i) % Q_STAGES, Int32(0)))
 
     @cute.jit
     def _gemm_qk(self, mma, acc, tSrQ, q_index, tSrK, k_index):
@@ -502,10 +509,12 @@ class BlackwellFwd:
                 factor = softmax.update_max(rS, RESCALE_THRESHOLD)
                 stats_state = self._hand_over(stats, stats_state, sStats, stage, row, factor[0])
                 # With softcap, the pairs' aligned registers beside tanh's spill (D-BW-EX2).
-                softmax.exp_and_sum(rS, factor, 0, True, self.score_mod is None)
+                softmax.exp_and_sum(rS, factor, 0, True, self.score_mod is None, False)
                 self._store_p(rS, store)
                 cute.arch.fence_view_async_tmem_store()
                 handshakes.arrive(handshakes.p_ready, stage)
+                # Off the path to the PV: the sum of P, once P is on its way.
+                softmax.add_row_sums(rS, factor)
             stats_state = self._hand_over(stats, stats_state, sStats, stage, row,
                                           softmax.row_sum[0])
             stats_state = self._hand_over(stats, stats_state, sStats, stage, row,
