@@ -84,10 +84,13 @@ def kernel_tiles(states: torch.Tensor, block_size, tile, batch: int, heads: int,
     range of non-empty tiles, int32 [..., 2] (start, end), per query tile (the forward's
     loop) and per key tile (the backward's): a kernel visits the range and treats an empty
     tile inside it as masked, so any block mask is exact and a contiguous one is visited
-    exactly."""
+    exactly. The forward's ranges carry two more columns, the longest run of full tiles
+    (full_start, full_end) inside (start, end), which the kernel runs with no state or mask
+    code at all (`block_range.narrow`)."""
     tiles = reblock(states, block_size, tile, seqlen_q, seqlen_k).to(torch.int32)
     tiles = tiles.expand(batch, heads, *tiles.shape[2:]).contiguous()
-    return tiles, _ranges(tiles != EMPTY), _ranges((tiles != EMPTY).transpose(2, 3))
+    fwd = torch.cat([_ranges(tiles != EMPTY), _longest_run(tiles == FULL)], -1).contiguous()
+    return tiles, fwd, _ranges((tiles != EMPTY).transpose(2, 3))
 
 
 def _ranges(visible: torch.Tensor) -> torch.Tensor:
@@ -98,3 +101,16 @@ def _ranges(visible: torch.Tensor) -> torch.Tensor:
     start = torch.where(visible, index, count).amin(-1)
     end = torch.where(visible, index + 1, 0).amax(-1)
     return torch.stack([torch.minimum(start, end), end], -1).to(torch.int32).contiguous()
+
+
+def _longest_run(full: torch.Tensor) -> torch.Tensor:
+    """int32 [..., 2]: the first and one past the last True of the longest run of Trues along
+    the last dimension (the first such run on a tie; (0, 0) where there is none)."""
+    count = full.shape[-1]
+    index = torch.arange(count, device=full.device)
+    # A run's length at each of its elements: the distance past the last False before it.
+    last_false = torch.where(full, -1, index).cummax(-1).values
+    length = torch.where(full, index - last_false, 0)
+    best = length.amax(-1)
+    end = torch.where(best > 0, length.argmax(-1) + 1, 0)
+    return torch.stack([end - best, end], -1).to(torch.int32)

@@ -159,13 +159,20 @@ def split_range(rng: BlockRange, split, num_splits, blocks_per_split=0, *, imin=
     return BlockRange(lo, hi, nm_lo, nm_hi)
 
 
-def narrow(rng: BlockRange, start, end, *, imin=min, imax=max) -> BlockRange:
+def narrow(rng: BlockRange, start, end, full_start=None, full_end=None, *, imin=min,
+           imax=max) -> BlockRange:
     """`rng` cut to the blocks ``[start, end)`` (a block mask's non-empty tiles,
     `flash_cute.block_mask.kernel_tiles`), the unmasked range clamped into it as
-    `split_range` does; branch-free, with the operand rules of `block_range`."""
+    `split_range` does, and, given a run ``[full_start, full_end)`` of the mask's full tiles,
+    into that run too: blocks outside the unmasked range then take the mask's state, those
+    inside neither its state nor its rule. Branch-free, with the operand rules of
+    `block_range`."""
     lo, hi = narrow_pair(rng.n_block_min, rng.n_block_max, start, end, imin=imin, imax=imax)
-    nm_lo = imin(imax(rng.n_block_min_no_mask, lo), hi)
-    nm_hi = imax(imin(rng.n_block_max_no_mask, hi), nm_lo)
+    nm_lo, nm_hi = rng.n_block_min_no_mask, rng.n_block_max_no_mask
+    if full_start is not None:
+        nm_lo, nm_hi = imax(nm_lo, full_start), imin(nm_hi, full_end)
+    nm_lo = imin(imax(nm_lo, lo), hi)
+    nm_hi = imax(imin(nm_hi, hi), nm_lo)
     return BlockRange(lo, hi, nm_lo, nm_hi)
 
 

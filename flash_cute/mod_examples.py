@@ -72,6 +72,7 @@ def _examples() -> dict:
         "document": (None, document_mask(docs)),
         "prefix_lm": (None, prefix_lm(torch.zeros(1, dtype=torch.int32))),
         "sliding_window": (None, sliding_window(256)),
+        "causal": (None, lambda b, h, q_idx, kv_idx: kv_idx <= q_idx),
         "alibi_document": (alibi(torch.ones(heads)),
                            document_mask(docs)),
     }

@@ -141,12 +141,15 @@ def block_mask_parts(block_mask) -> tuple:
     return (None, None) if block_mask is None else block_mask
 
 
-def block_ranges(cfg, ranges, batch, head, block: Int32):
+def block_ranges(cfg, ranges, batch, head, block: Int32, full: bool = False):
     """(start, end) of the non-empty tiles a block mask leaves to `block` (a query tile in a
-    forward, a key tile in a backward; `FwdArgs.block_ranges`), or None without one."""
+    forward, a key tile in a backward; `FwdArgs.block_ranges`), or None without one; `full`
+    (a forward's ranges): with its longest run of full tiles, (start, end, full_start,
+    full_end)."""
     if cutlass.const_expr(cfg.mods is None or not cfg.mods.sparse):
         return None
-    return ranges[batch, head, block, 0], ranges[batch, head, block, 1]
+    columns = 4 if full else 2
+    return tuple(ranges[batch, head, block, c] for c in range(columns))
 
 
 class BlockStates(DslState):
@@ -181,17 +184,31 @@ class Scores(DslState):
         """Whether the backward must take the mod's derivative from `prepare` (`grad_mn`)."""
         return self.mods is not None and self.mods.spec.score_grad is not None
 
+    def tile_state(self, m_block: Int32, n_block: Int32) -> Optional[Int32]:
+        """The block mask's state of this tile (None without one), for `prepare`'s `state`:
+        a kernel loads it before it issues the tile's GEMMs, so the global load's latency
+        hides under them instead of following their wait."""
+        if cutlass.const_expr(self.sparse is None):
+            return None
+        return self.sparse.at(m_block, n_block)
+
     @cute.jit
     def prepare(self, acc_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32,
                 n_block: Int32, rng: Optional[BlockRange] = None,
-                masked: cutlass.Constexpr = None, grad_mn: Optional[cute.Tensor] = None):
+                masked: cutlass.Constexpr = None, grad_mn: Optional[cute.Tensor] = None,
+                state: Optional[Int32] = None):
         """In place, before the softmax (or the backward's P): the mod, then the mask where
         the block needs it (masked entries stay -inf). `masked`: True or False when the
         caller knows, None to ask `needs_mask` at run time, with `rng` (the query block's
         `block_range`, computed here when not given). `grad_mn` (backward, `needs_grad`):
-        receives the traced score mod's derivative."""
-        if cutlass.const_expr(self.sparse is not None):
-            self.sparse_mods(acc_mn, coord_mn, m_block, n_block, grad_mn)
+        receives the traced score mod's derivative. `state`: the tile's block-mask state from
+        `tile_state` (loaded here when None)."""
+        if cutlass.const_expr(self.sparse is not None and masked is False):
+            # A block of the unmasked range, inside the block mask's run of full tiles
+            # (`block_range.narrow`): the mods with no mask rule.
+            self.mods.apply(acc_mn, coord_mn, m_block, n_block, self.mod_scale, grad_mn, None)
+        elif cutlass.const_expr(self.sparse is not None):
+            self.sparse_mods(acc_mn, coord_mn, m_block, n_block, grad_mn, state)
         elif cutlass.const_expr(self.mods is not None):
             self.mods.apply(acc_mn, coord_mn, m_block, n_block, self.mod_scale, grad_mn)
         elif cutlass.const_expr(self.score_mod is not None):
@@ -205,14 +222,16 @@ class Scores(DslState):
 
     @cute.jit
     def sparse_mods(self, acc_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32,
-                    n_block: Int32, grad_mn: Optional[cute.Tensor] = None):
+                    n_block: Int32, grad_mn: Optional[cute.Tensor] = None,
+                    state: Optional[Int32] = None):
         """The traced mods under a block mask: a full tile skips the mask rule, an empty one
         (inside the visited range of a mask that is not contiguous) is masked whole."""
         spec = self.mods.spec
         # A partial tile inside one block runs the mask mod alone; one straddling blocks the
         # per-element rule, which reads the block's state at each element.
         partial = spec.mask if cutlass.const_expr(self.mods.nested()) else spec.block_rule
-        state = self.sparse.at(m_block, n_block)
+        if cutlass.const_expr(state is None):
+            state = self.sparse.at(m_block, n_block)
         if state == FULL:
             self.mods.apply(acc_mn, coord_mn, m_block, n_block, self.mod_scale, grad_mn, None)
         else:

@@ -62,7 +62,6 @@ KNOWN_SPILLS = {("ampere.fwd", "sm_100a", 128): 32}
 # whose derivative is not 1 (softcap, also in FA4's form, and the ampere backward there),
 # whose derivative takes a fragment of its own (D-MODS-KERNEL).
 KNOWN_MOD_SPILLS = {("hopper.fwd", "sm_90a", "document", 128): 24,
-                    ("hopper.fwd", "sm_90a", "document+blocks", 128): 24,
                     ("hopper.fwd", "sm_90a", "alibi_document", 128): 8,
                     ("hopper.fwd", "sm_90a", "relative_bias", 128): 40,
                     ("hopper.bwd", "sm_90a", "softcap", 128): 48,

@@ -379,8 +379,8 @@ def test_kernel_tiles_and_narrowed_ranges_cover_exactly_the_non_empty_tiles():
     """A block mask as a kernel's tiles read it (`block_mask.kernel_tiles`): the ranges are
     the tightest holding every non-empty tile, per query tile and per key tile, and
     `block_range.narrow` / `narrow_pair` cut a kernel's range to them (empty where none)."""
-    from flash_cute.block_mask import EMPTY, block_states, kernel_tiles
-    from flash_cute.block_range import block_range, narrow, narrow_pair
+    from flash_cute.block_mask import EMPTY, FULL, block_states, kernel_tiles
+    from flash_cute.block_range import block_range, narrow, narrow_pair, needs_mask
 
     torch.manual_seed(5)
     keep = torch.rand(9, 9) < 0.3
@@ -396,13 +396,28 @@ def test_kernel_tiles_and_narrowed_ranges_cover_exactly_the_non_empty_tiles():
             for i, row in enumerate(grid):
                 hit = (row != EMPTY).nonzero().flatten().tolist()
                 want = (hit[0], hit[-1] + 1) if hit else (0, 0)
-                assert tuple(ranges[0, 0, i].tolist()) == want
+                assert tuple(ranges[0, 0, i, :2].tolist()) == want
+        for i, row in enumerate(states[0, 0].tolist()):
+            # The forward's longest run of full tiles, by a plain scan.
+            best, run = (0, 0), 0
+            for j, state in enumerate(row + [EMPTY]):
+                if state == FULL:
+                    run += 1
+                    continue
+                if run > best[1] - best[0]:
+                    best = (j - run, j)
+                run = 0
+            assert tuple(fwd[0, 0, i, 2:].tolist()) == best
         for m in range(states.shape[2]):
             rng = block_range(m, tile[0], tile[1], 1100, 1100, causal=True)
-            start, end = fwd[1, 1, m].tolist()
-            cut = narrow(rng, start, end)
-            assert cut.n_block_min >= max(rng.n_block_min, start) or cut.n_block_max == cut.n_block_min
-            assert cut.n_block_max <= min(rng.n_block_max, max(end, cut.n_block_min))
-            assert cut.n_block_min <= cut.n_block_min_no_mask <= cut.n_block_max_no_mask <= cut.n_block_max
+            start, end, full_start, full_end = fwd[1, 1, m].tolist()
+            for cut in (narrow(rng, start, end), narrow(rng, start, end, full_start, full_end)):
+                assert cut.n_block_min >= max(rng.n_block_min, start) or cut.n_block_max == cut.n_block_min
+                assert cut.n_block_max <= min(rng.n_block_max, max(end, cut.n_block_min))
+                assert cut.n_block_min <= cut.n_block_min_no_mask <= cut.n_block_max_no_mask <= cut.n_block_max
+            # Blocks the kernel runs without the mask's state: full tiles the causal mask
+            # leaves whole.
+            for n in range(cut.n_block_min_no_mask, cut.n_block_max_no_mask):
+                assert states[1, 1, m, n] == FULL and not needs_mask(n, rng)
     assert narrow_pair(2, 9, 4, 6) == (4, 6) and narrow_pair(2, 9, 10, 12) == (9, 9)
     assert narrow_pair(2, 9, 0, 1) == (2, 2)

@@ -134,6 +134,31 @@ def test_forward_and_backward_against_float64_and_flex(score_mod, mask_mod, d, a
 
 
 @pytest.mark.parametrize("arch", [None, "ampere"])
+@pytest.mark.parametrize("sq,sk", [(799, 3), (3, 799), (113, 203)])
+def test_a_mod_past_exp_range_leaves_padded_rows_out(sq, sk, arch):
+    """A bias that grows to hundreds (FA4's rel_bias test): rows of a query tile past
+    seqlen_q score far past fp32's exp range too, and must still give P = 0, not inf x 0."""
+    def far_bias(score, b, h, q_idx, kv_idx):
+        return score + (q_idx - kv_idx).abs()
+
+    q, k, v = _inputs(sq, sk, 128)
+    out = flash_attn_func(q, k, v, score_mod=far_bias, arch=arch)[0]
+    variant = mod_graph.lookup(mod_graph.register(far_bias, None))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_ref(q64, k64, v64, mode="float64", variant=variant)
+    qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
+    nat, _ = attention_ref(qn, kn, vn, mode="native", variant=variant)
+    _check(out, ref, nat, "O")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads64 = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    grads_nat = torch.autograd.grad(nat, (qn, kn, vn), dout)
+    for name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
+        assert g.isfinite().all(), name
+        _check(g, r, n, name)
+
+
+@pytest.mark.parametrize("arch", [None, "ampere"])
 def test_varlen_with_seqused_sees_each_sequence(arch):
     """Packed sequences with seqused_k: b is the sequence, q_idx / kv_idx count from its
     start (the reference's varlen, on the same graphs)."""
@@ -313,13 +338,14 @@ def _block_cases(seqlen):
     return cases + [("disagreeing", by_hand, checker)]
 
 
-@pytest.mark.parametrize("arch", [None, "ampere"])
-def test_block_masks_skip_tiles_and_match_the_reference(arch):
+@pytest.mark.parametrize("arch,d", [(None, 128), (None, 64), ("ampere", 128)])
+def test_block_masks_skip_tiles_and_match_the_reference(arch, d):
     """Block sparsity in the kernels: empty tiles skipped, full ones without the mask rule,
     FlexAttention's meaning per element (also where the blocks disagree with the mod, and
-    with ≥ 90 % of the tiles empty): forward and backward against float64 by the rule."""
+    with ≥ 90 % of the tiles empty): forward and backward against float64 by the rule. hdim
+    64's forward tiles (192 rows) straddle the 128-row blocks."""
     seqlen = 2055
-    q, k, v = _inputs(seqlen, seqlen, 128)
+    q, k, v = _inputs(seqlen, seqlen, d)
     # Held for the whole test: a block mask's registry entry goes with the block mask.
     cases = _block_cases(seqlen)
     for name, block_mask, mask_mod in cases:

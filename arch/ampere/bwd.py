@@ -264,13 +264,14 @@ class BwdStep(DslState):
         cfg = self.cfg
         lse, delta = row_stats(self.coord_s, m_block, cfg.tile_m, self.seq.seqlen_q, self.g_lse,
                                self.g_delta)
+        state = self.scores.tile_state(m_block, n_block)
         acc_s = gemm_s.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_s.run(acc_s, stage)
         s_mn = acc_to_mn(acc_s)
         grad_mn = None
         if cutlass.const_expr(self.scores.needs_grad):
             grad_mn = acc_to_mn(cute.make_rmem_tensor_like(acc_s, Float32))
-        self.scores.prepare(s_mn, self.coord_s, m_block, n_block, grad_mn=grad_mn)
+        self.scores.prepare(s_mn, self.coord_s, m_block, n_block, grad_mn=grad_mn, state=state)
         acc_dp = gemm_dp.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_dp.run(acc_dp, stage)
         dp_mn = acc_to_mn(acc_dp)

@@ -195,9 +195,10 @@ class AmpereFwd:
                 load_rows(copy_v, tVgV[None, None, None, n_block], tVsV, tVcV,
                                seq.seqlen_k - n_block * self.tile_n)
                 cute.arch.cp_async_commit_group()
+                state = scores.tile_state(m_block, n_block)
                 acc_s = mma.qk()
                 acc_s_mn = acc_to_mn(acc_s)
-                scores.prepare(acc_s_mn, coord_mn, m_block, n_block, rng)
+                scores.prepare(acc_s_mn, coord_mn, m_block, n_block, rng, state=state)
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()
                 if n_block > rng.n_block_min:

@@ -145,9 +145,10 @@ class HopperBwd:
     both through Q's ring in turn), fp32 ones (GQA) straight from the accumulators.
 
     Rows of a Q/dO tile past seqlen_q contribute nothing: padded, they are TMA's zero fill
-    in Q, dO, LSE₂ and Δ alike (P = 1 but dO = 0 and dS = 0; `stats_checked` off); varlen or
-    with seqused_q (the next sequence, or padding) they get LSE = +inf and Δ = 0
-    (`tile_row_values`), so P = dS = 0. K/V rows past seqlen_k are masked to P = 0.
+    in Q, dO, LSE₂ and Δ alike (P = 1 but dO = 0 and dS = 0; `stats_checked` off); varlen,
+    with seqused_q (the next sequence, or padding) or with mods (which may turn a zero score
+    into an overflowing one) they get LSE = +inf and Δ = 0 (`tile_row_values`), so
+    P = dS = 0. K/V rows past seqlen_k are masked to P = 0.
 
     `deterministic`: dQ of a query tile is added by its K/V tiles in increasing order, through
     an int32 semaphore per (query tile, head, batch) in global memory (`bwd_blocks.dq_turn`).
@@ -187,7 +188,9 @@ class HopperBwd:
         self.stats_tma = not self.varlen
         # Padded, without seqused_q, the rows of a tile past seqlen_q are TMA's zero fill in
         # Q, dO, LSE₂ and Δ alike, so P ∘ dO = 0 and dS = 0 there: no check (D-HB-STATS).
-        self.stats_checked = self.varlen or self.has_seqused_q
+        # Not with a mod: it may turn those rows' zero scores into any value, and one past
+        # fp32's exp range makes P = inf, inf x 0 = NaN in dK and dV.
+        self.stats_checked = self.varlen or self.has_seqused_q or self.mods is not None
         # 32 query columns per thread (swap_sdp, 128 rows): statistics shared by shuffles.
         self.shuffle_stats = self.swap_sdp and self.tile_m == 128
 
@@ -947,13 +950,14 @@ class BwdStep(DslState):
         cfg = self.cfg
         stage = state.index
         pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
+        tile_state = self.scores.tile_state(m_block, n_block)
         acc_s, acc_dp = self.issue_s_dp(pipe_q, pipe_do, state, do_state, m_block)
         s_qk, dp_qk = self.scores_view(acc_s), self.scores_view(acc_dp)
         g_qk = self.grad_view(acc_s, self.scores_view)
         if cutlass.const_expr(cfg.pds_stages == 1):
             self.pds_barrier.arrive_and_wait()
         warpgroup.wait_group(0 if cutlass.const_expr(cfg.fused_p_ds) else 1)
-        self.mask_scores(s_qk, m_block, n_block, g_qk)
+        self.mask_scores(s_qk, m_block, n_block, g_qk, tile_state)
         # A thread holds 16 (at 80 rows 20, at 128 rows 32) queries' columns here, not 2 rows:
         # LSE₂ and Δ are each read just before their use, so that both are never live at once.
         # Beyond 64 query rows: dS before dV is issued, so that the fp32 P, dP and the 16-bit P
@@ -1009,6 +1013,7 @@ class BwdStep(DslState):
         # tile m+1's only after the dS barrier of tile m, which the other reaches after its
         # tile m-1 GEMMs (the last readers of that buffer) completed.
         pds = stage if cutlass.const_expr(cfg.pds_stages > 1) else 0
+        tile_state = self.scores.tile_state(m_block, n_block)
         acc_s, acc_dp = self.issue_s_dp(pipe_q, pipe_do, q_state, do_state, m_block)
         lse, delta = self.row_stats(m_block, stage, do_stage)
         s_mn, dp_mn = acc_to_mn(acc_s), acc_to_mn(acc_dp)
@@ -1019,7 +1024,7 @@ class BwdStep(DslState):
         # A score mod's derivative (softcap's) reads S, which P overwrites: S and dP are both
         # waited for.
         warpgroup.wait_group(0 if cutlass.const_expr(cfg.fused_p_ds) else 1)
-        self.mask_scores(s_mn, m_block, n_block, g_mn)
+        self.mask_scores(s_mn, m_block, n_block, g_mn, tile_state)
         if cutlass.const_expr(cfg.fused_p_ds):
             self.p_ds(s_mn, dp_mn, (lse, delta), m_block, n_block, g_mn)
         else:
@@ -1087,10 +1092,11 @@ class BwdStep(DslState):
         return view(cute.make_rmem_tensor_like(acc_s, Float32))
 
     @cute.jit
-    def mask_scores(self, s_mn: cute.Tensor, m_block: Int32, n_block: Int32, grad_mn=None):
+    def mask_scores(self, s_mn: cute.Tensor, m_block: Int32, n_block: Int32, grad_mn=None,
+                    state=None):
         """The score seam: score mod, then the mask where this block needs it
-        (`flash_cute.score.Scores`)."""
-        self.scores.prepare(s_mn, self.coord_s, m_block, n_block, grad_mn=grad_mn)
+        (`flash_cute.score.Scores`); `state`: the tile's block-mask state, loaded early."""
+        self.scores.prepare(s_mn, self.coord_s, m_block, n_block, grad_mn=grad_mn, state=state)
 
     @cute.jit
     def p_barrier(self):

@@ -161,8 +161,11 @@ class HopperFwd:
         if self.tile_m % self.pack_gqa:
             raise ValueError(f"pack_gqa {self.pack_gqa} must divide tile_m {self.tile_m}")
         self.num_threads = 128 * (1 + self.num_wg)
-        # Longest-processing-time-first where a query tile's work grows with m_block.
-        self.lpt = self.causal or self.has_window_right
+        # Longest-processing-time-first where a query tile's work grows with m_block, as it
+        # does for the masks block masks mostly carry (causal-like: document, prefix-LM,
+        # sliding window); for any other the order is a permutation of the plain one.
+        self.lpt = (self.causal or self.has_window_right
+                    or getattr(self.mods, "sparse", False))
         self.o_tile = o_smem_tile(self.hdim, self.hdim_v, self._smem_schedule,
                                   self._rows_past_sequence)
         self.page_chunk = page_chunk(self.tile_n, self.page_size) if self.page_size else 0
@@ -619,19 +622,20 @@ class HopperFwd:
         the top of the softmax. The masked loops drain the PV before their softmax: with both
         loop bodies keeping a WGMMA in flight ptxas serializes every WGMMA (D-HF-SPLIT)."""
         runs = block_runs(rng, imin=cutlass.min)
-        windowed = self.causal or self.has_window_left or self.has_window_right
+        # A block mask's tiles outside its run of full ones are masked like a window's edges.
+        sparse = getattr(self.mods, "sparse", False)
+        windowed = self.causal or self.has_window_left or self.has_window_right or sparse
         if cutlass.const_expr(not windowed):
-            masked = None if windowed else False
             for i in cutlass.range(runs.end - rng.n_block_min, unroll=1):
-                k_state, v_state = step.run(k_state, v_state, runs.end - 1 - i, masked)
+                k_state, v_state = step.run(k_state, v_state, runs.end - 1 - i, False)
         else:
-            if cutlass.const_expr(self.causal or self.has_window_right):
+            if cutlass.const_expr(self.causal or self.has_window_right or sparse):
                 for i in cutlass.range(runs.end - runs.unmasked_end, unroll=1):
                     k_state, v_state = step.run(k_state, v_state, runs.end - 1 - i, masked=True,
                                                 drain=True)
             for i in cutlass.range(runs.unmasked_end - runs.unmasked_begin, unroll=1):
                 k_state, v_state = step.run(k_state, v_state, runs.unmasked_end - 1 - i, False)
-            if cutlass.const_expr(self.has_window_left):
+            if cutlass.const_expr(self.has_window_left or sparse):
                 for i in cutlass.range(runs.unmasked_begin - rng.n_block_min, unroll=1):
                     k_state, v_state = step.run(k_state, v_state, runs.unmasked_begin - 1 - i,
                                                 masked=True, drain=True)
@@ -714,7 +718,7 @@ class WorkTiles(DslState):
         rng = block_range(m_block, cfg.tile_m, cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
                           cfg.causal, self.win_left, self.win_right, cfg.pack_gqa,
                           imin=cutlass.min, imax=cutlass.max)
-        sparse = block_ranges(cfg, self.block_ranges, seq.batch, head, m_block)
+        sparse = block_ranges(cfg, self.block_ranges, seq.batch, head, m_block, full=True)
         if cutlass.const_expr(sparse is not None):
             rng = narrow(rng, *sparse, imin=cutlass.min, imax=cutlass.max)
         if cutlass.const_expr(cfg.split_kv):
@@ -917,11 +921,13 @@ class SoftmaxStep(DslState):
 
     @cute.jit
     def to_p(self, acc_s: cute.Tensor, n_block: Int32, is_first: cutlass.Constexpr[bool],
-             masked: cutlass.Constexpr):
+             masked: cutlass.Constexpr, state: Optional[Int32] = None):
         """`masked`: True or False when the caller knows whether the block needs the mask,
-        None to decide at run time (`needs_mask`)."""
+        None to decide at run time (`needs_mask`); `state`: the block's `Scores.tile_state`,
+        loaded early."""
         acc_s_mn = acc_to_mn(acc_s)
-        self.scores.prepare(acc_s_mn, self.coord_mn, self.m_block, n_block, self.rng, masked)
+        self.scores.prepare(acc_s_mn, self.coord_mn, self.m_block, n_block, self.rng, masked,
+                            state=state)
         row_scale = self.softmax.online_softmax(acc_s_mn, is_first=is_first)
         if cutlass.const_expr(self.dropout is not None):
             # After the row sums, which count every weight.
@@ -950,6 +956,7 @@ class OverlappedStep(DslState):
     @cute.jit
     def run(self, k_state, v_state, n_block: Int32, masked: cutlass.Constexpr,
             drain: cutlass.Constexpr = False):
+        state = self.scores.scores.tile_state(self.scores.m_block, n_block)
         self.pipe_k.consumer_wait(k_state)
         self.turns.begin()
         self.gemms.qk(self.acc_s, k_state.index)
@@ -962,7 +969,7 @@ class OverlappedStep(DslState):
         # waits for the PV too (see `HopperFwd.overlapped_blocks`).
         warpgroup.wait_group(0 if drain else 1)
         self.pipe_k.consumer_release(k_state)
-        row_scale = self.scores.to_p(self.acc_s, n_block, False, masked)
+        row_scale = self.scores.to_p(self.acc_s, n_block, False, masked, state)
         if cutlass.const_expr(not drain):
             warpgroup.wait_group(0)
         self.pipe_v.consumer_release(v_state)
