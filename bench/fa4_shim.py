@@ -9,7 +9,8 @@ Besides the public functions, the score/mask-mod tests call FA4's internal entry
 `_flash_attn_bwd` (q, k, v, out, dout, lse -> dq, dk, dv): here they run flash-cute's forward
 and its backward operator with the same mods. Their tuning arguments (tile sizes, thread
 counts, swaps, `_arch`) are FA4's own and ignored; features flash-cute lacks raise
-NotImplementedError from flash-cute, naming them."""
+NotImplementedError from flash-cute, naming them. FA4's block-sparsity tensors become a
+block mask (`flash_cute.block_mask.from_fa4`; the backward's are key-major)."""
 
 import torch
 
@@ -67,15 +68,21 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
                     max_seqlen_q=None, max_seqlen_k=None, deterministic=False, dq=None, dk=None,
                     dv=None, score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None,
                     aux_scalars=None, block_sparse_tensors=None, dlse=None, learnable_sink=None):
-    fc._refuse_unbuilt({"aux_scalars": aux_scalars,
-                        "block_sparse_tensors": block_sparse_tensors})
     if learnable_sink is not None:
         raise NotImplementedError("learnable_sink through FA4's _flash_attn_bwd (flash-cute "
                                   "folds the sink outside the kernels; its autograd gives dsink)")
+    block_mask = None
+    if block_sparse_tensors is not None:
+        # FA4's backward tensors list query blocks by key block: the same mask, transposed.
+        from flash_cute.block_mask import from_fa4
+
+        block_mask = from_fa4(block_sparse_tensors, q.shape[1], k.shape[1], key_major=True)
     variant = 0
-    if score_mod is not None or mask_mod is not None or aux_tensors is not None:
-        variant = fc._variant_key(score_mod, mask_mod, softcap or 0.0, None, None, q.shape[0],
-                                  q.shape[-2], score_mod_bwd, aux_tensors)
+    if (score_mod is not None or mask_mod is not None or aux_tensors is not None
+            or aux_scalars is not None or block_mask is not None):
+        variant = fc._variant_key(score_mod, mask_mod, softcap or 0.0, block_mask, None,
+                                  q.shape[0], q.shape[-2], score_mod_bwd, aux_tensors,
+                                  aux_scalars)
     options = fc._options(max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                           _window(window_size_left, window_size_right), softcap or 0.0,
                           None, deterministic, None)

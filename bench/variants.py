@@ -4,6 +4,11 @@ and backward, in one run with rounds interleaved; the built-in causal and window
 
     python bench/variants.py [--seqlen 8192] [--hdim 128] [--rounds 3] [--cases alibi,...]
                              [--fwd-ablation]
+    python bench/variants.py --sweep [--cases ...]
+
+`--sweep`: each case over 20 lengths from 1k to 16k (odd ones), forward and backward once
+each, counting the kernels compiled at the first length and after it (the compile key holds
+the mods' graph, never a length: after the first length it must stay 0).
 
 Times are medians in ms (triton's do_bench, L2 flushed); `vs flex` is FlexAttention's time
 over the provider's. A case with a mask mod runs flash-cute with the very block mask
@@ -75,6 +80,29 @@ def _backward(fwd, inputs):
     return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
 
 
+def _sweep(cases_at, names, hdim):
+    """Per case: the kernels compiled at the first length and at the 19 others."""
+    from flash_cute.jit import compile_cache
+
+    lengths = [int(n) | 1 for n in torch.linspace(1024, 16384, 20).tolist()]
+    rows = []
+    for name in names:
+        counts = []
+        for i, seqlen in enumerate(lengths):
+            before = len(compile_cache._entries)
+            q, k, v = (torch.randn(1, seqlen, 2048 // hdim, hdim, device="cuda",
+                                   dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            case = cases_at(seqlen)[name]
+            out = _ours(q, k, v, case)()
+            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+            torch.cuda.synchronize()
+            counts.append(len(compile_cache._entries) - before)
+        rows.append([name, len(lengths), counts[0], sum(counts[1:])])
+        print(rows[-1], flush=True)
+    print(f"\nlengths {lengths[0]}..{lengths[-1]} (20), hdim {hdim}, bf16\n")
+    print(markdown_table(["case", "lengths", "compiled at the first", "compiled after"], rows))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seqlen", type=int, default=8192)
@@ -82,7 +110,13 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     p.add_argument("--fwd-ablation", action="store_true")
+    p.add_argument("--sweep", action="store_true")
     args = p.parse_args()
+    if args.sweep:
+        nheads = 2048 // args.hdim
+        names = [n for n in _cases(1, 1024, nheads)
+                 if not args.cases or n.split(" ")[0] in args.cases.split(",")]
+        return _sweep(lambda seqlen: _cases(1, seqlen, nheads), names, args.hdim)
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)

@@ -13,6 +13,7 @@ with its mask mod, as `create_block_mask`'s does.
 """
 
 import math
+import weakref
 
 import torch
 
@@ -29,6 +30,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=1
 
 def block_states(block_mask) -> torch.Tensor:
     """int8 [B, H, query blocks, key blocks]: EMPTY, PARTIAL or FULL per block."""
+    if isinstance(block_mask, Fa4Blocks):
+        return block_mask.states()
     partial_count, partial_index = block_mask.kv_num_blocks, block_mask.kv_indices
     b, h, n_q, n_k = partial_index.shape
     states = torch.zeros(b, h, n_q, n_k, dtype=torch.int8, device=partial_index.device)
@@ -114,3 +117,91 @@ def _longest_run(full: torch.Tensor) -> torch.Tensor:
     best = length.amax(-1)
     end = torch.where(best > 0, length.argmax(-1) + 1, 0)
     return torch.stack([end - best, end], -1).to(torch.int32)
+
+
+class Fa4Blocks:
+    """FA4's `BlockSparseTensorsTorch` read as a FlexAttention BlockMask is (`block_states`
+    takes either): mask_block_cnt / _idx list each row's partial blocks, full_block_cnt / _idx
+    its full ones (indices packed left; the index tensors may be narrower than the blocks, as
+    FA4 allows), by query block for the forward's tensors and by key block for the
+    backward's (`key_major`); the block size given or inferred. The kernels derive both
+    directions from the states (`kernel_tiles`). It holds the tensors weakly: the caches keyed
+    by it (`from_fa4`, the mods registry) go with them."""
+
+    mask_mod = None
+
+    def __init__(self, tensors, seqlen_q: int, seqlen_k: int, key_major: bool = False):
+        count, index = tensors.mask_block_cnt, tensors.mask_block_idx
+        if index.dim() != 4 or count.shape != index.shape[:3]:
+            raise ValueError("block_sparse_tensors: mask_block_idx must be [b, h, blocks, "
+                             "listed blocks] and mask_block_cnt its first three dims, got "
+                             f"{tuple(index.shape)} and {tuple(count.shape)}")
+        b, h, rows = index.shape[:3]
+        lengths = (seqlen_k, seqlen_q) if key_major else (seqlen_q, seqlen_k)
+        size = tensors.block_size
+        if size is None:
+            size = (_infer_block(lengths[0], rows), 128)
+            size = size[::-1] if key_major else size
+        self.BLOCK_SIZE = tuple(int(x) for x in size)
+        along = self.BLOCK_SIZE[::-1] if key_major else self.BLOCK_SIZE
+        if -(-lengths[0] // along[0]) != rows:
+            raise ValueError(f"block_sparse_tensors: {rows} rows of blocks of {along[0]} do not "
+                             f"cover {lengths[0]} {'keys' if key_major else 'queries'}")
+        self.key_major = key_major
+        self.blocks = (rows, -(-lengths[1] // along[1]))
+        self.shape = (b, h, seqlen_q, seqlen_k)
+        full = (tensors.full_block_cnt, tensors.full_block_idx)
+        self._refs = tuple(None if t is None else weakref.ref(t) for t in (count, index) + full)
+
+    def _get(self, i: int):
+        ref = self._refs[i]
+        return None if ref is None else ref()
+
+    # A BlockMask's attribute (`interface._check_block_mask` looks for it).
+    kv_indices = property(lambda self: self._get(1))
+
+    def states(self) -> torch.Tensor:
+        """int8 [B, H, query blocks, key blocks], as `block_states` gives a BlockMask's."""
+        count, index, full_count, full_index = (self._get(i) for i in range(4))
+        states = torch.zeros(*index.shape[:2], *self.blocks, dtype=torch.int8,
+                             device=index.device)
+        _mark(states, count, index, PARTIAL)
+        if full_count is not None:
+            _mark(states, full_count, full_index, FULL)
+        return states.transpose(2, 3).contiguous() if self.key_major else states
+
+
+def _infer_block(seqlen: int, blocks: int) -> int:
+    """The block size of `blocks` blocks over `seqlen`: 128 (FA4's usual sm90 tile) where it
+    fits, else another of FA4's tile sizes (pass block_size to be explicit)."""
+    for size in (128, 192, 256, 176, 64, 80, 96, 112):
+        if -(-seqlen // size) == blocks:
+            return size
+    raise ValueError(f"block_sparse_tensors: no block size gives {blocks} blocks over "
+                     f"{seqlen}; pass block_size")
+
+
+# id(mask_block_idx) -> (the tensors' identity, Fa4Blocks); an entry goes with its tensor.
+_FA4_BLOCKS = {}
+
+
+def from_fa4(tensors, seqlen_q: int, seqlen_k: int, key_major: bool = False) -> Fa4Blocks:
+    """The `Fa4Blocks` of FA4's block-sparsity tensors, one per (mask_block_idx tensor, the
+    other tensors, lengths) while that tensor lives, so that the mods registry and the plan
+    cache keep their entries across calls."""
+    if not all(hasattr(tensors, name) for name in ("mask_block_cnt", "mask_block_idx",
+                                                     "full_block_cnt", "full_block_idx",
+                                                     "block_size")):
+        raise TypeError("block_sparse_tensors must be FA4's BlockSparseTensorsTorch (or fields "
+                        f"of its names), got {type(tensors).__name__}")
+    key = id(tensors.mask_block_idx)
+    ident = (tuple(id(getattr(tensors, name)) for name in ("mask_block_cnt", "mask_block_idx",
+                                                           "full_block_cnt", "full_block_idx")),
+             tensors.block_size, seqlen_q, seqlen_k, key_major)
+    held = _FA4_BLOCKS.get(key)
+    if held is None or held[0] != ident:
+        if held is None:
+            weakref.finalize(tensors.mask_block_idx, _FA4_BLOCKS.pop, key, None)
+        held = (ident, Fa4Blocks(tensors, seqlen_q, seqlen_k, key_major))
+        _FA4_BLOCKS[key] = held
+    return held[1]

@@ -37,9 +37,19 @@ def head_bias(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
     return score + value.load().to(cutlass.Float32)
 
 
-# name -> (score_mod, mask_mod, score_mod_bwd, aux (dtype name, rank) signature)
+@cute.jit
+def scaled_shift(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
+    """score · aux_scalars[0] + aux_scalars[1] (an Int32 and a Float32 run-time scalar, FA4's
+    aux_scalars): the derivative aux_scalars[0], from the dual numbers."""
+    scale = cute.full_like(score, cutlass.Float32(aux_scalars[0]))
+    return score * scale + cute.full_like(score, cutlass.Float32(aux_scalars[1]))
+
+
+# name -> (score_mod, mask_mod, score_mod_bwd, aux (dtype name, rank) signature[, aux scalar
+# types])
 EXAMPLES = {
     "fa4_rel_bias": (rel_bias, None, None, ()),
     "fa4_softcap_causal": (softcap30, causal, None, ()),
     "fa4_head_bias": (head_bias, None, None, (("fp32", 1),)),
+    "fa4_scaled_shift": (scaled_shift, None, None, (), ("Int32", "Float32")),
 }

@@ -6,7 +6,9 @@ kv_idx, seqlen_info, aux_tensors) -> score``, ``mask_mod(b_idx, h_idx, q_idx, kv
 seqlen_info, aux_tensors) -> Boolean`` and ``score_mod_bwd(grad, score, b_idx, h_idx, q_idx,
 kv_idx, seqlen_info, aux_tensors) -> grad``. Scores arrive scaled by the softmax scale, indices
 as Int32 vectors (positions inside the sequence; ``seqlen_info.offset_q`` / ``offset_k`` give
-the packed tensor's rows), ``aux_tensors`` as the call's tensors. Each element is one call on
+the packed tensor's rows), ``aux_tensors`` as the call's tensors; with ``aux_scalars`` (FA4's run-time scalar captures,
+Int32 or Float32: `scalar_signature`) each mod takes them as one more argument, as in FA4,
+kernel parameters read at each call. Each element is one call on
 vectors of one value, so the mods' "vectorized" forms, which assume consecutive key indices
 along a vector, hold too.
 
@@ -52,15 +54,28 @@ def identity(fn: Callable) -> str:
 
 class Fa4Spec(NamedTuple):
     """What a kernel compiles of a call's FA4-form mods: the functions (compile-time), each
-    captured tensor's (dtype name, rank) and the functions' identity hash."""
+    captured tensor's (dtype name, rank), the functions' identity hash and each aux scalar's
+    DSL type name ("Int32" or "Float32"; their values are run-time)."""
     score_mod: Optional[Callable]
     mask_mod: Optional[Callable]
     score_mod_bwd: Optional[Callable]
     aux: tuple
     ident: str
+    scalars: tuple = ()
+    # With a block mask: its (rows, cols) block size; its block-level states are the last
+    # aux tensor (int32 [B or 1, H or 1, query blocks, key blocks]).
+    block_size: tuple = ()
 
     # The fields the kernels read of a traced spec (`mod_graph.KernelMods`).
-    sparse = False
+    @property
+    def sparse(self) -> bool:
+        return bool(self.block_size)
+
+    @property
+    def block_rule(self):
+        """FlexAttention's rule per element, for tiles that straddle blocks (`Fa4Mods.apply`'s
+        mask "rule")."""
+        return "rule" if self.sparse else None
 
     @property
     def score(self):
@@ -77,13 +92,41 @@ class Fa4Spec(NamedTuple):
         return None if self.mask_mod is None else 0
 
     def key(self) -> str:
-        return hashlib.sha256(repr((self.ident, self.aux)).encode()).hexdigest()[:16]
+        return hashlib.sha256(repr((self.ident, self.aux, self.scalars, self.block_size))
+                              .encode()).hexdigest()[:16]
 
 
-def fa4_spec(score_mod, mask_mod, score_mod_bwd, aux_sig: tuple) -> Fa4Spec:
+def fa4_spec(score_mod, mask_mod, score_mod_bwd, aux_sig: tuple, scalar_sig: tuple = (),
+             block_size: tuple = ()) -> Fa4Spec:
+    """`block_size`: a block mask's, whose states `aux_sig` then ends with."""
     ident = "|".join(identity(f) if f is not None else "-"
                      for f in (score_mod, mask_mod, score_mod_bwd))
-    return Fa4Spec(score_mod, mask_mod, score_mod_bwd, tuple(aux_sig), ident)
+    return Fa4Spec(score_mod, mask_mod, score_mod_bwd, tuple(aux_sig), ident, tuple(scalar_sig),
+                   tuple(int(x) for x in block_size))
+
+
+MAX_SCALARS = 4
+
+
+def scalar_signature(aux_scalars) -> tuple:
+    """((DSL type name, ...), (Python value, ...)) of FA4's aux_scalars: Python ints and
+    cutlass.Int32 as Int32, Python floats and cutlass.Float32 as Float32 (FA4 keys its compile
+    cache on their types too); anything else raises TypeError."""
+    kinds, values = [], []
+    for i, x in enumerate(aux_scalars or ()):
+        kind = _SCALAR_KINDS.get(type(x))
+        if kind is None:
+            raise TypeError(f"aux_scalars[{i}] is a {type(x).__name__}; the kernels take "
+                            "int / cutlass.Int32 or float / cutlass.Float32")
+        raw = getattr(x, "value", x)
+        kinds.append(kind)
+        values.append(int(raw) if kind == "Int32" else float(raw))
+    if len(kinds) > MAX_SCALARS:
+        raise ValueError(f"{len(kinds)} aux_scalars; the kernels take at most {MAX_SCALARS}")
+    return tuple(kinds), tuple(values)
+
+
+_SCALAR_KINDS = {int: "Int32", float: "Float32", Int32: "Int32", Float32: "Float32"}
 
 
 # ---------------------------------------------------------------- dual numbers
@@ -252,14 +295,29 @@ class Fa4Mods(DslState):
 
     def __init__(self, spec: Fa4Spec, aux, batch: Int32, head: Int32, seq: Fa4SeqInfo,
                  tile_m: int, tile_n: int, pack: int = 1):
-        self.spec, self.aux = spec, tuple(aux)
+        """`aux`: the captured tensors (a block mask's states last), then the aux scalars
+        (`score.aux_tensors`)."""
+        aux = tuple(aux or ())
+        user = len(spec.aux) - int(spec.sparse)
+        self.spec, self.aux = spec, aux[:user]
+        self.states = aux[user] if spec.sparse else None
+        # The mods' trailing arguments: FA4 passes aux_scalars only when the call has them.
+        self.extra = (self.aux,) + ((aux[len(spec.aux):],) if spec.scalars else ())
         self.batch, self.head, self.seq = batch, head, seq
         self.tile_m, self.tile_n, self.pack = tile_m, tile_n, pack
+
+    def nested(self) -> bool:
+        """Whether each of the kernel's tiles lies within one block of the block mask (as
+        `graph_mods.GraphMods.nested`)."""
+        rows, cols = self.spec.block_size
+        return self.pack == 1 and rows % self.tile_m == 0 and cols % self.tile_n == 0
 
     def apply(self, acc_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32, n_block: Int32,
               mod_scale: Float32, grad_mn=None, mask="mod", visible=None):
         """In place: the score mod's output (of the raw score times `mod_scale`), -inf where
-        the mask mod says False (`mask` None: none); with `grad_mn`, the derivative there."""
+        the mask mod says False (`mask` None: none; "rule": FlexAttention's rule with the
+        block mask's state of each element, `Scores.sparse_mods`); `visible` (uniform over
+        the tile) ands into it; with `grad_mn`, the derivative there."""
         spec = self.spec
         for r in range(cute.size(acc_mn, mode=[0])):
             q, h = self._row(coord_mn, r, m_block)
@@ -268,7 +326,7 @@ class Fa4Mods(DslState):
                 s = acc_mn[r, c]
                 if cutlass.const_expr(spec.score_mod is not None):
                     score = _vector(s * mod_scale, Float32)
-                    args = (self._b(), h, q, kv, self.seq, self.aux)
+                    args = (self._b(), h, q, kv, self.seq, *self.extra)
                     if cutlass.const_expr(grad_mn is not None):
                         value, grad = self._with_derivative(score, args)
                         grad_mn[r, c] = grad[0]
@@ -276,13 +334,33 @@ class Fa4Mods(DslState):
                         value = spec.score_mod(score, *args)
                     s = value.to(Float32)[0]
                 keep = visible
-                if cutlass.const_expr(spec.mask_mod is not None and mask is not None):
-                    keep = spec.mask_mod(self._b(), h, q, kv, self.seq, self.aux)[0]
+                if cutlass.const_expr(mask == "rule"):
+                    keep = self._rule(q, h, kv)
+                    if cutlass.const_expr(visible is not None):
+                        keep = keep & visible
+                elif cutlass.const_expr(spec.mask_mod is not None and mask is not None):
+                    keep = spec.mask_mod(self._b(), h, q, kv, self.seq, *self.extra)[0]
                     if cutlass.const_expr(visible is not None):
                         keep = keep & visible
                 if cutlass.const_expr(keep is not None):
                     s = Float32(cutlass.select_(keep, Float32(s), -Float32.inf))
                 acc_mn[r, c] = s
+
+    def _rule(self, q, h, kv):
+        """FlexAttention's rule at one element: its block full, or partial and the mask mod
+        (if any) keeps it. The block indices are clamped into the states tensor."""
+        states = self.states
+        rows, cols = self.spec.block_size
+        b = cutlass.min(Int32(self.batch), states.shape[0] - 1)
+        head = cutlass.min(h[0], states.shape[1] - 1)
+        q_block = cutlass.min(q[0] // rows, states.shape[2] - 1)
+        kv_block = cutlass.min(kv[0] // cols, states.shape[3] - 1)
+        state = states[b, head, q_block, kv_block]
+        keep = state == Int32(2)
+        partial = state == Int32(1)
+        if cutlass.const_expr(self.spec.mask_mod is not None):
+            partial = partial & self.spec.mask_mod(self._b(), h, q, kv, self.seq, *self.extra)[0]
+        return keep | partial
 
     def _with_derivative(self, score, args):
         spec = self.spec

@@ -98,10 +98,14 @@ def flash_attn_func(
 
     The parameters are flash_attn.cute's (flash-attn 4.0.0b36), in its order, so positional
     calls work too; `arch` (keyword-only) is flash-cute's own. Those with no kernel here yet
-    (qv, gathered K/V, FA4-form score/mask mods, aux tensors, FA4's block sparsity tensors)
-    raise NotImplementedError naming the feature. ``learnable_sink`` (FA4's: one logit per
-    query head joining each row's softmax, with its gradient) is folded into the result
-    (`fold_sink`).
+    (qv, gathered K/V) raise NotImplementedError naming the feature. ``learnable_sink`` (FA4's:
+    one logit per query head joining each row's softmax, with its gradient) is folded into
+    the result (`fold_sink`). FA4-form mods (`flash_cute.fa4_mods`: ``@cute.jit`` functions
+    with ``score_mod_bwd``, ``aux_tensors`` and ``aux_scalars``, Int32 / Float32 values passed
+    to the kernels as parameters) run in the GPU kernels. FA4's ``block_sparse_tensors``
+    (forward, query-major) are read as a block mask (`block_mask.from_fa4`), with either form
+    of mods; ``block_sparse_tensors_bwd`` describes the same mask, which the backward kernels
+    derive from the forward's, so it is accepted and not read.
 
     ``num_splits`` (split-KV, FA4's meaning): 1 (the default) no split; 0 or below the
     heuristic (`flash_cute.splits`), which splits the keys where the query tiles are too few
@@ -135,21 +139,28 @@ def flash_attn_func(
     where the pipeline cannot: the ampere pipeline, or a group that does not divide the
     hopper tile's 128 rows); False never packs. The result is the same either way.
     """
-    if (qv is not None or gather_kv_indices is not None
-            or aux_scalars is not None or block_sparse_tensors is not None
-            or block_sparse_tensors_bwd is not None or gather_bwd_recompute_p
+    if (qv is not None or gather_kv_indices is not None or gather_bwd_recompute_p
             or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
     if page_table is not None:   # keys: every row of each sequence's pages
         k, v, page_table = _paged(k, v, page_table, None, q)
+    if block_sparse_tensors is not None:
+        # FA4's block sparsity: the forward's tensors as a block mask; its backward tensors
+        # describe the same mask, which the kernels re-derive (`block_mask.kernel_tiles`).
+        if block_mask is not None:
+            raise ValueError("pass block_mask or block_sparse_tensors, not both")
+        from flash_cute.block_mask import from_fa4
+
+        block_mask = from_fa4(block_sparse_tensors, q.shape[1], k.shape[1])
     variant = 0
     if (score_mod is not None or mask_mod is not None or block_mask is not None
             or alibi_slopes is not None or score_mod_bwd is not None
-            or aux_tensors is not None):
+            or aux_tensors is not None or aux_scalars is not None):
         if block_mask is not None:
             _check_block_mask(block_mask, q, k)
         variant = _variant_key(score_mod, mask_mod, softcap, block_mask, alibi_slopes,
-                               q.shape[0], q.shape[2], score_mod_bwd, aux_tensors)
+                               q.shape[0], q.shape[2], score_mod_bwd, aux_tensors,
+                               aux_scalars)
     return _attention(q, k, v, (None, None, None, None), None, None, softmax_scale, causal,
                       window_size, softcap, pack_gqa, deterministic, arch, return_lse, variant,
                       dropout_p, (num_splits, None), page_table, sink=learnable_sink)
@@ -237,17 +248,16 @@ def flash_attn_varlen_func(
       seqused. The output and lse take the layout of q's side.
     """
     if (qv is not None or gather_kv_indices is not None
-            or aux_scalars is not None
             or block_sparse_tensors is not None or scheduler_metadata is not None
             or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
     variant = 0
     if (score_mod is not None or mask_mod is not None or alibi_slopes is not None
-            or score_mod_bwd is not None or aux_tensors is not None):
+            or score_mod_bwd is not None or aux_tensors is not None or aux_scalars is not None):
         batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None
                  else cu_seqlens_k.shape[0] - 1 if cu_seqlens_k is not None else q.shape[0])
         variant = _variant_key(score_mod, mask_mod, softcap, None, alibi_slopes, batch,
-                               q.shape[-2], score_mod_bwd, aux_tensors)
+                               q.shape[-2], score_mod_bwd, aux_tensors, aux_scalars)
 
     if page_table is not None:
         if cu_seqlens_k is not None:
@@ -338,20 +348,21 @@ def _pack_padded(name: str, t: torch.Tensor, other_cu: torch.Tensor, max_seqlen)
 # names them; they never raise TypeError, so FA4 code runs up to the feature it needs).
 _UNBUILT = {
     "qv": "MLA's qv operand", "gather_kv_indices": "gathered K/V (top-k attention)",
-    "aux_scalars": "aux_scalars (FA4's run-time scalar captures)", "block_sparse_tensors": "block sparsity",
-    "block_sparse_tensors_bwd": "block sparsity", "scheduler_metadata": "scheduler_metadata",
+    "block_sparse_tensors": "block sparsity with varlen (FA4 has none either)",
+    "scheduler_metadata": "scheduler_metadata",
     "gather_bwd_recompute_p": "gather_bwd_recompute_p", "gather_bwd_token_chunk":
     "gather_bwd_token_chunk",
 }
 
 
 def _variant_key(score_mod, mask_mod, softcap, block_mask=None, alibi_slopes=None, batch=None,
-                 heads=None, score_mod_bwd=None, aux_tensors=None) -> int:
+                 heads=None, score_mod_bwd=None, aux_tensors=None, aux_scalars=None) -> int:
     forms = {_form(name, fn) for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod))
              if fn is not None}
-    if "fa4" in forms or score_mod_bwd is not None or aux_tensors is not None:
+    if ("fa4" in forms or score_mod_bwd is not None or aux_tensors is not None
+            or aux_scalars is not None):
         return _fa4_key(score_mod, mask_mod, softcap, block_mask, alibi_slopes, score_mod_bwd,
-                        aux_tensors, forms)
+                        aux_tensors, forms, aux_scalars)
     if alibi_slopes is not None:
         return _alibi_key(alibi_slopes, score_mod, mask_mod, block_mask, batch, heads)
     if torch.compiler.is_compiling():
@@ -398,7 +409,8 @@ def _check_block_mask(block_mask, q, k) -> None:
 
 def _form(name: str, fn) -> str:
     """"flex" (FlexAttention's parameters: score, b, h, q_idx, kv_idx) or "fa4" (FA4's, with
-    seqlen_info and aux_tensors after them) for a score_mod or mask_mod."""
+    seqlen_info and aux_tensors after them, and aux_scalars where the call passes them) for a
+    score_mod or mask_mod."""
     import inspect
 
     arity = 5 if name == "score_mod" else 4
@@ -410,34 +422,36 @@ def _form(name: str, fn) -> str:
         return "flex"
     if len(params) == arity:
         return "flex"
-    if len(params) == arity + 2:
+    if len(params) in (arity + 2, arity + 3):
         return "fa4"
     raise TypeError(f"{name} takes {len(params)} parameters: FlexAttention's form has {arity} "
                     f"({'score, ' if arity == 5 else ''}b, h, q_idx, kv_idx), FA4's {arity + 2} "
-                    "(then seqlen_info, aux_tensors)")
+                    f"(then seqlen_info, aux_tensors) or {arity + 3} (then aux_scalars)")
 
 
 def _fa4_key(score_mod, mask_mod, softcap, block_mask, alibi_slopes, score_mod_bwd,
-             aux_tensors, forms) -> int:
+             aux_tensors, forms, aux_scalars=None) -> int:
     """The registry key of FA4-form mods (`flash_cute.fa4_mods`), which run in the GPU
-    kernels only."""
+    kernels only; `aux_scalars` (FA4's) reach them as kernel parameters."""
     if score_mod_bwd is not None and (score_mod is None or "fa4" not in forms):
         raise ValueError("score_mod_bwd goes with an FA4-form score_mod (FlexAttention-form "
                          "mods get their derivative from the traced graph)")
-    if aux_tensors is not None and "fa4" not in forms:
-        raise ValueError("aux_tensors go with FA4-form mods; FlexAttention-form mods capture "
-                         "their tensors")
+    for name, value in (("aux_tensors", aux_tensors), ("aux_scalars", aux_scalars)):
+        if value is not None and "fa4" not in forms:
+            raise ValueError(f"{name} go with FA4-form mods; FlexAttention-form mods capture "
+                             "their tensors and constants")
     if forms - {"fa4"}:
         raise ValueError("score_mod and mask_mod mix FlexAttention's form and FA4's: write "
                          "both in one form")
-    for name, value in (("block_mask", block_mask), ("alibi_slopes", alibi_slopes)):
-        if value is not None:
-            raise NotImplementedError(f"{name} with FA4-form mods: not built yet")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes with FA4-form mods: not built yet (write ALiBi "
+                                  "in the score_mod)")
     if score_mod is not None and softcap:
         raise ValueError("softcap with a score_mod: write the softcap inside the mod")
     if torch.compiler.is_compiling():
         raise NotImplementedError("FA4-form mods under torch.compile: not built yet")
-    return mod_graph.register_fa4(score_mod, mask_mod, score_mod_bwd, aux_tensors)
+    return mod_graph.register_fa4(score_mod, mask_mod, score_mod_bwd, aux_tensors, aux_scalars,
+                                  block_mask)
 
 
 def _checked_variant_key(score_mod, mask_mod, softcap, block_mask=None) -> int:

@@ -54,10 +54,15 @@ class FwdArgs(NamedTuple):
     aux2: Optional[Any] = None
     aux3: Optional[Any] = None
     # A block mask (`KernelMods.sparse`): int32 [b, h, query tiles, key tiles] states of the
-    # kernel's tiles and [b, h, tiles, 2] ranges of non-empty tiles, per query tile here
-    # (`block_mask.kernel_tiles`).
+    # kernel's tiles and [b, h, tiles, 4] ranges of non-empty tiles and of the longest run of
+    # full ones, per query tile here (`block_mask.kernel_tiles`).
     block_states: Optional[Any] = None
     block_ranges: Optional[Any] = None
+    # FA4-form mods' aux_scalars (`Fa4Spec.scalars`): Int32 or Float32 run-time parameters.
+    scalar0: Optional[Any] = None
+    scalar1: Optional[Any] = None
+    scalar2: Optional[Any] = None
+    scalar3: Optional[Any] = None
 
 
 class BwdArgs(NamedTuple):
@@ -95,9 +100,14 @@ class BwdArgs(NamedTuple):
     # A block mask: as `FwdArgs`'s, the ranges per key tile (the backward's loop).
     block_states: Optional[Any] = None
     block_ranges: Optional[Any] = None
+    scalar0: Optional[Any] = None
+    scalar1: Optional[Any] = None
+    scalar2: Optional[Any] = None
+    scalar3: Optional[Any] = None
 
 
 AUX_FIELDS = ("aux0", "aux1", "aux2", "aux3")
+SCALAR_FIELDS = ("scalar0", "scalar1", "scalar2", "scalar3")
 # Bytes per element of the captured tensors' dtypes (`mod_graph.AUX_DTYPES` names): the
 # alignment a kernel may assume of their data pointers.
 AUX_ALIGN = {"fp32": 4, "fp16": 2, "bf16": 2, "i32": 4, "i64": 8, "u8": 1}
@@ -124,6 +134,8 @@ def fake_aux(mods) -> dict:
         for name in ("block_states", "block_ranges"):
             fields[name] = fake_tensor(cutlass.Int32, tuple(dynamic_dim() for _ in range(4)),
                                        align=4)
+    for name, kind in zip(SCALAR_FIELDS, getattr(mods, "scalars", ())):
+        fields[name] = getattr(cutlass, kind)(0)
     return fields
 
 

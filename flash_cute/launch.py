@@ -128,19 +128,22 @@ class CapturedTensors:
     then), made kernel-ready (`mod_graph.aux_for_kernel`) at each call."""
 
     def __init__(self, problem, device):
-        from flash_cute.kernel_args import AUX_FIELDS
+        from flash_cute.kernel_args import AUX_FIELDS, SCALAR_FIELDS
 
-        self.tensors = ()
+        self.tensors, self.scalars = (), ()
         if problem.mods is not None:
             from flash_cute.mod_graph import kernel_mods
 
             self.tensors = kernel_mods(problem.mods)[1]
+            # FA4's aux_scalars: kernel parameters, after every other field (`SCALAR_FIELDS`).
+            self.scalars = tuple(problem.mods.aux_scalars)
         for t in self.tensors:
             if t.device != device:
                 raise ValueError(f"a mod captures a tensor (or a block mask) on '{t.device}'; "
                                  f"the kernels read it on the inputs' device '{device}': "
                                  "build it there (.to(q.device))")
         self.empty = (None,) * (len(AUX_FIELDS) - len(self.tensors))
+        self.scalar_values = self.scalars + (None,) * (len(SCALAR_FIELDS) - len(self.scalars))
 
     def values(self) -> tuple:
         if not self.tensors:
@@ -151,10 +154,11 @@ class CapturedTensors:
 
     def fields(self) -> dict:
         from flash_cute.jit import TensorArg
-        from flash_cute.kernel_args import aux_fields
+        from flash_cute.kernel_args import SCALAR_FIELDS, aux_fields
 
-        return aux_fields([TensorArg(t, t.element_size()) for t in self.values()
-                           if t is not None])
+        return {**aux_fields([TensorArg(t, t.element_size()) for t in self.values()
+                              if t is not None]),
+                **dict(zip(SCALAR_FIELDS, self.scalars))}
 
 
 class SparseTiles:
@@ -306,7 +310,7 @@ class ForwardLaunch:
         self.call(q, k, v, kernel_out, kernel_lse, *self.scalars, cu_seqlens_q, cu_seqlens_k,
                   seqused_q, seqused_k, _seed_words(rng_seed, self.dropout),
                   *self.dropout_scalars, *self.split_scalars, page_table, *append,
-                  *self.aux.values(), *self.sparse.tensors)
+                  *self.aux.values(), *self.sparse.tensors, *self.aux.scalar_values)
         if self.merge is not None:
             self.merge(kernel_out, kernel_lse, out, lse)
         return out, lse
@@ -370,7 +374,8 @@ assert FwdArgs._fields == ("q", "k", "v", "out", "lse", "softmax_scale", "softca
                            "cu_seqlens_k", "seqused_q", "seqused_k", "rng_seed",
                            "keep_threshold", "dropout_scale", "num_splits", "blocks_per_split",
                            "page_table", "k_new", "v_new", "aux0", "aux1", "aux2", "aux3",
-                           "block_states", "block_ranges")
+                           "block_states", "block_ranges", "scalar0", "scalar1", "scalar2",
+                           "scalar3")
 
 
 def _seed_words(rng_seed, dropout: bool):
@@ -519,7 +524,8 @@ class BackwardLaunch:
         self.main(_apply(q, rq), _apply(k, rk), _apply(v, rv), _apply(dout, rdo), lse_log2, delta,
                   dq_accum, dk, dv, *self.scalars, cu_seqlens_q, cu_seqlens_k, seqused_q,
                   seqused_k, self._alloc_sem(), _seed_words(rng_seed, self.dropout),
-                  *self.dropout_scalars, *self.aux.values(), *self.sparse.tensors)
+                  *self.dropout_scalars, *self.aux.values(), *self.sparse.tensors,
+                  *self.aux.scalar_values)
         dq = self.finish(dq_accum, cu_seqlens_q)
         if self.group_shapes is not None:
             dk = dk.view(self.group_shapes[0]).sum(-2).to(q.dtype)
@@ -533,7 +539,8 @@ assert BwdArgs._fields == ("q", "k", "v", "dout", "lse_log2", "delta", "dq_accum
                            "max_seqlen_k", "max_seqlen_q", "cu_seqlens_q", "cu_seqlens_k",
                            "seqused_q", "seqused_k", "dq_semaphores", "rng_seed",
                            "keep_threshold", "dropout_scale", "aux0", "aux1", "aux2", "aux3",
-                           "block_states", "block_ranges")
+                           "block_states", "block_ranges", "scalar0", "scalar1", "scalar2",
+                           "scalar3")
 
 
 def _contiguous_strides(shape) -> tuple:

@@ -90,7 +90,11 @@ def example_spec(name: str):
         from flash_cute.fa4_mod_examples import EXAMPLES
         from flash_cute.fa4_mods import fa4_spec
 
-        return fa4_spec(*EXAMPLES[name])
+        score, mask, bwd, aux, *scalars = EXAMPLES[name.removesuffix("+blocks")]
+        if not name.endswith("+blocks"):
+            return fa4_spec(score, mask, bwd, aux, *scalars)
+        # A block mask's states join the aux tensors last (`mod_graph.register_fa4`).
+        return fa4_spec(score, mask, bwd, aux + (("i32", 4),), *(scalars or [()]), (128, 128))
     if name not in _SPECS:
         from flash_cute.mod_graph import Variant, kernel_mods, trace
 

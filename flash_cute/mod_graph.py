@@ -19,6 +19,7 @@ Semantics, shared by every implementation:
   arithmetic reads outside it.
 """
 
+import collections
 import operator
 import weakref
 from typing import Callable, NamedTuple, Optional
@@ -341,7 +342,9 @@ def kernel_mods(variant: "Variant") -> tuple:
     what the kernels cannot run (too many captured tensors, a dtype outside `AUX_DTYPES`, `pow`
     with an exponent that is not a constant)."""
     if variant.fa4 is not None:
-        return variant.fa4, [ref() for ref in variant.aux_tensors]
+        tensors = [ref() for ref in variant.aux_tensors]
+        # A block mask's states: the last aux tensor (`Fa4Spec.block_size`).
+        return variant.fa4, tensors + ([variant.block_states] if variant.fa4.sparse else [])
     nodes, aux, outputs = [], [], {}
     score = variant.score_mod
     if score is not None:
@@ -466,10 +469,15 @@ class Variant(NamedTuple):
     block_size: Optional[tuple] = None
     fa4: Optional[object] = None
     aux_tensors: tuple = ()
+    aux_scalars: tuple = ()
 
 
 _REGISTRY = {}
 _KEYS = {}
+# FA4-form entries apart: `registered` (traced by torch.compile, which reads the dict it
+# looks in) then sees the FlexAttention-form ones only, however many scalar values FA4-form
+# calls register.
+_FA4_KEYS = {}
 _NEXT = [1]
 
 
@@ -519,11 +527,16 @@ def _store(ident, score_graph: Callable, mask_mod, block_mask, owners: tuple) ->
 
 
 def register_fa4(score_mod: Optional[Callable], mask_mod: Optional[Callable],
-                 score_mod_bwd: Optional[Callable], aux_tensors) -> int:
+                 score_mod_bwd: Optional[Callable], aux_tensors, aux_scalars=None,
+                 block_mask=None) -> int:
     """The registry key of FA4-form mods (`flash_cute.fa4_mods`) with this call's aux tensors
     (kept while they live: FA4 passes them per call, so each list gets its entry and none
-    recompiles, the compile key holding their dtypes and ranks only)."""
-    from flash_cute.fa4_mods import fa4_spec
+    recompiles, the compile key holding their dtypes and ranks only) and aux scalars (their
+    values go to the kernels as parameters, the compile key holds their types; the
+    `SCALAR_ENTRIES` value sets registered last keep entries); with a block mask (a
+    FlexAttention BlockMask, or FA4's tensors as `block_mask.Fa4Blocks`), kept while it lives,
+    its block states joining the aux tensors last."""
+    from flash_cute.fa4_mods import fa4_spec, scalar_signature
 
     aux = tuple(aux_tensors or ())
     if len(aux) > MAX_AUX:
@@ -534,24 +547,54 @@ def register_fa4(score_mod: Optional[Callable], mask_mod: Optional[Callable],
             raise UnsupportedMod(f"aux_tensors hold {getattr(t, 'dtype', type(t).__name__)}; "
                                  f"the kernels read {', '.join(sorted(str(d) for d in AUX_DTYPES))}")
         sig.append((AUX_DTYPES[t.dtype], t.dim()))
-    ident = ("fa4", score_mod, mask_mod, score_mod_bwd, tuple(id(t) for t in aux))
-    key = _KEYS.get(ident)
+    kinds, values = scalar_signature(aux_scalars)
+    ident = ("fa4", score_mod, mask_mod, score_mod_bwd, tuple(id(t) for t in aux), kinds,
+             values, None if block_mask is None else id(block_mask))
+    key = _FA4_KEYS.get(ident)
     if key is not None:
+        if ident in _SCALAR_KEYS:
+            _SCALAR_KEYS.move_to_end(ident)
         return key
+    states = size = None
+    owners = tuple(aux)
+    if block_mask is not None:
+        from flash_cute.block_mask import block_states
+
+        if len(aux) >= MAX_AUX:
+            raise UnsupportedMod(f"{len(aux)} aux_tensors and a block mask, whose states take "
+                                 f"a slot too; the kernels take at most {MAX_AUX}")
+        states, size = block_states(block_mask).to(torch.int32), tuple(block_mask.BLOCK_SIZE)
+        sig.append(("i32", 4))
+        owners += (block_mask,)
     # Weak references: the entry goes when a tensor does (`_forget`), not kept alive by it.
-    variant = Variant(None, None, fa4=fa4_spec(score_mod, mask_mod, score_mod_bwd, tuple(sig)),
-                      aux_tensors=tuple(weakref.ref(t) for t in aux))
+    variant = Variant(None, None, states, size,
+                      fa4=fa4_spec(score_mod, mask_mod, score_mod_bwd, tuple(sig), kinds,
+                                   size or ()),
+                      aux_tensors=tuple(weakref.ref(t) for t in aux), aux_scalars=values)
     key, _NEXT[0] = _NEXT[0], _NEXT[0] + 1
     _REGISTRY[key] = variant
-    _KEYS[ident] = key
-    for t in aux:
-        weakref.finalize(t, _forget, ident, key)
+    _FA4_KEYS[ident] = key
+    for owner in owners:
+        weakref.finalize(owner, _forget, ident, key)
+    if kinds:
+        # A scalar that changes every call (a schedule, a temperature) would grow the
+        # registry: entries of scalar values go least recently registered first, beyond
+        # far more than a forward pass keeps for its backward.
+        _SCALAR_KEYS[ident] = key
+        while len(_SCALAR_KEYS) > SCALAR_ENTRIES:
+            _forget(*_SCALAR_KEYS.popitem(last=False))
     return key
+
+
+SCALAR_ENTRIES = 4096
+_SCALAR_KEYS = collections.OrderedDict()
 
 
 def _forget(ident, key) -> None:
     _KEYS.pop(ident, None)
+    _FA4_KEYS.pop(ident, None)
     _REGISTRY.pop(key, None)
+    _SCALAR_KEYS.pop(ident, None)
 
 
 def registered(score_mod: Optional[Callable], mask_mod: Optional[Callable],

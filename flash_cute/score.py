@@ -106,7 +106,10 @@ def aux_tensors(cfg, args):
     without)."""
     if cfg.mods is None:
         return None
-    return tuple(getattr(args, f"aux{i}") for i in range(len(cfg.mods.aux)))
+    # FA4-form mods' aux_scalars follow the tensors (`Fa4Mods` splits them).
+    scalars = tuple(getattr(args, f"scalar{i}")
+                    for i in range(len(getattr(cfg.mods, "scalars", ()))))
+    return tuple(getattr(args, f"aux{i}") for i in range(len(cfg.mods.aux))) + scalars
 
 
 def tile_scores(cfg, mod_scale: Float32, mask: AttentionMask, aux=None, batch=None,
@@ -123,8 +126,8 @@ def tile_scores(cfg, mod_scale: Float32, mask: AttentionMask, aux=None, batch=No
     elif cutlass.const_expr(cfg.mods is not None):
         mods = GraphMods(cfg.mods, aux, batch, head, mask.seqlen_q, mask.seqlen_k,
                          mask.tile_m, mask.tile_n, mask.pack)
-        if cutlass.const_expr(cfg.mods.sparse):
-            sparse = BlockStates(block_states, batch, head)
+    if cutlass.const_expr(cfg.mods is not None and cfg.mods.sparse):
+        sparse = BlockStates(block_states, batch, head)
     return Scores(cfg.score_mod, mod_scale, mask, mods, sparse)
 
 

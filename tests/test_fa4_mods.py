@@ -78,3 +78,47 @@ def test_the_compile_key_follows_code_and_closure_not_the_object():
     assert spec.key() != fa4_mods.fa4_spec(other, None, None, (("fp32", 1),)).key()
     assert spec.key() != fa4_mods.fa4_spec(make(2.0), None, None, (("bf16", 1),)).key()
     assert spec.score is not None and spec.score_grad is not None and spec.mask is None
+
+
+def test_aux_scalars_keep_their_types_and_values_and_refuse_others():
+    """FA4's aux_scalars: Python and cutlass Int32 / Float32, their types in the compile key
+    (`Fa4Spec.scalars`), their values run-time; other types, or too many, are refused."""
+    import cutlass
+
+    kinds, values = fa4_mods.scalar_signature([2, 0.5, cutlass.Int32(7), cutlass.Float32(1.5)])
+    assert kinds == ("Int32", "Float32", "Int32", "Float32")
+    assert values == (2, 0.5, 7, 1.5)
+    assert fa4_mods.scalar_signature(None) == ((), ())
+    with pytest.raises(TypeError, match="aux_scalars\\[0\\]"):
+        fa4_mods.scalar_signature([True])
+    with pytest.raises(TypeError, match="aux_scalars\\[1\\]"):
+        fa4_mods.scalar_signature([1, "x"])
+    with pytest.raises(ValueError, match="at most"):
+        fa4_mods.scalar_signature([1] * 5)
+    f = lambda s, b, h, q, k, info, aux, scalars: s  # noqa: E731
+    a = fa4_mods.fa4_spec(f, None, None, (), ("Int32",))
+    b = fa4_mods.fa4_spec(f, None, None, (), ("Float32",))
+    assert a.key() != b.key() and a.key() == fa4_mods.fa4_spec(f, None, None, (), ("Int32",)).key()
+
+
+def test_aux_scalar_values_get_registry_entries_that_stay_bounded():
+    """Each value set is its own registry entry (its plan passes the values); the least
+    recently registered go past `SCALAR_ENTRIES`, so a scalar that changes every call does not
+    grow the registry, while one registered again (every call re-registers) stays."""
+    from flash_cute import mod_graph
+
+    f = lambda s, b, h, q, k, info, aux, scalars: s  # noqa: E731
+    kept = mod_graph.register_fa4(f, None, None, None, [-1, 0.5])
+    keys = []
+    for i in range(mod_graph.SCALAR_ENTRIES + 10):
+        keys.append(mod_graph.register_fa4(f, None, None, None, [i, 0.5]))
+        assert mod_graph.register_fa4(f, None, None, None, [-1, 0.5]) == kept
+    assert len(set(keys)) == len(keys)
+    assert mod_graph.lookup(kept).aux_scalars == (-1, 0.5)
+    assert mod_graph.lookup(keys[-1]).aux_scalars == (mod_graph.SCALAR_ENTRIES + 9, 0.5)
+    with pytest.raises(KeyError):
+        mod_graph.lookup(keys[0])
+    assert len(mod_graph._SCALAR_KEYS) == mod_graph.SCALAR_ENTRIES
+    for ident, key in list(mod_graph._SCALAR_KEYS.items()):
+        mod_graph._forget(ident, key)
+    assert not mod_graph._SCALAR_KEYS

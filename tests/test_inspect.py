@@ -65,7 +65,7 @@ KNOWN_MOD_SPILLS = {("hopper.fwd", "sm_90a", "document", 128): 24,
                     ("hopper.fwd", "sm_90a", "alibi_document", 128): 8,
                     ("hopper.fwd", "sm_90a", "relative_bias", 128): 40,
                     ("hopper.bwd", "sm_90a", "softcap", 128): 48,
-                    ("hopper.bwd", "sm_90a", "fa4_softcap_causal", 128): 40,
+                    ("hopper.bwd", "sm_90a", "fa4_softcap_causal", 128): 32,
                     ("ampere.bwd", "sm_80", "fa4_softcap_causal", 128): 72}
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flash_cute
+from flash_cute import create_block_mask
 from flash_cute import dispatch, plans
 from flash_cute.arch.ampere import api as ampere_api
 from flash_cute.arch.ampere.pipeline import AMPERE
@@ -184,7 +185,6 @@ def test_api_signature_matches_flash_attn_cute(fn, fa4):
 
 @pytest.mark.parametrize("name,value", [
     ("qv", torch.zeros(1)), ("gather_kv_indices", torch.zeros(1)),
-    ("aux_scalars", (1.0,)), ("block_sparse_tensors", object()),
     ("gather_bwd_recompute_p", True)])
 def test_fa4_features_not_built_raise_not_implemented_naming_them(name, value):
     """Before validation or any launch: FA4 code gets NotImplementedError, never TypeError."""
@@ -195,13 +195,55 @@ def test_fa4_features_not_built_raise_not_implemented_naming_them(name, value):
         flash_cute.flash_attn_varlen_func(q, q, q, **{name: value})
 
 
+def test_fa4_block_sparse_tensors_read_as_a_block_mask():
+    """FA4's query-major block-sparsity tensors mean what the BlockMask of the same blocks
+    means (`block_mask.from_fa4`, its block size given or inferred); varlen has none (as in
+    FA4), and anything else is refused by name."""
+    from collections import namedtuple
+
+    from flash_cute.block_mask import block_states, from_fa4
+
+    Tensors = namedtuple("Tensors", "mask_block_cnt mask_block_idx full_block_cnt "
+                                    "full_block_idx block_size")
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    flex = create_block_mask(causal, 2, 1, 300, 300, device="cpu")
+    fa4 = Tensors(flex.kv_num_blocks, flex.kv_indices, flex.full_kv_num_blocks,
+                  flex.full_kv_indices, None)
+    blocks = from_fa4(fa4, 300, 300)
+    assert blocks.BLOCK_SIZE == (128, 128) and blocks is from_fa4(fa4, 300, 300)
+    assert torch.equal(block_states(blocks), block_states(flex))
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="block_sparse_tensors"):
+        flash_cute.flash_attn_varlen_func(q, q, q, block_sparse_tensors=fa4)
+    with pytest.raises(TypeError, match="BlockSparseTensorsTorch"):
+        flash_cute.flash_attn_func(q, q, q, block_sparse_tensors=object())
+    with pytest.raises(ValueError, match="do not cover"):
+        from_fa4(fa4._replace(block_size=(64, 64)), 300, 300)
+    # The backward's key-major tensors of the same mask, compact (FA4 reads only the first
+    # count entries of each row), give the same states.
+    states = block_states(flex)
+    by_key = states[0, 0].T
+    count = (by_key == 1).sum(-1).to(torch.int32)
+    full_count = (by_key == 2).sum(-1).to(torch.int32)
+    listed = lambda want: torch.stack([  # noqa: E731
+        torch.nn.functional.pad((row == want).nonzero().flatten(), (0, 3))[:2]
+        for row in by_key]).to(torch.int32)
+    bwd = Tensors(count[None, None], listed(1)[None, None], full_count[None, None],
+                  listed(2)[None, None], (128, 128))
+    assert torch.equal(block_states(from_fa4(bwd, 300, 300, key_major=True)), states[:1])
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(score_mod=lambda s, b, h, q, k, seqlen_info, aux: s),
     dict(mask_mod=lambda b, h, q, k, seqlen_info, aux: q >= k),
-    dict(score_mod=lambda s, b, h, q, k, seqlen_info, aux: s, aux_tensors=[torch.zeros(2)])])
+    dict(score_mod=lambda s, b, h, q, k, seqlen_info, aux: s, aux_tensors=[torch.zeros(2)]),
+    dict(score_mod=lambda s, b, h, q, k, seqlen_info, aux, scalars: s, aux_scalars=[2, 0.5])])
 def test_fa4_form_mods_are_taken_and_run_in_the_gpu_kernels_only(kwargs):
-    """FA4's @cute.jit form (seven / six parameters) is recognized; CPU tensors, which run the
-    reference, refuse it naming the way out."""
+    """FA4's @cute.jit form (seven / six parameters, one more with aux_scalars) is recognized;
+    CPU tensors, which run the reference, refuse it naming the way out."""
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="GPU kernels only"):
         flash_cute.flash_attn_func(q, q, q, **kwargs)

@@ -387,14 +387,19 @@ def _fa4_twins():
     def head_bias(score, b, h, q_idx, kv_idx):
         return score + bias[h]
 
+    def scaled_shift(score, b, h, q_idx, kv_idx):
+        return score * 3 + 0.25
+
     return [("rel_bias", dict(score_mod=fa4.rel_bias), (rel_bias, None)),
             ("softcap_causal", dict(score_mod=fa4.softcap30, mask_mod=fa4.causal),
              (softcap30, causal_top_left)),
-            ("head_bias", dict(score_mod=fa4.head_bias, aux_tensors=[bias]), (head_bias, None))]
+            ("head_bias", dict(score_mod=fa4.head_bias, aux_tensors=[bias]), (head_bias, None)),
+            ("aux_scalars", dict(score_mod=fa4.scaled_shift, aux_scalars=[3, 0.25]),
+             (scaled_shift, None))]
 
 
 @pytest.mark.parametrize("arch", [None, "ampere"])
-@pytest.mark.parametrize("case", [0, 1, 2])
+@pytest.mark.parametrize("case", [0, 1, 2, 3])
 def test_fa4_form_mods_forward_and_backward(case, arch):
     """FA4's @cute.jit form in our kernels, its derivative from dual numbers (no
     score_mod_bwd), against float64 with the FlexAttention-form twin."""
@@ -414,6 +419,68 @@ def test_fa4_form_mods_forward_and_backward(case, arch):
     grads_nat = torch.autograd.grad(nat, (qn, kn, vn), dout)
     for g_name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
         _check(g, r, n, f"{name}: {g_name}")
+
+
+@pytest.mark.parametrize("arch,d", [(None, 128), (None, 64), ("ampere", 128)])
+def test_fa4_form_mods_with_fa4_block_sparse_tensors(arch, d):
+    """FA4's mask mod with FA4's block-sparsity tensors (a block mask, `from_fa4`), forward
+    and backward against float64 with the FlexAttention twin and its BlockMask; hdim 64's
+    forward tiles straddle the blocks (the per-element rule)."""
+    from collections import namedtuple
+
+    from flash_cute import create_block_mask, fa4_mod_examples as fa4
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    seqlen = 1031
+    q, k, v = _inputs(seqlen, seqlen, d)
+    flex = create_block_mask(causal, 1, 1, seqlen, seqlen, device="cuda")
+    Tensors = namedtuple("Tensors", "mask_block_cnt mask_block_idx full_block_cnt "
+                                    "full_block_idx block_size")
+    fa4_blocks = Tensors(flex.kv_num_blocks, flex.kv_indices, flex.full_kv_num_blocks,
+                         flex.full_kv_indices, (128, 128))
+    out = flash_attn_func(q, k, v, mask_mod=fa4.causal, block_sparse_tensors=fa4_blocks,
+                          arch=arch)[0]
+    variant = mod_graph.lookup(mod_graph.register(None, causal, flex))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_ref(q64, k64, v64, mode="float64", variant=variant)
+    qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
+    nat, _ = attention_ref(qn, kn, vn, mode="native", variant=variant)
+    _check(out, ref, nat, "O")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads64 = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    grads_nat = torch.autograd.grad(nat, (qn, kn, vn), dout)
+    for name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
+        _check(g, r, n, name)
+
+
+def _affine(scale, shift):
+    def affine(score, b, h, q_idx, kv_idx):
+        return score * scale + shift
+    return affine
+
+
+def test_fa4_aux_scalars_are_read_at_each_call_without_a_recompile():
+    """aux_scalars are kernel parameters: new values give new results from the same kernel."""
+    from flash_cute import fa4_mod_examples as fa4
+    from flash_cute.jit import compile_cache
+
+    q, k, v = (t.detach() for t in _inputs(77, 190, 128))
+    outs = []
+    for scale, shift in ((1, 0.0), (3, 0.25), (-2, 1.5)):
+        before = len(compile_cache._entries)
+        outs.append(flash_attn_func(q, k, v, score_mod=fa4.scaled_shift,
+                                    aux_scalars=[scale, shift])[0])
+        variant = mod_graph.lookup(mod_graph.register(_affine(scale, shift), None))
+        ref, _ = attention_ref(q.double(), k.double(), v.double(), mode="float64",
+                               variant=variant)
+        nat, _ = attention_ref(q, k, v, mode="native", variant=variant)
+        _check(outs[-1], ref, nat, f"scale {scale}, shift {shift}")
+        if len(outs) > 1:
+            assert len(compile_cache._entries) == before, "a new scalar value compiled"
+    assert not torch.equal(outs[0], outs[1])
 
 
 def test_fa4_form_score_mod_bwd_is_used_when_given():

@@ -65,9 +65,11 @@ def _fwd_configs():
                            # Traced mods (`mod_examples`): a bias, a mask, both.
                            ((128, 128), {"causal": True, "mods": "alibi"}),
                            # FA4-form mods (`fa4_mod_examples`): a derivative from dual
-                           # numbers with a mask mod, and an aux tensor.
+                           # numbers with a mask mod, an aux tensor and aux scalars.
                            ((128, 128), {"mods": "fa4_softcap_causal"}),
                            ((64, 64), {"mods": "fa4_head_bias"}),
+                           ((128, 128), {"mods": "fa4_scaled_shift"}),
+                           ((128, 128), {"mods": "fa4_softcap_causal+blocks"}),
                            ((128, 128), {"mods": "document"}),
                            ((64, 64), {"varlen": True, "mods": "alibi_document"}),
                            ((128, 128), {"causal": True, "mods": "document+blocks"})]:
