@@ -181,3 +181,11 @@ def narrow_pair(lo, hi, start, end, *, imin=min, imax=max) -> tuple:
     backward's query-block range under a block mask; `narrow`)."""
     new_lo = imin(imax(lo, start), hi)
     return new_lo, imax(imin(hi, end), new_lo)
+
+
+def tiles_nest(block_size: tuple, tile_m: int, tile_n: int, pack: int = 1) -> bool:
+    """Whether every (tile_m, tile_n) kernel tile lies inside one block of a block mask of
+    `block_size` (rows, cols), so that a tile's state is its elements' (`block_mask.reblock`);
+    never with packed GQA, whose tile rows are queries of several heads."""
+    rows, cols = block_size
+    return pack == 1 and rows % tile_m == 0 and cols % tile_n == 0

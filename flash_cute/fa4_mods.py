@@ -29,6 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from flash_cute.block_range import tiles_nest
 from flash_cute.dsl_state import DslState
 
 
@@ -299,18 +300,18 @@ class Fa4Mods(DslState):
         (`score.aux_tensors`)."""
         aux = tuple(aux or ())
         user = len(spec.aux) - int(spec.sparse)
-        self.spec, self.aux = spec, aux[:user]
+        self.spec = spec
         self.states = aux[user] if spec.sparse else None
-        # The mods' trailing arguments: FA4 passes aux_scalars only when the call has them.
-        self.extra = (self.aux,) + ((aux[len(spec.aux):],) if spec.scalars else ())
+        # The mods' trailing arguments, aux_tensors then (FA4 passes them only when the call
+        # has them) aux_scalars.
+        self.extra = (aux[:user],) + ((aux[len(spec.aux):],) if spec.scalars else ())
         self.batch, self.head, self.seq = batch, head, seq
         self.tile_m, self.tile_n, self.pack = tile_m, tile_n, pack
 
     def nested(self) -> bool:
-        """Whether each of the kernel's tiles lies within one block of the block mask (as
-        `graph_mods.GraphMods.nested`)."""
-        rows, cols = self.spec.block_size
-        return self.pack == 1 and rows % self.tile_m == 0 and cols % self.tile_n == 0
+        """Whether each of the kernel's tiles lies within one of the block mask's blocks
+        (`block_range.tiles_nest`)."""
+        return tiles_nest(self.spec.block_size, self.tile_m, self.tile_n, self.pack)
 
     def apply(self, acc_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32, n_block: Int32,
               mod_scale: Float32, grad_mn=None, mask="mod", visible=None):

@@ -23,6 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
 
+from flash_cute.block_range import tiles_nest
 from flash_cute.dsl_state import DslState
 
 def levels(nodes: tuple, pack: int = 1) -> tuple:
@@ -76,10 +77,9 @@ class GraphMods(DslState):
         self.tile_m, self.tile_n, self.pack = tile_m, tile_n, pack
 
     def nested(self) -> bool:
-        """Whether each of the kernel's tiles lies within one of the block mask's blocks, so
-        that a tile's state is its elements' (`block_mask.reblock`)."""
-        rows, cols = self.spec.block_size
-        return self.pack == 1 and rows % self.tile_m == 0 and cols % self.tile_n == 0
+        """Whether each of the kernel's tiles lies within one of the block mask's blocks
+        (`block_range.tiles_nest`)."""
+        return tiles_nest(self.spec.block_size, self.tile_m, self.tile_n, self.pack)
 
     def apply(self, acc_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32, n_block: Int32,
               mod_scale: Float32, grad_mn=None, mask="mod", visible=None):

@@ -90,11 +90,12 @@ def example_spec(name: str):
         from flash_cute.fa4_mod_examples import EXAMPLES
         from flash_cute.fa4_mods import fa4_spec
 
-        score, mask, bwd, aux, *scalars = EXAMPLES[name.removesuffix("+blocks")]
+        score, mask, bwd, aux, *rest = EXAMPLES[name.removesuffix("+blocks")]
+        scalars = rest[0] if rest else ()
         if not name.endswith("+blocks"):
-            return fa4_spec(score, mask, bwd, aux, *scalars)
+            return fa4_spec(score, mask, bwd, aux, scalars)
         # A block mask's states join the aux tensors last (`mod_graph.register_fa4`).
-        return fa4_spec(score, mask, bwd, aux + (("i32", 4),), *(scalars or [()]), (128, 128))
+        return fa4_spec(score, mask, bwd, aux + (("i32", 4),), scalars, (128, 128))
     if name not in _SPECS:
         from flash_cute.mod_graph import Variant, kernel_mods, trace
 

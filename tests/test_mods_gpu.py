@@ -4,6 +4,8 @@ the forward against torch's FlexAttention running the very same functions; GQA, 
 causal with a mod, varlen with seqused, packed GQA, captured tensors read as they are at each
 call, and the refusals."""
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -93,6 +95,37 @@ def _check(got, ref, nat, name):
     assert res.ok, f"{name}: err {res.err:.3e} vs native {res.err_native:.3e} (+{res.atol:.1e})"
 
 
+class _Refs(NamedTuple):
+    """`variant` on the inputs in float64 and in their own precision (`attention_ref`), each
+    with its differentiable leaves."""
+    leaves64: tuple
+    ref: torch.Tensor
+    lse_ref: torch.Tensor
+    leaves_nat: tuple
+    nat: torch.Tensor
+    lse_nat: torch.Tensor
+
+
+def _references(q, k, v, variant) -> _Refs:
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, lse_ref = attention_ref(q64, k64, v64, mode="float64", variant=variant)
+    qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
+    nat, lse_nat = attention_ref(qn, kn, vn, mode="native", variant=variant)
+    return _Refs((q64, k64, v64), ref, lse_ref, (qn, kn, vn), nat, lse_nat)
+
+
+def _check_grads(out, inputs, refs: _Refs, prefix: str = "", finite: bool = False):
+    """dQ, dK, dV of `out` (from `inputs`) against float64 by the rule, one random dO."""
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, dout)
+    grads64 = torch.autograd.grad(refs.ref, refs.leaves64, dout.double())
+    grads_nat = torch.autograd.grad(refs.nat, refs.leaves_nat, dout)
+    for name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
+        if finite:
+            assert g.isfinite().all(), prefix + name
+        _check(g, r, n, prefix + name)
+
+
 def _flex(q, k, v, score_mod, mask_mod):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -112,25 +145,16 @@ def test_forward_and_backward_against_float64_and_flex(score_mod, mask_mod, d, a
     q, k, v = _inputs(113, 301, d)
     out, lse = flash_attn_func(q, k, v, score_mod=score_mod, mask_mod=mask_mod, arch=arch,
                                return_lse=True)
-    variant = mod_graph.lookup(mod_graph.register(score_mod, mask_mod))
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, lse_ref = attention_ref(q64, k64, v64, mode="float64", variant=variant)
-    qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
-    nat, lse_nat = attention_ref(qn, kn, vn, mode="native", variant=variant)
-    _check(out, ref, nat, "O")
-    finite = lse_ref.isfinite()
+    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(score_mod, mask_mod)))
+    _check(out, refs.ref, refs.nat, "O")
+    finite = refs.lse_ref.isfinite()
     assert torch.equal(lse.isfinite(), finite)
-    _check(lse[finite], lse_ref[finite], lse_nat[finite], "LSE")
+    _check(lse[finite], refs.lse_ref[finite], refs.lse_nat[finite], "LSE")
     with torch.no_grad():
         flex = _flex(q.detach(), k.detach(), v.detach(), score_mod, mask_mod)
     # FlexAttention, an independent kernel of the same functions, as the baseline.
-    _check(out, ref, flex, "O vs FlexAttention's error")
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    grads64 = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
-    grads_nat = torch.autograd.grad(nat, (qn, kn, vn), dout)
-    for name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
-        _check(g, r, n, name)
+    _check(out, refs.ref, flex, "O vs FlexAttention's error")
+    _check_grads(out, (q, k, v), refs)
 
 
 @pytest.mark.parametrize("arch", [None, "ampere"])
@@ -143,19 +167,9 @@ def test_a_mod_past_exp_range_leaves_padded_rows_out(sq, sk, arch):
 
     q, k, v = _inputs(sq, sk, 128)
     out = flash_attn_func(q, k, v, score_mod=far_bias, arch=arch)[0]
-    variant = mod_graph.lookup(mod_graph.register(far_bias, None))
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = attention_ref(q64, k64, v64, mode="float64", variant=variant)
-    qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
-    nat, _ = attention_ref(qn, kn, vn, mode="native", variant=variant)
-    _check(out, ref, nat, "O")
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    grads64 = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
-    grads_nat = torch.autograd.grad(nat, (qn, kn, vn), dout)
-    for name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
-        assert g.isfinite().all(), name
-        _check(g, r, n, name)
+    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(far_bias, None)))
+    _check(out, refs.ref, refs.nat, "O")
+    _check_grads(out, (q, k, v), refs, finite=True)
 
 
 @pytest.mark.parametrize("arch", [None, "ampere"])
@@ -350,20 +364,10 @@ def test_block_masks_skip_tiles_and_match_the_reference(arch, d):
     cases = _block_cases(seqlen)
     for name, block_mask, mask_mod in cases:
         out, lse = flash_attn_func(q, k, v, block_mask=block_mask, arch=arch, return_lse=True)
-        variant = mod_graph.lookup(mod_graph.register(None, None, block_mask))
-        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-        ref, lse_ref = attention_ref(q64, k64, v64, mode="float64", variant=variant)
-        qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
-        nat, _ = attention_ref(qn, kn, vn, mode="native", variant=variant)
-        _check(out, ref, nat, f"{name}: O")
-        finite = lse_ref.isfinite()
-        assert torch.equal(lse.isfinite(), finite), name
-        dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-        grads64 = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
-        grads_nat = torch.autograd.grad(nat, (qn, kn, vn), dout)
-        for g_name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
-            _check(g, r, n, f"{name}: {g_name}")
+        refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(None, None, block_mask)))
+        _check(out, refs.ref, refs.nat, f"{name}: O")
+        assert torch.equal(lse.isfinite(), refs.lse_ref.isfinite()), name
+        _check_grads(out, (q, k, v), refs, f"{name}: ")
     scattered = mod_graph.lookup(mod_graph.register(None, None, cases[2][1]))
     assert (scattered.block_states == 0).float().mean() >= 0.9
 
@@ -406,19 +410,10 @@ def test_fa4_form_mods_forward_and_backward(case, arch):
     name, fa4_kwargs, (score_mod, mask_mod) = _fa4_twins()[case]
     q, k, v = _inputs(113, 301, 128)
     out, lse = flash_attn_func(q, k, v, arch=arch, return_lse=True, **fa4_kwargs)
-    variant = mod_graph.lookup(mod_graph.register(score_mod, mask_mod))
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, lse_ref = attention_ref(q64, k64, v64, mode="float64", variant=variant)
-    qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
-    nat, _ = attention_ref(qn, kn, vn, mode="native", variant=variant)
-    _check(out, ref, nat, f"{name}: O")
-    assert torch.equal(lse.isfinite(), lse_ref.isfinite())
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    grads64 = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
-    grads_nat = torch.autograd.grad(nat, (qn, kn, vn), dout)
-    for g_name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
-        _check(g, r, n, f"{name}: {g_name}")
+    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(score_mod, mask_mod)))
+    _check(out, refs.ref, refs.nat, f"{name}: O")
+    assert torch.equal(lse.isfinite(), refs.lse_ref.isfinite())
+    _check_grads(out, (q, k, v), refs, f"{name}: ")
 
 
 @pytest.mark.parametrize("arch,d", [(None, 128), (None, 64), ("ampere", 128)])
@@ -442,18 +437,9 @@ def test_fa4_form_mods_with_fa4_block_sparse_tensors(arch, d):
                          flex.full_kv_indices, (128, 128))
     out = flash_attn_func(q, k, v, mask_mod=fa4.causal, block_sparse_tensors=fa4_blocks,
                           arch=arch)[0]
-    variant = mod_graph.lookup(mod_graph.register(None, causal, flex))
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = attention_ref(q64, k64, v64, mode="float64", variant=variant)
-    qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
-    nat, _ = attention_ref(qn, kn, vn, mode="native", variant=variant)
-    _check(out, ref, nat, "O")
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    grads64 = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
-    grads_nat = torch.autograd.grad(nat, (qn, kn, vn), dout)
-    for name, g, r, n in zip(("dQ", "dK", "dV"), grads, grads64, grads_nat):
-        _check(g, r, n, name)
+    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(None, causal, flex)))
+    _check(out, refs.ref, refs.nat, "O")
+    _check_grads(out, (q, k, v), refs)
 
 
 def _affine(scale, shift):

@@ -164,8 +164,8 @@ class HopperFwd:
         # Longest-processing-time-first where a query tile's work grows with m_block, as it
         # does for the masks block masks mostly carry (causal-like: document, prefix-LM,
         # sliding window); for any other the order is a permutation of the plain one.
-        self.lpt = (self.causal or self.has_window_right
-                    or getattr(self.mods, "sparse", False))
+        self.block_sparse = getattr(self.mods, "sparse", False)
+        self.lpt = self.causal or self.has_window_right or self.block_sparse
         self.o_tile = o_smem_tile(self.hdim, self.hdim_v, self._smem_schedule,
                                   self._rows_past_sequence)
         self.page_chunk = page_chunk(self.tile_n, self.page_size) if self.page_size else 0
@@ -623,7 +623,7 @@ class HopperFwd:
         loop bodies keeping a WGMMA in flight ptxas serializes every WGMMA (D-HF-SPLIT)."""
         runs = block_runs(rng, imin=cutlass.min)
         # A block mask's tiles outside its run of full ones are masked like a window's edges.
-        sparse = getattr(self.mods, "sparse", False)
+        sparse = self.block_sparse
         windowed = self.causal or self.has_window_left or self.has_window_right or sparse
         if cutlass.const_expr(not windowed):
             for i in cutlass.range(runs.end - rng.n_block_min, unroll=1):
