@@ -23,6 +23,8 @@ else to the score (stores it into a register tensor, calls the MLIR dialects on 
 
 import contextlib
 import hashlib
+import inspect
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 import cutlass
@@ -38,13 +40,38 @@ class UnsupportedFa4Mod(TypeError):
 
 
 def identity(fn: Callable) -> str:
-    """A hash of a function's code and closure constants (its compile-key part): the same
-    function body with the same captured values compiles once."""
-    raw = getattr(fn, "__wrapped__", fn)
+    """A hash of a function's code, source and closure constants (its compile-key part): the
+    same function body with the same captured values compiles once. Kept per function object
+    from its first call: compiling a `@cute.jit` function replaces its code with the DSL's
+    rewritten one."""
+    try:
+        return _IDENTITIES[fn]
+    except (KeyError, TypeError):
+        pass
+    ident = _identity(fn)
+    try:
+        _IDENTITIES[fn] = ident
+    except TypeError:
+        pass
+    return ident
+
+
+_IDENTITIES = weakref.WeakKeyDictionary()
+
+
+def _identity(fn: Callable) -> str:
+    raw = fn
+    while getattr(raw, "__wrapped__", None) is not None:
+        raw = raw.__wrapped__
     code = getattr(raw, "__code__", None)
-    parts = [getattr(raw, "__qualname__", repr(raw))]
+    parts = [getattr(raw, "__module__", "") or "", getattr(raw, "__qualname__", repr(raw))]
     if code is not None:
+        # The code as well as the source: two lambdas on one line share their source.
         parts += [code.co_code.hex(), repr(code.co_consts), repr(code.co_names)]
+        try:
+            parts.append(inspect.getsource(raw))
+        except (OSError, TypeError):
+            pass
         for cell in getattr(raw, "__closure__", None) or ():
             try:
                 parts.append(repr(cell.cell_contents))

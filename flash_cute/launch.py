@@ -57,7 +57,8 @@ def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
     """How many query heads a forward tile of `tile_m` rows packs (packed GQA; 1: none).
 
     The heads of a group can share a tile only when their count divides `tile_m` (a tile
-    then holds whole queries). ``pack_gqa=True`` requires that; None packs where packing
+    then holds whole queries). ``pack_gqa=True`` requires that (a block mask's calls run
+    unpacked whatever it says, as FA4's do: D-PACK-BLOCKS); None packs where packing
     fills tiles of `fill_rows` rows (default `tile_m`) clearly better: rows used / rows
     computed below 0.9x what packing gets, with max_seqlen_q queries (FlashAttention-3's rule
     without its varlen exception: it picks packing for decode and short prompts and leaves
@@ -72,9 +73,8 @@ def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
             raise NotImplementedError("pack_gqa=True with dropout_p > 0: pass pack_gqa=None")
         return 1
     if problem.mods is not None and problem.mods.block_states is not None:
-        # A block mask's tiles are per query head.
-        if problem.pack_gqa:
-            raise NotImplementedError("pack_gqa=True with a block_mask: pass pack_gqa=None")
+        # A block mask's tiles are per query head, so its calls run unpacked even with
+        # pack_gqa=True, as FA4 runs its block-sparse calls (D-PACK-BLOCKS).
         return 1
     if tile_m % group:
         if problem.pack_gqa:

@@ -80,6 +80,46 @@ def test_the_compile_key_follows_code_and_closure_not_the_object():
     assert spec.score is not None and spec.score_grad is not None and spec.mask is None
 
 
+_COMPILE_A_MOD = """
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from flash_cute import fa4_mods
+
+@cute.jit
+def mod(score, b, h, q, kv, seqlen_info, aux):
+    return score * cute.full_like(score, 2.0)
+
+@cute.jit
+def host(x: Float32):
+    s = cute.make_rmem_tensor(1, Float32)
+    s[0] = x
+    i = cute.make_rmem_tensor(1, Int32)
+    i[0] = Int32(0)
+    mod(s.load(), i.load(), i.load(), i.load(), i.load(), None, None)
+
+before, code = fa4_mods.identity(mod), mod.__wrapped__.__code__
+cute.compile(host, Float32(1.0))
+assert mod.__wrapped__.__code__ is not code, "the DSL no longer rewrites the code"
+assert fa4_mods.identity(mod) == before, "a compile changed the mod's compile key"
+print("stable")
+"""
+
+
+def test_the_compile_key_of_a_mod_survives_its_first_compile(tmp_path):
+    """Compiling a `@cute.jit` mod replaces its code (``__wrapped__.__code__``) with the DSL's
+    rewritten one: the key stays the one of the first call, else every FA4-form mod compiled twice
+    (its first launch under one key, every later one under another)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "compile_a_mod.py"   # the DSL reads a jit function's source file
+    script.write_text(_COMPILE_A_MOD)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"}, timeout=120)
+    assert proc.returncode == 0 and "stable" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
 def test_aux_scalars_keep_their_types_and_values_and_refuse_others():
     """FA4's aux_scalars: Python and cutlass Int32 / Float32, their types in the compile key
     (`Fa4Spec.scalars`), their values run-time; other types, or too many, are refused."""
