@@ -73,19 +73,38 @@ def tile_row_values(coord_mn: cute.Tensor, valid_rows: Int32, t_rows: cute.Tenso
 @cute.jit
 def p_and_ds(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor, delta: cute.Tensor,
              scale_log2: Float32, score_mod: cutlass.Constexpr = None,
-             grad_mn: Optional[cute.Tensor] = None):
+             grad_mn: Optional[cute.Tensor] = None, ds_hook: cutlass.Constexpr = None):
     """In place: S → P = exp2(S·scale_log2 − LSE₂) and dP → dS = P ∘ (dP − Δ) [∘ f'(s)].
 
     With a score mod (`flash_cute.score`; softcap) S holds the mod's output and dS takes its
     derivative, `score_mod.grad` of that output (the softmax scale is applied to dK and dQ at
     the end); a traced mod's derivative comes in `grad_mn` instead (`Scores.prepare`).
+    `ds_hook(ds_mn)` sees dS before that derivative (the gradients of learnable captured
+    tensors, `GraphMods.accumulate_grads`).
     """
-    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-        if cutlass.const_expr(grad_mn is not None):
-            for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+    if cutlass.const_expr(ds_hook is not None):
+        _p_and_ds(s_mn, dp_mn, lse, delta, scale_log2, None, None)
+        ds_hook(dp_mn)
+        times_grad(dp_mn, grad_mn)
+    else:
+        _p_and_ds(s_mn, dp_mn, lse, delta, scale_log2, score_mod, grad_mn)
+
+
+def times_grad(ds_mn: cute.Tensor, grad_mn: Optional[cute.Tensor]):
+    """In place: dS ∘ the traced mod's derivative (nothing without one)."""
+    if grad_mn is not None:
+        for r in range(cute.size(ds_mn, mode=[0])):
+            ds_mn[r, None].store(ds_mn[r, None].load() * grad_mn[r, None].load())
+
+
+def _p_and_ds(s_mn, dp_mn, lse, delta, scale_log2, score_mod, grad_mn):
+    """`p_and_ds`'s pass (plain Python, run at trace time)."""
+    for r in range(cute.size(s_mn, mode=[0])):
+        if grad_mn is not None:
+            for c in range(cute.size(dp_mn, mode=[1])):
                 dp_mn[r, c] = (dp_mn[r, c] - delta[r]) * grad_mn[r, c]
-        elif cutlass.const_expr(score_mod is not None and score_mod.value_grad):
-            for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+        elif score_mod is not None and score_mod.value_grad:
+            for c in range(cute.size(dp_mn, mode=[1])):
                 grad = score_mod.grad(s_mn[r, c])
                 dp_mn[r, c] = (dp_mn[r, c] - delta[r]) * grad
         else:
@@ -97,7 +116,7 @@ def p_and_ds(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse: cute.Tensor, delta: cut
 
 def p_and_ds_dropout(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse, delta, scale_log2: Float32,
                      score_mod, dropout, coord_mn: cute.Tensor, m_block: Int32, n_block: Int32,
-                     grad_mn: Optional[cute.Tensor] = None):
+                     grad_mn: Optional[cute.Tensor] = None, ds_hook=None):
     """`p_and_ds` with dropout (`flash_cute.dropout`; Z its keep decisions, 1/(1-p) its
     scale): S → Z ∘ P, the operand of dV (which the kernel scales by 1/(1-p) at the end), and
     dP → dS = P ∘ (Z ∘ dP / (1 - p) − Δ) [∘ f'(s)]. Dropped entries still get dS = −P·Δ: the
@@ -111,7 +130,7 @@ def p_and_ds_dropout(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse, delta, scale_lo
         s = s_mn[r, c]
         p = cute.math.exp2(s * scale_log2 - lse_r, fastmath=True)
         ds = p * cute.math.fma(kept(keep, dp_mn[r, c]), dropout.scale, -delta_r)
-        if grad_mn is not None:
+        if grad_mn is not None and ds_hook is None:
             ds = ds * grad_mn[r, c]
         elif score_mod is not None and score_mod.value_grad:
             ds = ds * score_mod.grad(s)
@@ -119,6 +138,10 @@ def p_and_ds_dropout(s_mn: cute.Tensor, dp_mn: cute.Tensor, lse, delta, scale_lo
         s_mn[r, c] = kept(keep, p)
 
     dropout.for_each(coord_mn, m_block, n_block, visit)
+    if ds_hook is not None:
+        # The gradients of learnable captured tensors take dS before the mod's derivative.
+        ds_hook(dp_mn)
+        times_grad(dp_mn, grad_mn)
 
 
 class _FirstUse(dict):

@@ -71,7 +71,9 @@ class GraphMods(DslState):
 
     def __init__(self, spec, aux, batch: Int32, head: Int32, seqlen_q: Int32, seqlen_k: Int32,
                  tile_m: int, tile_n: int, pack: int = 1):
-        self.spec, self.aux = spec, aux
+        # A backward's fp32 gradients of learnable captured tensors follow the tensors.
+        self.spec, self.aux = spec, aux[:len(spec.aux)]
+        self.grads = aux[len(spec.aux):len(spec.aux) + len(getattr(spec, "grad_slots", ()))]
         self.batch, self.head = batch, head
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.tile_m, self.tile_n, self.pack = tile_m, tile_n, pack
@@ -153,6 +155,78 @@ class GraphMods(DslState):
         if cutlass.const_expr(keep is not None):
             s = _select(keep, (s, "f"), (-Float32.inf, "f"))[0]
         acc_mn[r, c] = s
+
+
+    def accumulate_grads(self, ds_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32,
+                         n_block: Int32):
+        """Add dS · d(score mod)/d(load) of each learnable load (`KernelMods.aux_grads`) into
+        its tensor's fp32 gradient at the load's clamped index, over the in-bounds elements;
+        `ds_mn`: d(loss)/d(the mod's output), before the chain into the raw score. An index
+        uniform over the tile (slopes[h]) takes one atomic per thread, one that varies by row
+        or column alone one per row or column, any other one per element. Plain Python at
+        trace time, like `apply`."""
+        spec = self.spec
+        slots = spec.grad_slots
+        idx_nodes = [spec.nodes[load].args[1:] for _, load, _ in spec.aux_grads]
+        outs = [d for _, _, d in spec.aux_grads] + [i for nodes in idx_nodes for i in nodes]
+        live = sorted(needed(spec.nodes, outs))
+        level = levels(spec.nodes, self.pack)
+        tile = _Walk(spec.nodes, self.aux, {"b": _index(self.batch), "h": _index(self.head),
+                                           "seqlen_q": _index(self.seqlen_q),
+                                           "seqlen_k": _index(self.seqlen_k)})
+        for i in live:
+            if not level[i]:
+                tile.value(i)
+        n_rows, n_cols = cute.size(ds_mn, mode=[0]), cute.size(ds_mn, mode=[1])
+        cols = [self._col_walk(tile, live, level, c, coord_mn, m_block, n_block)
+                for c in range(n_cols)]
+        for (slot, _, dnode), nodes in zip(spec.aux_grads, idx_nodes):
+            grad = self.grads[slots.index(slot)]
+            varies = frozenset().union(*(level[i] for i in nodes))
+            if not varies <= {"row", "col"}:
+                raise ValueError(f"a learnable load indexed by {sorted(varies)} "
+                                 "(`mod_graph._load_grads` refuses it)")
+            per_element = "row" in varies and "col" in varies
+            col_sums = [Float32(0.0) for _ in range(n_cols)]
+            total = Float32(0.0)
+            for r in range(n_rows):
+                row = self._row_walk(tile, live, level, r, coord_mn, m_block, n_block)
+                row_sum = Float32(0.0)
+                for c in range(n_cols):
+                    walk = cols[c].extended(row.env, row.values)
+                    inside = ((walk.env["q_idx"][0] < self.seqlen_q)
+                              & (walk.env["kv_idx"][0] < self.seqlen_k))
+                    term = _select(inside, (ds_mn[r, c] * walk.as_float(walk.value(dnode)), "f"),
+                                   (0.0, "f"))[0]
+                    if per_element:
+                        _atomic_add(grad, [walk.value(i) for i in nodes], term)
+                    elif "col" in varies:
+                        col_sums[c] = col_sums[c] + term
+                    else:
+                        row_sum = row_sum + term
+                if "row" in varies and not per_element:
+                    _atomic_add(grad, [row.value(i) for i in nodes], row_sum)
+                total = total + row_sum
+            if "col" in varies and not per_element:
+                for c in range(n_cols):
+                    _atomic_add(grad, [cols[c].value(i) for i in nodes], col_sums[c])
+            elif not varies:
+                _atomic_add(grad, [tile.value(i) for i in nodes], total)
+
+
+def _atomic_add(grad: cute.Tensor, idx: list, value):
+    """grad[idx] += value, an fp32 atomic (each index clamped into its dimension, as a load
+    reads), skipped where value is 0 (masked and out-of-bounds elements)."""
+    coord = [cutlass.max(cutlass.min(Int32(v), Int32(grad.shape[dim]) - 1), Int32(0))
+             for dim, (v, _) in enumerate(idx)]
+    offset = cute.crd2idx(tuple(coord) if len(coord) > 1 else coord[0], grad.layout)
+    _add_nonzero(grad.iterator + offset, value)
+
+
+@cute.jit
+def _add_nonzero(ptr: cute.Pointer, value: Float32):
+    if value != Float32(0.0):
+        cute.arch.atomic_add(ptr, value)
 
 
 def _index(value):

@@ -27,13 +27,19 @@ class _FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, options, variant,
-                dropout_p, rng_seed, splits):
+                dropout_p, rng_seed, splits, *learned):
+        """`learned`: the mods' learnable captured tensors (`mod_graph.learnable`), inputs
+        here so that their gradients reach them."""
         fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
         out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options,
                        True, variant, dropout_p, rng_seed, *splits)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
                               seqused_k, rng_seed)
         ctx.options, ctx.variant, ctx.dropout_p = options, variant, dropout_p
+        # The mods' registry entry lives as long as what it was built from: kept here for the
+        # backward (a block mask built inline in the call is gone by then).
+        ctx.holders = mod_graph.holders(variant)
+        ctx.learned = len(learned)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -44,9 +50,10 @@ class _FlashAttnFunc(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         bwd = plans.backward if _eager(dout, q, out) else torch.ops.flash_cute.bwd
-        dq, dk, dv = bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options, ctx.variant,
-                         ctx.dropout_p, rng_seed)
-        return _not_differentiable(dq, dk, dv) + (None,) * 9
+        dq, dk, dv, dmods = bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options,
+                                ctx.variant, ctx.dropout_p, rng_seed, ctx.learned > 0)
+        grads = _not_differentiable(dq, dk, dv, *dmods)
+        return grads[:3] + (None,) * 9 + grads[3:]
 
 
 def _not_differentiable(*grads) -> tuple:
@@ -498,9 +505,14 @@ def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scal
     splits = check_splits(*splits)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)
-    if needs_grad:
+    learned = _learned(variant)
+    if learned and page_table is not None and append is None:
+        # Their gradients run on gathered K/V, as `_paged` gathers when q, k or v need one.
+        k, v = paging.gather(k, v, page_table)
+        page_table = None
+    if needs_grad or learned:
         out, lse = _FlashAttnFunc.apply(q, k, v, *lengths, options, variant, dropout_p, rng_seed,
-                                        splits)
+                                        splits, *learned)
         return out, lse
     if append is not None:
         out, lse = plans.forward(q, k, v, *lengths, *options, False, variant, dropout_p,
@@ -510,6 +522,15 @@ def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scal
     out, lse = fwd(q, k, v, *lengths, *options, False, variant, dropout_p, rng_seed, *splits,
                    page_table)
     return out, (lse if return_lse else None)
+
+
+def _learned(variant: int) -> tuple:
+    """The call's learnable captured tensors (`mod_graph.learnable`) while autograd records:
+    inputs of the autograd Function, so that their gradients reach them (under torch.compile
+    too)."""
+    if not variant or not torch.is_grad_enabled():
+        return ()
+    return mod_graph.learnable(mod_graph.lookup(variant))
 
 
 def check_sink(sink, q) -> None:

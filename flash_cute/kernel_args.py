@@ -128,8 +128,12 @@ def fake_aux(mods) -> dict:
 
     dsl = {"fp32": cutlass.Float32, "fp16": cutlass.Float16, "bf16": cutlass.BFloat16,
            "i32": cutlass.Int32, "i64": cutlass.Int64, "u8": cutlass.Uint8}
-    fields = aux_fields([fake_tensor(dsl[name], tuple(dynamic_dim() for _ in range(rank)),
-                                     align=AUX_ALIGN[name]) for name, rank in mods.aux])
+    fakes = [fake_tensor(dsl[name], tuple(dynamic_dim() for _ in range(rank)),
+                         align=AUX_ALIGN[name]) for name, rank in mods.aux]
+    # A backward's gradients of learnable captured tensors, fp32, after them.
+    fakes += [fake_tensor(cutlass.Float32, tuple(dynamic_dim() for _ in range(mods.aux[a][1])),
+                          align=4) for a in getattr(mods, "grad_slots", ())]
+    fields = aux_fields(fakes)
     if mods.sparse:
         for name in ("block_states", "block_ranges"):
             fields[name] = fake_tensor(cutlass.Int32, tuple(dynamic_dim() for _ in range(4)),

@@ -130,27 +130,34 @@ class CapturedTensors:
     def __init__(self, problem, device):
         from flash_cute.kernel_args import AUX_FIELDS, SCALAR_FIELDS
 
-        self.tensors, self.scalars = (), ()
+        self.tensors, self.scalars, self.learned = (), (), ()
         if problem.mods is not None:
-            from flash_cute.mod_graph import kernel_mods
+            from flash_cute.mod_graph import kernel_mods, learnable
 
             self.tensors = kernel_mods(problem.mods)[1]
             # FA4's aux_scalars: kernel parameters, after every other field (`SCALAR_FIELDS`).
             self.scalars = tuple(problem.mods.aux_scalars)
+            if getattr(problem, "mod_grads", False):
+                # A backward's fp32 gradients of the learnable tensors: aux fields after them.
+                self.learned = learnable(problem.mods)
         for t in self.tensors:
             if t.device != device:
                 raise ValueError(f"a mod captures a tensor (or a block mask) on '{t.device}'; "
                                  f"the kernels read it on the inputs' device '{device}': "
                                  "build it there (.to(q.device))")
-        self.empty = (None,) * (len(AUX_FIELDS) - len(self.tensors))
+        self.empty = (None,) * (len(AUX_FIELDS) - len(self.tensors) - len(self.learned))
         self.scalar_values = self.scalars + (None,) * (len(SCALAR_FIELDS) - len(self.scalars))
+        self.grads = ()
 
     def values(self) -> tuple:
+        """The aux fields of one launch; with gradients, fresh zeroed buffers (`grads`)."""
         if not self.tensors:
             return self.empty
         from flash_cute.mod_graph import aux_for_kernel
 
-        return tuple(aux_for_kernel(t) for t in self.tensors) + self.empty
+        self.grads = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                           for t in self.learned)
+        return tuple(aux_for_kernel(t) for t in self.tensors) + self.grads + self.empty
 
     def fields(self) -> dict:
         from flash_cute.jit import TensorArg
@@ -159,6 +166,13 @@ class CapturedTensors:
         return {**aux_fields([TensorArg(t, t.element_size()) for t in self.values()
                               if t is not None]),
                 **dict(zip(SCALAR_FIELDS, self.scalars))}
+
+    def gradients(self) -> list:
+        """The last launch's gradients of the learnable tensors, in their dtypes (zeros
+        before any: a backward with no work)."""
+        if len(self.grads) != len(self.learned):
+            return [torch.zeros_like(t) for t in self.learned]
+        return [g.to(t.dtype) for g, t in zip(self.grads, self.learned)]
 
 
 class SparseTiles:
@@ -459,6 +473,7 @@ class BackwardLaunch:
 
         _check_seqused(problem, seqused_q, seqused_k)
         self.no_work = has_no_work(q, k, problem)
+        self.aux = CapturedTensors(problem, q.device)
         if self.no_work:
             return
         deterministic = bool(deterministic)
@@ -484,7 +499,6 @@ class BackwardLaunch:
         varlen, align = problem.varlen, plan.row_stats_align
         drop = dropout_scalars(problem)
         self.dropout, self.dropout_scalars = problem.dropout_p > 0, tuple(drop.values())
-        self.aux = CapturedTensors(problem, q.device)
         self.sparse = SparseTiles(problem, plan.schedule[:2], backward=True)
         args = BwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), dout=TensorArg(dout),
                        lse_log2=TensorArg(lse_log2, align), delta=TensorArg(delta, align),

@@ -84,8 +84,9 @@ _SPECS = {}
 def example_spec(name: str):
     """The `mod_graph.KernelMods` of example `name` (as `_examples` builds it); a name
     ending in "+blocks" adds the block mask `create_block_mask` makes of its mask mod (the
-    kernels' block sparsity); one starting "fa4_" is an FA4-form example's `Fa4Spec`
-    (`flash_cute.fa4_mod_examples`)."""
+    kernels' block sparsity); one ending in "+grads" is a backward's with its float captured
+    tensors learnable (their gradients accumulated, `KernelMods.aux_grads`); one starting
+    "fa4_" is an FA4-form example's `Fa4Spec` (`flash_cute.fa4_mod_examples`)."""
     if name.startswith("fa4_"):
         from flash_cute.fa4_mod_examples import EXAMPLES
         from flash_cute.fa4_mods import fa4_spec
@@ -100,17 +101,22 @@ def example_spec(name: str):
         from flash_cute.mod_graph import Variant, kernel_mods, trace
 
         examples = _examples()
-        base = name.removesuffix("+blocks")
+        grads = name.endswith("+grads")
+        base = name.removesuffix("+grads").removesuffix("+blocks")
         if base not in examples:
             raise KeyError(f"no mod example {base!r}; have {sorted(examples)}")
         score, mask = examples[base]
+        if grads:
+            for t in trace(score, "score").aux:
+                if t.is_floating_point():
+                    t.requires_grad_()
         states = size = None
-        if name.endswith("+blocks"):
+        if name.removesuffix("+grads").endswith("+blocks"):
             from flash_cute.block_mask import block_states, create_block_mask
 
             block_mask = create_block_mask(mask, 1, 1, 256, 256, device="cpu")
             states, size = block_states(block_mask).to(torch.int32), (128, 128)
         variant = Variant(None if score is None else trace(score, "score"),
                           None if mask is None else trace(mask, "mask"), states, size)
-        _SPECS[name] = kernel_mods(variant)[0]
+        _SPECS[name] = kernel_mods(variant, grads)[0]
     return _SPECS[name]

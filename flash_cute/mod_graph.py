@@ -20,6 +20,7 @@ Semantics, shared by every implementation:
 """
 
 import collections
+import functools
 import operator
 import weakref
 from typing import Callable, NamedTuple, Optional
@@ -95,7 +96,9 @@ def trace(fn: Callable, kind: str = "score") -> ModGraph:
 
     names = INPUTS if kind == "score" else MASK_INPUTS
     try:
-        gm = torch.fx.symbolic_trace(_positional(fn, len(names)))
+        tracer = _tracer_class()()
+        graph = tracer.trace(_positional(fn, len(names)))
+        gm = torch.fx.GraphModule(tracer.root, graph)
     except UnsupportedMod:
         raise
     except Exception as exc:
@@ -103,6 +106,24 @@ def trace(fn: Callable, kind: str = "score") -> ModGraph:
                              f"({type(exc).__name__}: {exc}); mods are traced with torch.fx: "
                              "no data-dependent Python control flow (use torch.where)") from exc
     return _Builder(gm, names, kind).build()
+
+
+@functools.lru_cache(maxsize=None)
+def _tracer_class():
+    import torch.fx
+
+    class Tracer(torch.fx.Tracer):
+        """torch.fx's tracer, taking captured `nn.Parameter`s (a learnable bias, ALiBi slopes)
+        as it takes captured tensors: fx looks a parameter up among its root module's, which a
+        traced function has none of."""
+
+        def create_arg(self, a):
+            if isinstance(a, torch.nn.Parameter) and not any(
+                    a is p for p in self.root.parameters()):
+                self.root.register_parameter(f"_captured_{len(list(self.root.parameters()))}", a)
+            return super().create_arg(a)
+
+    return Tracer
 
 
 def _positional(fn: Callable, arity: int) -> Callable:
@@ -194,18 +215,44 @@ class _Builder:
 def evaluate(graph: ModGraph, inputs: dict, aux: Optional[tuple] = None):
     """The graph's output on broadcastable torch tensors `inputs` (by input name); `aux`
     replaces the captured tensors (same shapes), e.g. moved to another device."""
+    return _tensor(values(graph, inputs, aux)[graph.output])
+
+
+def values(graph: ModGraph, inputs: dict, aux: Optional[tuple] = None) -> list:
+    """Every node's value, as `evaluate` computes them."""
     aux = graph.aux if aux is None else aux
-    values = []
+    out = []
     for node in graph.nodes:
         if node.op in INPUTS or node.op in LENGTH_INPUTS:
-            values.append(inputs[node.op])
+            out.append(inputs[node.op])
         elif node.op == "const":
-            values.append(node.args[0])
+            out.append(node.args[0])
         elif node.op == "load":
-            values.append(_load(aux[node.args[0]], [values[i] for i in node.args[1:]]))
+            out.append(_load(aux[node.args[0]], [out[i] for i in node.args[1:]]))
         else:
-            values.append(OPS[node.op][1](*[_tensor(values[i]) for i in node.args]))
-    return _tensor(values[graph.output])
+            out.append(OPS[node.op][1](*[_tensor(out[i]) for i in node.args]))
+    return out
+
+
+def accumulate_load_grads(graph: ModGraph, inputs: dict, ds, grads: dict) -> None:
+    """Add d(loss)/d(captured tensor) for each of `learnable_loads(graph)` into `grads` (by
+    the tensor's id: a float tensor of its shape): ``ds`` [b, h, sq, sk] is d(loss)/d(the
+    mod's output); each element adds ds · d(output)/d(load) at the load's clamped index, as
+    the kernels' atomics do."""
+    aux = tuple(t.detach().to(ds.device) for t in graph.aux)
+    vals = values(graph, inputs, aux)
+    for load in learnable_loads(graph):
+        node = graph.nodes[load]
+        tensor, grad = graph.aux[node.args[0]], grads[id(graph.aux[node.args[0]])]
+        factor = evaluate(load_derivative(graph, load), inputs, aux)
+        contrib = ds * torch.broadcast_to(torch.as_tensor(factor, dtype=ds.dtype,
+                                                          device=ds.device), ds.shape)
+        index = []
+        for dim, i in enumerate(node.args[1:]):
+            idx = torch.as_tensor(_tensor(vals[i]), device=ds.device).to(torch.int64)
+            index.append(torch.broadcast_to(idx.clamp(0, tensor.shape[dim] - 1), ds.shape))
+        grad.index_put_(tuple(i.reshape(-1) for i in index), contrib.reshape(-1).to(grad.dtype),
+                        accumulate=True)
 
 
 def _tensor(value):
@@ -230,13 +277,51 @@ def score_derivative(graph: ModGraph) -> ModGraph:
     from each op's rule (a load, a comparison and an index are constant in the score)."""
     if graph.kind != "score":
         raise ValueError("only a score mod has a derivative")
+    return derivative(graph, lambda i, node: node.op == "score")
+
+
+def load_derivative(graph: ModGraph, load: int) -> ModGraph:
+    """The graph of d(score_mod)/d(the value node `load` reads from a captured tensor): the
+    factor of that tensor's gradient at the element's (clamped) index."""
+    if graph.nodes[load].op != "load":
+        raise ValueError(f"node {load} is not a load")
+    return derivative(graph, lambda i, node: i == load)
+
+
+def derivative(graph: ModGraph, wrt: Callable) -> ModGraph:
+    """The graph of d(output)/d(x), x the nodes `wrt(index, node)` picks (each counting as x
+    itself), by forward differentiation: every other input, constant and load is constant."""
     nodes = list(graph.nodes)
     zero = _append(nodes, Node("const", (0.0,)))
     one = _append(nodes, Node("const", (1.0,)))
     deriv = {}
     for i, node in enumerate(graph.nodes):
-        deriv[i] = _rule(nodes, node, i, deriv, zero, one)
-    return ModGraph(tuple(nodes), deriv[graph.output], graph.aux, "score")
+        deriv[i] = one if wrt(i, node) else _rule(nodes, node, i, deriv, zero, one)
+    return ModGraph(tuple(nodes), deriv[graph.output], graph.aux, graph.kind)
+
+
+def learnable_loads(graph: Optional[ModGraph]) -> tuple:
+    """The load nodes of a score mod that read a floating-point captured tensor requiring
+    grad (a learnable bias, ALiBi slopes): their tensors get gradients."""
+    if graph is None or graph.kind != "score":
+        return ()
+    return tuple(i for i, n in enumerate(graph.nodes) if n.op == "load"
+                 and graph.aux[n.args[0]].is_floating_point()
+                 and graph.aux[n.args[0]].requires_grad)
+
+
+def learnable(variant: Optional["Variant"]) -> tuple:
+    """The captured tensors of a call's mods that get gradients, in the order the backward
+    returns them (first load first; each tensor once)."""
+    if variant is None or variant.fa4 is not None:
+        return ()
+    graph = variant.score_mod
+    out = []
+    for i in learnable_loads(graph):
+        t = graph.aux[graph.nodes[i].args[0]]
+        if not any(t is o for o in out):
+            out.append(t)
+    return tuple(out)
 
 
 def _append(nodes: list, node: Node) -> int:
@@ -246,8 +331,6 @@ def _append(nodes: list, node: Node) -> int:
 
 def _rule(nodes, node, i, deriv, zero, one) -> int:
     op, args = node.op, node.args
-    if op == "score":
-        return one
     if (op in INPUTS or op in LENGTH_INPUTS or op in ("const", "load") or op in _BOOL
             or op in ("floordiv", "mod")):
         return zero
@@ -325,6 +408,15 @@ class KernelMods(NamedTuple):
     # that straddle its blocks, and its (rows, cols) block size.
     block_rule: Optional[int] = None
     block_size: tuple = ()
+    # A backward's gradients of learnable captured tensors: per load of one, (its aux index,
+    # the load node, the node of d(score mod)/d(load)); each such tensor's fp32 gradient is
+    # an aux field after the captured tensors, in `grad_slots` order.
+    aux_grads: tuple = ()
+
+    @property
+    def grad_slots(self) -> tuple:
+        """The aux indices of the tensors with gradients, each once, by first load."""
+        return tuple(dict.fromkeys(a for a, _, _ in self.aux_grads))
 
     @property
     def sparse(self) -> bool:
@@ -333,20 +425,26 @@ class KernelMods(NamedTuple):
     def key(self) -> str:
         import hashlib
 
-        return hashlib.sha256(repr(tuple(self)).encode()).hexdigest()[:16]
+        # Without gradients, the fields before `aux_grads` alone: the keys (and the disk
+        # cache's entries) of every other mods kernel stay as they were.
+        fields = tuple(self) if self.aux_grads else tuple(self)[:-1]
+        return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
 
 
-def kernel_mods(variant: "Variant") -> tuple:
+def kernel_mods(variant: "Variant", grads: bool = False) -> tuple:
     """(`KernelMods`, the captured tensors in its aux order) of a registered `Variant` (FA4-form
-    mods: their `fa4_mods.Fa4Spec` and the call's aux tensors); raises `UnsupportedMod` for
-    what the kernels cannot run (too many captured tensors, a dtype outside `AUX_DTYPES`, `pow`
-    with an exponent that is not a constant)."""
+    mods: their `fa4_mods.Fa4Spec` and the call's aux tensors); `grads`: a backward's, with the
+    derivatives of the learnable loads (`learnable_loads`); raises `UnsupportedMod` for what
+    the kernels cannot run (too many captured tensors, a dtype outside `AUX_DTYPES`, `pow`
+    with an exponent that is not a constant, a learnable load whose derivative reads the
+    score)."""
     if variant.fa4 is not None:
         tensors = [ref() for ref in variant.aux_tensors]
         # A block mask's states: the last aux tensor (`Fa4Spec.block_size`).
         return variant.fa4, tensors + ([variant.block_states] if variant.fa4.sparse else [])
     nodes, aux, outputs = [], [], {}
     score = variant.score_mod
+    aux_grads = ()
     if score is not None:
         grad = score_derivative(score)
         base = _merge(nodes, aux, grad)
@@ -354,6 +452,8 @@ def kernel_mods(variant: "Variant") -> tuple:
         constant_one = (grad.nodes[grad.output].op == "const"
                         and grad.nodes[grad.output].args[0] == 1.0)
         outputs["score_grad"] = None if constant_one else base + grad.output
+        if grads:
+            aux_grads = _load_grads(nodes, aux, score)
     if variant.mask_mod is not None:
         outputs["mask"] = _merge(nodes, aux, variant.mask_mod) + variant.mask_mod.output
     if variant.block_states is not None:
@@ -364,6 +464,11 @@ def kernel_mods(variant: "Variant") -> tuple:
     if len(aux) > MAX_AUX:
         raise UnsupportedMod(f"the mods capture {len(aux)} tensors; the kernels take at most "
                              f"{MAX_AUX} (stack them into one)")
+    slots = len(dict.fromkeys(a for a, _, _ in aux_grads))
+    if len(aux) + slots > MAX_AUX:
+        raise UnsupportedMod(f"the mods capture {len(aux)} tensors, {slots} of them learnable, "
+                             f"whose gradients take a slot each; the kernels take at most "
+                             f"{MAX_AUX} in all")
     sig = []
     for t in aux:
         if t.dtype not in AUX_DTYPES:
@@ -372,8 +477,47 @@ def kernel_mods(variant: "Variant") -> tuple:
         sig.append((AUX_DTYPES[t.dtype], t.dim()))
     spec = KernelMods(tuple(nodes), outputs.get("score"), outputs.get("score_grad"),
                       outputs.get("mask"), tuple(sig), outputs.get("block_rule"),
-                      tuple(int(x) for x in variant.block_size or ()))
+                      tuple(int(x) for x in variant.block_size or ()), aux_grads)
     return spec, tuple(aux)
+
+
+def _load_grads(nodes: list, aux: list, score: ModGraph) -> tuple:
+    """Append d(score mod)/d(load) of each learnable load to `nodes`: ((aux index, load node,
+    derivative node), ...). The backward computes them after dS, when the score itself is
+    gone: a derivative that reads it is refused."""
+    out = []
+    levels = _levels(score.nodes)
+    for load in learnable_loads(score):
+        if any("score" in levels[i] for i in score.nodes[load].args[1:]):
+            raise UnsupportedMod(
+                "a learnable captured tensor is indexed by a value of the score (e.g. "
+                "table[h, score > 0]); the kernels accumulate gradients at indices of b, h, "
+                "q_idx and kv_idx: detach the tensor")
+        d = load_derivative(score, load)
+        reads = {i for i, lv in enumerate(_levels(d.nodes)) if "score" in lv}
+        if d.output in reads:
+            raise UnsupportedMod(
+                "a learnable captured tensor's derivative depends on the score (e.g. "
+                "score * w[h]); the kernels accumulate gradients of terms added to it (a "
+                "bias: w[h] * (q_idx - kv_idx), bias[q_idx - kv_idx]): detach the tensor or "
+                "write the mod as a bias")
+        base = _merge(nodes, aux, d)
+        slot = next(i for i, a in enumerate(aux) if a is score.aux[score.nodes[load].args[0]])
+        out.append((slot, base + load, base + d.output))
+    return tuple(out)
+
+
+def _levels(nodes: tuple) -> tuple:
+    """Per node, the inputs it reads ("score", ...), transitively (`graph_mods.levels`' rule,
+    without its import of the DSL)."""
+    out = []
+    for node in nodes:
+        deps = node.args[1:] if node.op == "load" else (() if node.op == "const" else node.args)
+        level = {node.op} if node.op in INPUTS else set()
+        for i in deps:
+            level |= out[i]
+        out.append(frozenset(level))
+    return tuple(out)
 
 
 def _block_rule(nodes: list, aux: list, variant: "Variant", mask: Optional[int]) -> int:
@@ -521,9 +665,27 @@ def _store(ident, score_graph: Callable, mask_mod, block_mask, owners: tuple) ->
     key, _NEXT[0] = _NEXT[0], _NEXT[0] + 1
     _REGISTRY[key] = variant
     _KEYS[ident] = key
+    _own(ident, key, owners)
+    return key
+
+
+def _own(ident, key: int, owners: tuple) -> None:
+    """The entry goes when any of `owners` is collected; `holders` gives them back while it
+    lives."""
+    _OWNERS[key] = tuple(weakref.ref(o) for o in owners)
     for owner in owners:
         weakref.finalize(owner, _forget, ident, key)
-    return key
+
+
+def holders(key: int) -> tuple:
+    """The objects whose collection ends registry entry `key` (its captured tensors, block
+    mask, FA4 aux tensors): an autograd context keeps them, so that a backward finds the
+    forward's entry even when the caller dropped them (a block mask built inline in the
+    call)."""
+    return tuple(ref() for ref in _OWNERS.get(key, ()))
+
+
+_OWNERS = {}
 
 
 def register_fa4(score_mod: Optional[Callable], mask_mod: Optional[Callable],
@@ -574,8 +736,7 @@ def register_fa4(score_mod: Optional[Callable], mask_mod: Optional[Callable],
     key, _NEXT[0] = _NEXT[0], _NEXT[0] + 1
     _REGISTRY[key] = variant
     _FA4_KEYS[ident] = key
-    for owner in owners:
-        weakref.finalize(owner, _forget, ident, key)
+    _own(ident, key, owners)
     if kinds:
         # A scalar that changes every call (a schedule, a temperature) would grow the
         # registry: entries of scalar values go least recently registered first, beyond
@@ -594,6 +755,7 @@ def _forget(ident, key) -> None:
     _KEYS.pop(ident, None)
     _FA4_KEYS.pop(ident, None)
     _REGISTRY.pop(key, None)
+    _OWNERS.pop(key, None)
     _SCALAR_KEYS.pop(ident, None)
 
 

@@ -12,7 +12,9 @@ tensors, `torch.library.opcheck` and CUDA graphs see one operator per pass:
 * Autograd: ``fwd``'s derivative is ``bwd`` (recomputation from the LSE).
 
 One schema serves the padded and the packed (varlen) layouts: the packed one passes
-cu_seqlens. ``variant`` is the key of the call's score/mask modifications in a registry (0:
+cu_seqlens. ``bwd`` with ``mod_grads`` also returns the gradients of the score mod's
+learnable captured tensors (`mod_graph.learnable`: a learnable bias, ALiBi slopes), in that
+order (``dmods``; empty without). ``variant`` is the key of the call's score/mask modifications in a registry (0:
 none), since Python objects cannot be schema arguments. ``dropout_p`` > 0 drops attention
 weights with the keep decisions `flash_cute.rng` derives from ``rng_seed`` (int64 [1], drawn
 by the caller: the operators are functions of their inputs, and the backward redraws the
@@ -37,7 +39,8 @@ _LIB.define(f"fwd(Tensor q, Tensor k, Tensor v, {_LENGTHS}, {_OPTIONS}, bool nee
             f"Tensor lse)")
 _LIB.define(f"bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, "
             f"Tensor lse, {_LENGTHS}, {_OPTIONS}, int variant, float dropout_p=0.0, "
-            f"Tensor? rng_seed=None) -> (Tensor dq, Tensor dk, Tensor dv)")
+            f"Tensor? rng_seed=None, bool mod_grads=False) -> (Tensor dq, Tensor dk, Tensor dv, "
+            f"Tensor[] dmods)")
 
 # Positions in the options after the tensors: (the 10 _OPTIONS, [needs_grad,] variant,
 # dropout_p, rng_seed).
@@ -102,14 +105,20 @@ def _fwd_cpu(q, k, v, cu_q, cu_k, used_q, used_k, *options):
     return out.to(q.dtype).contiguous(), lse.float().contiguous()
 
 
+def _mod_grads(options: tuple) -> bool:
+    return len(options) > _BWD_VARIANT + 3 and bool(options[_BWD_VARIANT + 3])
+
+
 def _bwd_cpu(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options):
     lengths = (cu_q, cu_k, used_q, used_k)
     dropout = _dropout_of(options, _BWD_VARIANT)
     problem = _reference_problem(q, k, v, lengths, options, dropout)
-    dq, dk, dv = attention_ref_backward(q, k, v, dout, dlse,
-                                        **_reference_kwargs(problem, lengths,
-                                                            options[_BWD_VARIANT], dropout[1]))
-    return tuple(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v)))
+    kwargs = _reference_kwargs(problem, lengths, options[_BWD_VARIANT], dropout[1])
+    learned = mod_graph.learnable(kwargs["variant"]) if _mod_grads(options) else ()
+    grads = {id(t): torch.zeros(t.shape, dtype=torch.float32) for t in learned}
+    dq, dk, dv = attention_ref_backward(q, k, v, dout, dlse, aux_grads=grads, **kwargs)
+    return (*(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v))),
+            [grads[id(t)].to(t.dtype) for t in learned])
 
 
 _LIB.impl("fwd", _fwd_cpu, "CPU")
@@ -135,8 +144,11 @@ def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *option
     _variant(options[_BWD_VARIANT])
     _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options,
                        _dropout_of(options, _BWD_VARIANT))
+    learned = (mod_graph.learnable(_variant(options[_BWD_VARIANT])) if _mod_grads(options)
+               else ())
     # Contiguous, whatever the inputs' strides, as the kernels' gradients are.
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            [q.new_empty(t.shape, dtype=t.dtype) for t in learned])
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -146,6 +158,7 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.paged = _page_table(inputs[7:]) is not None
     # Without needs_grad and the seed (saved above).
     ctx.options = inputs[7:17] + (inputs[18], dropout_p)
+    ctx.holders = mod_graph.holders(inputs[18])   # the mods' registry entry, for the backward
     ctx.set_materialize_grads(False)
 
 
@@ -156,8 +169,8 @@ def _fwd_backward(ctx, dout, dlse):
                                   "flash_attn_func gathers the pages when gradients are needed")
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.flash_cute.bwd(dout, dlse, q, k, v, out, lse, *lengths, *ctx.options,
-                                          rng_seed)
+    dq, dk, dv, _ = torch.ops.flash_cute.bwd(dout, dlse, q, k, v, out, lse, *lengths,
+                                             *ctx.options, rng_seed)
     return (dq, dk, dv) + (None,) * 21
 
 

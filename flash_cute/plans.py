@@ -181,18 +181,20 @@ def _check_seed(rng_seed, q) -> None:
                          f"({q.device}; `flash_cute.rng.draw_seed`), got {got}")
 
 
-def _with_mods(problem, key: int, q):
+def _with_mods(problem, key: int, q, grads: bool = False):
     """`problem` with the call's mods (registry `key`; 0: none), after the kernels' checks:
-    what their graphs may use (`mod_graph.kernel_mods`) and where their tensors live."""
+    what their graphs may use (`mod_graph.kernel_mods`) and where their tensors live;
+    `grads`: a backward that also gives the learnable captured tensors' gradients."""
     if not key:
         return problem
     variant = mod_graph.lookup(key)
-    aux = mod_graph.kernel_mods(variant)[1]
+    grads = grads and bool(mod_graph.learnable(variant))
+    aux = mod_graph.kernel_mods(variant, grads)[1]
     for t in aux:
         if t.device != q.device:
             raise ValueError(f"a score_mod / mask_mod captures a tensor on {t.device}; the "
                              f"kernels read it on q's device ({q.device}): move it there")
-    return dataclasses.replace(problem, mods=variant, mods_key=key)
+    return dataclasses.replace(problem, mods=variant, mods_key=key, mod_grads=grads)
 
 
 def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
@@ -212,6 +214,8 @@ def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
     if needs_grad:
         # Refused now, before the forward runs, rather than in the backward.
         bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
+        if problem.mods is not None and mod_graph.learnable(problem.mods):
+            mod_graph.kernel_mods(problem.mods, True)   # what their gradients cannot be
     paged = {} if page_table is None else {"page_table": page_table}
     if append is not None:
         _check_append(k, v, lengths, append, problem)
@@ -302,17 +306,21 @@ def split_seed(options: tuple, count: int):
 
 def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
              *options):
-    """`flash_cute::bwd` on CUDA tensors: ``(dq, dk, dv)``."""
+    """`flash_cute::bwd` on CUDA tensors: ``(dq, dk, dv, dmods)``."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    options, rng_seed = split_seed(options, 12)
+    mod_grads = len(options) > 13 and bool(options[13])
+    options, rng_seed = split_seed(options[:13], 12)
+    options += (mod_grads,)
     dout = kernel_ready(dout)
     dlse = None if dlse is None else dlse.contiguous()
     key = _call_key((dout, dlse, q, k, v, out, lse, rng_seed) + lengths, options)
     launch = _BWD_PLANS.get(key)
+    if launch is not None and mod_grads and not _same_learned(launch, options[10]):
+        launch = None   # which captured tensors require grad changed since it was planned
     if launch is None:
         deterministic, arch = options[8:10]
         problem = validate_call(q, k, v, lengths, options, dropout=(options[11], rng_seed))
-        problem = _with_mods(problem, options[10], q)
+        problem = _with_mods(problem, options[10], q, mod_grads)
         if deterministic and problem.mods is not None and problem.mods.block_states is not None:
             raise NotImplementedError("deterministic=True with a block_mask: the fixed dQ "
                                       "order assumes every key tile of the mask's range")
@@ -324,7 +332,14 @@ def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
                                                 *lengths, bool(deterministic))
         _BWD_PLANS.put(key, launch)
     with on_device(q):
-        return launch(dout, dlse, q, k, v, out, lse, *lengths, rng_seed=rng_seed)
+        dq, dk, dv = launch(dout, dlse, q, k, v, out, lse, *lengths, rng_seed=rng_seed)
+    return dq, dk, dv, (launch.aux.gradients() if mod_grads else [])
+
+
+def _same_learned(launch, key: int) -> bool:
+    learned = mod_graph.learnable(mod_graph.lookup(key))
+    return len(learned) == len(launch.aux.learned) and all(
+        a is b for a, b in zip(learned, launch.aux.learned))
 
 
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:

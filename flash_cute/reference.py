@@ -362,6 +362,7 @@ def attention_ref_backward(
     dtype: torch.dtype = torch.float32,
     variant=None,
     dropout=None,
+    aux_grads: Optional[dict] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`attention_ref` by the written-out formulas (no autograd), in
     `dtype`, for the same arguments plus the incoming gradients of out and (optionally) lse:
@@ -369,11 +370,13 @@ def attention_ref_backward(
     through the softcap's ``1 − tanh²``, then ``dQ = dS K · scale`` and ``dK = dSᵀ Q · scale``
     (summed over each K/V head's query heads). It runs where autograd does not (inside an
     operator's kernel under a dispatch mode), and checks the kernels' formula against
-    autograd of the forward."""
+    autograd of the forward. `aux_grads` ({id(tensor): zeroed tensor of its shape}): the
+    gradients of a score mod's learnable captured tensors (`mod_graph.learnable`) are added
+    there."""
     varlen = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    args = (softmax_scale, causal, window_size, softcap, variant, dropout)
+    args = (softmax_scale, causal, window_size, softcap, variant, dropout, aux_grads)
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     dlse = None if dlse is None else dlse.to(dtype)
     if not varlen and seqused_q is None and seqused_k is None:
@@ -390,7 +393,7 @@ def attention_ref_backward(
 
 
 def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, softcap,
-                    variant=None, dropout=None, batch_index=None):
+                    variant=None, dropout=None, aux_grads=None, batch_index=None):
     """The backward of `_attention_dense` ([b, s, h, d]; dlse [b, h, sq] or None); a score
     mod's derivative comes from its graph (`mod_graph.score_derivative`). With dropout,
     P̃ = Z ∘ P / (1 - p): dV = P̃ᵀ dO, dP = Z ∘ (dO Vᵀ) / (1 - p), dS = P ∘ (dP − Δ)."""
@@ -413,6 +416,11 @@ def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, sof
     ds = p * (dp - delta[..., None])
     if softcap > 0:
         ds = ds * (1 - (capped / softcap) ** 2)
+    if aux_grads and variant is not None and variant.score_mod is not None:
+        from flash_cute.mod_graph import accumulate_load_grads
+
+        accumulate_load_grads(variant.score_mod, {"score": raw, **_mod_grids(raw, batch_index)},
+                              ds, aux_grads)
     if variant is not None and variant.score_mod is not None:
         ds = ds * _mod_derivative(variant.score_mod, raw, batch_index)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * softmax_scale

@@ -109,7 +109,9 @@ def aux_tensors(cfg, args):
     # FA4-form mods' aux_scalars follow the tensors (`Fa4Mods` splits them).
     scalars = tuple(getattr(args, f"scalar{i}")
                     for i in range(len(getattr(cfg.mods, "scalars", ()))))
-    return tuple(getattr(args, f"aux{i}") for i in range(len(cfg.mods.aux))) + scalars
+    # A backward's gradients of learnable captured tensors follow them (`GraphMods` splits).
+    count = len(cfg.mods.aux) + len(getattr(cfg.mods, "grad_slots", ()))
+    return tuple(getattr(args, f"aux{i}") for i in range(count)) + scalars
 
 
 def tile_scores(cfg, mod_scale: Float32, mask: AttentionMask, aux=None, batch=None,
@@ -186,6 +188,14 @@ class Scores(DslState):
     def needs_grad(self) -> bool:
         """Whether the backward must take the mod's derivative from `prepare` (`grad_mn`)."""
         return self.mods is not None and self.mods.spec.score_grad is not None
+
+    def ds_hook(self, coord_mn: cute.Tensor, m_block: Int32, n_block: Int32):
+        """The backward's use of dS before the mod's derivative (`bwd_blocks.p_and_ds`): the
+        gradients of learnable captured tensors (`GraphMods.accumulate_grads`); None
+        without."""
+        if not getattr(getattr(self.mods, "spec", None), "aux_grads", ()):
+            return None
+        return lambda ds_mn: self.mods.accumulate_grads(ds_mn, coord_mn, m_block, n_block)
 
     def tile_state(self, m_block: Int32, n_block: Int32) -> Optional[Int32]:
         """The block mask's state of this tile (None without one), for `prepare`'s `state`:

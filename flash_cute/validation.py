@@ -101,6 +101,9 @@ class AttentionProblem:
     # compared and hashed by their registry key (plans are cached by problem).
     mods: object = field(default=None, compare=False)
     mods_key: int = 0
+    # A backward that also accumulates the gradients of the score mod's learnable captured
+    # tensors (`mod_graph.learnable`).
+    mod_grads: bool = False
 
     @property
     def qheads_per_kvhead(self) -> int:

@@ -69,7 +69,7 @@ class Variant:
         if getattr(problem, "mods", None) is not None:
             from flash_cute.mod_graph import kernel_mods
 
-            mods = kernel_mods(problem.mods)[0]
+            mods = kernel_mods(problem.mods, getattr(problem, "mod_grads", False))[0]
         return cls(causal=problem.causal, window_left=problem.window_left is not None,
                    window_right=problem.window_right is not None and not problem.causal,
                    softcap=problem.softcap > 0, varlen=problem.varlen,

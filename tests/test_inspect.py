@@ -60,13 +60,15 @@ KNOWN_SPILLS = {("ampere.fwd", "sm_100a", 128): 32}
 # kv_idx, a relative-bias table): a few registers at the default schedule, which runs faster
 # than the spill-free one without intra-warpgroup overlap; the hdim-128 backward of a mod
 # whose derivative is not 1 (softcap, also in FA4's form, and the ampere backward there),
-# whose derivative takes a fragment of its own (D-MODS-KERNEL).
+# whose derivative takes a fragment of its own (D-MODS-KERNEL); the ampere hdim-128 backward
+# that also sums learnable ALiBi slopes' gradient (D-MOD-GRADS).
 KNOWN_MOD_SPILLS = {("hopper.fwd", "sm_90a", "document", 128): 24,
                     ("hopper.fwd", "sm_90a", "alibi_document", 128): 8,
                     ("hopper.fwd", "sm_90a", "relative_bias", 128): 40,
                     ("hopper.bwd", "sm_90a", "softcap", 128): 48,
                     ("hopper.bwd", "sm_90a", "fa4_softcap_causal", 128): 32,
-                    ("ampere.bwd", "sm_80", "fa4_softcap_causal", 128): 72}
+                    ("ampere.bwd", "sm_80", "fa4_softcap_causal", 128): 72,
+                    ("ampere.bwd", "sm_80", "alibi+grads", 128): 64}
 
 
 def known_spill(e: dict):
@@ -322,6 +324,22 @@ def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
 
 
 @pytest.mark.slow
+def test_learnable_tensors_gradients_take_atomics_by_how_their_index_varies(inspected):
+    """The hopper backward's gradients of learnable captured tensors (its dQ leaves by a bulk
+    reduce, so every fp32 atomic is theirs): ALiBi's slopes[h], an index uniform over the tile,
+    one per thread; a relative-bias table[h, q_idx - kv_idx], one per element of a thread's
+    tile_m x tile_n / 256 (D-MOD-GRADS)."""
+    entries = {e["config"]["mods"]: e for e in inspected if e["kernel"] == "hopper.bwd"
+               and str(e["config"].get("mods", "")).endswith("+grads")}
+    assert set(entries) == {"alibi+grads", "relative_bias+grads"}
+    for name, e in entries.items():
+        tile_m, tile_n = e["config"]["schedule"][:2]
+        want = 1 if name == "alibi+grads" else tile_m * tile_n // 256
+        assert e["sass"].get("REDG", 0) + e["sass"].get("ATOMG", 0) == want, name
+        assert e["spill_bytes"] == 0, name
+
+
+@pytest.mark.slow
 def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce(inspected):
     """16-bit dK and dV leave as 128-bit row stores. dQ leaves through one bulk reduce-add
     of a shared-memory tile (two, one per consumer warpgroup's half, with dq_per_wg), written
@@ -364,6 +382,8 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce
                 # per element.
                 dkv = 0 if config["dkv_fp32"] else dkv_elems // (1 if config.get("swap_dkv") else 2)
                 assert ops.get("STS", 0) == per_thread // 4 + dkv, "dQ: one 128-bit store per 4"
+            if str(config.get("mods", "")).endswith("+grads"):
+                continue   # the learnable tensors' gradients are fp32 atomics (below)
             assert atomics == 0, "no fp32 atomics where the bulk reduce adds dQ"
         else:
             assert ops.get("UBLKRED", 0) == 0 and atomics > 0, "dQ is added by fp32 atomics"

@@ -266,6 +266,27 @@ def test_gpu_pipelines_need_the_mods_and_block_sparse_capabilities():
         assert names[name].missing(required_capabilities(sparse)) is None
 
 
+def test_the_backward_finds_its_entry_when_the_block_mask_is_gone():
+    """A block mask built inline in the call is collected before the backward runs; the
+    autograd context keeps the registry entry (it had raised "variant N is not registered")."""
+    import gc
+
+    def doc(b, h, q_idx, kv_idx):
+        return (q_idx // 50) == (kv_idx // 50)
+
+    q, k, v = (torch.randn(1, 150, 2, 32, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    out = flash_cute.flash_attn_func(q, k, v, block_mask=create_block_mask(
+        doc, 1, 1, 150, 150, device="cpu", BLOCK_SIZE=64))[0]
+    gc.collect()
+    out.sum().backward()
+    expect = flex_attention(*(t.detach().float().transpose(1, 2) for t in (q, k, v)),
+                            block_mask=create_block_mask(doc, 1, 1, 150, 150, device="cpu",
+                                                         BLOCK_SIZE=64))
+    assert torch.allclose(out.float(), expect.transpose(1, 2), atol=2e-2)
+    assert q.grad.isfinite().all() and k.grad.abs().sum() > 0
+
+
 def test_mods_under_compile_fullgraph_dynamic():
     """Registered mods trace with the block (no break, no recompile across lengths); mods
     never registered are refused with how to register them (a trace cannot run the tracer)."""
@@ -421,3 +442,199 @@ def test_kernel_tiles_and_narrowed_ranges_cover_exactly_the_non_empty_tiles():
                 assert states[1, 1, m, n] == FULL and not needs_mask(n, rng)
     assert narrow_pair(2, 9, 4, 6) == (4, 6) and narrow_pair(2, 9, 10, 12) == (9, 9)
     assert narrow_pair(2, 9, 0, 1) == (2, 2)
+
+
+def _learnable_mod(slopes, table, span):
+    def mod(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs() + table[h, q_idx - kv_idx + span]
+    return mod
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gradients_reach_learnable_captured_tensors(varlen):
+    """A score mod's learnable tensors (ALiBi slopes, a relative-bias table) get gradients
+    through the CPU operators, against FlexAttention's in float64 on the same function; only
+    the learnable one of two captured tensors gets one, and with q, k, v frozen too."""
+    torch.manual_seed(5)
+    slopes = (torch.rand(H) + 0.1).requires_grad_()
+    table = torch.randn(H, 2 * 53 + 1)           # not learnable: no gradient, no slot
+    lens = (21, 32) if varlen else (53, 53)
+    q, k, v = (torch.randn(1, sum(lens) if varlen else 53, H, 32, dtype=torch.bfloat16)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    for frozen in (False, True):
+        slopes.grad = None
+        qkv = [t.clone().requires_grad_(not frozen) for t in (q, k, v)]
+        mod = _learnable_mod(slopes, table, 53)
+        if varlen:
+            cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+            out = flash_cute.flash_attn_varlen_func(
+                *(t[0] for t in qkv), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                max_seqlen_k=max(lens), score_mod=mod, causal=True)[0][None]
+        else:
+            out = flash_cute.flash_attn_func(*qkv, score_mod=mod, causal=True)[0]
+        out.backward(dout)
+        got = slopes.grad.clone()
+        s64 = slopes.detach().double().requires_grad_()
+        mod64 = _learnable_mod(s64, table.double(), 53)
+        starts = [0, lens[0]] if varlen else [0]
+        for start, n in zip(starts, lens if varlen else (53,)):
+            part = slice(start, start + n)
+            qd, kd, vd = (t[:, part].double().transpose(1, 2) for t in (q, k, v))
+            ref = flex_attention(qd, kd, vd, score_mod=mod64, block_mask=create_block_mask(
+                causal, None, None, n, n, device="cpu"))
+            ref.backward(dout[:, part].double().transpose(1, 2))
+        assert table.grad is None
+        assert torch.allclose(got.double(), s64.grad, rtol=1e-3, atol=1e-3 * s64.grad.abs().max())
+
+
+def test_a_learnable_tensor_whose_derivative_reads_the_score_is_refused():
+    """The backward accumulates a captured tensor's gradient after dS, when the score is gone:
+    a learnable factor of the score is refused naming the way out; detached, it runs."""
+    w = torch.rand(H).requires_grad_()
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * w[h]
+
+    variant = mod_graph.lookup(mod_graph.register(scaled, None))
+    with pytest.raises(mod_graph.UnsupportedMod, match="depends on the score"):
+        mod_graph.kernel_mods(variant, grads=True)
+    assert mod_graph.kernel_mods(variant)[0].aux_grads == ()
+
+
+def test_the_backward_operator_returns_the_learnable_gradients_and_passes_opcheck():
+    """flash_cute::bwd with mod_grads: its fake and CPU implementations agree (opcheck), and
+    it returns one gradient per learnable tensor, none without mod_grads."""
+    slopes = (torch.rand(H) + 0.1).requires_grad_()
+    key = mod_graph.register(_learnable_mod(slopes, torch.zeros(H, 61), 30), None)
+    q, k, v = (torch.randn(1, 29, H, 32, dtype=torch.bfloat16) for _ in range(3))
+    opts = (None, None, None, True, None, None, 0.0, None, False, None)
+    out, lse = torch.ops.flash_cute.fwd(q, k, v, None, None, None, None, *opts, True, key)
+    args = (torch.randn_like(out), None, q, k, v, out, lse, None, None, None, None, *opts, key,
+            0.0, None)
+    torch.library.opcheck(torch.ops.flash_cute.bwd.default, args + (True,))
+    assert len(torch.ops.flash_cute.bwd(*args, True)[3]) == 1
+    assert torch.ops.flash_cute.bwd(*args)[3] == []
+
+
+_PLAN_LEARNABLE = """
+import torch
+from flash_cute import mod_graph, plans
+from flash_cute.dispatch import pipeline_named
+from flash_cute.jit import compile_only
+from flash_cute.validation import validate_attention_inputs
+
+slopes = torch.rand(4, device="meta").requires_grad_()
+table = torch.rand(4, 101, device="meta").requires_grad_()
+ids = torch.zeros(90, dtype=torch.int32, device="meta")
+
+
+def mod(score, b, h, q_idx, kv_idx):
+    return score - slopes[h] * (q_idx - kv_idx).abs() + table[h, q_idx - kv_idx + 50]
+
+
+def with_ids(score, b, h, q_idx, kv_idx):
+    return mod(score, b, h, q_idx, kv_idx) + ids[kv_idx]
+
+
+try:   # three tensors and two gradients: five slots of four
+    mod_graph.kernel_mods(mod_graph.lookup(mod_graph.register(with_ids, None)), True)
+except mod_graph.UnsupportedMod as e:
+    assert "at most 4 in all" in str(e), e
+else:
+    raise AssertionError("five aux slots accepted")
+key = mod_graph.register(mod, None)
+q = torch.empty(2, 77, 4, 128, dtype=torch.bfloat16, device="meta")
+k = torch.empty(2, 90, 2, 128, dtype=torch.bfloat16, device="meta")
+base = validate_attention_inputs(q, k, k, causal=True, require_cuda=False)
+fwd_problem = plans._with_mods(base, key, q)
+problem = plans._with_mods(base, key, q, True)
+assert problem.mod_grads and not fwd_problem.mod_grads
+for name in ("hopper", "ampere"):
+    pipe = pipeline_named(name)
+    with compile_only():
+        out, lse = pipe.forward(q, k, k, fwd_problem, None, None, None, None)
+        plain = pipe.plan_backward(out, None, q, k, k, out, lse, fwd_problem, None, None, None,
+                                   None, False)
+        launch = pipe.plan_backward(out, None, q, k, k, out, lse, problem, None, None, None,
+                                    None, False)
+        launch(out, None, q, k, k, out, lse)
+    assert plain.main.key != launch.main.key
+    assert [(tuple(g.shape), g.dtype) for g in launch.aux.gradients()] == \\
+        [((4,), torch.float32), ((4, 101), torch.float32)]
+    assert launch.aux.learned[0] is slopes and launch.aux.learned[1] is table
+print("planned")
+"""
+
+
+def test_learnable_tensors_plan_and_compile_in_both_backwards(tmp_path):
+    """The GPU path's host side and kernels, compiled for sm_90a against meta tensors (nothing
+    launched): the backward with gradients of two learnable captured tensors (their buffers in
+    the aux slots after them; a third tensor would need five slots, refused) has its own
+    compile key, and returns one fp32-accumulated gradient per learnable tensor."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "plan_learnable.py"
+    script.write_text(_PLAN_LEARNABLE)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"}, timeout=600)
+    assert proc.returncode == 0 and "planned" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def test_learnable_parameters_under_compile_fullgraph_dynamic():
+    """An nn.Parameter captured by a mod (torch.fx alone refuses one outside a module) gets
+    the same gradient under torch.compile(fullgraph=True, dynamic=True) as eagerly, with no
+    recompile across lengths."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    slopes = torch.nn.Parameter(torch.rand(H) + 0.1)
+
+    def learned_alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    def attend(q, k, v):
+        return flash_cute.flash_attn_func(q, k, v, score_mod=learned_alibi, causal=True)[0]
+
+    mod_graph.register(learned_alibi, None)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(attend, backend=counter, fullgraph=True, dynamic=True)
+    frames = None
+    for seqlen in (33, 57, 80):
+        q, k, v = (torch.randn(1, seqlen, H, 32, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grads = []
+        for fn in (compiled, attend):
+            slopes.grad = None
+            fn(q, k, v).float().sum().backward()
+            grads.append(slopes.grad.clone())
+        assert grads[0].abs().max() > 0 and torch.equal(grads[0], grads[1])
+        frames = counter.frame_count if frames is None else frames
+        assert counter.frame_count == frames
+    torch._dynamo.reset()
+
+
+def test_a_learnable_tensor_indexed_by_the_score_is_refused():
+    """A gradient at an index computed from the score has no place the kernels can accumulate
+    it: refused with the way out (the CPU reference could compute it; the GPU would not)."""
+    table = torch.rand(H, 2).requires_grad_()
+
+    def by_sign(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.where(score > 0, 1, 0)]
+
+    variant = mod_graph.lookup(mod_graph.register(by_sign, None))
+    with pytest.raises(mod_graph.UnsupportedMod, match="indexed by a value of the score"):
+        mod_graph.kernel_mods(variant, grads=True)
+
+
+def test_learnable_gradients_refuse_a_second_differentiation():
+    """A learnable tensor's gradient, like dQ, raises when differentiated again
+    (create_graph=True): the backward has no derivative of its own."""
+    slopes = (torch.rand(H) + 0.1).requires_grad_()
+    q, k, v = (torch.randn(1, 20, H, 32, dtype=torch.bfloat16) for _ in range(3))
+    out = flash_cute.flash_attn_func(q, k, v, score_mod=_learnable_mod(slopes, torch.zeros(
+        H, 41), 20))[0]
+    (grad,) = torch.autograd.grad(out.float().sum(), slopes, create_graph=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        grad.sum().backward()

@@ -495,3 +495,34 @@ def test_fa4_form_score_mod_bwd_is_used_when_given():
         results.append(torch.autograd.grad(out, (q,), dout)[0].float())
     torch.testing.assert_close(results[1], results[0], atol=2e-2, rtol=2e-2)
     assert (results[2] - results[0]).abs().max() > 10 * (results[1] - results[0]).abs().max()
+
+
+@pytest.mark.parametrize("arch", [None, "ampere"])
+@pytest.mark.parametrize("d", [128, 64])
+def test_learnable_captured_tensors_get_their_gradients(arch, d):
+    """ALiBi slopes (an index uniform over a tile: one atomic per thread) and a relative-bias
+    table (an index per element), both learnable, with causal and GQA at odd lengths: their
+    gradients, accumulated by the backward kernels, and dQ/dK/dV against float64 by the
+    FlashAttention rule (the baseline: the same attention in the inputs' precision)."""
+    span = 400
+    slopes = (torch.rand(H, device="cuda") + 0.1).requires_grad_()
+    table = (0.5 * torch.randn(H, 2 * span + 1, device="cuda")).requires_grad_()
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs() + table[h, q_idx - kv_idx + span]
+
+    q, k, v = _inputs(301, 389, d)
+    out = flash_attn_func(q, k, v, score_mod=mod, causal=True, arch=arch)[0]
+    variant = mod_graph.lookup(mod_graph.register(mod, None))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, mode="float64", variant=variant, causal=True)[0]
+    qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))
+    nat = attention_ref(qn, kn, vn, mode="native", variant=variant, causal=True)[0]
+    _check(out, ref, nat, "O")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, slopes, table), dout)
+    grads64 = torch.autograd.grad(ref, (q64, k64, v64, slopes, table), dout.double())
+    grads_nat = torch.autograd.grad(nat, (qn, kn, vn, slopes, table), dout)
+    for name, g, r, n in zip(("dQ", "dK", "dV", "d(slopes)", "d(table)"), grads, grads64,
+                             grads_nat):
+        _check(g.double(), r.double(), n.double(), name)

@@ -275,11 +275,12 @@ class BwdStep(DslState):
         acc_dp = gemm_dp.new_acc((cfg.tile_m, cfg.tile_n))
         gemm_dp.run(acc_dp, stage)
         dp_mn = acc_to_mn(acc_dp)
+        hook = self.scores.ds_hook(self.coord_s, m_block, n_block)
         if cutlass.const_expr(self.dropout is None):
-            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod, grad_mn)
+            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod, grad_mn, hook)
         else:
             p_and_ds_dropout(s_mn, dp_mn, lse, delta, self.scale_log2, cfg.score_mod,
-                             self.dropout, self.coord_s, m_block, n_block, grad_mn)
+                             self.dropout, self.coord_s, m_block, n_block, grad_mn, hook)
         r_p = cute.make_rmem_tensor_like(acc_s, cfg.dtype)
         r_p.store(acc_s.load().to(cfg.dtype))
         r_ds = cute.make_rmem_tensor_like(acc_dp, cfg.dtype)

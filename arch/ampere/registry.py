@@ -97,7 +97,10 @@ def _bwd_configs():
                            ((64, 64), {"mods": "fa4_head_bias"}),
                            ((128, 128), {"mods": "document"}),
                            ((64, 64), {"mods": "softcap"}),
-                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
+                           ((128, 128), {"causal": True, "mods": "document+blocks"}),
+                           # Gradients of learnable captured tensors (`KernelMods.aux_grads`).
+                           ((128, 128), {"causal": True, "mods": "alibi+grads"}),
+                           ((64, 64), {"mods": "relative_bias+grads"})]:
         out.append(KernelConfig("ampere.bwd", TARGETS, "bf16", d, dv, BWD_SCHEDULES[d][:3],
                                 build_bwd, config_flags(**{**_SWITCHES, **flags})))
     return tuple(out)

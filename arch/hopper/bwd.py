@@ -210,8 +210,10 @@ class HopperBwd:
     @property
     def fused_p_ds(self) -> bool:
         """Whether P and dS are formed in one pass once S and dP have both landed: a score
-        mod's derivative reads S, and dropout's draws zero both dP and the P of dV."""
-        return self.ds_reads_scores or self.dropout
+        mod's derivative reads S, and dropout's draws zero both dP and the P of dV; the
+        gradients of learnable captured tensors take dS there (`Scores.ds_hook`)."""
+        return (self.ds_reads_scores or self.dropout
+                or bool(getattr(self.mods, "aux_grads", ())))
 
     # ---------------------------------------------------------------- host side
 
@@ -1078,11 +1080,13 @@ class BwdStep(DslState):
         """S → P and dP → dS in one pass (`HopperBwd.fused_p_ds`), with dropout's draws where
         the kernel has them; `grad_mn`: a traced mod's derivative (`grad_view`)."""
         lse, delta = stats
+        hook = self.scores.ds_hook(self.coord_s, m_block, n_block)
         if cutlass.const_expr(self.dropout is None):
-            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, self.cfg.score_mod, grad_mn)
+            p_and_ds(s_mn, dp_mn, lse, delta, self.scale_log2, self.cfg.score_mod, grad_mn,
+                     hook)
         else:
             p_and_ds_dropout(s_mn, dp_mn, lse, delta, self.scale_log2, self.cfg.score_mod,
-                             self.dropout, self.coord_s, m_block, n_block, grad_mn)
+                             self.dropout, self.coord_s, m_block, n_block, grad_mn, hook)
 
     def grad_view(self, acc_s: cute.Tensor, view):
         """A register fragment for a traced score mod's derivative, in S's `view` (None unless

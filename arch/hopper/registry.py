@@ -212,7 +212,11 @@ def _bwd_configs():
                            ((64, 64), {"mods": "relative_bias"}),
                            ((128, 128), {"mods": "softcap"}),
                            ((64, 64), {"causal": True, "mods": "softcap"}),
-                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
+                           ((128, 128), {"causal": True, "mods": "document+blocks"}),
+                           # Gradients of learnable captured tensors: ALiBi's slopes (an
+                           # index uniform over a tile), a relative-bias table (per element).
+                           ((128, 128), {"causal": True, "mods": "alibi+grads"}),
+                           ((128, 128), {"mods": "relative_bias+grads"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False,
                 "dkv_fp32": False, "deterministic": False, **flags}

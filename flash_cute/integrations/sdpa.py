@@ -120,7 +120,7 @@ def _backward(keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cu
     if reason is None:
         seed = philox_seed.view(torch.int64)[:1] if dropout_p > 0 else None
         try:
-            dq, dk, dv = torch.ops.flash_cute.bwd(
+            dq, dk, dv, _ = torch.ops.flash_cute.bwd(
                 grad_out.transpose(1, 2), None, query.transpose(1, 2), key.transpose(1, 2),
                 value.transpose(1, 2), out.transpose(1, 2), logsumexp, None, None, None, None,
                 None, None, scale, bool(is_causal), None, None, 0.0, None,
