@@ -162,7 +162,7 @@ class GraphMods(DslState):
         """Add dS · d(score mod)/d(load) of each learnable load (`KernelMods.aux_grads`) into
         its tensor's fp32 gradient at the load's clamped index, over the in-bounds elements;
         `ds_mn`: d(loss)/d(the mod's output), before the chain into the raw score. An index
-        uniform over the tile (slopes[h]) takes one atomic per thread, one that varies by row
+        uniform over the tile (slopes[h]) takes one atomic per warp, one that varies by row
         or column alone one per row or column, any other one per element. Plain Python at
         trace time, like `apply`."""
         spec = self.spec
@@ -211,21 +211,24 @@ class GraphMods(DslState):
                 for c in range(n_cols):
                     _atomic_add(grad, [cols[c].value(i) for i in nodes], col_sums[c])
             elif not varies:
-                _atomic_add(grad, [tile.value(i) for i in nodes], total)
+                # One index for the whole tile: the warp's sum, added by its first lane.
+                _atomic_add(grad, [tile.value(i) for i in nodes],
+                            cute.arch.warp_reduction_sum(total), lane0=True)
 
 
-def _atomic_add(grad: cute.Tensor, idx: list, value):
+def _atomic_add(grad: cute.Tensor, idx: list, value, lane0: bool = False):
     """grad[idx] += value, an fp32 atomic (each index clamped into its dimension, as a load
-    reads), skipped where value is 0 (masked and out-of-bounds elements)."""
+    reads), skipped where value is 0 (masked and out-of-bounds elements); `lane0`: by the
+    warp's first lane alone (a value the warp has summed)."""
     coord = [cutlass.max(cutlass.min(Int32(v), Int32(grad.shape[dim]) - 1), Int32(0))
              for dim, (v, _) in enumerate(idx)]
     offset = cute.crd2idx(tuple(coord) if len(coord) > 1 else coord[0], grad.layout)
-    _add_nonzero(grad.iterator + offset, value)
+    _add_nonzero(grad.iterator + offset, value, lane0)
 
 
 @cute.jit
-def _add_nonzero(ptr: cute.Pointer, value: Float32):
-    if value != Float32(0.0):
+def _add_nonzero(ptr: cute.Pointer, value: Float32, lane0: cutlass.Constexpr[bool]):
+    if value != Float32(0.0) and (not lane0 or cute.arch.lane_idx() == 0):
         cute.arch.atomic_add(ptr, value)
 
 

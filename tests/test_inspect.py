@@ -68,7 +68,7 @@ KNOWN_MOD_SPILLS = {("hopper.fwd", "sm_90a", "document", 128): 24,
                     ("hopper.bwd", "sm_90a", "softcap", 128): 48,
                     ("hopper.bwd", "sm_90a", "fa4_softcap_causal", 128): 32,
                     ("ampere.bwd", "sm_80", "fa4_softcap_causal", 128): 72,
-                    ("ampere.bwd", "sm_80", "alibi+grads", 128): 64}
+                    ("ampere.bwd", "sm_80", "alibi+grads", 128): 88}
 
 
 def known_spill(e: dict):
@@ -327,7 +327,7 @@ def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
 def test_learnable_tensors_gradients_take_atomics_by_how_their_index_varies(inspected):
     """The hopper backward's gradients of learnable captured tensors (its dQ leaves by a bulk
     reduce, so every fp32 atomic is theirs): ALiBi's slopes[h], an index uniform over the tile,
-    one per thread; a relative-bias table[h, q_idx - kv_idx], one per element of a thread's
+    one (the warp's sum, from its first lane); a relative-bias table[h, q_idx - kv_idx], one per element of a thread's
     tile_m x tile_n / 256 (D-MOD-GRADS)."""
     entries = {e["config"]["mods"]: e for e in inspected if e["kernel"] == "hopper.bwd"
                and str(e["config"].get("mods", "")).endswith("+grads")}
