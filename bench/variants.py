@@ -1,6 +1,8 @@
 """Attention variants on the GPU: flash-cute's traced mods against torch's FlexAttention
 (torch.compile'd, its block mask skipping empty blocks) on the very same functions, forward
-and backward, in one run with rounds interleaved; the built-in causal and window beside them.
+and backward, in one run with rounds interleaved; the built-in causal and window beside them,
+and FA4's own score_mod / mask_mod path (`flash_attn.cute`, sm90) on each case's FA4-form twin
+where FA4 is installed.
 
     python bench/variants.py [--seqlen 8192] [--hdim 128] [--rounds 3] [--cases alibi,...]
                              [--fwd-ablation]
@@ -28,17 +30,26 @@ from flash_cute.bench import interleaved_times, make_timer, markdown_table
 
 
 def _cases(batch, seqlen, nheads):
+    """name -> case: flash-cute's mods, FlexAttention's mask where it differs, and `fa4`, the
+    FA4-form twin (`flash_cute.fa4_mod_examples`) FA4's own path runs."""
+    from flash_cute import fa4_mod_examples as fa4
+
     slopes = torch.exp2(-8.0 * torch.arange(1, nheads + 1, device="cuda") / nheads)
     docs = torch.arange(seqlen, device="cuda") * 7 // seqlen          # 7 equal documents
     doc_ids = docs.to(torch.int32).expand(batch, seqlen).contiguous()
     causal = lambda b, h, q, k: k <= q  # noqa: E731
     return {
-        "causal (mask_mod)": dict(mask_mod=causal),
+        "causal (mask_mod)": dict(mask_mod=causal, fa4=dict(mask_mod=fa4.causal)),
         "alibi + causal": dict(score_mod=mod_examples.alibi(slopes), causal=True,
-                               flex_mask=causal),
-        "document": dict(mask_mod=mod_examples.document_mask(doc_ids)),
-        "sliding window 1024": dict(mask_mod=mod_examples.sliding_window(1024)),
-        "softcap 30 (score_mod)": dict(score_mod=mod_examples.softcap(30.0)),
+                               flex_mask=causal,
+                               fa4=dict(score_mod=fa4.alibi, score_mod_bwd=fa4.bias_bwd,
+                                        aux_tensors=[slopes.float()], causal=True)),
+        "document": dict(mask_mod=mod_examples.document_mask(doc_ids),
+                         fa4=dict(mask_mod=fa4.document, aux_tensors=[doc_ids])),
+        "sliding window 1024": dict(mask_mod=mod_examples.sliding_window(1024),
+                                    fa4=dict(mask_mod=fa4.sliding_window(1024))),
+        "softcap 30 (score_mod)": dict(score_mod=mod_examples.softcap(30.0),
+                                       fa4=dict(softcap=30.0)),
     }
 
 
@@ -66,6 +77,35 @@ def _ours(q, k, v, case, schedule=None):
                                   mods=mod_graph.lookup(key), mods_key=key)
     launch = api.plan_forward(q, k, v, problem, schedule=schedule)
     return lambda: launch(q, k, v)[0]
+
+
+def _fa4(q, k, v, case):
+    """FA4's score_mod / mask_mod path (`flash_attn.cute.flash_attn_func`) on the case's
+    FA4-form twin, FlexAttention's block mask as its block-sparsity tensors (forward and
+    backward); None where FA4 is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func as fa4_attn
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    except ImportError:
+        return None
+    kw = dict(case["fa4"])
+    block_mask = None if kw.get("causal") else _block_mask(q, k, case)
+    if block_mask is not None:
+        size = tuple(block_mask.BLOCK_SIZE)
+        kw["block_sparse_tensors"] = BlockSparseTensorsTorch(
+            block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+            block_mask.full_kv_indices, block_size=size)
+        kw["block_sparse_tensors_bwd"] = BlockSparseTensorsTorch(
+            block_mask.q_num_blocks, block_mask.q_indices, block_mask.full_q_num_blocks,
+            block_mask.full_q_indices, block_size=size)
+    fn = lambda: fa4_attn(q, k, v, **kw)[0]  # noqa: E731
+    try:   # FA4 refuses some combinations on sm90: left out of the table, with its reason
+        out = fn()
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    except Exception as exc:  # noqa: BLE001 - any refusal of FA4's
+        print(f"FA4 left out: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return None
+    return fn
 
 
 def _flex(q, k, v, case, flex):
@@ -111,6 +151,8 @@ def main():
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     p.add_argument("--fwd-ablation", action="store_true")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--no-fa4", dest="fa4", action="store_false",
+                   help="leave out FA4's score_mod / mask_mod path")
     args = p.parse_args()
     if args.sweep:
         nheads = 2048 // args.hdim
@@ -130,6 +172,9 @@ def main():
     rows = []
     for name, case in cases.items():
         fns = {"flash-cute": _ours(q, k, v, case), "flex": _flex(q, k, v, case, flex)}
+        fa4 = _fa4(q, k, v, case) if args.fa4 else None
+        if fa4 is not None:
+            fns["FA4"] = fa4
         if name.startswith(("causal", "document")):
             fns["flash-cute built-in causal"] = _ours(q, k, v, {"causal": True})
         if "sliding" in name:

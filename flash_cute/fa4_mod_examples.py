@@ -45,6 +45,46 @@ def scaled_shift(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors, a
     return score * scale + cute.full_like(score, cutlass.Float32(aux_scalars[1]))
 
 
+@cute.jit
+def alibi(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """score − aux_tensors[0][h] · |q_idx − kv_idx| (slopes fp32 [nheads]), top-left
+    aligned: `flash_cute.mod_examples.alibi` in FA4's form."""
+    slopes = aux_tensors[0]
+    slope = cute.make_rmem_tensor(1, cutlass.Float32)
+    slope[0] = slopes[h_idx[0]]
+    diff = (q_idx - kv_idx).to(cutlass.Float32)
+    dist = cute.where(operator.ge(diff, cute.full_like(diff, 0.0)), diff, -diff)
+    return score - dist * slope.load()
+
+
+@cute.jit
+def bias_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """The backward of any score mod that adds a bias (ALiBi): d/d(score) = 1."""
+    return grad
+
+
+@cute.jit
+def document(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """q and kv in the same document: aux_tensors[0] int32 [batch, seqlen] of document ids
+    (`flash_cute.mod_examples.document_mask` in FA4's form)."""
+    ids = aux_tensors[0]
+    doc_q = cute.make_rmem_tensor(1, cutlass.Int32)
+    doc_q[0] = ids[b_idx[0], q_idx[0]]
+    doc_kv = cute.make_rmem_tensor(1, cutlass.Int32)
+    doc_kv[0] = ids[b_idx[0], kv_idx[0]]
+    return operator.eq(doc_q.load(), doc_kv.load())
+
+
+def sliding_window(window: int):
+    """Causal with the last `window` keys (`flash_cute.mod_examples.sliding_window` in FA4's
+    form)."""
+    @cute.jit
+    def sliding_window_mask(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return operator.ge(q_idx, kv_idx) & operator.lt(q_idx - kv_idx,
+                                                         cute.full_like(q_idx, window))
+    return sliding_window_mask
+
+
 # name -> (score_mod, mask_mod, score_mod_bwd, aux (dtype name, rank) signature[, aux scalar
 # types])
 EXAMPLES = {
@@ -52,4 +92,6 @@ EXAMPLES = {
     "fa4_softcap_causal": (softcap30, causal, None, ()),
     "fa4_head_bias": (head_bias, None, None, (("fp32", 1),)),
     "fa4_scaled_shift": (scaled_shift, None, None, (), ("Int32", "Float32")),
+    "fa4_alibi_causal": (alibi, causal, bias_bwd, (("fp32", 1),)),
+    "fa4_document": (None, document, None, (("i32", 2),)),
 }

@@ -394,7 +394,25 @@ def _fa4_twins():
     def scaled_shift(score, b, h, q_idx, kv_idx):
         return score * 3 + 0.25
 
+    slopes = torch.linspace(0.05, 0.4, H, device="cuda")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    ids = (torch.arange(301, device="cuda") * 3 // 301).to(torch.int32).expand(2, 301)
+    ids = ids.contiguous()
+
+    def document(b, h, q_idx, kv_idx):
+        return ids[b, q_idx] == ids[b, kv_idx]
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 50)
+
     return [("rel_bias", dict(score_mod=fa4.rel_bias), (rel_bias, None)),
+            ("alibi_causal", dict(score_mod=fa4.alibi, mask_mod=fa4.causal,
+                                  aux_tensors=[slopes]), (alibi, causal_top_left)),
+            ("document", dict(mask_mod=fa4.document, aux_tensors=[ids]), (None, document)),
+            ("sliding", dict(mask_mod=fa4.sliding_window(50)), (None, sliding)),
             ("softcap_causal", dict(score_mod=fa4.softcap30, mask_mod=fa4.causal),
              (softcap30, causal_top_left)),
             ("head_bias", dict(score_mod=fa4.head_bias, aux_tensors=[bias]), (head_bias, None)),
@@ -403,7 +421,7 @@ def _fa4_twins():
 
 
 @pytest.mark.parametrize("arch", [None, "ampere"])
-@pytest.mark.parametrize("case", [0, 1, 2, 3])
+@pytest.mark.parametrize("case", range(7))
 def test_fa4_form_mods_forward_and_backward(case, arch):
     """FA4's @cute.jit form in our kernels, its derivative from dual numbers (no
     score_mod_bwd), against float64 with the FlexAttention-form twin."""

@@ -130,7 +130,9 @@ def _fwd_configs():
                            ((64, 64), {"mods": "softcap"}),
                            # Block sparsity: a block mask's empty tiles skipped, full ones
                            # without the mask rule.
-                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
+                           ((128, 128), {"causal": True, "mods": "document+blocks"}),
+                           ((128, 128), {"mods": "fa4_alibi_causal"}),
+                           ((128, 128), {"mods": "fa4_document"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False, **flags}
         out.append(KernelConfig("hopper.fwd", TARGETS, dtype, d, dv,
@@ -216,7 +218,9 @@ def _bwd_configs():
                            # Gradients of learnable captured tensors: ALiBi's slopes (an
                            # index uniform over a tile), a relative-bias table (per element).
                            ((128, 128), {"causal": True, "mods": "alibi+grads"}),
-                           ((128, 128), {"mods": "relative_bias+grads"})]:
+                           ((128, 128), {"mods": "relative_bias+grads"}),
+                           ((128, 128), {"mods": "fa4_alibi_causal"}),
+                           ((128, 128), {"mods": "fa4_document"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False,
                 "dkv_fp32": False, "deterministic": False, **flags}
