@@ -150,7 +150,9 @@ def flash_attn_func(
             or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
     if page_table is not None:   # keys: every row of each sequence's pages
-        k, v, page_table = _paged(k, v, page_table, None, q)
+        # A block mask covers the logical keys: read through gathered pages.
+        sparse = block_mask is not None or block_sparse_tensors is not None
+        k, v, page_table = _paged(k, v, page_table, None, q, gather=sparse)
     if block_sparse_tensors is not None:
         # FA4's block sparsity: the forward's tensors as a block mask; its backward tensors
         # describe the same mask, which the kernels re-derive (`block_mask.kernel_tiles`).
@@ -307,12 +309,13 @@ def _pages_in_kernel(q, k, v) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def _paged(k_cache, v_cache, page_table, cu_seqlens_q, q):
+def _paged(k_cache, v_cache, page_table, cu_seqlens_q, q, gather: bool = False):
     """(k, v, page_table for the operator): the cache and its table as they are, or the
-    padded keys and values the table names (`paging.gather`) and None."""
+    padded keys and values the table names (`paging.gather`) and None (always so with
+    `gather`)."""
     batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
     paging.check_paged(k_cache, v_cache, page_table, batch)
-    if _pages_in_kernel(q, k_cache, v_cache):
+    if not gather and _pages_in_kernel(q, k_cache, v_cache):
         return k_cache, v_cache, page_table
     k, v = paging.gather(k_cache, v_cache, page_table)
     return k, v, None

@@ -638,3 +638,20 @@ def test_learnable_gradients_refuse_a_second_differentiation():
     (grad,) = torch.autograd.grad(out.float().sum(), slopes, create_graph=True)
     with pytest.raises(RuntimeError, match="not differentiable"):
         grad.sum().backward()
+
+
+def test_a_paged_call_with_a_block_mask_reads_gathered_pages(monkeypatch):
+    """A block mask covers the logical keys: with pages the kernels would read themselves (as
+    on CUDA without gradients), the call gathers them instead of checking the mask against the
+    cache's page size (which raised)."""
+    from flash_cute import interface, paging
+
+    monkeypatch.setattr(interface, "_pages_in_kernel", lambda *args: True)
+    q = torch.randn(2, 40, H, 32, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(7, 16, H, 32, dtype=torch.bfloat16) for _ in range(2))
+    page_table = torch.tensor([[3, 0, 5], [6, 1, 2]], dtype=torch.int32)
+    k, v = paging.gather(k_cache, v_cache, page_table)
+    block_mask = create_block_mask(causal, 1, 1, 40, 48, device="cpu")
+    out = flash_cute.flash_attn_func(q, k_cache, v_cache, page_table=page_table,
+                                     block_mask=block_mask)[0]
+    assert torch.equal(out, flash_cute.flash_attn_func(q, k, v, block_mask=block_mask)[0])
