@@ -147,32 +147,33 @@ class CapturedTensors:
                                  "build it there (.to(q.device))")
         self.empty = (None,) * (len(AUX_FIELDS) - len(self.tensors) - len(self.learned))
         self.scalar_values = self.scalars + (None,) * (len(SCALAR_FIELDS) - len(self.scalars))
-        self.grads = ()
 
-    def values(self) -> tuple:
-        """The aux fields of one launch; with gradients, fresh zeroed buffers (`grads`)."""
+    def values(self, grads: tuple = ()) -> tuple:
+        """The aux fields of one launch; `grads`: its zeroed gradient buffers
+        (`new_gradients`)."""
         if not self.tensors:
             return self.empty
         from flash_cute.mod_graph import aux_for_kernel
 
-        self.grads = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-                           for t in self.learned)
-        return tuple(aux_for_kernel(t) for t in self.tensors) + self.grads + self.empty
+        return tuple(aux_for_kernel(t) for t in self.tensors) + tuple(grads) + self.empty
+
+    def new_gradients(self) -> tuple:
+        """Zeroed fp32 gradient buffers of the learnable tensors, one launch's."""
+        return tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                     for t in self.learned)
 
     def fields(self) -> dict:
         from flash_cute.jit import TensorArg
         from flash_cute.kernel_args import SCALAR_FIELDS, aux_fields
 
-        return {**aux_fields([TensorArg(t, t.element_size()) for t in self.values()
+        values = self.values(self.new_gradients())
+        return {**aux_fields([TensorArg(t, t.element_size()) for t in values
                               if t is not None]),
                 **dict(zip(SCALAR_FIELDS, self.scalars))}
 
-    def gradients(self) -> list:
-        """The last launch's gradients of the learnable tensors, in their dtypes (zeros
-        before any: a backward with no work)."""
-        if len(self.grads) != len(self.learned):
-            return [torch.zeros_like(t) for t in self.learned]
-        return [g.to(t.dtype) for g, t in zip(self.grads, self.learned)]
+    def gradients(self, grads: tuple) -> list:
+        """A launch's gradients of the learnable tensors (`new_gradients`), in their dtypes."""
+        return [g.to(t.dtype) for g, t in zip(grads, self.learned)]
 
 
 class SparseTiles:
@@ -526,8 +527,13 @@ class BackwardLaunch:
         return torch.zeros(self.sem_shape, dtype=torch.int32, device=self.device)
 
     def __call__(self, dout, dlse, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None, rng_seed=None):
+                 seqused_q=None, seqused_k=None, rng_seed=None, mod_grads=None):
+        """(dq, dk, dv); `mod_grads`, a list, receives the learnable captured tensors'
+        gradients (`CapturedTensors.learned`)."""
+        grads = self.aux.new_gradients()
         if self.no_work:
+            if mod_grads is not None:
+                mod_grads += self.aux.gradients(grads)
             # Contiguous, as the kernels' gradients are (the fake implementation says so).
             return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
         dq_accum, delta, lse_log2 = self.scratch.alloc()
@@ -538,8 +544,10 @@ class BackwardLaunch:
         self.main(_apply(q, rq), _apply(k, rk), _apply(v, rv), _apply(dout, rdo), lse_log2, delta,
                   dq_accum, dk, dv, *self.scalars, cu_seqlens_q, cu_seqlens_k, seqused_q,
                   seqused_k, self._alloc_sem(), _seed_words(rng_seed, self.dropout),
-                  *self.dropout_scalars, *self.aux.values(), *self.sparse.tensors,
+                  *self.dropout_scalars, *self.aux.values(grads), *self.sparse.tensors,
                   *self.aux.scalar_values)
+        if mod_grads is not None:
+            mod_grads += self.aux.gradients(grads)
         dq = self.finish(dq_accum, cu_seqlens_q)
         if self.group_shapes is not None:
             dk = dk.view(self.group_shapes[0]).sum(-2).to(q.dtype)

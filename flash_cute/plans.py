@@ -331,9 +331,11 @@ def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
             launch = bwd_pipeline.plan_backward(dout, dlse, q, k, v, out, lse, problem,
                                                 *lengths, bool(deterministic))
         _BWD_PLANS.put(key, launch)
+    dmods = []
     with on_device(q):
-        dq, dk, dv = launch(dout, dlse, q, k, v, out, lse, *lengths, rng_seed=rng_seed)
-    return dq, dk, dv, (launch.aux.gradients() if mod_grads else [])
+        dq, dk, dv = launch(dout, dlse, q, k, v, out, lse, *lengths, rng_seed=rng_seed,
+                            mod_grads=dmods if mod_grads else None)
+    return dq, dk, dv, dmods
 
 
 def _same_learned(launch, key: int) -> bool:
