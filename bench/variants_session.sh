@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call for the variants work (issue 24): the mods GPU tests, the length sweep (one
+# process per case, in parallel: each compiles its own kernels), then `bench/variants.py`
+# with FlexAttention and FA4 beside us.
+# Usage (GPU host, repo root, after `source .gpu-host/setup.sh`):
+#   bash bench/variants_session.sh [pytest -k expression] [--no-sweep] [--no-bench]
+set -uo pipefail
+out="${OUT:-results/variants-$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 FLASH_CUTE_CACHE_DIR="${FLASH_CUTE_CACHE_DIR:-/tmp/fc-cache}"
+kexpr="${1:-}"
+shift || true
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+timeout 300 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider tests/test_mods_gpu.py \
+  tests/test_sink.py ${kexpr:+-k "$kexpr"} --tb=short 2>&1 | grep -v Warn \
+  | tee "$out/pytest-mods.log" | tail -30
+case " $* " in
+  *" --no-sweep "*) ;;
+  *) for c in causal alibi document sliding softcap; do
+       timeout 220 python3 bench/variants.py --sweep --cases "$c" > "$out/sweep-$c.log" 2>&1 &
+     done
+     wait
+     grep -h "^\[" "$out"/sweep-*.log ;;
+esac
+case " $* " in
+  *" --no-bench "*) ;;
+  *) timeout 420 python3 bench/variants.py --rounds 3 2>&1 | grep -v Warn \
+       | tee "$out/variants.log" | tail -40 ;;
+esac
