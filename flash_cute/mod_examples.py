@@ -61,6 +61,14 @@ def sliding_window(window: int):
     return sliding_window_mod
 
 
+def _row_col_bias(q_bias, k_bias):
+    """A bias per query and one per key (`inspect`'s learnable row- and column-indexed
+    loads)."""
+    def row_col_bias_mod(score, b, h, q_idx, kv_idx):
+        return score + q_bias[q_idx] + k_bias[kv_idx]
+    return row_col_bias_mod
+
+
 def _examples() -> dict:
     """name -> (score_mod, mask_mod) over small stand-in tensors (ranks and dtypes as in use)."""
     heads = 4
@@ -73,6 +81,7 @@ def _examples() -> dict:
         "prefix_lm": (None, prefix_lm(torch.zeros(1, dtype=torch.int32))),
         "sliding_window": (None, sliding_window(256)),
         "causal": (None, lambda b, h, q_idx, kv_idx: kv_idx <= q_idx),
+        "row_col_bias": (_row_col_bias(torch.zeros(300), torch.zeros(300)), None),
         "alibi_document": (alibi(torch.ones(heads)),
                            document_mask(docs)),
     }

@@ -515,20 +515,34 @@ def test_fa4_form_score_mod_bwd_is_used_when_given():
     assert (results[2] - results[0]).abs().max() > 10 * (results[1] - results[0]).abs().max()
 
 
-@pytest.mark.parametrize("arch", [None, "ampere"])
-@pytest.mark.parametrize("d", [128, 64])
-def test_learnable_captured_tensors_get_their_gradients(arch, d):
-    """ALiBi slopes (an index uniform over a tile: one atomic per thread) and a relative-bias
-    table (an index per element), both learnable, with causal and GQA at odd lengths: their
-    gradients, accumulated by the backward kernels, and dQ/dK/dV against float64 by the
-    FlashAttention rule (the baseline: the same attention in the inputs' precision)."""
-    span = 400
-    slopes = (torch.rand(H, device="cuda") + 0.1).requires_grad_()
-    table = (0.5 * torch.randn(H, 2 * span + 1, device="cuda")).requires_grad_()
+def _learnable_case(which: str):
+    """(score mod, its learnable tensors): ALiBi slopes (an index uniform over a tile: one
+    atomic per warp) with a relative-bias table (an index per element), or a bias per query
+    and one per key (an index per row, one per column)."""
+    if which == "alibi_table":
+        span = 400
+        slopes = (torch.rand(H, device="cuda") + 0.1).requires_grad_()
+        table = (0.5 * torch.randn(H, 2 * span + 1, device="cuda")).requires_grad_()
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx).abs() + table[h, q_idx - kv_idx + span]
+        return mod, (slopes, table)
+    q_bias = (0.5 * torch.randn(301, device="cuda")).requires_grad_()
+    k_bias = (0.5 * torch.randn(389, device="cuda")).requires_grad_()
 
     def mod(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * (q_idx - kv_idx).abs() + table[h, q_idx - kv_idx + span]
+        return score + q_bias[q_idx] + k_bias[kv_idx]
+    return mod, (q_bias, k_bias)
 
+
+@pytest.mark.parametrize("which", ["alibi_table", "row_col"])
+@pytest.mark.parametrize("arch", [None, "ampere"])
+@pytest.mark.parametrize("d", [128, 64])
+def test_learnable_captured_tensors_get_their_gradients(which, arch, d):
+    """Learnable captured tensors (`_learnable_case`), with causal and GQA at odd lengths:
+    their gradients, accumulated by the backward kernels, and dQ/dK/dV against float64 by the
+    FlashAttention rule (the baseline: the same attention in the inputs' precision)."""
+    mod, learned = _learnable_case(which)
     q, k, v = _inputs(301, 389, d)
     out = flash_attn_func(q, k, v, score_mod=mod, causal=True, arch=arch)[0]
     variant = mod_graph.lookup(mod_graph.register(mod, None))
@@ -538,9 +552,9 @@ def test_learnable_captured_tensors_get_their_gradients(arch, d):
     nat = attention_ref(qn, kn, vn, mode="native", variant=variant, causal=True)[0]
     _check(out, ref, nat, "O")
     dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v, slopes, table), dout)
-    grads64 = torch.autograd.grad(ref, (q64, k64, v64, slopes, table), dout.double())
-    grads_nat = torch.autograd.grad(nat, (qn, kn, vn, slopes, table), dout)
-    for name, g, r, n in zip(("dQ", "dK", "dV", "d(slopes)", "d(table)"), grads, grads64,
+    grads = torch.autograd.grad(out, (q, k, v, *learned), dout)
+    grads64 = torch.autograd.grad(ref, (q64, k64, v64, *learned), dout.double())
+    grads_nat = torch.autograd.grad(nat, (qn, kn, vn, *learned), dout)
+    for name, g, r, n in zip(("dQ", "dK", "dV", "d(aux 0)", "d(aux 1)"), grads, grads64,
                              grads_nat):
         _check(g.double(), r.double(), n.double(), name)

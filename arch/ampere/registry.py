@@ -100,7 +100,8 @@ def _bwd_configs():
                            ((128, 128), {"causal": True, "mods": "document+blocks"}),
                            # Gradients of learnable captured tensors (`KernelMods.aux_grads`).
                            ((128, 128), {"causal": True, "mods": "alibi+grads"}),
-                           ((64, 64), {"mods": "relative_bias+grads"})]:
+                           ((64, 64), {"mods": "relative_bias+grads"}),
+                           ((64, 64), {"mods": "row_col_bias+grads"})]:
         out.append(KernelConfig("ampere.bwd", TARGETS, "bf16", d, dv, BWD_SCHEDULES[d][:3],
                                 build_bwd, config_flags(**{**_SWITCHES, **flags})))
     return tuple(out)

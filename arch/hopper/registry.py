@@ -220,7 +220,8 @@ def _bwd_configs():
                            ((128, 128), {"causal": True, "mods": "alibi+grads"}),
                            ((128, 128), {"mods": "relative_bias+grads"}),
                            ((128, 128), {"mods": "fa4_alibi_causal"}),
-                           ((128, 128), {"mods": "fa4_document"})]:
+                           ((128, 128), {"mods": "fa4_document"}),
+                           ((128, 128), {"mods": "row_col_bias+grads"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {"causal": False, "local": False, "softcap": False, "varlen": False,
                 "dkv_fp32": False, "deterministic": False, **flags}
