@@ -30,21 +30,12 @@ def levels(nodes: tuple, pack: int = 1) -> tuple:
     """Per node, what its value varies with: a subset of {"row", "col", "score"} (empty: the
     whole tile). q_idx varies by row, kv_idx by column; h by row only with packed GQA (a
     tile's rows then hold several heads), else it is the tile's."""
+    from flash_cute.mod_graph import input_reads
+
     varying = {"q_idx": {"row"}, "kv_idx": {"col"}, "score": {"score"},
                "h": {"row"} if pack > 1 else set()}
-    out = []
-    for node in nodes:
-        if node.op == "load":
-            deps = node.args[1:]
-        elif node.op == "const" or not node.args:
-            deps = ()
-        else:
-            deps = node.args
-        level = set(varying.get(node.op, ()))
-        for i in deps:
-            level |= out[i]
-        out.append(frozenset(level))
-    return tuple(out)
+    return tuple(frozenset().union(*(varying.get(name, ()) for name in reads))
+                 for reads in input_reads(nodes))
 
 
 def needed(nodes: tuple, outputs) -> frozenset:
@@ -94,14 +85,7 @@ class GraphMods(DslState):
         spec = self.spec
         self.mask_out = spec.mask if mask == "mod" else mask
         outs = (spec.score, spec.score_grad if grad_mn is not None else None, self.mask_out)
-        live = sorted(needed(spec.nodes, outs))
-        level = levels(spec.nodes, self.pack)
-        tile = _Walk(spec.nodes, self.aux, {"b": _index(self.batch), "h": _index(self.head),
-                                           "seqlen_q": _index(self.seqlen_q),
-                                           "seqlen_k": _index(self.seqlen_k)})
-        for i in live:
-            if not level[i]:
-                tile.value(i)
+        live, level, tile = self._tile_walk(outs)
         # What varies by column alone (a document id of kv_idx) is computed once per column,
         # what varies by row alone once per row: the smaller side of the fragment is computed
         # first and kept, the other side one at a time, so few of its values are live at once.
@@ -117,6 +101,19 @@ class GraphMods(DslState):
                 row_walk, col_walk = (kept[i], walk_j) if n_rows <= n_cols else (walk_j, kept[i])
                 self._element(col_walk.extended(row_walk.env, row_walk.values), acc_mn, grad_mn,
                               r, c, mod_scale, visible)
+
+    def _tile_walk(self, outs):
+        """(the nodes `outs` read, each node's level, a walk holding the tile-level values)."""
+        spec = self.spec
+        live = sorted(needed(spec.nodes, outs))
+        level = levels(spec.nodes, self.pack)
+        tile = _Walk(spec.nodes, self.aux, {"b": _index(self.batch), "h": _index(self.head),
+                                           "seqlen_q": _index(self.seqlen_q),
+                                           "seqlen_k": _index(self.seqlen_k)})
+        for i in live:
+            if not level[i]:
+                tile.value(i)
+        return live, level, tile
 
     def _row_walk(self, tile, live, level, r, coord_mn, m_block, n_block):
         """Row r's inputs and its row-level values."""
@@ -169,14 +166,7 @@ class GraphMods(DslState):
         slots = spec.grad_slots
         idx_nodes = [spec.nodes[load].args[1:] for _, load, _ in spec.aux_grads]
         outs = [d for _, _, d in spec.aux_grads] + [i for nodes in idx_nodes for i in nodes]
-        live = sorted(needed(spec.nodes, outs))
-        level = levels(spec.nodes, self.pack)
-        tile = _Walk(spec.nodes, self.aux, {"b": _index(self.batch), "h": _index(self.head),
-                                           "seqlen_q": _index(self.seqlen_q),
-                                           "seqlen_k": _index(self.seqlen_k)})
-        for i in live:
-            if not level[i]:
-                tile.value(i)
+        live, level, tile = self._tile_walk(outs)
         n_rows, n_cols = cute.size(ds_mn, mode=[0]), cute.size(ds_mn, mode=[1])
         cols = [self._col_walk(tile, live, level, c, coord_mn, m_block, n_block)
                 for c in range(n_cols)]

@@ -486,7 +486,7 @@ def _load_grads(nodes: list, aux: list, score: ModGraph) -> tuple:
     derivative node), ...). The backward computes them after dS, when the score itself is
     gone: a derivative that reads it is refused."""
     out = []
-    levels = _levels(score.nodes)
+    levels = input_reads(score.nodes)
     for load in learnable_loads(score):
         if any("score" in levels[i] for i in score.nodes[load].args[1:]):
             raise UnsupportedMod(
@@ -494,7 +494,7 @@ def _load_grads(nodes: list, aux: list, score: ModGraph) -> tuple:
                 "table[h, score > 0]); the kernels accumulate gradients at indices of b, h, "
                 "q_idx and kv_idx: detach the tensor")
         d = load_derivative(score, load)
-        reads = {i for i, lv in enumerate(_levels(d.nodes)) if "score" in lv}
+        reads = {i for i, lv in enumerate(input_reads(d.nodes)) if "score" in lv}
         if d.output in reads:
             raise UnsupportedMod(
                 "a learnable captured tensor's derivative depends on the score (e.g. "
@@ -507,9 +507,8 @@ def _load_grads(nodes: list, aux: list, score: ModGraph) -> tuple:
     return tuple(out)
 
 
-def _levels(nodes: tuple) -> tuple:
-    """Per node, the inputs it reads ("score", ...), transitively (`graph_mods.levels`' rule,
-    without its import of the DSL)."""
+def input_reads(nodes: tuple) -> tuple:
+    """Per node, the inputs of `INPUTS` it reads, transitively (a load by its indices)."""
     out = []
     for node in nodes:
         deps = node.args[1:] if node.op == "load" else (() if node.op == "const" else node.args)

@@ -287,28 +287,37 @@ def test_the_backward_finds_its_entry_when_the_block_mask_is_gone():
     assert q.grad.isfinite().all() and k.grad.abs().sum() > 0
 
 
-def test_mods_under_compile_fullgraph_dynamic():
-    """Registered mods trace with the block (no break, no recompile across lengths); mods
-    never registered are refused with how to register them (a trace cannot run the tracer)."""
+def _over_lengths_compiled(attend, check):
+    """`check(compiled, q, k, v)` at three lengths, `attend` under torch.compile(fullgraph,
+    dynamic, aot_eager): no recompile after the first length."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    def attend(q, k, v):
-        return flash_cute.flash_attn_func(q, k, v, score_mod=alibi, mask_mod=causal)[0]
-
-    mod_graph.register(alibi, causal)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(attend, backend=counter, fullgraph=True, dynamic=True)
     frames = None
     for seqlen in (33, 57, 80):
         q, k, v = (torch.randn(1, seqlen, H, 32, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
+        check(compiled, q, k, v)
+        frames = counter.frame_count if frames is None else frames
+        assert counter.frame_count == frames
+
+
+def test_mods_under_compile_fullgraph_dynamic():
+    """Registered mods trace with the block (no break, no recompile across lengths); mods
+    never registered are refused with how to register them (a trace cannot run the tracer)."""
+    def attend(q, k, v):
+        return flash_cute.flash_attn_func(q, k, v, score_mod=alibi, mask_mod=causal)[0]
+
+    def check(compiled, q, k, v):
         got, want = compiled(q, k, v), attend(q, k, v)
         assert torch.equal(got, want)
         for a, b in zip(torch.autograd.grad(got.float().sum(), (q, k, v)),
                         torch.autograd.grad(want.float().sum(), (q, k, v))):
             assert torch.equal(a, b)
-        frames = counter.frame_count if frames is None else frames
-        assert counter.frame_count == frames
+
+    mod_graph.register(alibi, causal)
+    _over_lengths_compiled(attend, check)
 
     def fresh(score, b, h, q_idx, kv_idx):
         return score * 0.5
@@ -588,8 +597,6 @@ def test_learnable_parameters_under_compile_fullgraph_dynamic():
     """An nn.Parameter captured by a mod (torch.fx alone refuses one outside a module) gets
     the same gradient under torch.compile(fullgraph=True, dynamic=True) as eagerly, with no
     recompile across lengths."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     slopes = torch.nn.Parameter(torch.rand(H) + 0.1)
 
     def learned_alibi(score, b, h, q_idx, kv_idx):
@@ -598,21 +605,16 @@ def test_learnable_parameters_under_compile_fullgraph_dynamic():
     def attend(q, k, v):
         return flash_cute.flash_attn_func(q, k, v, score_mod=learned_alibi, causal=True)[0]
 
-    mod_graph.register(learned_alibi, None)
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(attend, backend=counter, fullgraph=True, dynamic=True)
-    frames = None
-    for seqlen in (33, 57, 80):
-        q, k, v = (torch.randn(1, seqlen, H, 32, dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+    def check(compiled, q, k, v):
         grads = []
         for fn in (compiled, attend):
             slopes.grad = None
             fn(q, k, v).float().sum().backward()
             grads.append(slopes.grad.clone())
         assert grads[0].abs().max() > 0 and torch.equal(grads[0], grads[1])
-        frames = counter.frame_count if frames is None else frames
-        assert counter.frame_count == frames
+
+    mod_graph.register(learned_alibi, None)
+    _over_lengths_compiled(attend, check)
     torch._dynamo.reset()
 
 
