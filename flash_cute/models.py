@@ -49,55 +49,65 @@ LOG2_E = math.log2(math.e)
 
 
 class OnlineSoftmax:
-    """Online-softmax state ``(m, l, acc)`` for a tile of query rows.
+    """Online-softmax state ``(M, l, acc)`` for a tile of query rows.
 
     Scores are kept *raw* (unscaled, as the QK^T MMA produces them); the true
     score is ``raw * scale``. The kernel folds the scale into the exponent,
-    ``p = exp2(raw * scale_log2 - m * scale_log2)`` with ``scale_log2 = scale *
-    log2(e)``, so one FFMA feeds each exp2.
+    ``p = exp2(raw * scale_log2 - M)`` with ``scale_log2 = scale * log2(e)`` and
+    ``M = max(raw) * scale_log2`` rounded once, so one FFMA feeds each exp2.
 
-    * ``m`` [rows]: running max of raw scores (-inf until a visible key is seen),
-    * ``l`` [rows]: running sum of ``p`` relative to ``m``,
-    * ``acc`` [rows, hdim_v]: unnormalised output ``sum p * v`` relative to ``m``.
+    * ``m`` [rows]: running M, the max of raw scores times ``scale_log2`` (-inf
+      until a visible key is seen); every exponent, rescale and the LSE subtract
+      this one value, so a max that stays put rescales by exactly 1,
+    * ``l`` [rows]: running sum of ``p`` relative to ``M``,
+    * ``acc`` [rows, hdim_v]: unnormalised output ``sum p * v`` relative to ``M``.
 
-    Masked entries are passed in as -inf. While ``m`` is -inf the exp2 offset is
-    0 instead of ``m * scale_log2``, so ``-inf - (-inf)`` (NaN) never occurs.
+    ``fma`` (float32 states): the exponent ``raw * scale_log2 - M`` rounded once,
+    as the kernel's FFMA does. Masked entries are passed in as -inf. While ``M``
+    is -inf the exp2 offset is 0, so ``-inf - (-inf)`` (NaN) never occurs.
     """
 
-    def __init__(self, rows: int, hdim_v: int, scale: float, dtype=torch.float64, device=None):
+    def __init__(self, rows: int, hdim_v: int, scale: float, dtype=torch.float64, device=None,
+                 fma: bool = False):
         self.scale = scale
-        self.scale_log2 = scale * LOG2_E
+        # In the state's precision, as the kernel holds it (a float32 scalar).
+        self.scale_log2 = torch.tensor(scale * LOG2_E, dtype=dtype).item() if dtype in (
+            torch.float32, torch.float64) else scale * LOG2_E
+        self.fma = fma
         self.m = torch.full((rows,), -math.inf, dtype=dtype, device=device)
         self.l = torch.zeros(rows, dtype=dtype, device=device)
         self.acc = torch.zeros(rows, hdim_v, dtype=dtype, device=device)
 
-    def _exp2_offset(self, m: torch.Tensor) -> torch.Tensor:
-        """``m * scale_log2``, or 0 for rows that have seen no visible key yet."""
-        return torch.where(torch.isneginf(m), torch.zeros_like(m), m * self.scale_log2)
+    def _exponent(self, scores: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        if not self.fma:
+            return scores * self.scale_log2 - offset[:, None]
+        exact = scores.double() * self.scale_log2 - offset.double()[:, None]
+        return exact.to(scores.dtype)
 
     def update(self, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Absorb one K/V block: raw ``scores`` [rows, n] (-inf = masked), ``v`` [n, hdim_v].
 
         Returns the block's ``p`` [rows, n] (what the kernel feeds the PV MMA).
         """
-        m_new = torch.maximum(self.m, scores.amax(dim=1))
-        offset = self._exp2_offset(m_new)
-        rescale = torch.exp2(self.m * self.scale_log2 - offset)
-        p = torch.exp2(scores * self.scale_log2 - offset[:, None])
+        m_new = torch.maximum(self.m, scores.amax(dim=1) * self.scale_log2)
+        offset = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        rescale = torch.exp2(self.m - offset)
+        p = torch.exp2(self._exponent(scores, offset))
         self.l = self.l * rescale + p.sum(dim=1)
         self.acc = self.acc * rescale[:, None] + p @ v
         self.m = m_new
         return p
 
     def finalize(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(O, LSE)``: ``O = acc / l``, ``LSE = m * scale + ln(l)`` (natural log).
+        """Return ``(O, LSE)``: ``O = acc / l``, ``LSE = (M + log2 l) * ln 2`` (natural log).
 
         Rows that saw no visible key (``l == 0``) get ``O = 0`` and ``LSE = -inf``.
         """
         empty = self.l == 0
         safe_l = torch.where(empty, torch.ones_like(self.l), self.l)
         out = torch.where(empty[:, None], torch.zeros_like(self.acc), self.acc / safe_l[:, None])
-        lse = torch.where(empty, torch.full_like(self.l, -math.inf), self.m * self.scale + torch.log(safe_l))
+        lse = torch.where(empty, torch.full_like(self.l, -math.inf),
+                          (self.m + torch.log2(safe_l)) * math.log(2.0))
         return out, lse
 
 

@@ -7,7 +7,10 @@ sees an arch's MMA layout: `layouts.acc_to_mn` makes that view first.
 
 Scores stay unscaled in the accumulator; the softmax scale is folded into exp2 by
 ``scale_log2 = softmax_scale * log2(e)``, so each element costs one FFMA and one MUFU.EX2:
-``p = exp2(s * scale_log2 - m * scale_log2)``. The model of this block is
+``p = exp2(s * scale_log2 - M)`` with ``M = m * scale_log2`` rounded once and kept. Every
+exponent, rescale and LSE of a row subtracts that same M, so a max that stays put rescales
+by exactly 1 (a rescale of ``exp2(m * scale_log2 - M)``, the FFMA's exact product less M,
+would multiply O and l by the same rounding error at every block). The model of this block is
 `flash_cute.models.OnlineSoftmaxModel`.
 """
 
@@ -28,8 +31,8 @@ LN_2 = math.log(2.0)
 _REDUCE_CHAINS = 4
 
 
-def _row_reduce(row, combine, init):
-    """`combine`-reduce one row of a thread's fragment, folding `init` in last.
+def _row_reduce(row, combine, init=None):
+    """`combine`-reduce one row of a thread's fragment, folding `init` (if any) in last.
 
     `TensorSSA.reduce` emits one dependent chain (32 FMNMX/FADD in a row for a 128-wide WGMMA
     tile), which sits on the softmax's critical path; `_REDUCE_CHAINS` interleaved partial
@@ -39,8 +42,8 @@ def _row_reduce(row, combine, init):
     if n % _REDUCE_CHAINS or n < 2 * _REDUCE_CHAINS:
         vals = cute.make_rmem_tensor(row.shape, Float32)
         vals.store(row)
-        acc = init
-        for i in range(n):
+        acc = vals[0] if init is None else combine(init, vals[0])
+        for i in range(1, n):
             acc = combine(acc, vals[i])
         return acc
     vals = cute.make_rmem_tensor(row.shape, Float32)
@@ -51,7 +54,7 @@ def _row_reduce(row, combine, init):
             part[j] = combine(part[j], vals[i + j])
     while len(part) > 1:
         part = [combine(part[j], part[j + 1]) for j in range(0, len(part), 2)]
-    return combine(part[0], init)
+    return part[0] if init is None else combine(part[0], init)
 
 
 def _max(a, b):
@@ -65,9 +68,10 @@ def _add(a, b):
 class OnlineSoftmax(DslState):
     """Per-thread online-softmax state for `num_rows` rows.
 
-    ``row_max`` holds m in score units (unscaled), ``row_sum`` holds l relative to that m. Rows
-    that have seen no visible key keep m = -inf; exp2 then uses 0 as its offset so that masked
-    (-inf) scores give exactly 0 and nothing turns into NaN.
+    ``row_max`` holds M = m * scale_log2 (m the max of the raw scores, the product rounded
+    once), ``row_sum`` holds l relative to it. Rows that have seen no visible key keep
+    M = -inf; exp2 then uses 0 as its offset so that masked (-inf) scores give exactly 0 and
+    nothing turns into NaN.
     """
 
     def __init__(self, scale_log2: Float32, num_rows: int, threads_per_row: int,
@@ -89,6 +93,13 @@ class OnlineSoftmax(DslState):
             x = cute.arch.warp_reduction_max(x, threads_in_group=self.threads_per_row)
         return x
 
+    def _new_max(self, s_row, m_prev: Float32) -> Float32:
+        """M of the row after this block: the thread's raw max scaled (rounded once; scaling
+        is monotonic, so this is the largest of the scores' own scaled roundings), the max of
+        that over the row's threads, or the running M if larger."""
+        m_block = self._allreduce_max(_row_reduce(s_row, _max) * self.scale_log2)
+        return cute.arch.fmax(m_block, m_prev)
+
     @cute.jit
     def online_softmax(
         self,
@@ -98,7 +109,7 @@ class OnlineSoftmax(DslState):
     ) -> cute.Tensor:
         """Turn the scores in `acc_mn` into unnormalized probabilities in place.
 
-        Returns the per-row factor exp2((m_old - m_new) * scale_log2) by which the caller must
+        Returns the per-row factor exp2(M_old - M_new) by which the caller must
         rescale its output accumulator (`rescale_o`). `is_first` skips the rescale for the first
         tile; `check_inf=False` is allowed only where no row can be fully masked.
         The row sum is kept per thread (partial over its columns) and reduced in `finalize`,
@@ -108,20 +119,18 @@ class OnlineSoftmax(DslState):
         for r in cutlass.range_constexpr(self.num_rows):
             s_row = acc_mn[r, None].load()
             m_prev = self.row_max[r]
-            m_cur = _row_reduce(s_row, _max, m_prev)
-            m_cur = self._allreduce_max(m_cur)
+            m_cur = self._new_max(s_row, m_prev)
             self.row_max[r] = m_cur
             m_safe = m_cur
             if cutlass.const_expr(check_inf):
                 m_safe = Float32(0.0) if m_cur == -Float32.inf else m_cur
-            m_scaled = m_safe * self.scale_log2
-            p_row = self._exp2(s_row * self.scale_log2 - m_scaled, r)
+            p_row = self._exp2(s_row * self.scale_log2 - m_safe, r)
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
                 self.row_sum[r] = _row_reduce(p_row, _add, Float32(0.0))
             else:
                 # m_prev = -inf (nothing seen yet) gives a factor of 0: the old sum was 0 anyway.
-                row_scale[r] = cute.math.exp2(m_prev * self.scale_log2 - m_scaled, fastmath=True)
+                row_scale[r] = cute.math.exp2(m_prev - m_safe, fastmath=True)
                 self.row_sum[r] = _row_reduce(p_row, _add, self.row_sum[r] * row_scale[r])
             acc_mn[r, None].store(p_row)
         return row_scale
@@ -137,14 +146,13 @@ class OnlineSoftmax(DslState):
         row_scale = cute.make_rmem_tensor(self.num_rows, Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             m_prev = self.row_max[r]
-            m_cur = self._allreduce_max(_row_reduce(acc_mn[r, None].load(), _max, m_prev))
+            m_cur = self._new_max(acc_mn[r, None].load(), m_prev)
             if cutlass.const_expr(threshold > 0.0):
-                grows = (m_cur - m_prev) * self.scale_log2 > Float32(threshold)
-                m_cur = m_cur if grows else m_prev
+                m_cur = m_cur if m_cur - m_prev > Float32(threshold) else m_prev
             self.row_max[r] = m_cur
             m_safe = Float32(0.0) if m_cur == -Float32.inf else m_cur
             # m_prev = -inf (nothing seen yet) gives 0: the old sum and O were 0 anyway.
-            row_scale[r] = cute.math.exp2((m_prev - m_safe) * self.scale_log2, fastmath=True)
+            row_scale[r] = cute.math.exp2(m_prev - m_safe, fastmath=True)
         return row_scale
 
     @cute.jit
@@ -159,7 +167,7 @@ class OnlineSoftmax(DslState):
         f32x2 pairs; `packed_ex2`: the emulation too."""
         for r in cutlass.range_constexpr(self.num_rows):
             m = self.row_max[r]
-            m_scaled = (Float32(0.0) if m == -Float32.inf else m) * self.scale_log2
+            m_scaled = Float32(0.0) if m == -Float32.inf else m
             if cutlass.const_expr(packed):
                 # In place: a second row of registers would not fit beside the scores.
                 values = acc_mn[r, None]
@@ -202,7 +210,7 @@ class OnlineSoftmax(DslState):
         """Reduce l across the row's threads; return (scale for O, LSE) per row.
 
         O = Õ * scale where scale = final_scale / l, or 0 for a row that saw no visible key.
-        LSE = m * softmax_scale + ln(l) in natural-log units, -inf for such a row.
+        LSE = (M + log2 l) · ln 2 = m * softmax_scale + ln(l), -inf for such a row.
         """
         o_scale = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
@@ -213,7 +221,7 @@ class OnlineSoftmax(DslState):
             self.row_sum[r] = l_row
             empty = l_row == Float32(0.0)
             o_scale[r] = Float32(0.0) if empty else final_scale * cute.arch.rcp_approx(l_row)
-            lse_log2 = self.row_max[r] * self.scale_log2 + cute.math.log2(l_row, fastmath=True)
+            lse_log2 = self.row_max[r] + cute.math.log2(l_row, fastmath=True)
             lse[r] = -Float32.inf if empty else lse_log2 * Float32(LN_2)
         return o_scale, lse
 

@@ -157,6 +157,25 @@ def test_forward_and_backward_against_float64_and_flex(score_mod, mask_mod, d, a
     _check_grads(out, (q, k, v), refs)
 
 
+@pytest.mark.parametrize("arch,splits", [(None, 1), (None, 3), ("ampere", 1)])
+def test_a_large_max_that_stays_put_does_not_drift_the_lse(arch, splits):
+    """FA4's `score + 2|q_idx - kv_idx|` over 16k keys in fp16: scores near 32,000, each
+    row's max in the first block visited, 127 blocks after it. The LSE stays within a few
+    float32 roundings of those scores (each block rescaling by exactly 1, `OnlineSoftmax`),
+    and O passes the rule."""
+    def far(score, b, h, q_idx, kv_idx):
+        return score + 2 * (q_idx - kv_idx).abs()
+
+    q, k, v = _inputs(256, 16384, 64, dtype=torch.float16, batch=1)
+    out, lse = flash_attn_func(q, k, v, score_mod=far, arch=arch, num_splits=splits,
+                               return_lse=True)
+    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(far, None)))
+    _check(out, refs.ref, refs.nat, "O")
+    ulp = torch.finfo(torch.float32).eps * refs.lse_ref.abs().max().item()
+    err = (lse.double() - refs.lse_ref).abs().max().item()
+    assert err <= 4 * ulp, f"LSE err {err:.2e} vs float32's ulp {ulp:.2e} at the scores"
+
+
 @pytest.mark.parametrize("arch", [None, "ampere"])
 @pytest.mark.parametrize("sq,sk", [(799, 3), (3, 799), (113, 203)])
 def test_a_mod_past_exp_range_leaves_padded_rows_out(sq, sk, arch):

@@ -296,7 +296,7 @@ class BlackwellFwd:
         elif warp_idx < _MMA_WARP:
             cute.arch.setmaxregister_decrease(ROLE_REGISTERS[2])
             self.correction_role(tiles, tmem_tensors, handshakes, stats, sStats, mO, mLSE,
-                                 scale_log2, (rings[2], sV, mma_pv))
+                                 (rings[2], sV, mma_pv))
         else:
             cute.arch.setmaxregister_decrease(ROLE_REGISTERS[3])
             if warp_idx == _MMA_WARP:
@@ -548,8 +548,7 @@ class BlackwellFwd:
     # ---------------------------------------------------------------- correction warpgroup
 
     @cute.jit
-    def correction_role(self, tiles, tt, handshakes, stats, sStats, mO, mLSE,
-                        scale_log2: Float32, v_ring):
+    def correction_role(self, tiles, tt, handshakes, stats, sStats, mO, mLSE, v_ring):
         row = cute.arch.thread_idx()[0] % TILE_M
         consumer = pipeline.PipelineUserType.Consumer
         states = (pipeline.make_pipeline_state(consumer, 1),
@@ -561,13 +560,12 @@ class BlackwellFwd:
         v_tail = (pipe_v, sV, thr_pv.partition_B(
             cute.make_identity_tensor((self.hdim_v, self.tile_n))))
         step = functools.partial(self.correction_tile, tiles, handshakes, stats, sStats,
-                                 o_chunks, row, mO, mLSE, scale_log2, v_tail)
+                                 o_chunks, row, mO, mLSE, v_tail)
         for_each_tile(tiles, self.persistent, step, states)
 
     @cute.jit
     def correction_tile(self, tiles, handshakes, stats, sStats, o_chunks, row: Int32, mO, mLSE,
-                        scale_log2: Float32, v_tail, tile: Int32, state0, state1,
-                        o_phase: Int32, v_state):
+                        v_tail, tile: Int32, state0, state1, o_phase: Int32, v_state):
         """Per block, each Q tile's O rescaled by its row factors; then O / l and the LSE."""
         m_block, head, _, seq = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
@@ -591,8 +589,7 @@ class BlackwellFwd:
                 if n_max > n_min:
                     handshakes.wait(handshakes.o_full, i, o_phase)
                 self._epilogue(o_chunks[i], (sum0, sum1)[i], (max0, max1)[i], n_max > n_min, seq,
-                               head, (Q_STAGES * m_block + i) * TILE_M + row, mO, mLSE,
-                               scale_log2)
+                               head, (Q_STAGES * m_block + i) * TILE_M + row, mO, mLSE)
             if n_max > n_min:
                 o_phase = o_phase ^ 1
             # The next tile's first PV overwrites O: its loads must have landed.
@@ -644,8 +641,9 @@ class BlackwellFwd:
 
     @cute.jit
     def _epilogue(self, chunks, row_sum: Float32, row_max: Float32, has_blocks, seq, head,
-                  q_row: Int32, mO, mLSE, scale_log2: Float32):
-        """O_i's row / l into the output (0 for a row that saw no key), and its LSE."""
+                  q_row: Int32, mO, mLSE):
+        """O_i's row / l into the output (0 for a row that saw no key), and its LSE (`row_max`
+        is the softmax's scaled max, `OnlineSoftmax`)."""
         load, _, src, _, regs = chunks
         empty = row_sum == Float32(0.0)
         scale = Float32(0.0) if empty else cute.arch.rcp_approx(row_sum)
@@ -662,7 +660,7 @@ class BlackwellFwd:
             if in_seq:
                 cute.autovec_copy(out, cute.local_tile(gO, (1, _O_CHUNK), (q_row, c))[0, None])
         if in_seq:
-            lse_log2 = row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)
+            lse_log2 = row_max + cute.math.log2(row_sum, fastmath=True)
             seq.lse_view(mLSE, head)[q_row] = -Float32.inf if empty else lse_log2 * Float32(LN_2)
 
 
