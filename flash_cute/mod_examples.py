@@ -62,10 +62,10 @@ def sliding_window(window: int):
 
 
 def _row_col_bias(q_bias, k_bias):
-    """A bias per query and one per key (`inspect`'s learnable row- and column-indexed
-    loads)."""
+    """A rank-one bias, a factor per query times one per key (`inspect`'s learnable row- and
+    column-indexed loads)."""
     def row_col_bias_mod(score, b, h, q_idx, kv_idx):
-        return score + q_bias[q_idx] + k_bias[kv_idx]
+        return score + q_bias[q_idx] * k_bias[kv_idx]
     return row_col_bias_mod
 
 
