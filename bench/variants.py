@@ -137,7 +137,7 @@ def _sweep(cases_at, names, hdim):
             torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
             torch.cuda.synchronize()
             counts.append(len(compile_cache._entries) - before)
-        rows.append([name, len(lengths), counts[0], sum(counts[1:])])
+        rows.append([name, str(len(lengths)), str(counts[0]), str(sum(counts[1:]))])
         print(rows[-1], flush=True)
     print(f"\nlengths {lengths[0]}..{lengths[-1]} (20), hdim {hdim}, bf16\n")
     print(markdown_table(["case", "lengths", "compiled at the first", "compiled after"], rows))
