@@ -61,14 +61,16 @@ KNOWN_SPILLS = {("ampere.fwd", "sm_100a", 128): 32}
 # than the spill-free one without intra-warpgroup overlap; the hdim-128 backward of a mod
 # whose derivative is not 1 (softcap, also in FA4's form, and the ampere backward there),
 # whose derivative takes a fragment of its own (D-MODS-KERNEL); the ampere hdim-128 backward
-# that also sums learnable ALiBi slopes' gradient (D-MOD-GRADS).
+# that also sums learnable ALiBi slopes' gradient (D-MOD-GRADS); the blackwell forward with
+# a relative-bias table on packed GQA rows (D-BW-MODS).
 KNOWN_MOD_SPILLS = {("hopper.fwd", "sm_90a", "document", 128): 24,
                     ("hopper.fwd", "sm_90a", "alibi_document", 128): 8,
                     ("hopper.fwd", "sm_90a", "relative_bias", 128): 40,
                     ("hopper.bwd", "sm_90a", "softcap", 128): 48,
                     ("hopper.bwd", "sm_90a", "fa4_softcap_causal", 128): 32,
                     ("ampere.bwd", "sm_80", "fa4_softcap_causal", 128): 72,
-                    ("ampere.bwd", "sm_80", "alibi+grads", 128): 88}
+                    ("ampere.bwd", "sm_80", "alibi+grads", 128): 88,
+                    ("blackwell.fwd", "sm_100a", "relative_bias", 128): 24}
 
 
 def known_spill(e: dict):

@@ -23,7 +23,7 @@ from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
 from flash_cute.layouts import assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
-from flash_cute.score import Scores, fold_scores
+from flash_cute.score import aux_tensors, fold_scores, tile_scores
 from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import LN_2, OnlineSoftmax
 from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
@@ -44,6 +44,8 @@ _TMEM_ALLOC_BARRIER = 1
 _O_CHUNK = 16
 # Columns of P (fp32 words, two 16-bit values each) per tensor-memory store.
 _P_CHUNK = 16
+# Columns of S per pass of the mods (`BlackwellFwd._mods_in_tmem`).
+_S_CHUNK = 32
 
 
 class BlackwellFwd:
@@ -85,11 +87,12 @@ class BlackwellFwd:
     a warp moved its max (`OnlineSoftmax.update_max` with FA4's threshold).
 
     Softmax i per block: wait s_full, load S_i (TMEM → registers), the score mod and mask
-    (`Scores`), the row max and factor (to smem, stats[i]), the exponentials (a share by FMAs,
-    `exp2_emu`), P_i to TMEM in 16-bit, fence, arrive p_ready, the row sum. At the tile's end
-    it hands l and m to the correction warpgroup, which waits o_full[i], normalizes O_i chunk
-    by chunk from TMEM and stores its rows to global memory (row predicates: varlen and
-    padding rows stay untouched), and writes the LSE.
+    (`Scores`; traced or FA4-form mods run first, on S_i in TMEM 32 columns at a time,
+    `_mods_in_tmem`), the row max and factor (to smem, stats[i]), the exponentials (a share
+    by FMAs, `exp2_emu`), P_i to TMEM in 16-bit, fence, arrive p_ready, the row sum. At the
+    tile's end it hands l and m to the correction warpgroup, which waits o_full[i], normalizes
+    O_i chunk by chunk from TMEM and stores its rows to global memory (row predicates: varlen
+    and padding rows stay untouched), and writes the LSE.
 
     Packed GQA (``pack_gqa`` = g > 1, g dividing 128): a Q tile's rows are g query heads of
     one K/V head by 128 / g queries (row r: query r // g of head r % g), Q, O and LSE as
@@ -114,7 +117,8 @@ class BlackwellFwd:
             raise ValueError(f"pack_gqa {self.pack_gqa} must divide the {TILE_M}-row Q tile")
         for name, on in (("dropout", self.dropout),
                          ("split_kv", self.split_kv), ("paged K/V", self.page_size > 0),
-                         ("append", self.append), ("mods", self.mods is not None)):
+                         ("append", self.append),
+                         ("block mask", getattr(self.mods, "sparse", False))):
             if on:
                 raise ValueError(f"the blackwell forward has no {name} yet")
         schedule = FwdSchedule(*(schedule or FWD_SCHEDULES[(self.hdim, self.hdim_v)]))
@@ -180,7 +184,7 @@ class BlackwellFwd:
             args.max_seqlen_q if cutlass.const_expr(self.varlen) else None,
             (args.cu_seqlens_q, args.cu_seqlens_k), (args.seqused_q, args.seqused_k),
             order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout, p_layout,
-            mma_qk, mma_pv, SharedStorage, tx_bytes,
+            mma_qk, mma_pv, SharedStorage, tx_bytes, aux_tensors(self, args),
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -254,7 +258,7 @@ class BlackwellFwd:
                section: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
-               tx_bytes: cutlass.Constexpr):
+               tx_bytes: cutlass.Constexpr, aux):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == _LOAD_WARP:
             cpasync.prefetch_descriptor(tma_q)
@@ -288,11 +292,11 @@ class BlackwellFwd:
         if warp_idx < _SOFTMAX1_WARP:
             cute.arch.setmaxregister_increase(ROLE_REGISTERS[0])
             self.softmax_role(tiles, 0, tmem_tensors, handshakes, stats[0], sStats, scale_log2,
-                              mod_scale)
+                              mod_scale, aux)
         elif warp_idx < _CORRECTION_WARP:
             cute.arch.setmaxregister_increase(ROLE_REGISTERS[1])
             self.softmax_role(tiles, 1, tmem_tensors, handshakes, stats[1], sStats, scale_log2,
-                              mod_scale)
+                              mod_scale, aux)
         elif warp_idx < _MMA_WARP:
             cute.arch.setmaxregister_decrease(ROLE_REGISTERS[2])
             self.correction_role(tiles, tmem_tensors, handshakes, stats, sStats, mO, mLSE,
@@ -474,38 +478,43 @@ class BlackwellFwd:
 
     @cute.jit
     def softmax_role(self, tiles, stage: cutlass.Constexpr[int], tt, handshakes, stats, sStats,
-                     scale_log2: Float32, mod_scale: Float32):
+                     scale_log2: Float32, mod_scale: Float32, aux):
         row = cute.arch.thread_idx()[0] % TILE_M
         load, store = tt.s_load(stage, row), tt.p_store(stage, row)
         rS_frag = cute.make_rmem_tensor(load[2], Float32)
+        chunks = tt.s_chunks(stage, row) if cutlass.const_expr(self.mods is not None) else None
         states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1), Int32(0))
         step = functools.partial(self.softmax_tile, tiles, stage, handshakes, stats, sStats,
-                                 load, store, rS_frag, row, scale_log2, mod_scale)
+                                 load, store, rS_frag, row, scale_log2, mod_scale,
+                                 (aux, chunks))
         stats_state, _ = for_each_tile(tiles, self.persistent, step, states)
         stats.producer_tail(stats_state)
 
     @cute.jit
     def softmax_tile(self, tiles, stage: cutlass.Constexpr[int], handshakes, stats, sStats,
                      load, store, rS_frag, row: Int32, scale_log2: Float32, mod_scale: Float32,
-                     tile: Int32, stats_state, s_phase: Int32):
+                     mods, tile: Int32, stats_state, s_phase: Int32):
         """Softmax of Q tile `stage` over one tile's blocks (`BlackwellFwd` docstring)."""
         # The thread's row: 32x32b loads give lane `row`'s columns in order.
         rS = cute.make_tensor(rS_frag.iterator, cute.make_layout((1, self.tile_n)))
         coord = cute.domain_offset((row, 0), cute.make_identity_tensor((1, self.tile_n)))
-        m_block, _, _, seq = tiles.at(tile)
+        m_block, head, _, seq = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
             n_min, n_max = tiles.blocks(m_block, seq)
             q_block = Q_STAGES * m_block + stage
             mask = tiles.mask(seq)
-            scores = Scores(self.score_mod, mod_scale, mask)
+            scores = tile_scores(self, mod_scale, mask, mods[0], seq.batch, head, None, seq)
             rng = mask.block_range(q_block)
             softmax = OnlineSoftmax(scale_log2, 1, 1, self.ex2_per16)
             softmax.reset()
             for n in cutlass.range(n_max - 1, n_min - 1, -1, unroll=1):
                 handshakes.wait(handshakes.s_full, stage, s_phase)
                 s_phase = s_phase ^ 1
+                if cutlass.const_expr(self.mods is not None):
+                    self._mods_in_tmem(scores, mods[1], row, q_block, n, rng)
                 cute.copy(load[0], load[1], rS_frag)
-                scores.prepare(rS, coord, q_block, n, rng)
+                if cutlass.const_expr(self.mods is None):
+                    scores.prepare(rS, coord, q_block, n, rng)
                 factor = softmax.update_max(rS, RESCALE_THRESHOLD)
                 stats_state = self._hand_over(stats, stats_state, sStats, stage, row, factor[0])
                 # With softcap, the pairs' aligned registers beside tanh's spill (D-BW-EX2).
@@ -520,6 +529,24 @@ class BlackwellFwd:
             stats_state = self._hand_over(stats, stats_state, sStats, stage, row,
                                           softmax.row_max[0])
         return stats_state, s_phase
+
+    @cute.jit
+    def _mods_in_tmem(self, scores, chunks, row: Int32, q_block: Int32, n: Int32, rng):
+        """The score seam with traced or FA4-form mods (`Scores.prepare`) on S_i's row in
+        tensor memory, `_S_CHUNK` columns at a time, before the row is loaded whole: what
+        the mods compute per column then lives beside a chunk, not beside the 128-column row
+        (D-BW-MODS)."""
+        load, store, src, dst, regs = chunks
+        rC = cute.make_rmem_tensor(regs, Float32)
+        for c in cutlass.range_constexpr(self.tile_n // _S_CHUNK):
+            chunk = rC[None, None, c]
+            cute.copy(load, src[None, None, c], chunk)
+            view = cute.make_tensor(chunk.iterator, cute.make_layout((1, _S_CHUNK)))
+            coord = cute.domain_offset((row, c * _S_CHUNK),
+                                       cute.make_identity_tensor((1, _S_CHUNK)))
+            scores.prepare(view, coord, q_block, n, rng)
+            cute.copy(store, chunk, dst[None, None, c])
+        cute.arch.fence_view_async_tmem_store()
 
     @cute.jit
     def _hand_over(self, stats, state, sStats, stage: cutlass.Constexpr[int], row: Int32,
@@ -725,6 +752,25 @@ class TmemTensors(DslState):
         copy = tcgen05.make_tmem_copy(atom, self.s[i])
         thr = copy.get_slice(row)
         return copy, thr.partition_S(self.s[i]), thr.partition_D(self.s_coords).shape
+
+    def s_chunks(self, i: int, row: Int32):
+        """(load, store, source, destination, registers) of S_i's row by chunks of `_S_CHUNK`
+        columns, read and written in place."""
+        s, cfg = self.s[i], self.cfg
+        chunk = cute.make_layout((cfg.tile_m, _S_CHUNK))
+        view = cute.make_tensor(s.iterator, cute.composition(s.layout, chunk))
+        ld = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(_S_CHUNK)),
+                                 Float32)
+        st = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(_S_CHUNK)),
+                                 Float32)
+        load, store = tcgen05.make_tmem_copy(ld, view), tcgen05.make_tmem_copy(st, view)
+        split = cute.make_layout((cfg.tile_m, (_S_CHUNK, cfg.tile_n // _S_CHUNK)))
+        tiled = cute.make_tensor(s.iterator, cute.composition(s.layout, split))
+        coords = cute.make_tensor(self.s_coords.iterator,
+                                  cute.composition(self.s_coords.layout, split))
+        regs = load.get_slice(row).partition_D(coords).shape
+        return (load, store, load.get_slice(row).partition_S(tiled),
+                store.get_slice(row).partition_D(tiled), regs)
 
     def p_store(self, i: int, row: Int32):
         """(tiled copy, P_i's words for row `row` by chunk of `_P_CHUNK` columns)."""

@@ -19,7 +19,7 @@ BLACKWELL = Pipeline(
     name="blackwell",
     majors=range(10, 11),
     capabilities=frozenset({caps.FORWARD, caps.CAUSAL, caps.LOCAL, caps.SOFTCAP, caps.GQA,
-                            caps.VARLEN, caps.SEQUSED, caps.PACK_GQA}),
+                            caps.VARLEN, caps.SEQUSED, caps.PACK_GQA, caps.MODS}),
     plan_forward=api.plan_forward,
     check_supported=api.check_supported,
     takes=api.takes,

@@ -34,7 +34,14 @@ def _fwd_configs():
                            ((128, 128), {"varlen": True, "seqused_k": True, "pack_gqa": 8}),
                            # The exp2 share off, and doubled.
                            ((128, 128), {"causal": True, "ex2_emu": 0}),
-                           ((128, 128), {"causal": True, "ex2_emu": 4})]:
+                           ((128, 128), {"causal": True, "ex2_emu": 4}),
+                           # Traced and FA4-form mods (`mod_examples`, `fa4_mod_examples`).
+                           ((128, 128), {"causal": True, "mods": "alibi"}),
+                           ((128, 128), {"mods": "document"}),
+                           ((128, 128), {"varlen": True, "mods": "alibi_document"}),
+                           ((128, 128), {"causal": True, "pack_gqa": 4,
+                                         "mods": "relative_bias"}),
+                           ((128, 128), {"mods": "fa4_softcap_causal"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {**plain, **flags}
         share = full.pop("ex2_emu", None)
