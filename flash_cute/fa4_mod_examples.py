@@ -66,7 +66,8 @@ def bias_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors)
 @cute.jit
 def document(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
     """q and kv in the same document: aux_tensors[0] int32 [batch, seqlen] of document ids
-    (`flash_cute.mod_examples.document_mask` in FA4's form)."""
+    (`flash_cute.mod_examples.document_mask` in FA4's form, less its `kv_idx <= q_idx`, which
+    a call adds with causal=True)."""
     ids = aux_tensors[0]
     doc_q = cute.make_rmem_tensor(1, cutlass.Int32)
     doc_q[0] = ids[b_idx[0], q_idx[0]]
