@@ -116,9 +116,10 @@ def _flex(q, k, v, case, flex):
                         block_mask=block_mask).transpose(1, 2)
 
 
-def _disagreeing(name, fns, tol=0.05):
-    """The providers whose forward output differs from flash-cute's by more than `tol` (a
-    twin that is not the same attention), each named on stdout and marked in the table."""
+def _disagreeing(name, fns, tol=0.1):
+    """The providers whose forward output differs from flash-cute's by more than `tol`, well
+    above bf16's rounding of O (a twin that is not the same attention moves whole rows), each
+    named on stdout and marked in the table."""
     with torch.no_grad():
         ours = fns["flash-cute"]().float()
         wrong = set()

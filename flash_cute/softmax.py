@@ -32,7 +32,7 @@ _REDUCE_CHAINS = 4
 
 
 def _row_reduce(row, combine, init=None):
-    """`combine`-reduce one row of a thread's fragment, folding `init` (if any) in last.
+    """`combine`-reduce one row of a thread's fragment, `init` (if any) folded in.
 
     `TensorSSA.reduce` emits one dependent chain (32 FMNMX/FADD in a row for a 128-wide WGMMA
     tile), which sits on the softmax's critical path; `_REDUCE_CHAINS` interleaved partial

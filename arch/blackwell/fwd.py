@@ -90,9 +90,10 @@ class BlackwellFwd:
     (`Scores`; traced or FA4-form mods run first, on S_i in TMEM 32 columns at a time,
     `_mods_in_tmem`), the row max and factor (to smem, stats[i]), the exponentials (a share
     by FMAs, `exp2_emu`), P_i to TMEM in 16-bit, fence, arrive p_ready, the row sum. At the
-    tile's end it hands l and m to the correction warpgroup, which waits o_full[i], normalizes
-    O_i chunk by chunk from TMEM and stores its rows to global memory (row predicates: varlen
-    and padding rows stay untouched), and writes the LSE.
+    tile's end it hands l and M (the scaled max, `OnlineSoftmax`) to the correction
+    warpgroup, which waits o_full[i], normalizes O_i chunk by chunk from TMEM and stores its
+    rows to global memory (row predicates: varlen and padding rows stay untouched), and
+    writes the LSE.
 
     Packed GQA (``pack_gqa`` = g > 1, g dividing 128): a Q tile's rows are g query heads of
     one K/V head by 128 / g queries (row r: query r // g of head r % g), Q, O and LSE as
