@@ -3,7 +3,9 @@
 # process per case, in parallel: each compiles its own kernels), then `bench/variants.py`
 # with FlexAttention and FA4 beside us.
 # Usage (GPU host, repo root, after `source .gpu-host/setup.sh`):
-#   bash bench/variants_session.sh [pytest -k expression] [--no-sweep] [--no-bench]
+#   bash bench/variants_session.sh [pytest -k expression] [--no-sweep] [--no-bench] [--suite]
+# --suite: the whole GPU suite (`pytest -m gpu tests/`, about 200 s at -n 14) in place of the
+# mods tests.
 set -uo pipefail
 out="${OUT:-results/variants-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$out"
@@ -11,9 +13,11 @@ export PYTHONUNBUFFERED=1 FLASH_CUTE_CACHE_DIR="${FLASH_CUTE_CACHE_DIR:-/tmp/fc-
 kexpr="${1:-}"
 shift || true
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
-timeout 300 python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider tests/test_mods_gpu.py \
-  tests/test_sink.py ${kexpr:+-k "$kexpr"} --tb=short 2>&1 | grep -v Warn \
-  | tee "$out/pytest-mods.log" | tail -30
+tests="tests/test_mods_gpu.py tests/test_sink.py"
+workers=8
+case " $* " in *" --suite "*) tests="tests/"; workers=14 ;; esac
+timeout 300 python3 -m pytest -m gpu -q -n $workers -p no:cacheprovider $tests \
+  ${kexpr:+-k "$kexpr"} --tb=short 2>&1 | grep -v Warn | tee "$out/pytest-mods.log" | tail -30
 case " $* " in
   *" --no-sweep "*) ;;
   *) for c in causal alibi document sliding softcap; do
