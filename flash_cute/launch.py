@@ -179,19 +179,25 @@ class CapturedTensors:
 class SparseTiles:
     """A call's block mask as its kernel's tiles see them (`block_mask.kernel_tiles`), worked
     out once per launch: the tile states and the ranges of non-empty tiles, per query tile
-    for a forward, per key tile for a `backward` (None, None without a block mask)."""
+    for a forward, per key tile for a `backward` (None, None without a block mask). A forward
+    whose CTA walks `q_tiles_per_cta` query tiles at once gets the query tiles padded to a
+    multiple of it, empty (the padding tiles' rows are past every sequence)."""
 
-    def __init__(self, problem, tile, backward: bool):
+    def __init__(self, problem, tile, backward: bool, q_tiles_per_cta: int = 1):
         self.tensors = (None, None)
         mods = problem.mods
         if mods is None or mods.block_states is None:
             return
-        from flash_cute.block_mask import kernel_tiles
+        from flash_cute.block_mask import EMPTY, kernel_tiles
 
         states, fwd, bwd = kernel_tiles(mods.block_states, mods.block_size, tuple(tile),
                                         problem.batch, problem.nheads, problem.max_seqlen_q,
                                         problem.max_seqlen_k)
-        self.tensors = (states, bwd if backward else fwd)
+        pad = -states.shape[2] % q_tiles_per_cta
+        if pad and not backward:
+            states = torch.nn.functional.pad(states, (0, 0, 0, pad), value=EMPTY)
+            fwd = torch.nn.functional.pad(fwd, (0, 0, 0, pad)).contiguous()
+        self.tensors = (states.contiguous(), bwd if backward else fwd)
 
     def fields(self) -> dict:
         from flash_cute.jit import tensor_arg
@@ -221,7 +227,7 @@ class ForwardLaunch:
     def __init__(self, name: str, make_kernel, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                  seqused_q, seqused_k, schedule: tuple, options: str, target: str,
                  prepare=None, pack_gqa: int = 1, splits=None, page_table=None, append=None,
-                 ex2_per16=None):
+                 ex2_per16=None, tile=None, q_tiles_per_cta: int = 1):
         from flash_cute.jit import DTYPES, CompileKey, KernelCall, TensorArg, tensor_arg
 
         _check_seqused(problem, seqused_q, seqused_k)
@@ -251,7 +257,10 @@ class ForwardLaunch:
         self.dropout = problem.dropout_p > 0
         self.dropout_scalars = tuple(drop.values())
         self.aux = CapturedTensors(problem, q.device)
-        self.sparse = SparseTiles(problem, schedule[:2], backward=False)
+        # A block mask's tiles: the kernel's (tile_m, tile_n), the schedule's first two
+        # fields unless `tile` says otherwise.
+        self.sparse = SparseTiles(problem, tile or schedule[:2], backward=False,
+                                  q_tiles_per_cta=q_tiles_per_cta)
         variant = Variant.from_problem(problem, pack_gqa, split_kv=splits is not None,
                                        page_size=0 if page_table is None else k.shape[1],
                                        append=append is not None,

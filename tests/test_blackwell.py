@@ -221,9 +221,9 @@ def test_the_document_mask_cross_compiles_spill_free_with_its_pipeline_intact(tm
     _check_sass(entry, compile_for_target(entry, "sm_100a", out_dir=tmp_path))
 
 
-def test_blackwell_takes_mods_and_refuses_a_block_mask():
-    """Dispatch: mods are a capability of the blackwell forward, a block mask's sparsity is
-    not yet (refused before any launch, by name)."""
+def test_blackwell_takes_mods_and_block_masks():
+    """Dispatch: mods and a block mask's sparsity are capabilities of the blackwell forward
+    (which still runs only when named: compile-verified only)."""
     import dataclasses
 
     from flash_cute import create_block_mask, mod_graph
@@ -241,7 +241,34 @@ def test_blackwell_takes_mods_and_refuses_a_block_mask():
     block_mask = create_block_mask(causal, 1, 1, 256, 256, device="cpu")
     sparse = dataclasses.replace(base, mods=mod_graph.lookup(
         mod_graph.register(None, causal, block_mask)))
-    assert BLACKWELL.missing(required_capabilities(sparse)) == "block_mask (block sparsity)"
+    assert BLACKWELL.missing(required_capabilities(sparse)) is None
+    assert not BLACKWELL.hardware_tested
+
+
+def test_a_block_mask_reaches_the_256_row_tiles_padded_with_empty_query_tiles():
+    """The blackwell CTA walks two 128-row Q tiles: a block mask's tiles come padded to whole
+    CTA tiles, the padding empty (its rows are past every sequence), so the kernel's reads of
+    a second Q tile's state and range stay inside the tensors."""
+    import dataclasses
+
+    from flash_cute import create_block_mask, launch, mod_graph
+    from flash_cute.block_mask import EMPTY
+    from flash_cute.validation import validate_attention_inputs
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    q = torch.randn(1, 300, 2, 128, dtype=torch.bfloat16)      # 3 query tiles of 128
+    block_mask = create_block_mask(causal, 1, 1, 300, 300, device="cpu")
+    problem = dataclasses.replace(
+        validate_attention_inputs(q, q, q, require_cuda=False),
+        mods=mod_graph.lookup(mod_graph.register(None, causal, block_mask)))
+    plain = launch.SparseTiles(problem, (128, 128), backward=False).tensors
+    states, ranges = launch.SparseTiles(problem, (128, 128), backward=False,
+                                        q_tiles_per_cta=2).tensors
+    assert plain[0].shape[2] == 3 and states.shape[2] == 4 and ranges.shape[2] == 4
+    assert torch.equal(states[:, :, :3], plain[0]) and torch.equal(ranges[:, :, :3], plain[1])
+    assert (states[:, :, 3] == EMPTY).all() and (ranges[:, :, 3] == 0).all()
 
 
 @pytest.mark.slow

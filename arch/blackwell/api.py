@@ -7,7 +7,7 @@ from flash_cute.validation import AttentionProblem
 from flash_cute.variant import EX2_EMULATION_ENV
 
 from .config import (COMPILE_OPTIONS, FWD_SCHEDULES, Q_STAGES, SUPPORTED_HDIMS, TILE_M,
-                     default_ex2_per16)
+                     FwdSchedule, default_ex2_per16)
 
 _FWD_KERNEL = launch.KernelRef("flash_cute.arch.blackwell.fwd", "BlackwellFwd")
 
@@ -47,4 +47,6 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
     pack = launch.packed_heads(problem, TILE_M, Q_STAGES * TILE_M)
     return launch.ForwardLaunch("blackwell.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
                                 cu_seqlens_k, seqused_q, seqused_k, chosen, COMPILE_OPTIONS,
-                                target, prepare=tma_ready, pack_gqa=pack, ex2_per16=per16)
+                                target, prepare=tma_ready, pack_gqa=pack, ex2_per16=per16,
+                                tile=(TILE_M, FwdSchedule(*chosen).tile_n),
+                                q_tiles_per_cta=Q_STAGES)

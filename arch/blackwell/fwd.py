@@ -18,12 +18,13 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import TmemAllocator
 
 from flash_cute.arch.sm90plus.tma import COLS_FIRST, ROWS_FIRST, permute, smem_tile, tma_partition
-from flash_cute.block_range import block_range
+from flash_cute.block_range import block_range, narrow_pair
 from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
 from flash_cute.layouts import assume_aligned_strides, pack_heads
 from flash_cute.mask import AttentionMask
-from flash_cute.score import aux_tensors, fold_scores, tile_scores
+from flash_cute.score import (aux_tensors, block_mask_parts, block_mask_tensors, block_ranges,
+                              fold_scores, tile_scores)
 from flash_cute.seqlen import SeqInfo
 from flash_cute.softmax import LN_2, OnlineSoftmax
 from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
@@ -101,7 +102,7 @@ class BlackwellFwd:
 
     Tiles (`flash_cute.tile_scheduler`): persistent, causal and right windows heaviest first.
     Every role walks the same tiles and the same block count per tile (`block_range` of the
-    256-row tile; each Q tile masks its own rows), so their barrier phases stay in step; a tile
+    256-row tile, a block mask's span over its two Q tiles; each Q tile masks its own rows), so their barrier phases stay in step; a tile
     with no block skips the MMAs and stores O = 0, LSE = -inf. TMEM is allocated before the
     roles split and freed after they join, on the kernel's one exit.
     """
@@ -118,8 +119,7 @@ class BlackwellFwd:
             raise ValueError(f"pack_gqa {self.pack_gqa} must divide the {TILE_M}-row Q tile")
         for name, on in (("dropout", self.dropout),
                          ("split_kv", self.split_kv), ("paged K/V", self.page_size > 0),
-                         ("append", self.append),
-                         ("block mask", getattr(self.mods, "sparse", False))):
+                         ("append", self.append)):
             if on:
                 raise ValueError(f"the blackwell forward has no {name} yet")
         schedule = FwdSchedule(*(schedule or FWD_SCHEDULES[(self.hdim, self.hdim_v)]))
@@ -128,7 +128,8 @@ class BlackwellFwd:
         self.persistent = schedule.persistent
         self.schedule = schedule
         self.tmem = tmem_plan(self.tile_n, self.hdim_v)
-        self.lpt = self.causal or self.has_window_right
+        self.block_sparse = getattr(self.mods, "sparse", False)
+        self.lpt = self.causal or self.has_window_right or self.block_sparse
         self.num_threads = 512
 
     @property
@@ -186,6 +187,7 @@ class BlackwellFwd:
             (args.cu_seqlens_q, args.cu_seqlens_k), (args.seqused_q, args.seqused_k),
             order.num_m_blocks, order.section, sQ_layout, sK_layout, sV_layout, p_layout,
             mma_qk, mma_pv, SharedStorage, tx_bytes, aux_tensors(self, args),
+            block_mask_tensors(self, args),
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -259,7 +261,7 @@ class BlackwellFwd:
                section: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
-               tx_bytes: cutlass.Constexpr, aux):
+               tx_bytes: cutlass.Constexpr, aux, block_mask):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == _LOAD_WARP:
             cpasync.prefetch_descriptor(tma_q)
@@ -287,7 +289,7 @@ class BlackwellFwd:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sStats = storage.stats.get_tensor(cute.make_layout((TILE_M, Q_STAGES)))
         tiles = Tiles(self, num_m_blocks, section, tQ, tK, cu_seqlens, seqused, window_left,
-                      window_right, max_seqlen_q)
+                      window_right, max_seqlen_q, block_mask)
         tmem_tensors = TmemTensors(self, mma_qk, mma_pv, p_layout, tmem_ptr)
 
         if warp_idx < _SOFTMAX1_WARP:
@@ -363,7 +365,7 @@ class BlackwellFwd:
         sQ, sK, sV = smem
         m_block, head, head_kv, seq = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
-            n_min, n_max = tiles.blocks(m_block, seq)
+            n_min, n_max = tiles.blocks(m_block, seq, head)
             gQ = cute.flat_divide(tiles.rows_view(seq, tQ, head, True), (self.tile_m, self.hdim))
             tQsQ, tQgQ = tma_partition(tma_q, sQ, thr_qk.partition_A(gQ), 3)
             gK = cute.flat_divide(tiles.rows_view(seq, tK, head_kv, False),
@@ -409,9 +411,9 @@ class BlackwellFwd:
         PVs (`BlackwellFwd` docstring)."""
         pipe_q, pipe_k, pipe_v = rings
         tSrQ, tSrK, tOrV = frags
-        m_block, _, _, seq = tiles.at(tile)
+        m_block, head, _, seq = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
-            n_min, n_max = tiles.blocks(m_block, seq)
+            n_min, n_max = tiles.blocks(m_block, seq, head)
             q_index = q_state.index
             for i in cutlass.range_constexpr(Q_STAGES):
                 pipe_q.consumer_wait(q_state)
@@ -501,10 +503,11 @@ class BlackwellFwd:
         coord = cute.domain_offset((row, 0), cute.make_identity_tensor((1, self.tile_n)))
         m_block, head, _, seq = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
-            n_min, n_max = tiles.blocks(m_block, seq)
+            n_min, n_max = tiles.blocks(m_block, seq, head)
             q_block = Q_STAGES * m_block + stage
             mask = tiles.mask(seq)
-            scores = tile_scores(self, mod_scale, mask, mods[0], seq.batch, head, None, seq)
+            scores = tile_scores(self, mod_scale, mask, mods[0], seq.batch, head,
+                                 tiles.block_states, seq)
             rng = mask.block_range(q_block)
             softmax = OnlineSoftmax(scale_log2, 1, 1, self.ex2_per16)
             softmax.reset()
@@ -597,7 +600,7 @@ class BlackwellFwd:
         """Per block, each Q tile's O rescaled by its row factors; then O / l and the LSE."""
         m_block, head, _, seq = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
-            n_min, n_max = tiles.blocks(m_block, seq)
+            n_min, n_max = tiles.blocks(m_block, seq, head)
             if cutlass.const_expr(self.varlen or self.has_seqused_k):
                 if n_max > n_min:
                     self._clear_v_tail(v_tail, v_state, seq.seqlen_k - (n_max - 1) * self.tile_n,
@@ -809,8 +812,11 @@ class Tiles(DslState):
     each visits, and the mask of its Q tiles."""
 
     def __init__(self, cfg: BlackwellFwd, num_m_blocks: Int32, section: Int32, tQ, tK,
-                 cu_seqlens, seqused, window_left: Int32, window_right: Int32, max_seqlen_q):
+                 cu_seqlens, seqused, window_left: Int32, window_right: Int32, max_seqlen_q,
+                 block_mask=None):
         self.cfg = cfg
+        # A block mask's states and ranges per 128-row Q tile (`FwdArgs.block_states`).
+        self.block_states, self.block_ranges = block_mask_parts(block_mask)
         # TMA coordinates: (s, d, h, b), varlen (t, d, h).
         batches = cu_seqlens[0].shape[0] - 1 if cutlass.const_expr(cfg.varlen) else tQ.shape[3]
         self.order = TileOrder(num_m_blocks, tQ.shape[2], batches, section, cfg.lpt,
@@ -841,12 +847,30 @@ class Tiles(DslState):
     def in_bounds(self, m_block: Int32, seq: SeqInfo):
         return m_block * Q_STAGES * TILE_M < seq.rows_q
 
-    def blocks(self, m_block: Int32, seq: SeqInfo):
-        """(n_min, n_max): the K/V blocks the 256-row tile visits, the same for every role."""
+    def blocks(self, m_block: Int32, seq: SeqInfo, head: Int32):
+        """(n_min, n_max): the K/V blocks the 256-row tile visits, the same for every role;
+        with a block mask, those between the first and the last non-empty tile of either Q
+        tile (each masks the tiles empty for it by their state, `Scores.sparse_mods`)."""
         rng = block_range(m_block, Q_STAGES * TILE_M, self.cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
                           self.cfg.causal, self.win_left, self.win_right, self.cfg.pack_gqa,
                           imin=cutlass.min, imax=cutlass.max)
-        return rng.n_block_min, rng.n_block_max
+        lo, hi = rng.n_block_min, rng.n_block_max
+        if cutlass.const_expr(self.cfg.block_sparse):
+            lo, hi = narrow_pair(lo, hi, *self._sparse_span(m_block, seq.batch, head),
+                                 imin=cutlass.min, imax=cutlass.max)
+        return lo, hi
+
+    def _sparse_span(self, m_block: Int32, batch: Int32, head: Int32):
+        """[start, end) over both Q tiles' ranges of non-empty tiles, an empty range (start
+        >= end) left out (the launch pads the query tiles to whole CTA tiles, empty:
+        `launch.SparseTiles`)."""
+        start, end = Int32(2 ** 30), Int32(0)
+        for stage in range(Q_STAGES):
+            lo, hi = block_ranges(self.cfg, self.block_ranges, batch, head,
+                                  Q_STAGES * m_block + stage)
+            start = cutlass.select_(hi > lo, cutlass.min(start, lo), start)
+            end = cutlass.select_(hi > lo, cutlass.max(end, hi), end)
+        return start, end
 
     def mask(self, seq: SeqInfo) -> AttentionMask:
         return AttentionMask(TILE_M, self.cfg.tile_n, seq.seqlen_q, seq.seqlen_k, self.cfg.causal,

@@ -41,7 +41,9 @@ def _fwd_configs():
                            ((128, 128), {"varlen": True, "mods": "alibi_document"}),
                            ((128, 128), {"causal": True, "pack_gqa": 4,
                                          "mods": "relative_bias"}),
-                           ((128, 128), {"mods": "fa4_softcap_causal"})]:
+                           ((128, 128), {"mods": "fa4_softcap_causal"}),
+                           # Block sparsity: the 256-row tile's span of non-empty tiles.
+                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {**plain, **flags}
         share = full.pop("ex2_emu", None)
