@@ -185,7 +185,8 @@ def narrow_pair(lo, hi, start, end, *, imin=min, imax=max) -> tuple:
 
 def tiles_nest(block_size: tuple, tile_m: int, tile_n: int, pack: int = 1) -> bool:
     """Whether every (tile_m, tile_n) kernel tile lies inside one block of a block mask of
-    `block_size` (rows, cols), so that a tile's state is its elements' (`block_mask.reblock`);
-    never with packed GQA, whose tile rows are queries of several heads."""
+    `block_size` (rows, cols), so that a tile's state is its elements' (`block_mask.reblock`).
+    Packed GQA (`pack` heads a tile, a mask the heads share): a tile's rows are tile_m / pack
+    queries."""
     rows, cols = block_size
-    return pack == 1 and rows % tile_m == 0 and cols % tile_n == 0
+    return rows % (tile_m // pack) == 0 and cols % tile_n == 0

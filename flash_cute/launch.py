@@ -57,8 +57,9 @@ def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
     """How many query heads a forward tile of `tile_m` rows packs (packed GQA; 1: none).
 
     The heads of a group can share a tile only when their count divides `tile_m` (a tile
-    then holds whole queries). ``pack_gqa=True`` requires that (a block mask's calls run
-    unpacked whatever it says, as FA4's do: D-PACK-BLOCKS); None packs where packing
+    then holds whole queries). ``pack_gqa=True`` requires that (a block mask with a mask per
+    head runs unpacked whatever it says, as FA4's do; one shared by the heads packs:
+    D-PACK-BLOCKS); None packs where packing
     fills tiles of `fill_rows` rows (default `tile_m`) clearly better: rows used / rows
     computed below 0.9x what packing gets, with max_seqlen_q queries (FlashAttention-3's rule
     without its varlen exception: it picks packing for decode and short prompts and leaves
@@ -72,9 +73,10 @@ def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
         if problem.pack_gqa:
             raise NotImplementedError("pack_gqa=True with dropout_p > 0: pass pack_gqa=None")
         return 1
-    if problem.mods is not None and problem.mods.block_states is not None:
-        # A block mask's tiles are per query head, so its calls run unpacked even with
-        # pack_gqa=True, as FA4 runs its block-sparse calls (D-PACK-BLOCKS).
+    states = None if problem.mods is None else problem.mods.block_states
+    if states is not None and states.shape[1] > 1:
+        # A mask per query head: a packed tile's rows would need several heads' tiles, so
+        # such calls run unpacked even with pack_gqa=True, as FA4's do (D-PACK-BLOCKS).
         return 1
     if tile_m % group:
         if problem.pack_gqa:
@@ -258,8 +260,10 @@ class ForwardLaunch:
         self.dropout_scalars = tuple(drop.values())
         self.aux = CapturedTensors(problem, q.device)
         # A block mask's tiles: the kernel's (tile_m, tile_n), the schedule's first two
-        # fields unless `tile` says otherwise.
-        self.sparse = SparseTiles(problem, tile or schedule[:2], backward=False,
+        # fields unless `tile` says otherwise, in queries (a packed tile's rows hold
+        # pack_gqa heads of tile_m / pack_gqa queries, a mask the heads share).
+        tile_m, tile_n = tile or schedule[:2]
+        self.sparse = SparseTiles(problem, (tile_m // pack_gqa, tile_n), backward=False,
                                   q_tiles_per_cta=q_tiles_per_cta)
         variant = Variant.from_problem(problem, pack_gqa, split_kv=splits is not None,
                                        page_size=0 if page_table is None else k.shape[1],

@@ -441,6 +441,27 @@ def test_pack_gqa_request_is_validated_and_dispatched(capability):
         dispatch.select_pipeline(device, None, forced)
 
 
+def test_a_block_mask_the_heads_share_packs_and_one_per_head_does_not():
+    """pack_gqa with a block mask (D-PACK-BLOCKS): one shared by the query heads packs, the
+    kernel's tiles then hold tile_m / pack queries (nested in 128-row blocks down to 32
+    queries a tile); one per head runs unpacked, as FA4's calls do."""
+    import dataclasses
+
+    from flash_cute import create_block_mask, launch, mod_graph
+    from flash_cute.block_range import tiles_nest
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    problem = _gqa_problem(3, pack_gqa=True)
+    for heads, packs in ((1, 4), (8, 1)):
+        block_mask = create_block_mask(causal, 1, heads, 3, 40, device="cpu")
+        mods = mod_graph.lookup(mod_graph.register(None, causal, block_mask))
+        assert launch.packed_heads(dataclasses.replace(problem, mods=mods), 128) == packs
+    assert tiles_nest((128, 128), 128, 128, 4) and tiles_nest((32, 128), 128, 128, 4)
+    assert not tiles_nest((16, 128), 128, 128, 4) and not tiles_nest((64, 128), 128, 128, 1)
+
+
 def test_packed_heads_decision():
     """FlashAttention-3's rule for None (pack where it fills the tile's rows clearly better,
     varlen by its max_seqlen_q); True needs the group to divide the tile; False and MHA never

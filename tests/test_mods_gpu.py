@@ -325,10 +325,11 @@ def test_block_matches_the_graph_on_index_grids(score_mod, mask_mod):
     torch.testing.assert_close(out.double(), want, rtol=2e-3, atol=2e-3)
 
 
-def _block_cases(seqlen):
-    """(name, block mask, mask_mod) on [2, H, seqlen, seqlen]: masks whose blocks agree with
-    their mod (`create_block_mask`), one ≥ 90 % empty, and one whose blocks disagree with it
-    (listed by hand: full blocks the mod would mask, partial ones it decides)."""
+def _block_cases(seqlen, heads=H):
+    """(name, block mask, mask_mod) on [2, heads, seqlen, seqlen]: masks whose blocks agree
+    with their mod (`create_block_mask`), one ≥ 90 % empty, and one whose blocks disagree
+    with it (listed by hand, shared by the heads: full blocks the mod would mask, partial ones
+    it decides)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     from flash_cute import create_block_mask
@@ -353,7 +354,7 @@ def _block_cases(seqlen):
     def checker(b, h, q_idx, kv_idx):
         return (q_idx + kv_idx) % 2 == 0
 
-    cases = [(name, create_block_mask(fn, 2, H, seqlen, seqlen, device="cuda"), fn)
+    cases = [(name, create_block_mask(fn, 2, heads, seqlen, seqlen, device="cuda"), fn)
              for name, fn in (("document", docs), ("window", window),
                               ("scattered", scattered))]
     # By hand: in each query block, its diagonal block partial (the mod decides) and a random
@@ -371,18 +372,21 @@ def _block_cases(seqlen):
     return cases + [("disagreeing", by_hand, checker)]
 
 
-@pytest.mark.parametrize("arch,d", [(None, 128), (None, 64), ("ampere", 128)])
-def test_block_masks_skip_tiles_and_match_the_reference(arch, d):
+@pytest.mark.parametrize("arch,d,pack", [(None, 128, None), (None, 64, None),
+                                         ("ampere", 128, None), (None, 128, True)])
+def test_block_masks_skip_tiles_and_match_the_reference(arch, d, pack):
     """Block sparsity in the kernels: empty tiles skipped, full ones without the mask rule,
     FlexAttention's meaning per element (also where the blocks disagree with the mod, and
     with ≥ 90 % of the tiles empty): forward and backward against float64 by the rule. hdim
-    64's forward tiles (192 rows) straddle the 128-row blocks."""
+    64's forward tiles (192 rows) straddle the 128-row blocks; `pack`: the masks, shared by
+    the heads, on packed GQA rows (D-PACK-BLOCKS)."""
     seqlen = 2055
     q, k, v = _inputs(seqlen, seqlen, d)
     # Held for the whole test: a block mask's registry entry goes with the block mask.
-    cases = _block_cases(seqlen)
+    cases = _block_cases(seqlen, 1 if pack else H)
     for name, block_mask, mask_mod in cases:
-        out, lse = flash_attn_func(q, k, v, block_mask=block_mask, arch=arch, return_lse=True)
+        out, lse = flash_attn_func(q, k, v, block_mask=block_mask, arch=arch, return_lse=True,
+                                   pack_gqa=pack)
         refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(None, None, block_mask)))
         _check(out, refs.ref, refs.nat, f"{name}: O")
         assert torch.equal(lse.isfinite(), refs.lse_ref.isfinite()), name

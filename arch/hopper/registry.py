@@ -131,6 +131,9 @@ def _fwd_configs():
                            # Block sparsity: a block mask's empty tiles skipped, full ones
                            # without the mask rule.
                            ((128, 128), {"causal": True, "mods": "document+blocks"}),
+                           # A block mask the heads share, on packed GQA rows (D-PACK-BLOCKS).
+                           ((128, 128), {"causal": True, "pack_gqa": 4,
+                                         "mods": "document+blocks"}),
                            ((128, 128), {"mods": "fa4_alibi_causal"}),
                            ((128, 128), {"mods": "fa4_document"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
