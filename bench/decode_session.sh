@@ -4,12 +4,10 @@
 # Usage (GPU host, repo root, after `source .gpu-host/setup.sh`):
 #   bash bench/decode_session.sh [pytest -k expression] [--profile] [--ablation] [--no-bench]
 set -uo pipefail
-out="${OUT:-results/decode-$(date +%Y%m%d-%H%M%S)}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 FLASH_CUTE_CACHE_DIR="${FLASH_CUTE_CACHE_DIR:-/tmp/fc-cache}"
+source "$(dirname "$0")/session_common.sh"
+session_start decode
 kexpr="${1:-}"
 shift || true
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python3 -m pytest -m gpu -q -n 14 -p no:cacheprovider tests/test_split_gpu.py \
   tests/test_kvcache.py ${kexpr:+-k "$kexpr"} 2>&1 | tee "$out/pytest-decode.log" | tail -30
 for arg in "$@"; do

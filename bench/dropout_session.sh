@@ -2,12 +2,10 @@
 # One device call for dropout (issue 22): its GPU tests, then bench/dropout.py.
 # Usage (GPU host, repo root): bash bench/dropout_session.sh [pytest -k expr] [bench args...]
 set -uo pipefail
-out="${OUT:-results/dropout-$(date +%Y%m%d-%H%M%S)}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 FLASH_CUTE_CACHE_DIR="${FLASH_CUTE_CACHE_DIR:-/tmp/fc-cache}"
+source "$(dirname "$0")/session_common.sh"
+session_start dropout
 kexpr="${1:-}"
 shift || true
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt"
 timeout 330 python3 -m pytest -m gpu -q -n 8 tests/test_dropout_gpu.py ${kexpr:+-k "$kexpr"} \
   > "$out/dropout-tests.log" 2>&1
 tail -30 "$out/dropout-tests.log"

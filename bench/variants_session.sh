@@ -7,12 +7,10 @@
 # --suite: the whole GPU suite (`pytest -m gpu tests/`, about 200 s at -n 14) in place of the
 # mods tests.
 set -uo pipefail
-out="${OUT:-results/variants-$(date +%Y%m%d-%H%M%S)}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 FLASH_CUTE_CACHE_DIR="${FLASH_CUTE_CACHE_DIR:-/tmp/fc-cache}"
+source "$(dirname "$0")/session_common.sh"
+session_start variants
 kexpr="${1:-}"
 shift || true
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 tests="tests/test_mods_gpu.py tests/test_sink.py"
 workers=8
 case " $* " in *" --suite "*) tests="tests/"; workers=14 ;; esac
