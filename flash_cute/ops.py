@@ -105,16 +105,12 @@ def _fwd_cpu(q, k, v, cu_q, cu_k, used_q, used_k, *options):
     return out.to(q.dtype).contiguous(), lse.float().contiguous()
 
 
-def _mod_grads(options: tuple) -> bool:
-    return len(options) > _BWD_VARIANT + 3 and bool(options[_BWD_VARIANT + 3])
-
-
 def _bwd_cpu(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options):
     lengths = (cu_q, cu_k, used_q, used_k)
     dropout = _dropout_of(options, _BWD_VARIANT)
     problem = _reference_problem(q, k, v, lengths, options, dropout)
     kwargs = _reference_kwargs(problem, lengths, options[_BWD_VARIANT], dropout[1])
-    learned = mod_graph.learnable(kwargs["variant"]) if _mod_grads(options) else ()
+    learned = mod_graph.learnable(kwargs["variant"]) if plans.mod_grads_asked(options) else ()
     grads = {id(t): torch.zeros(t.shape, dtype=torch.float32) for t in learned}
     dq, dk, dv = attention_ref_backward(q, k, v, dout, dlse, aux_grads=grads, **kwargs)
     return (*(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v))),
@@ -144,7 +140,7 @@ def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *option
     _variant(options[_BWD_VARIANT])
     _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options,
                        _dropout_of(options, _BWD_VARIANT))
-    learned = (mod_graph.learnable(_variant(options[_BWD_VARIANT])) if _mod_grads(options)
+    learned = (mod_graph.learnable(_variant(options[_BWD_VARIANT])) if plans.mod_grads_asked(options)
                else ())
     # Contiguous, whatever the inputs' strides, as the kernels' gradients are.
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),

@@ -304,12 +304,22 @@ def split_seed(options: tuple, count: int):
     return options + (0.0,) * (count - len(options)), None
 
 
+# `flash_cute::bwd`'s last option: the learnable captured tensors' gradients asked for.
+_MOD_GRADS = 13
+
+
+def mod_grads_asked(options: tuple) -> bool:
+    """Whether a `flash_cute::bwd` call's options ask for the gradients of learnable captured
+    tensors (`mod_grads`, trailing and optional)."""
+    return len(options) > _MOD_GRADS and bool(options[_MOD_GRADS])
+
+
 def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
              *options):
     """`flash_cute::bwd` on CUDA tensors: ``(dq, dk, dv, dmods)``."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    mod_grads = len(options) > 13 and bool(options[13])
-    options, rng_seed = split_seed(options[:13], 12)
+    mod_grads = mod_grads_asked(options)
+    options, rng_seed = split_seed(options[:_MOD_GRADS], 12)
     options += (mod_grads,)
     dout = kernel_ready(dout)
     dlse = None if dlse is None else dlse.contiguous()
