@@ -512,10 +512,12 @@ class BlackwellFwd:
             softmax = OnlineSoftmax(scale_log2, 1, 1, self.ex2_per16)
             softmax.reset()
             for n in cutlass.range(n_max - 1, n_min - 1, -1, unroll=1):
+                # A block mask's state of the tile: loaded once, before S is waited for.
+                state = scores.tile_state(q_block, n)
                 handshakes.wait(handshakes.s_full, stage, s_phase)
                 s_phase = s_phase ^ 1
                 if cutlass.const_expr(self.mods is not None):
-                    self._mods_in_tmem(scores, mods[1], row, q_block, n, rng)
+                    self._mods_in_tmem(scores, mods[1], row, q_block, n, rng, state)
                 cute.copy(load[0], load[1], rS_frag)
                 if cutlass.const_expr(self.mods is None):
                     scores.prepare(rS, coord, q_block, n, rng)
@@ -535,11 +537,13 @@ class BlackwellFwd:
         return stats_state, s_phase
 
     @cute.jit
-    def _mods_in_tmem(self, scores, chunks, row: Int32, q_block: Int32, n: Int32, rng):
+    def _mods_in_tmem(self, scores, chunks, row: Int32, q_block: Int32, n: Int32, rng,
+                      state: Optional[Int32]):
         """The score seam with traced or FA4-form mods (`Scores.prepare`) on S_i's row in
         tensor memory, `_S_CHUNK` columns at a time, before the row is loaded whole: what
         the mods compute per column then lives beside a chunk, not beside the 128-column row
-        (D-BW-MODS)."""
+        (D-BW-MODS). `state`: the tile's block-mask state (`Scores.tile_state`; None
+        without a block mask)."""
         load, store, src, dst, regs = chunks
         rC = cute.make_rmem_tensor(regs, Float32)
         for c in cutlass.range_constexpr(self.tile_n // _S_CHUNK):
@@ -548,7 +552,7 @@ class BlackwellFwd:
             view = cute.make_tensor(chunk.iterator, cute.make_layout((1, _S_CHUNK)))
             coord = cute.domain_offset((row, c * _S_CHUNK),
                                        cute.make_identity_tensor((1, _S_CHUNK)))
-            scores.prepare(view, coord, q_block, n, rng)
+            scores.prepare(view, coord, q_block, n, rng, state=state)
             cute.copy(store, chunk, dst[None, None, c])
         cute.arch.fence_view_async_tmem_store()
 
