@@ -63,6 +63,12 @@ class FwdArgs(NamedTuple):
     scalar1: Optional[Any] = None
     scalar2: Optional[Any] = None
     scalar3: Optional[Any] = None
+    # Split-KV merged by the forward itself (`launch.ForwardLaunch`'s `merge_in_kernel`): out
+    # and lse above are the partials, merged_out / merged_lse O and LSE, split_counts int32
+    # [b * heads of a split * query tiles], zero before and after each launch.
+    merged_out: Optional[Any] = None
+    merged_lse: Optional[Any] = None
+    split_counts: Optional[Any] = None
 
 
 class BwdArgs(NamedTuple):
@@ -210,12 +216,13 @@ def _fake_scalars() -> dict:
 def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
                       seqused=(False, False), dropout: bool = False,
                       split_kv: bool = False, paged: bool = False,
-                      append: bool = False, mods=None) -> FwdArgs:
+                      append: bool = False, mods=None, merged: bool = False) -> FwdArgs:
     """A forward record of fake tensors with dynamic batch, heads and lengths, padded or
     varlen, for cross-compiling; `seqused`: (seqused_q, seqused_k) given; `dropout`: with
     the seed tensor; `split_kv`: out and lse as fp32 partials with a leading split mode;
     `paged`: k and v as paged caches with a page table; `append`: with k_new / v_new;
-    `mods`: a `KernelMods`, with its aux tensors."""
+    `mods`: a `KernelMods`, with its aux tensors; `merged` (with `split_kv`): the merged O
+    and LSE and the split counts of a kernel that merges its splits itself."""
     from cutlass import Float32, Int32
 
     from flash_cute.jit import dynamic_dim, fake_tensor
@@ -241,7 +248,18 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
         max_seqlen_q=Int32(1), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], seqused_q=used_q,
         seqused_k=used_k, **_fake_dropout(dropout), num_splits=Int32(1),
         blocks_per_split=Int32(0), page_table=table, k_new=new[0], v_new=new[1],
-        **fake_aux(mods))
+        **fake_aux(mods), **(_fake_merged(dtype, rows_q, heads, hdim_v, lse_shape)
+                             if merged else {}))
+
+
+def _fake_merged(dtype, rows_q, heads, hdim_v, lse_shape) -> dict:
+    from cutlass import Float32, Int32
+
+    from flash_cute.jit import dynamic_dim, fake_tensor
+
+    return dict(merged_out=fake_tensor(dtype, rows_q + (heads, hdim_v)),
+                merged_lse=fake_tensor(Float32, lse_shape, align=4),
+                split_counts=fake_tensor(Int32, (dynamic_dim(),), align=4))
 
 
 def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(False, False),

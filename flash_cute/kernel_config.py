@@ -76,7 +76,8 @@ def forward_spec(kernel, options: str, extra: Optional[dict] = None) -> "Compile
                              dropout=kernel.dropout,
                              split_kv=kernel.split_kv, paged=kernel.page_size > 0,
                              append=getattr(kernel, "append", False),
-                             mods=getattr(kernel, "mods", None))
+                             mods=getattr(kernel, "mods", None),
+                             merged=kernel.split_kv and getattr(kernel, "merges_splits", False))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=options,
                        extra=extra or {})
 

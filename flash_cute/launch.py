@@ -219,7 +219,8 @@ class ForwardLaunch:
     `seqused_k`: int32 [batch] or None, as `problem` was validated. `pack_gqa`: query heads
     per tile (`packed_heads`), for a kernel class that packs them. `splits`: a
     `flash_cute.splits.Splits` (split-KV: the kernel writes fp32 partials per split, which
-    `lse_merge` then merges into O and LSE) or None. `page_table`: k / v are paged caches
+    `lse_merge`'s kernel then merges into O and LSE, or with `merge_in_kernel` the kernel
+    itself, with the per-stream `SplitScratch`) or None. `page_table`: k / v are paged caches
     read through it (an int32 [batch, max_pages] tensor of a first call; each call passes its
     own), for a kernel class that pages. `append`: (k_new, v_new) of a first call, contiguous
     [batch, s_new, heads_kv, d]: the kernel writes them into k / v first (`kv_append`), for a
@@ -229,7 +230,8 @@ class ForwardLaunch:
     def __init__(self, name: str, make_kernel, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                  seqused_q, seqused_k, schedule: tuple, options: str, target: str,
                  prepare=None, pack_gqa: int = 1, splits=None, page_table=None, append=None,
-                 ex2_per16=None, tile=None, q_tiles_per_cta: int = 1):
+                 ex2_per16=None, tile=None, q_tiles_per_cta: int = 1,
+                 merge_in_kernel: bool = False):
         from flash_cute.jit import DTYPES, CompileKey, KernelCall, TensorArg, tensor_arg
 
         _check_seqused(problem, seqused_q, seqused_k)
@@ -244,7 +246,7 @@ class ForwardLaunch:
         # Varlen: also the rows of a sequence past max_seqlen_q, which no tile covers.
         self.lse_neg_inf = problem.varlen or problem.has_seqused_q
         self.no_work = has_no_work(q, k, problem)
-        self.call = self.merge = None
+        self.call = self.merge = self.scratch = None
         self.splits = splits
         if self.no_work and append is not None:
             raise ValueError("an append needs a launch that runs (a query row and a key)")
@@ -276,8 +278,18 @@ class ForwardLaunch:
         out, lse = self._alloc()
         varlen = problem.varlen
         self.split_scalars = (1, 0) if splits is None else tuple(splits)
-        kernel_out, kernel_lse = (out, lse) if splits is None else self._alloc_parts()
-        if splits is not None:
+        kernel_out, kernel_lse = (out, lse) if splits is None else self._new_parts()
+        merged = {}
+        if splits is not None and merge_in_kernel:
+            # Per query tile of the longest sequence, K/V head group and batch entry.
+            heads = problem.nheads // pack_gqa
+            rows = -(-problem.max_seqlen_q * pack_gqa // tile_m)
+            self.scratch = SplitScratch(problem.batch * heads * rows, self._new_parts,
+                                        q.device)
+            merged = dict(merged_out=TensorArg(out), merged_lse=TensorArg(lse, 4),
+                          split_counts=TensorArg(torch.empty(1, dtype=torch.int32,
+                                                             device=q.device), 4))
+        elif splits is not None:
             from flash_cute.lse_merge import merge_call
 
             self.merge = merge_call(q.dtype, problem.hdim_v, "varlen" if varlen else "padded",
@@ -294,14 +306,14 @@ class ForwardLaunch:
                        page_table=tensor_arg(page_table, 4),
                        k_new=None if append is None else TensorArg(append[0]),
                        v_new=None if append is None else TensorArg(append[1]),
-                       **self.aux.fields(), **self.sparse.fields())
+                       **self.aux.fields(), **self.sparse.fields(), **merged)
         self.call = KernelCall(key, lambda: make_kernel(DTYPES[dtype], problem.hdim,
                                                         problem.hdim_v, variant,
                                                         schedule=tuple(schedule)),
                                args, options)
 
     def _alloc(self):
-        if self.splits is not None:
+        if self.merge is not None:
             # The merge writes every row of both.
             return (torch.empty(self.out_shape, dtype=self.dtype, device=self.device),
                     torch.empty(self.lse_shape, dtype=torch.float32, device=self.device))
@@ -316,12 +328,21 @@ class ForwardLaunch:
         return out, lse
 
     def _alloc_parts(self):
-        """Split-KV partials: O fp32 [splits, *O], LSE [splits, *LSE]. Rows no tile writes
-        (varlen, seqused_q) keep LSE -inf, so the merge never reads their O."""
+        """A call's split-KV buffers: (O's partials, LSE's, the kernel's split counts or None
+        for the merge kernel), the stream's scratch where the kernel merges."""
+        if self.scratch is not None:
+            return self.scratch.get()
+        return (*self._new_parts(), None)
+
+    def _new_parts(self):
+        """Split-KV partials: O fp32 [splits, *O], LSE [splits, *LSE]. For the merge kernel,
+        rows no tile writes (varlen, seqused_q) keep LSE -inf, so it never reads their O; the
+        kernel that merges itself reads only rows that every split wrote."""
         count = self.splits.count
         o_parts = torch.empty((count, *self.out_shape), dtype=torch.float32, device=self.device)
-        fill = torch.full if self.lse_neg_inf else torch.empty
-        args = (-math.inf,) if self.lse_neg_inf else ()
+        neg_inf = self.lse_neg_inf and self.scratch is None
+        fill = torch.full if neg_inf else torch.empty
+        args = (-math.inf,) if neg_inf else ()
         return o_parts, fill((count, *self.lse_shape), *args, dtype=torch.float32,
                              device=self.device)
 
@@ -334,14 +355,59 @@ class ForwardLaunch:
         if self.restride is not None:
             rq, rk, rv = self.restride
             q, k, v = _apply(q, rq), _apply(k, rk), _apply(v, rv)
-        kernel_out, kernel_lse = (out, lse) if self.merge is None else self._alloc_parts()
-        self.call(q, k, v, kernel_out, kernel_lse, *self.scalars, cu_seqlens_q, cu_seqlens_k,
+        o_parts, lse_parts, merged = out, lse, (None, None, None)
+        if self.splits is not None:
+            o_parts, lse_parts, counts = self._alloc_parts()
+            if counts is not None:
+                merged = (out, lse, counts)
+        self.call(q, k, v, o_parts, lse_parts, *self.scalars, cu_seqlens_q, cu_seqlens_k,
                   seqused_q, seqused_k, _seed_words(rng_seed, self.dropout),
                   *self.dropout_scalars, *self.split_scalars, page_table, *append,
-                  *self.aux.values(), *self.sparse.tensors, *self.aux.scalar_values)
+                  *self.aux.values(), *self.sparse.tensors, *self.aux.scalar_values, *merged)
         if self.merge is not None:
-            self.merge(kernel_out, kernel_lse, out, lse)
+            self.merge(o_parts, lse_parts, out, lse)
         return out, lse
+
+
+# Split partials up to this size are kept by their plan, per stream (a decode step's are a
+# few hundred KB), instead of allocated at each call; larger ones (an explicit num_splits on
+# a long prompt) are allocated per call, so that no plan cache entry holds a large buffer.
+KEEP_PARTIALS_BYTES = 16 << 20
+
+
+class SplitScratch:
+    """What a forward that merges its own splits needs besides its outputs, kept per CUDA
+    stream (launches of one plan on two streams at once must not share it): the int32 count
+    of each tile's finished splits (`lse_merge.SplitArrivals`; zeroed once, and every launch
+    leaves them at zero) and, up to `KEEP_PARTIALS_BYTES`, the fp32 partials (written and read
+    within one launch, so the launches of one stream can share them). `new_parts()` makes the
+    partials."""
+
+    def __init__(self, tiles: int, new_parts, device):
+        self.tiles, self.new_parts, self.device = tiles, new_parts, device
+        self.by_stream = {}
+
+    def get(self) -> tuple:
+        """(O's partials, LSE's, the counts) for the current stream. A CUDA graph being
+        captured gets its own (their zeroing captured too), so that its replays, on whatever
+        stream, share nothing with eager calls."""
+        if torch.cuda.is_current_stream_capturing():
+            return (*self.new_parts(), self._new_counts())
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        kept = self.by_stream.get(stream)
+        if kept is None:
+            o_parts, lse_parts = self.new_parts()
+            counts = self._new_counts()
+            small = (o_parts.numel() + lse_parts.numel()) * 4 <= KEEP_PARTIALS_BYTES
+            self.by_stream[stream] = (o_parts, lse_parts, counts) if small \
+                else (None, None, counts)
+            return o_parts, lse_parts, counts
+        if kept[0] is None:
+            return (*self.new_parts(), kept[2])
+        return kept
+
+    def _new_counts(self) -> torch.Tensor:
+        return torch.zeros(max(self.tiles, 1), dtype=torch.int32, device=self.device)
 
 
 class GatheredPages:
@@ -403,7 +469,7 @@ assert FwdArgs._fields == ("q", "k", "v", "out", "lse", "softmax_scale", "softca
                            "keep_threshold", "dropout_scale", "num_splits", "blocks_per_split",
                            "page_table", "k_new", "v_new", "aux0", "aux1", "aux2", "aux3",
                            "block_states", "block_ranges", "scalar0", "scalar1", "scalar2",
-                           "scalar3")
+                           "scalar3", "merged_out", "merged_lse", "split_counts")
 
 
 def _seed_words(rng_seed, dropout: bool):

@@ -326,6 +326,23 @@ def test_hopper_fwd_is_a_warp_specialized_tma_wgmma_pipeline(inspected):
 
 
 @pytest.mark.slow
+def test_hopper_split_kv_forwards_merge_their_splits_in_the_kernel(inspected):
+    """A split-KV hopper forward counts each tile's finished splits with one atomic (the
+    thread that counts for the CTA) between GPU-scope fences, and the merger loads the
+    partials back; a forward without splits has neither."""
+    entries = [e for e in inspected if e["kernel"] == "hopper.fwd"]
+    split = [e for e in entries if e["config"].get("split_kv")]
+    assert len(split) >= 5
+    for e in entries:
+        ops = e["sass"]
+        if e["config"].get("split_kv"):
+            assert ops.get("ATOMG", 0) == 1 and ops.get("MEMBAR", 0) >= 3, (e["config"], ops)
+            assert ops.get("CCTL", 0) >= 1, "the acquire must invalidate L1 before the loads"
+        else:
+            assert ops.get("ATOMG", 0) == 0, e["config"]
+
+
+@pytest.mark.slow
 def test_learnable_tensors_gradients_take_atomics_by_how_their_index_varies(inspected):
     """The hopper backward's gradients of learnable captured tensors (its dQ leaves by a bulk
     reduce, so every fp32 atomic is theirs): ALiBi's slopes[h], an index uniform over the

@@ -28,7 +28,8 @@ def _needs_gpu():
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch):
     """Final outputs and split partials start as NaN (partial LSEs stay -inf where the
-    launch fills them: rows no tile owns); records each launch's split count."""
+    launch fills them for the merge kernel: rows no tile owns); records each launch's split
+    count."""
     counts = []
     alloc, alloc_parts = launch.ForwardLaunch._alloc, launch.ForwardLaunch._alloc_parts
 
@@ -37,11 +38,11 @@ def poisoned(monkeypatch):
         return out.fill_(float("nan")), lse.fill_(float("nan")) if self.splits else lse
 
     def poisoned_parts(self):
-        o_parts, lse_parts = alloc_parts(self)
+        o_parts, lse_parts, split_counts = alloc_parts(self)
         counts.append(self.splits.count)
-        if not self.lse_neg_inf:
+        if not self.lse_neg_inf or split_counts is not None:
             lse_parts.fill_(float("nan"))
-        return o_parts.fill_(float("nan")), lse_parts
+        return o_parts.fill_(float("nan")), lse_parts, split_counts
 
     monkeypatch.setattr(launch.ForwardLaunch, "_alloc", poisoned_alloc)
     monkeypatch.setattr(launch.ForwardLaunch, "_alloc_parts", poisoned_parts)
@@ -154,6 +155,38 @@ def test_seqlen_k_per_split_is_bitwise_independent_of_the_batch(poisoned, arch):
     with pytest.raises(ValueError, match="multiple of"):
         flash_attn_varlen_func(q, k, v, seqused_k=used, num_splits=0, seqlen_k_per_split=1000,
                                arch=arch)
+
+
+def test_the_in_kernel_merge_serves_two_streams_and_leaves_its_counts_at_zero(monkeypatch):
+    """The hopper forward merges its own splits, counting each tile's finished splits: calls
+    of one plan on two streams at once get counts (and partials) of their own, give the
+    one-stream result bitwise, and every launch sets its counts back to 0."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the in-kernel merge is the hopper forward's (sm90)")
+    seen = []
+    get = launch.SplitScratch.get
+
+    def recorded(self):
+        seen.append(get(self)[2])
+        return get(self)
+
+    monkeypatch.setattr(launch.SplitScratch, "get", recorded)
+    q, k, v = _decode(2, 1, 30001, 32, 8, seed=3)
+    kw = dict(num_splits=13, return_lse=True)
+    want, want_lse = flash_attn_func(q, k, v, **kw)
+    check_forward(want, want_lse, q, k, v)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    results = []
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for stream in streams:
+            with torch.cuda.stream(stream):
+                results.append(flash_attn_func(q, k, v, **kw))
+    torch.cuda.synchronize()
+    for out, lse in results:
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert len({t.data_ptr() for t in seen}) == 3
+    assert all(int(t.abs().sum()) == 0 for t in seen)
 
 
 def test_backward_after_a_split_forward():

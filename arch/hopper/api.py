@@ -69,7 +69,8 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
     return launch.ForwardLaunch("hopper.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
                                 cu_seqlens_k, seqused_q, seqused_k, chosen, COMPILE_OPTIONS,
                                 target, prepare=tma_ready, pack_gqa=pack, splits=splits,
-                                page_table=page_table, append=append)
+                                page_table=page_table, append=append,
+                                merge_in_kernel=True)
 
 
 def pages_in_kernel(page_size: int) -> bool:

@@ -106,10 +106,10 @@ def _align(b: int) -> int:
 
 
 def _mainloop_smem_bytes(hdim: int, hdim_v: int, schedule: tuple) -> int:
-    """The mbarriers (full + empty per stage of Q, K and V) padded to the 1 KiB alignment of
-    the swizzled tiles, then Q and the K and V rings."""
+    """The mbarriers (full + empty per stage of Q, K and V) and split-KV's merge flag (an
+    int32), padded to the 1 KiB alignment of the swizzled tiles, then Q and the K and V rings."""
     tile_m, tile_n, stages = schedule[:3]
-    return _align(8 * (2 + 4 * stages)) + _align(tile_m * hdim * 2) \
+    return _align(8 * (2 + 4 * stages) + 4) + _align(tile_m * hdim * 2) \
         + _align(stages * tile_n * hdim * 2) + _align(stages * tile_n * hdim_v * 2)
 
 

@@ -34,6 +34,7 @@ from flash_cute.dsl_state import DslState
 from flash_cute.kernel_args import FwdArgs
 from flash_cute.kv_append import append_rows
 from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
+from flash_cute.lse_merge import SplitArrivals, merge_rows
 from flash_cute.mask import AttentionMask
 from flash_cute.seqlen import SeqInfo
 from flash_cute.score import (Scores, aux_tensors, block_mask_parts, block_mask_tensors,
@@ -58,6 +59,7 @@ class FwdBarrier(enum.IntEnum):
     PINGPONG_WG2 = 3
     O_TILE = 4  # the consumer threads around O's shared-memory tile (`OutputStore`)
     V_TAIL = 5  # the consumer threads, after zeroing V rows past a varlen sequence
+    SPLIT_MERGE = 6  # the consumer threads, around a split's count (`lse_merge.SplitArrivals`)
 
 # The consumer warp that issues O's TMA store (the first of consumer warpgroup 1).
 _O_STORE_WARP = 4
@@ -131,10 +133,15 @@ class HopperFwd:
 
     Split-KV (``split_kv``): the tile order counts heads x splits; a tile visits its split's
     blocks (`block_range.split_range`) and stores O (fp32) and LSE from registers into its
-    split's partials, which `lse_merge` merges after the kernel. Paged K/V (``page_size``):
+    split's partials; the last split of a tile to store merges the tile's partials into O
+    and LSE in the kernel (`lse_merge.SplitArrivals`, `merge_rows`: one warp per row, one
+    int32 count per tile that the merger sets back to 0). Paged K/V (``page_size``):
     the producer gathers each K/V block from the page table, box by box (`paged`); the
     consumers see the same stages as with a dense cache.
     """
+
+    # Split-KV partials are merged by the kernel itself (`merge_if_last`), not after it.
+    merges_splits = True
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), schedule: Optional[tuple] = None):
@@ -211,6 +218,10 @@ class HopperFwd:
             tma_v, tV = tma_load_atom(mV, cols_first, sV_layout, (self.hdim_v, self.tile_n))
             tK, tV = permute(tK, back_rows), permute(tV, back_cols)
         tma_q, tQ, tma_o, mO, mLSE = self._q_o_lse(mQ, mO, mLSE, sQ_layout, sO_layout)
+        merged = None
+        if cutlass.const_expr(self.split_kv):
+            merged = (*self._packed_rows(assume_aligned_strides(args.merged_out, vec),
+                                         args.merged_lse, 0), args.split_counts)
 
         SharedStorage = self._shared_storage(layouts)
         if cutlass.const_expr(SharedStorage.size_in_bytes() != self.smem_bytes
@@ -233,7 +244,7 @@ class HopperFwd:
             sO_layout, args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
             args.num_splits, args.blocks_per_split, args.page_table,
             self._append_tensors(mK, mV, args), aux_tensors(self, args),
-            block_mask_tensors(self, args), mma_qk, mma_pv, SharedStorage, tx_bytes,
+            block_mask_tensors(self, args), merged, mma_qk, mma_pv, SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -255,15 +266,12 @@ class HopperFwd:
         if cutlass.const_expr(self.pack_gqa > 1):
             tma_q, tQ = packed_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ, self.varlen,
                                         sQ_layout, (self.tile_m, self.hdim), self.pack_gqa)
-            lead = int(self.split_kv)
-            row_mode = 2 - self.varlen + lead
-            mLSE = pack_heads(mLSE, row_mode, row_mode - 1, self.pack_gqa)
             if cutlass.const_expr(self.o_tile != "none"):
+                _, mLSE = self._packed_rows(None, mLSE, 0)
                 tma_o, mO = packed_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, self.varlen,
                                             sO_layout, (self.tile_m, self.hdim_v), self.pack_gqa)
             else:
-                mO = pack_heads(mO, 1 - self.varlen + lead, 2 - self.varlen + lead,
-                                self.pack_gqa)
+                mO, mLSE = self._packed_rows(mO, mLSE, int(self.split_kv))
             return tma_q, tQ, tma_o, mO, mLSE
         tma_q, tQ = tma_load_atom(mQ, rows_first, sQ_layout, (self.tile_m, self.hdim))
         if cutlass.const_expr(self.o_tile != "none"):
@@ -272,6 +280,17 @@ class HopperFwd:
                 cute.slice_(sO_layout, (None, None, 0)), (self.tile_m, self.hdim_v))
             mO = permute(tO, back_rows)
         return tma_q, permute(tQ, back_rows), tma_o, mO, mLSE
+
+    def _packed_rows(self, mO, mLSE, lead: int):
+        """O (None: left out) and LSE as O leaves by row stores: packed GQA's views
+        (`layouts.pack_heads`), else as they are; `lead` leading modes (a split's) kept."""
+        if cutlass.const_expr(self.pack_gqa == 1):
+            return mO, mLSE
+        row_mode = 2 - self.varlen + lead
+        mLSE = pack_heads(mLSE, row_mode, row_mode - 1, self.pack_gqa)
+        if cutlass.const_expr(mO is not None):
+            mO = pack_heads(mO, row_mode - 1, row_mode, self.pack_gqa)
+        return mO, mLSE
 
     def _tile_order(self, tQ, mK, max_seqlen_q, mCuSeqlensQ, num_splits,
                     page_table) -> TileOrder:
@@ -317,6 +336,8 @@ class HopperFwd:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            if self.split_kv:
+                merge_flag: cute.struct.MemRange[cutlass.Int32, 1]
             sQ: smem_tile(dtype, sQ_layout)
             sK: smem_tile(dtype, sK_layout)
             sV: smem_tile(dtype, sV_layout)
@@ -351,7 +372,7 @@ class HopperFwd:
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                mSeed: Optional[cute.Tensor], keep_threshold: Int32, dropout_scale: Float32,
                nheads: Int32, num_splits: Int32, blocks_per_split: Int32,
-               mPageTable: Optional[cute.Tensor], append_tensors, aux, block_mask,
+               mPageTable: Optional[cute.Tensor], append_tensors, aux, block_mask, merged,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -387,9 +408,18 @@ class HopperFwd:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             tidx = cute.arch.thread_idx()[0] - 128
             out = OutputStore(self, mma_pv, tidx, tma_o, sO, mO, mLSE,
-                              warp_idx == _O_STORE_WARP)
+                              warp_idx == _O_STORE_WARP, self._arrivals(merged, storage, tidx))
             self.consume(mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
                          mod_scale, (mSeed, keep_threshold, dropout_scale, nheads), aux)
+
+    def _arrivals(self, merged, storage, tidx: Int32):
+        """Split-KV: (merged O, merged LSE, the tile counts' `SplitArrivals`); else None."""
+        if cutlass.const_expr(not self.split_kv):
+            return None
+        barrier = pipeline.NamedBarrier(barrier_id=FwdBarrier.SPLIT_MERGE.value,
+                                        num_threads=128 * self.num_wg)
+        flag = storage.merge_flag.get_tensor(cute.make_layout(1))
+        return merged[0], merged[1], SplitArrivals(merged[2], flag, barrier, tidx)
 
     @cute.jit
     def produce(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles,
@@ -513,6 +543,8 @@ class HopperFwd:
             o_scale, lse = softmax.finalize(Float32(1.0) if drop is None else drop.scale)
             rescale_o(acc_to_mn(acc_o), o_scale)
             out.store(acc_o, lse, seq, head, m_block, pipe_q, q_state, split)
+            if cutlass.const_expr(self.split_kv):
+                out.merge_if_last(tiles, seq, head, m_block)
             q_state.advance()
         return q_state, kv
 
@@ -706,6 +738,10 @@ class WorkTiles(DslState):
                       self.used_k, self.cfg.pack_gqa, max_seqlen_q=self.max_seqlen_q)
         return m_block, head, head // self.qheads_per_kvhead, seq, split
 
+    def merge_slot(self, m_block: Int32, head: Int32, seq: SeqInfo):
+        """Split-KV: the index of the tile's count, over (query tile, head, batch)."""
+        return (seq.batch * self.heads_per_split + head) * self.num_m_blocks + m_block
+
     def in_bounds(self, m_block: Int32, seq: SeqInfo):
         """Whether the tile has rows (varlen tiles past the sequence have none): uniform over
         the CTA, so every role skips the same tiles and none is left waiting."""
@@ -754,9 +790,11 @@ class OutputStore(DslState):
     with row predicates. LSE is always stored by the first thread of each row's quad.
     """
 
-    def __init__(self, cfg: HopperFwd, mma_pv, tidx, tma_o, sO, mO, mLSE, is_store_warp):
+    def __init__(self, cfg: HopperFwd, mma_pv, tidx, tma_o, sO, mO, mLSE, is_store_warp,
+                 merge=None):
         self.cfg = cfg
         self.tma_o, self.sO, self.mO, self.mLSE = tma_o, sO, mO, mLSE
+        self.tidx, self.merge = tidx, merge
         self.is_store_warp = is_store_warp
         self.coord = acc_to_mn(mma_pv.get_slice(tidx).partition_C(
             cute.make_identity_tensor((cfg.tile_m, cfg.hdim_v))))
@@ -789,6 +827,26 @@ class OutputStore(DslState):
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                     cute.arch.sync_warp()
                 pipe_q.consumer_release(q_state)
+
+    @cute.jit
+    def merge_if_last(self, tiles, seq: SeqInfo, head: Int32, m_block: Int32):
+        """Split-KV, after `store`: the tile's last split to store merges every split's
+        partial into O and LSE (`lse_merge.merge_rows`, one warp per row)."""
+        cfg = self.cfg
+        merged_o, merged_lse, arrivals = self.merge
+        if arrivals.last(tiles.merge_slot(m_block, head, seq), tiles.num_splits):
+            first = m_block * cfg.tile_m
+            o_lead = (None,) * (cute.rank(self.mO) - 1)
+            lse_lead = (None,) * (cute.rank(self.mLSE) - 1)
+            merge_rows(
+                cutlass.min(seq.rows_q - first, cfg.tile_m),
+                lambda s, r: seq.lse_view(self.mLSE[(s,) + lse_lead], head)[first + r],
+                lambda s, r: cute.local_tile(seq.q_view(self.mO[(s,) + o_lead], head),
+                                             (cfg.tile_m, cfg.hdim_v), (m_block, 0))[r, None],
+                cute.local_tile(seq.q_view(merged_o, head), (cfg.tile_m, cfg.hdim_v),
+                                (m_block, 0)),
+                cute.domain_offset((first,), seq.lse_view(merged_lse, head)),
+                tiles.num_splits, self.tidx, 128 * cfg.num_wg, cfg.hdim_v // 32)
 
     @cute.jit
     def store_lse(self, mLSE, lse, seq: SeqInfo, head: Int32, m_block: Int32):
