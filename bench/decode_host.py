@@ -1,7 +1,7 @@
-"""Host time of one decode call, by function (cProfile over many calls, launches queued
-behind a spin so the GPU never waits for them): where the host time of
+"""Host time of one decode call (1 x 8k, whose GPU time is a fraction of its host time, so a
+loop of calls measures the host), then by function (cProfile): where the host time of
 `flash_attn_with_kvcache` and `flash_attn_varlen_func` goes.
-Usage: python bench/decode_host.py [--calls 300] [--top 25]"""
+Usage: python bench/decode_host.py [--calls 300] [--rounds 5] [--top 25]"""
 
 import argparse
 import cProfile
@@ -18,6 +18,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -28,23 +29,30 @@ def main():
         "varlen_split": lambda: flash_attn_varlen_func(q, k, v, seqused_k=lens, num_splits=0),
         "varlen_nosplit": lambda: flash_attn_varlen_func(q, k, v, seqused_k=lens),
     }
-    for name, fn in calls.items():
+    for fn in calls.values():
         fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            fn()
-        host = (time.perf_counter() - t0) / args.calls * 1e6
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    # Rounds interleaved across the calls: the host's speed drifts (one call measured 32 and
+    # 55 us per call in two device sessions of one day), so the calls share each drift.
+    host = {name: [] for name in calls}
+    for _ in range(args.rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            host[name].append((time.perf_counter() - t0) / args.calls * 1e6)
+            torch.cuda.synchronize()
+    for name, fn in calls.items():
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
             fn()
         prof.disable()
         torch.cuda.synchronize()
-        print(f"== {name}: {host:.1f} us per call (no profiler)")
+        times = sorted(host[name])
+        print(f"== {name}: {times[len(times) // 2]:.1f} us per call, median of {args.rounds} "
+              f"rounds (min {times[0]:.1f}, max {times[-1]:.1f}; no profiler)")
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
-
 
 if __name__ == "__main__":
     main()
