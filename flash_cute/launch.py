@@ -16,6 +16,7 @@ import torch
 import tvm_ffi  # noqa: F401
 
 from flash_cute.kernel_args import BwdArgs, FwdArgs, dropout_scalars, score_scalars
+from flash_cute.splits import launch_tiles
 from flash_cute.variant import Variant, dtype_name, ex2_emulation_per16
 
 
@@ -281,11 +282,9 @@ class ForwardLaunch:
         kernel_out, kernel_lse = (out, lse) if splits is None else self._new_parts()
         merged = {}
         if splits is not None and merge_in_kernel:
-            # Per query tile of the longest sequence, K/V head group and batch entry.
-            heads = problem.nheads // pack_gqa
-            rows = -(-problem.max_seqlen_q * pack_gqa // tile_m)
-            self.scratch = SplitScratch(problem.batch * heads * rows, self._new_parts,
-                                        q.device)
+            # One count per tile (`HopperFwd`'s `merge_slot`).
+            self.scratch = SplitScratch(launch_tiles(problem, tile_m, pack_gqa),
+                                        self._new_parts, q.device)
             merged = dict(merged_out=TensorArg(out), merged_lse=TensorArg(lse, 4),
                           split_counts=TensorArg(torch.empty(1, dtype=torch.int32,
                                                              device=q.device), 4))
@@ -369,10 +368,13 @@ class ForwardLaunch:
         return out, lse
 
 
-# Split partials up to this size are kept by their plan, per stream (a decode step's are a
-# few hundred KB), instead of allocated at each call; larger ones (an explicit num_splits on
-# a long prompt) are allocated per call, so that no plan cache entry holds a large buffer.
-KEEP_PARTIALS_BYTES = 16 << 20
+# Split partials up to this size are kept by their plan, per stream (a decode step's are at
+# most about 1 MB: 16 splits x 4 query tokens x 32 heads x d 128 in fp32), instead of
+# allocated at each call; larger ones (an explicit num_splits on a long prompt) are allocated
+# per call, so that no plan cache entry holds a large buffer. A plan keeps the scratch of its
+# last `KEEP_STREAMS` streams.
+KEEP_PARTIALS_BYTES = 4 << 20
+KEEP_STREAMS = 4
 
 
 class SplitScratch:
@@ -381,7 +383,8 @@ class SplitScratch:
     of each tile's finished splits (`lse_merge.SplitArrivals`; zeroed once, and every launch
     leaves them at zero) and, up to `KEEP_PARTIALS_BYTES`, the fp32 partials (written and read
     within one launch, so the launches of one stream can share them). `new_parts()` makes the
-    partials."""
+    partials. A launch that faults leaves its counts as they were, but a CUDA fault ends the
+    process's use of the device anyway."""
 
     def __init__(self, tiles: int, new_parts, device):
         self.tiles, self.new_parts, self.device = tiles, new_parts, device
@@ -398,6 +401,10 @@ class SplitScratch:
         if kept is None:
             o_parts, lse_parts = self.new_parts()
             counts = self._new_counts()
+            if len(self.by_stream) >= KEEP_STREAMS:
+                # The oldest stream's scratch goes back to torch's allocator, which reuses
+                # it for that stream's allocations only: stream order keeps queued work safe.
+                del self.by_stream[next(iter(self.by_stream))]
             small = (o_parts.numel() + lse_parts.numel()) * 4 <= KEEP_PARTIALS_BYTES
             self.by_stream[stream] = (o_parts, lse_parts, counts) if small \
                 else (None, None, counts)

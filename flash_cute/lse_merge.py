@@ -5,8 +5,10 @@ For parts s with outputs O_s and log-sum-exps LSE_s over disjoint key sets:
 and ring attention both rest on it. Model: `flash_cute.models.lse_merge`.
 
 The kernel takes the tensors in one of three layouts (`LAYOUTS`) and sees each as a
-(splits, rows, d) stack: the forward's split-KV partials, padded or varlen, or a plain
-[splits, rows, d] stack.
+(splits, rows, d) stack: the ampere forward's split-KV partials, padded or varlen, or a plain
+[splits, rows, d] stack (`flash_attn_combine`). A forward can merge its own splits instead,
+the last split of each tile merging it (`SplitArrivals`, `merge_rows`: the hopper forward);
+both merges run the row block `merge_row`.
 """
 
 import cuda.bindings.driver as cuda

@@ -22,7 +22,8 @@ from flash_cute.block_range import block_range
 MAX_SPLITS = 128
 # The cost model's constants, in units of one K/V block's time on one SM (docs/decisions.md,
 # D-SPLIT): every split pays the tile's prologue and epilogue (Q's load, the first K/V
-# block's latency, the partial's store), and a split launch pays the merge kernel.
+# block's latency, the partial's store), and a split launch pays the merge (the merge kernel
+# on ampere, the last split's merge of each tile on hopper: D-SPLIT-MERGE).
 SPLIT_OVERHEAD_BLOCKS = 2
 MERGE_BLOCKS = 2
 
@@ -41,6 +42,13 @@ def visited_blocks(problem, tile_m: int, tile_n: int, pack: int = 1) -> int:
     rng = block_range(last, tile_m, tile_n, problem.max_seqlen_q, problem.max_seqlen_k,
                       problem.causal, problem.window_left, problem.window_right, pack)
     return max(rng.n_block_max - rng.n_block_min, 0)
+
+
+def launch_tiles(problem, tile_m: int, pack: int = 1) -> int:
+    """Query tiles of a forward launch: those of the longest sequence (times the packing),
+    per K/V head group (packed) or query head, per batch entry."""
+    return (-(-problem.max_seqlen_q * pack // tile_m) * (problem.nheads // pack)
+            * problem.batch)
 
 
 def num_splits_heuristic(tiles: int, blocks: int, num_sms: int, ctas_per_sm: int = 1) -> int:
@@ -81,8 +89,7 @@ def plan_splits(problem, tile_m: int, tile_n: int, pack: int, num_sms: int,
                              f"max_seqlen_k={problem.max_seqlen_k}, got {requested}")
         count = requested
     else:
-        tiles = (-(-problem.max_seqlen_q * pack // tile_m) * (problem.nheads // pack)
-                 * problem.batch)
+        tiles = launch_tiles(problem, tile_m, pack)
         blocks = visited_blocks(problem, tile_m, tile_n, pack)
         count = max(num_splits_heuristic(tiles, blocks, num_sms, ctas_per_sm), needed)
     return Splits(count, blocks_per_split) if count > 1 else None

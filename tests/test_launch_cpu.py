@@ -162,3 +162,43 @@ def test_a_kernel_call_refuses_arguments_it_cannot_compile():
 
     with pytest.raises(TypeError, match="expected a TensorArg"):
         jit.KernelCall(jit.CompileKey("k", "sm_90a", "bf16", 64, 64, ()), lambda: None, (True,))
+
+
+def test_split_scratch_is_kept_per_stream_and_fresh_under_capture(monkeypatch):
+    """`launch.SplitScratch`: one set of zeroed counts (and small partials) per stream, the
+    same set again on that stream, the oldest stream's dropped past KEEP_STREAMS, partials
+    over KEEP_PARTIALS_BYTES made per call, and fresh ones while a graph is captured."""
+    import torch
+
+    from flash_cute import launch
+
+    stream = [0]
+    capturing = [False]
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: stream[0],
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    size = [8]
+
+    def new_parts():
+        return torch.empty(size[0]), torch.empty(2)
+
+    scratch = launch.SplitScratch(5, new_parts, torch.device("cpu"))
+    first = scratch.get()
+    assert first[2].tolist() == [0] * 5
+    assert all(a is b for a, b in zip(scratch.get(), first))
+    stream[0] = 1
+    other = scratch.get()
+    assert all(a is not b for a, b in zip(other, first))
+    for s in range(2, 2 + launch.KEEP_STREAMS):
+        stream[0] = s
+        scratch.get()
+    assert 0 not in scratch.by_stream and len(scratch.by_stream) == launch.KEEP_STREAMS
+    capturing[0] = True
+    captured = scratch.get()
+    assert all(a is not b for a, b in zip(captured, scratch.get()))
+    capturing[0] = False
+    size[0] = launch.KEEP_PARTIALS_BYTES // 4
+    stream[0] = 99
+    big = scratch.get()
+    again = scratch.get()
+    assert big[0] is not again[0] and big[2] is again[2]
