@@ -189,6 +189,41 @@ def test_the_in_kernel_merge_serves_two_streams_and_leaves_its_counts_at_zero(mo
     assert all(int(t.abs().sum()) == 0 for t in seen)
 
 
+def test_a_split_decode_captured_in_a_cuda_graph_replays_on_another_stream():
+    """A split decode call captured into a CUDA graph gets scratch of its own (counts zeroed
+    inside the graph): replayed on a side stream while eager calls run on the default stream,
+    on inputs refilled after the capture, it gives the eager result bitwise, and the eager
+    calls give theirs."""
+    q, k, v = _decode(2, 1, 20001, 32, 8, seed=9)
+    used = torch.tensor([20001, 7777], dtype=torch.int32, device="cuda")
+
+    def call():
+        return flash_attn_varlen_func(q, k, v, seqused_k=used, num_splits=11, return_lse=True)
+
+    call()  # plan and compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        captured = call()
+    with torch.no_grad():
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+    torch.cuda.synchronize()
+    want, want_lse = call()
+    torch.cuda.synchronize()
+    eager = []
+    for _ in range(5):
+        with torch.cuda.stream(side):
+            graph.replay()
+        eager.append(call())
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], want) and torch.equal(captured[1], want_lse)
+    for out, lse in eager:
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    check_forward(want, want_lse, q, k, v, seqused_k=used)
+
+
 def test_backward_after_a_split_forward():
     """Gradients run from the merged O and LSE (the backward does not split)."""
     q, k, v = _decode(2, 4, 1200, 8, 2)
