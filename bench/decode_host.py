@@ -32,8 +32,8 @@ def main():
     for fn in calls.values():
         fn()
     torch.cuda.synchronize()
-    # Rounds interleaved across the calls: the host's speed drifts (one call measured 32 and
-    # 55 us per call in two device sessions of one day), so the calls share each drift.
+    # Rounds interleaved across the calls: the host's speed drifts, and interleaving makes
+    # the calls share each drift.
     host = {name: [] for name in calls}
     for _ in range(args.rounds):
         for name, fn in calls.items():
