@@ -10,6 +10,11 @@ reference's):
 * values are float32, int32 or bool; an int meets a float as float (torch's promotion), `/`
   is true division, `//` and `%` floor (Python's, also for negative operands);
 * a load clamps each index into its dimension, so no index content reads outside a tensor;
+  where one index of a load varies below the tile, or below a kept row or column, and the
+  others do not (`doc[b, kv_idx]`, `bias[h, q_idx - kv_idx]`), the two values a clamp can
+  give are read once there and each element loads unclamped under an in-range predicate,
+  else takes an edge value: one base address plus constants, where clamped indices needed
+  an address (a register pair) per load;
   bool tensors are read as uint8, int64 values as int32;
 * exp, log, tanh and sqrt are the hardware's approximate forms (MUFU), as the softmax's own
   exponential and the built-in softcap are.
@@ -22,6 +27,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
+from cutlass._mlir.dialects import arith
+from cutlass.cutlass_dsl import dsl_user_op
 
 from flash_cute.block_range import tiles_nest
 from flash_cute.dsl_state import DslState
@@ -52,6 +59,13 @@ def needed(nodes: tuple, outputs) -> frozenset:
         elif node.op != "const":
             todo.extend(node.args)
     return frozenset(seen)
+
+
+# The fewest loads of one node per thread and tile that read edge values instead of clamping
+# each index: the edge values and the base address stay live across the tile loop, which the
+# ampere forward's 8 column loads at 255 registers cannot afford (docs/decisions.md,
+# D-MODS-EDGES).
+EDGE_LOADS = 16
 
 
 class GraphMods(DslState):
@@ -91,8 +105,15 @@ class GraphMods(DslState):
         # first and kept, the other side one at a time, so few of its values are live at once.
         n_rows, n_cols = cute.size(acc_mn, mode=[0]), cute.size(acc_mn, mode=[1])
         side = self._row_walk if n_rows <= n_cols else self._col_walk
+        side_level = frozenset({"row" if n_rows <= n_cols else "col"})
+        many = _frequent_loads(live, level, side_level, n_rows, n_cols)
+        for i in many:
+            tile.edges(i, level)
         kept = [side(tile, live, level, i, coord_mn, m_block, n_block)
                 for i in range(min(n_rows, n_cols))]
+        for walk in kept:
+            for i in many:
+                walk.edges(i, level, side_level)
         other = self._col_walk if n_rows <= n_cols else self._row_walk
         for j in range(max(n_rows, n_cols)):
             walk_j = other(tile, live, level, j, coord_mn, m_block, n_block)
@@ -206,12 +227,41 @@ class GraphMods(DslState):
                             cute.arch.warp_reduction_sum(total), lane0=True)
 
 
+def _frequent_loads(live, level, side_level, n_rows: int, n_cols: int) -> list:
+    """The nodes made at least EDGE_LOADS times per thread and tile, which read edge values
+    (`_Walk.edges`); the kept side's own loads and those of a small fragment stay clamped."""
+    def count(lv):
+        per_element = "score" in lv or {"row", "col"} <= lv
+        return n_rows * n_cols if per_element else max(n_rows, n_cols)
+    return [i for i in live if not level[i] <= side_level and count(level[i]) >= EDGE_LOADS]
+
+
+@dsl_user_op
+def _below(v: Int32, extent: Int32, *, loc=None, ip=None) -> Boolean:
+    """0 <= v < extent as one unsigned compare (the DSL compares Uint32 values as signed)."""
+    return Boolean(arith.cmpi(arith.CmpIPredicate.ult, v.ir_value(loc=loc, ip=ip),
+                              extent.ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+def _clamp(v, extent):
+    return cutlass.max(cutlass.min(Int32(v), Int32(extent) - 1), Int32(0))
+
+
+@cute.jit
+def _load_or(t: cute.Tensor, coord, inside, other):
+    """t[coord] where `inside`, else `other` (a predicated load: no address is formed outside
+    t)."""
+    x = other
+    if inside:
+        x = t[coord] if cutlass.const_expr(len(coord) > 1) else t[coord[0]]
+    return x
+
+
 def _atomic_add(grad: cute.Tensor, idx: list, value, lane0: bool = False):
     """grad[idx] += value, an fp32 atomic (each index clamped into its dimension, as a load
     reads), skipped where value is 0 (masked and out-of-bounds elements); `lane0`: by the
     warp's first lane alone (a value the warp has summed)."""
-    coord = [cutlass.max(cutlass.min(Int32(v), Int32(grad.shape[dim]) - 1), Int32(0))
-             for dim, (v, _) in enumerate(idx)]
+    coord = [_clamp(v, grad.shape[dim]) for dim, (v, _) in enumerate(idx)]
     offset = cute.crd2idx(tuple(coord) if len(coord) > 1 else coord[0], grad.layout)
     _add_nonzero(grad.iterator + offset, value, lane0)
 
@@ -273,10 +323,31 @@ class _Walk:
 
     def value(self, i: int):
         if i not in self.values:
-            self.values[i] = self._compute(self.nodes[i])
+            self.values[i] = self._compute(i, self.nodes[i])
         return self.values[i]
 
-    def _compute(self, node):
+    def edges(self, i: int, level: tuple, at: frozenset = frozenset()):
+        """For load node i whose indices but one vary no more than `at` (the tile's or a
+        kept row's or column's values: this walk's), the values its clamp gives below 0 and
+        past the end of the other index, kept under ("edges", i) for `_load`."""
+        node = self.nodes[i]
+        if node.op != "load" or ("edges", i) in self.values:
+            return
+        idx = node.args[1:]
+        varying = [d for d, a in enumerate(idx) if not level[a] <= at]
+        t = self.aux[node.args[0]]
+        if len(varying) != 1 or not isinstance(t.stride[varying[0]], int):
+            return
+        d = varying[0]
+        coord = [None if k == d else _clamp(self.value(a)[0], t.shape[k])
+                 for k, a in enumerate(idx)]
+        ends = []
+        for end in (Int32(0), Int32(t.shape[d]) - 1):
+            coord[d] = end
+            ends.append(t[tuple(coord)] if len(coord) > 1 else t[coord[0]])
+        self.values[("edges", i)] = (d, coord, ends)
+
+    def _compute(self, node_id: int, node):
         op, args = node.op, node.args
         if op in self.env:
             return self.env[op]
@@ -284,18 +355,26 @@ class _Walk:
             v = args[0]
             return v, "b" if isinstance(v, bool) else "i" if isinstance(v, int) else "f"
         if op == "load":
-            return self._load(args[0], [self.value(i) for i in args[1:]])
+            return self._load(args[0], [self.value(i) for i in args[1:]],
+                              self.values.get(("edges", node_id)))
         vals = [self.value(i) for i in args]
         if op == "where":
             return _select(_as(vals[0], "b"), vals[1], vals[2])
         return _OPS[op](*vals)
 
-    def _load(self, index: int, idx: list):
+    def _load(self, index: int, idx: list, edges=None):
         t = self.aux[index]
-        coord = []
-        for dim, (v, _) in enumerate(idx):
-            coord.append(cutlass.max(cutlass.min(Int32(v), Int32(t.shape[dim]) - 1), Int32(0)))
-        x = t[tuple(coord)] if len(coord) > 1 else t[coord[0]]
+        if edges is None:
+            coord = [_clamp(v, t.shape[dim]) for dim, (v, _) in enumerate(idx)]
+            x = t[tuple(coord)] if len(coord) > 1 else t[coord[0]]
+        else:
+            d, coord, (low, high) = edges
+            v = Int32(idx[d][0])
+            coord = list(coord)
+            coord[d] = v
+            # select_ of two Uint8 values gives an Int8: the edge goes back to t's type.
+            edge = t.element_type(cutlass.select_(v < 0, low, high))
+            x = _load_or(t, tuple(coord), _below(v, Int32(t.shape[d])), edge)
         dtype = t.element_type
         if cutlass.const_expr(dtype in (cutlass.Float32, cutlass.Float16, cutlass.BFloat16)):
             return Float32(x), "f"

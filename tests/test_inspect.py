@@ -56,21 +56,13 @@ def _does_softmax(kernel: str) -> bool:
 # Spills known and accepted, exactly: the sm80 forward compiled for sm_100a (what runs on
 # Blackwell until its own pipeline exists) spills at hdim 128.
 KNOWN_SPILLS = {("ampere.fwd", "sm_100a", 128): 32}
-# The hopper forward with a traced mod that loads per column or per element (a document id of
-# kv_idx, a relative-bias table): a few registers at the default schedule, which runs faster
-# than the spill-free one without intra-warpgroup overlap; the hdim-128 backward of a mod
-# whose derivative is not 1 (softcap, also in FA4's form, and the ampere backward there),
-# whose derivative takes a fragment of its own (D-MODS-KERNEL); the ampere hdim-128 backward
-# that also sums learnable ALiBi slopes' gradient (D-MOD-GRADS); the blackwell forward with
-# a relative-bias table on packed GQA rows (D-BW-MODS).
-KNOWN_MOD_SPILLS = {("hopper.fwd", "sm_90a", "document", 128): 24,
-                    ("hopper.fwd", "sm_90a", "alibi_document", 128): 8,
-                    ("hopper.fwd", "sm_90a", "relative_bias", 128): 40,
-                    ("hopper.bwd", "sm_90a", "softcap", 128): 48,
+# The hdim-128 backward of a mod whose derivative is not 1 (softcap, also in FA4's form, and
+# the ampere backward there), whose derivative takes a fragment of its own (D-MODS-KERNEL);
+# the ampere hdim-128 backward that also sums learnable ALiBi slopes' gradient (D-MOD-GRADS).
+KNOWN_MOD_SPILLS = {("hopper.bwd", "sm_90a", "softcap", 128): 48,
                     ("hopper.bwd", "sm_90a", "fa4_softcap_causal", 128): 32,
                     ("ampere.bwd", "sm_80", "fa4_softcap_causal", 128): 72,
-                    ("ampere.bwd", "sm_80", "alibi+grads", 128): 88,
-                    ("blackwell.fwd", "sm_100a", "relative_bias", 128): 24}
+                    ("ampere.bwd", "sm_80", "alibi+grads", 128): 88}
 
 
 def known_spill(e: dict):

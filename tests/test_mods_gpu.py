@@ -36,7 +36,11 @@ def aux(name):
                               dtype=torch.int32).sort(dim=1).values.to(torch.int32),
             prefix=torch.tensor([17, 90], device="cuda", dtype=torch.int32),
             gate=torch.rand(2, H, device="cuda", generator=g),
-            keep=torch.rand(2, 400, 400, device="cuda", generator=g) > 0.2)
+            keep=torch.rand(2, 400, 400, device="cuda", generator=g) > 0.2,
+            short=torch.randn(H, 60, device="cuda", generator=g).to(torch.bfloat16),
+            row_short=torch.randn(2, 100, device="cuda", generator=g),
+            flags=torch.rand(120, device="cuda", generator=g) > 0.5,
+            ids=torch.randint(0, 3, (2, 100), device="cuda", generator=g, dtype=torch.int32))
     return _AUX[name]
 
 
@@ -281,6 +285,31 @@ def test_bad_captured_tensors_are_refused_before_launch():
         flash_attn_func(q, q, q, score_mod=wide_bias)
 
 
+# Indices past both ends of short tensors (bf16, fp32, bool, int32), one index varying by
+# element, row or column: loads that take the clamp's edge values (`graph_mods._Walk.edges`).
+def e_edges(score, b, h, q_idx, kv_idx):
+    return score + aux("short")[h, q_idx - kv_idx + 20] * 0.5 + aux("row_short")[b, q_idx - 30]
+
+
+def e_edge_mask(b, h, q_idx, kv_idx):
+    return aux("flags")[kv_idx - 50] | (aux("ids")[b, q_idx + 7] == 2)
+
+
+@pytest.mark.parametrize("arch", [None, "ampere"])
+def test_indices_past_a_captured_tensor_read_its_edge_values(arch):
+    """A load's index below 0 or past the end reads the tensor's first or last entry (the
+    clamp of `mod_graph.evaluate`), forward and backward, against float64."""
+    q, k, v = _inputs(113, 301, 128)
+    out, lse = flash_attn_func(q, k, v, score_mod=e_edges, mask_mod=e_edge_mask, arch=arch,
+                               return_lse=True)
+    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(e_edges, e_edge_mask)))
+    _check(out, refs.ref, refs.nat, "O")
+    finite = refs.lse_ref.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    _check(lse[finite], refs.lse_ref[finite], refs.lse_nat[finite], "LSE")
+    _check_grads(out, (q, k, v), refs, finite=True)
+
+
 def _graph_cases():
     def e_div(score, b, h, q_idx, kv_idx):
         return score + (((q_idx - kv_idx) // 5) % 3 - 1) * 0.5 + (kv_idx - q_idx) % 7
@@ -293,8 +322,10 @@ def _graph_cases():
 
     def e_bool(b, h, q_idx, kv_idx):
         return ~((q_idx - kv_idx) % 4 == 1) | (aux("keep")[b, q_idx, kv_idx] != (h > 1))
+
     return [(e_div, None), (e_float_div, None), (e_pow, None), (exotic, e_bool),
-            (softcap, document), (alibi, prefix_lm), (relative_bias, dense_mask)]
+            (softcap, document), (alibi, prefix_lm), (relative_bias, dense_mask),
+            (e_edges, e_edge_mask)]
 
 
 @pytest.mark.parametrize("score_mod,mask_mod", _graph_cases(), ids=_ID)
