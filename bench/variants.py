@@ -44,9 +44,8 @@ def _cases(batch, seqlen, nheads):
                                flex_mask=causal,
                                fa4=dict(score_mod=fa4.alibi, score_mod_bwd=fa4.bias_bwd,
                                         aux_tensors=[slopes.float()], causal=True)),
-        # FA4's twin compares documents only; its built-in causal supplies kv <= q.
         "document": dict(mask_mod=mod_examples.document_mask(doc_ids),
-                         fa4=dict(mask_mod=fa4.document, aux_tensors=[doc_ids], causal=True)),
+                         fa4=dict(mask_mod=fa4.document_causal, aux_tensors=[doc_ids])),
         "sliding window 1024": dict(mask_mod=mod_examples.sliding_window(1024),
                                     fa4=dict(mask_mod=fa4.sliding_window(1024))),
         "softcap 30 (score_mod)": dict(score_mod=mod_examples.softcap(30.0),

@@ -76,6 +76,15 @@ def document(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
     return operator.eq(doc_q.load(), doc_kv.load())
 
 
+@cute.jit
+def document_causal(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """`flash_cute.mod_examples.document_mask` in FA4's form, whole: same document and
+    kv_idx <= q_idx (bench/variants.py's FA4 twin: `document` with FA4's causal=True and a
+    block mask gave another output on sm90, docs/perf.md)."""
+    same = document(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors)
+    return same & (kv_idx <= q_idx)
+
+
 def sliding_window(window: int):
     """Causal with the last `window` keys (`flash_cute.mod_examples.sliding_window` in FA4's
     form)."""
