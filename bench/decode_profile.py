@@ -1,6 +1,7 @@
 """Where a decode call's time goes: per-kernel GPU time (torch.profiler), the call's GPU time
-under a CUDA graph (no host), its do_bench time with the L2 flushed, and its host time, for
-several split counts, through `flash_attn_with_kvcache` (dense, or paged at `--pages`).
+under a CUDA graph (no host), the same with the L2 flushed before each call (a graph of flush +
+call, less a graph of the flush alone), its do_bench time with the L2 flushed, and its host
+time, for several split counts, through `flash_attn_with_kvcache` (dense, or paged at `--pages`).
 Usage: python bench/decode_profile.py [--cells 1x8192,1x32768] [--pages 0,64]"""
 
 import argparse
@@ -10,7 +11,7 @@ import torch
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
-from flash_cute.bench_decode import _paged
+from flash_cute.bench_decode import _paged, cold_graph_ms
 from flash_cute.kvcache import flash_attn_with_kvcache
 
 
@@ -44,6 +45,7 @@ def main():
                 if e.device_type.name == "CUDA" and e.count:
                     kern[e.key[:60]] = (e.count, e.device_time_total / e.count)
             graph_ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+            cold_ms = cold_graph_ms(fn)
             bench_ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -52,7 +54,8 @@ def main():
             host_us = (time.perf_counter() - t0) / 200 * 1e6
             torch.cuda.synchronize()
             print(f"{cell} q{args.queries} page {page} splits={s}: graph {graph_ms * 1e3:.1f} us "
-                  f"({nbytes / graph_ms / 1e6:,.0f} GB/s), do_bench {bench_ms * 1e3:.1f} us "
+                  f"({nbytes / graph_ms / 1e6:,.0f} GB/s), cold graph {cold_ms * 1e3:.1f} us "
+                  f"({nbytes / cold_ms / 1e6:,.0f} GB/s), do_bench {bench_ms * 1e3:.1f} us "
                   f"({nbytes / bench_ms / 1e6:,.0f} GB/s), host {host_us:.1f} us")
             for name, (count, us) in sorted(kern.items(), key=lambda x: -x[1][1]):
                 print(f"    {us:8.1f} us x{count // 20:<3} {name}")

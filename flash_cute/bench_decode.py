@@ -93,6 +93,38 @@ def _calls(q, k, v, page):
     return calls, skipped
 
 
+def cold_graph_ms(fn, flush: str = "write", reps: int = 50) -> float:
+    """GPU time of `fn` with the L2 flushed before each call and no host: a CUDA graph of
+    (flush, fn) less one of the flush alone, each replayed `reps` times, medians. `flush`:
+    "write" zeroes 256 MB as triton's `do_bench` does, which leaves the L2 full of dirty lines
+    that `fn`'s reads then write back; "read" sums 256 MB, which leaves it clean."""
+    import torch
+
+    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    flush_fn = cache.zero_ if flush == "write" else (lambda: cache.sum(dtype=torch.int32))
+
+    def timed(body):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        times = []
+        for _ in range(reps):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[reps // 2]
+
+    return timed(lambda: (flush_fn(), fn())) - timed(flush_fn)
+
+
 def hbm_read_rate(timer) -> float:
     """GB/s of a sum over a `READ_BYTES` bf16 tensor (what a pure read reaches)."""
     import torch
