@@ -75,6 +75,30 @@ def test_loads_clamp_their_indices_into_the_tensor():
     assert torch.equal(out, BIAS[index.long()])
 
 
+def test_loads_made_many_times_per_tile_read_edge_values():
+    """`graph_mods._frequent_loads` (D-MODS-EDGES): the hopper forward's fragment, 2 rows x 32
+    columns, reads a key's document id by edge values, the ampere forward's 4 x 8 clamps it;
+    a query's id, on the kept side, stays clamped; an element's bias-table load is made 32
+    times in either and reads edge values."""
+    from flash_cute import graph_mods
+    from flash_cute.mod_examples import example_spec
+
+    def frequent(name, rows, cols):
+        spec = example_spec(name)
+        live = sorted(graph_mods.needed(spec.nodes, (spec.score, spec.mask)))
+        level = graph_mods.levels(spec.nodes)
+        loads = {i: level[i] for i in live if spec.nodes[i].op == "load"}
+        picked = graph_mods._frequent_loads(live, level, frozenset({"row"}), rows, cols)
+        return loads, [i for i in picked if i in loads]
+
+    loads, picked = frequent("document", 2, 32)
+    assert sorted(loads.values(), key=sorted) == [{"col"}, {"row"}]
+    assert [loads[i] for i in picked] == [{"col"}]
+    assert frequent("document", 4, 8)[1] == []
+    loads, picked = frequent("relative_bias", 4, 8)
+    assert [loads[i] for i in picked] == [{"row", "col"}]
+
+
 @pytest.mark.parametrize("fn,match", [
     (lambda score, b, h, q, k: torch.sin(score), "'sin'"),
     (lambda score, b, h, q, k: score if score > 0 else -score, "could not be traced"),

@@ -288,7 +288,8 @@ def test_bad_captured_tensors_are_refused_before_launch():
 # Indices past both ends of short tensors (bf16, fp32, bool, int32), one index varying by
 # element, row or column: loads that take the clamp's edge values (`graph_mods._Walk.edges`).
 def e_edges(score, b, h, q_idx, kv_idx):
-    return score + aux("short")[h, q_idx - kv_idx + 20] * 0.5 + aux("row_short")[b, q_idx - 30]
+    by_element = aux("short")[h, q_idx - kv_idx + 20] * 0.5
+    return score + by_element + aux("row_short")[b, q_idx - 30]
 
 
 def e_edge_mask(b, h, q_idx, kv_idx):
