@@ -329,7 +329,9 @@ class _Walk:
     def edges(self, i: int, level: tuple, at: frozenset = frozenset()):
         """For load node i whose indices but one vary no more than `at` (the tile's or a
         kept row's or column's values: this walk's), the values its clamp gives below 0 and
-        past the end of the other index, kept under ("edges", i) for `_load`."""
+        past the end of the other index, kept under ("edges", i) for `_load`; only where that
+        index's stride is a constant (the innermost dimension), which keeps the elements'
+        addresses one base plus constants."""
         node = self.nodes[i]
         if node.op != "load" or ("edges", i) in self.values:
             return
