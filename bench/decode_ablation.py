@@ -4,7 +4,9 @@ variants of it, in interleaved rounds (each round builds every variant's plan af
 
 Variants: `base` (the default); `stages3` (three K/V stages instead of two: at hdim 128 a
 128-row tile with three stages fits 231,424 B of shared memory); `x2` / `half` (twice /
-half the heuristic's split count); `nosplit` (num_splits 1).
+half the heuristic's split count); `nosplit` (num_splits 1); `cta2` (`config.DECODE_PAIR`:
+64-row tiles, one consumer warpgroup, 64-key blocks, two CTAs per SM, the heuristic's splits
+for that occupancy).
 
 Usage: python bench/decode_ablation.py [--cells 1x8192,1x32768] [--pages 0,16] [--rounds 3]
 """
@@ -15,11 +17,12 @@ import torch
 
 from flash_cute import plans, splits
 from flash_cute.arch.hopper import api as hopper_api
+from flash_cute.arch.hopper.config import DECODE_PAIR
 from flash_cute.bench import make_timer
 from flash_cute.bench_decode import HDIM, HEADS, HEADS_KV, _paged, cache_bytes, gbps
 from flash_cute.kvcache import flash_attn_with_kvcache
 
-VARIANTS = ("base", "stages3", "x2", "half", "nosplit")
+VARIANTS = ("base", "stages3", "x2", "half", "nosplit", "cta2")
 
 
 class _Override:
@@ -35,6 +38,8 @@ class _Override:
 
         def schedule(*a, **kw):
             s = base_schedule(*a, **kw)
+            if variant == "cta2":
+                return DECODE_PAIR
             return s._replace(kv_stages=3) if variant == "stages3" else s
 
         def plan(*a, **kw):

@@ -4,7 +4,8 @@ warpgroups, and what `HopperFwd` refuses before any compile."""
 
 import pytest
 
-from flash_cute.arch.hopper.config import (PACK_ROWS, ROLE_REGISTERS, SMEM_CAPACITY,
+from flash_cute.arch.hopper.config import (CTA_PAIR_SMEM, CTAS_PER_SM, DECODE_PAIR, PACK_ROWS,
+                                           ROLE_REGISTERS, SMEM_CAPACITY,
                                            SUPPORTED_HDIMS, FWD_SCHEDULES, FwdSchedule, fwd_schedule,
                                            smem_bytes, with_switches)
 
@@ -12,12 +13,20 @@ from flash_cute.arch.hopper.config import (PACK_ROWS, ROLE_REGISTERS, SMEM_CAPAC
 @pytest.mark.parametrize("consumers", sorted(ROLE_REGISTERS))
 def test_role_registers_give_the_launch_budget_to_the_roles(consumers):
     """setmaxnreg moves registers, it does not create them: the producer's 128 threads and the
-    consumers' together hold what the CTA gets at launch (65536 / threads, rounded down to 8)."""
+    consumers' together hold what the CTA gets at launch (65536 / threads / CTAs per SM,
+    rounded down to 8)."""
     producer, consumer = ROLE_REGISTERS[consumers]
     threads = 128 * (1 + consumers)
-    at_launch = 65536 // threads // 8 * 8
+    at_launch = 65536 // (threads * CTAS_PER_SM.get(consumers, 1)) // 8 * 8
     assert producer % 8 == 0 and consumer % 8 == 0
     assert 128 * producer + 128 * consumers * consumer == threads * at_launch
+
+
+def test_the_decode_pair_fits_two_ctas_per_sm():
+    """`DECODE_PAIR`: one consumer warpgroup, so two CTAs per SM, each within half the shared
+    memory with its split partials stored by rows."""
+    assert DECODE_PAIR.tile_m == 64 and CTAS_PER_SM[DECODE_PAIR.tile_m // 64] == 2
+    assert smem_bytes(128, 128, DECODE_PAIR, True) <= CTA_PAIR_SMEM
 
 
 @pytest.mark.parametrize("hdim,hdim_v", sorted(SUPPORTED_HDIMS))

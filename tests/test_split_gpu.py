@@ -296,6 +296,50 @@ def test_paged_cache_matches_float64(poisoned, page, num_splits, sq, causal):
     check_forward(out, lse, q, kg, vg, causal=causal, seqused_k=used)
 
 
+@pytest.fixture
+def decode_pair(monkeypatch):
+    """The hopper forward planned with `config.DECODE_PAIR` (64-row tiles, one consumer
+    warpgroup, two CTAs per SM), as `bench/decode_ablation.py`'s `cta2` plans it; plans built
+    before and after stay apart."""
+    from flash_cute import plans
+    from flash_cute.arch.hopper import api
+    from flash_cute.arch.hopper.config import DECODE_PAIR
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the hopper forward needs an sm90 GPU")
+    monkeypatch.setattr(api, "fwd_schedule", lambda *a, **kw: DECODE_PAIR)
+    plans.clear_plans()
+    yield
+    plans.clear_plans()
+
+
+@pytest.mark.parametrize("page", [None, 16, 64])
+@pytest.mark.parametrize("num_splits, sq, causal", [(0, 1, False), (5, 4, True)])
+def test_the_two_cta_decode_schedule_matches_float64(poisoned, decode_pair, page, num_splits,
+                                                     sq, causal):
+    """`DECODE_PAIR` on ragged caches (0, 1, inside a block, full), dense or paged, split by
+    the heuristic (which counts two CTAs per SM) or in 5, against float64."""
+    from flash_cute.paging import gather
+
+    batch, heads_kv, d, sk = 4, 2, 128, 1100
+    if page is None:
+        _, k, v = _decode(batch, 1, sk, heads_kv, heads_kv, seed=7)
+        kg, vg, table, full = k, v, None, sk
+    else:
+        pages_per = -(-sk // page)
+        k, v, table = _paged_cache(batch, pages_per, page, heads_kv, d, seed=page)
+        kg, vg = gather(k, v, table)
+        full = pages_per * page
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(batch, sq, 4 * heads_kv, d, device="cuda", dtype=torch.bfloat16,
+                    generator=gen)
+    used = torch.tensor([0, 1, 777, full], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_varlen_func(q, k, v, page_table=table, seqused_k=used,
+                                      causal=causal, num_splits=num_splits, return_lse=True)
+    check_forward(out, lse, q, kg, vg, causal=causal, seqused_k=used)
+    assert poisoned and all(c > 1 for c in poisoned), poisoned
+
+
 @pytest.mark.parametrize("page", [16, 128])
 def test_paged_cache_with_packed_queries(poisoned, page):
     from flash_cute.paging import gather

@@ -8,7 +8,8 @@ from flash_cute.splits import plan_splits
 
 from flash_cute.validation import AttentionProblem
 
-from .config import (BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, FWD_SCHEDULES, MIN_PAGE_ROWS, PACK_ROWS,
+from .config import (BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, CTAS_PER_SM, FWD_SCHEDULES,
+                     MIN_PAGE_ROWS, PACK_ROWS,
                      SHORT_CAUSAL_BWD_ROWS, SUPPORTED_HDIMS, BwdSchedule, bwd_compile_options,
                      bwd_schedule, bwd_smem_plan, fwd_schedule, short_causal)
 
@@ -62,7 +63,8 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
                                               problem.dropout_p > 0))
 
     chosen = pick(problem.varlen or problem.has_seqused_q)
-    splits = plan_splits(problem, chosen[0], chosen[1], pack, launch.device_sms(q.device))
+    splits = plan_splits(problem, chosen[0], chosen[1], pack, launch.device_sms(q.device),
+                         CTAS_PER_SM.get(chosen[0] // 64, 1))
     if splits is not None:
         # Split partials leave by row stores (`HopperFwd._rows_past_sequence`).
         chosen = pick(True)

@@ -4,12 +4,18 @@ from typing import NamedTuple, Optional
 
 # Warpgroups: one producer (TMA) and consumers that each own 64 query rows of a tile (WGMMA's
 # M is 64 per warpgroup): two for the backward and a 128-row forward tile, three for a 192-row
-# forward tile (`HopperFwd` derives its own from its tile).
+# forward tile, one for the 64-row decode schedule (`HopperFwd` derives its own from its tile).
 BWD_CONSUMER_WARPGROUPS = 2
 BWD_NUM_THREADS = 128 * (1 + BWD_CONSUMER_WARPGROUPS)
 # setmaxnreg budgets by the number of consumer warpgroups: every register the CTA gets at
 # launch goes to a role (docs/decisions.md, D-HF-ROLES).
-ROLE_REGISTERS = {2: (24, 240), 3: (32, 160)}
+ROLE_REGISTERS = {1: (24, 232), 2: (24, 240), 3: (32, 160)}
+# CTAs per SM by the number of consumer warpgroups: a 64-row tile (one consumer warpgroup, a
+# decode schedule: `bench/decode_ablation.py`'s `cta2`) launches two per SM, at 128 registers
+# a thread and half the shared memory each (`CTA_PAIR_SMEM`), so one CTA's prologue and
+# epilogue overlap the other's loads; the split heuristic counts them (`splits.plan_splits`).
+CTAS_PER_SM = {1: 2}
+CTA_PAIR_SMEM = 228 * 1024 // 2 - 1024
 # Paged K/V: the producer also holds a block's page indices, read one block ahead
 # (`paged.PagedBlocks.load_all`); 8 registers move to it from each consumer thread.
 PAGED_ROLE_REGISTERS = {2: (40, 232)}
@@ -36,6 +42,12 @@ class FwdSchedule(NamedTuple):
 FWD_SCHEDULES = {64: FwdSchedule(192, 128, 2, persistent=True), 96: FwdSchedule(128, 128, 2),
                  128: FwdSchedule(128, 128, 2, persistent=True),
                  192: FwdSchedule(128, 96, 2), 256: FwdSchedule(128, 80, 2, pingpong=False)}
+
+
+# A decode schedule, measured against the default by `bench/decode_ablation.py` (`cta2`), not
+# picked by `fwd_schedule`: 64 rows for a few packed query rows, one consumer warpgroup, 64-key
+# blocks in two stages, two CTAs per SM (`CTAS_PER_SM`).
+DECODE_PAIR = FwdSchedule(64, 64, 2, intra_wg_overlap=True, pingpong=False, persistent=False)
 
 
 def with_switches(schedule: FwdSchedule, **switches) -> FwdSchedule:

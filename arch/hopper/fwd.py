@@ -44,8 +44,8 @@ from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per
 from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
 from flash_cute.work_loop import for_each_tile
 
-from .config import (FWD_SCHEDULES, PAGED_ROLE_REGISTERS, ROLE_REGISTERS, SMEM_CAPACITY,
-                     FwdSchedule, o_smem_tile, smem_bytes)
+from .config import (CTA_PAIR_SMEM, CTAS_PER_SM, FWD_SCHEDULES, PAGED_ROLE_REGISTERS,
+                     ROLE_REGISTERS, SMEM_CAPACITY, FwdSchedule, o_smem_tile, smem_bytes)
 from .paged import PagedBlocks, page_chunk, paged_tma_atoms
 from .wgmma import WARPGROUP_THREADS, wgmma_slice
 
@@ -79,7 +79,9 @@ class HopperFwd:
 
     Registers in parentheses: a 192-row tile (`config.ROLE_REGISTERS`: all 65536 registers
     go to the roles either way); paged K/V moves 8 per consumer thread to the producer
-    (40 / 232, `config.PAGED_ROLE_REGISTERS`).
+    (40 / 232, `config.PAGED_ROLE_REGISTERS`). A 64-row tile has warpgroup 1 alone as its
+    consumer (24 / 232) and runs two CTAs per SM (`config.CTAS_PER_SM`: 128 registers a
+    thread at launch, at most `config.CTA_PAIR_SMEM` of shared memory each).
 
     | pipeline (PipelineTmaAsync) | stages | full barrier           | empty barrier          |
     |-----------------------------|--------|------------------------|------------------------|
@@ -160,6 +162,7 @@ class HopperFwd:
         self.producer_registers, self.consumer_registers = ROLE_REGISTERS[self.num_wg]
         if self.page_size and self.num_wg in PAGED_ROLE_REGISTERS:
             self.producer_registers, self.consumer_registers = PAGED_ROLE_REGISTERS[self.num_wg]
+        self.ctas_per_sm = CTAS_PER_SM.get(self.num_wg, 1)
         if self.num_wg == 3 and not self.persistent:
             raise ValueError("192-row tiles run persistent only (one CTA per tile spills "
                              "at 160 registers)")
@@ -224,10 +227,12 @@ class HopperFwd:
                                          args.merged_lse, 0), args.split_counts)
 
         SharedStorage = self._shared_storage(layouts)
+        capacity = SMEM_CAPACITY if self.ctas_per_sm == 1 else CTA_PAIR_SMEM
         if cutlass.const_expr(SharedStorage.size_in_bytes() != self.smem_bytes
-                              or self.smem_bytes > SMEM_CAPACITY):
+                              or self.smem_bytes > capacity):
             raise ValueError(f"shared memory: {SharedStorage.size_in_bytes()} B (estimated "
-                             f"{self.smem_bytes}), capacity {SMEM_CAPACITY}")
+                             f"{self.smem_bytes}), capacity {capacity} "
+                             f"({self.ctas_per_sm} CTA(s) per SM)")
         tx_bytes = tuple(cute.size_in_bytes(self.dtype, cute.slice_(layout, (None, None, 0)))
                          for layout in (sQ_layout, sK_layout, sV_layout))
         order = self._tile_order(tQ, mK, args.max_seqlen_q, mCuSeqlensQ, args.num_splits,
@@ -246,7 +251,8 @@ class HopperFwd:
             self._append_tensors(mK, mV, args), aux_tensors(self, args),
             block_mask_tensors(self, args), merged, mma_qk, mma_pv, SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
-                 min_blocks_per_mp=1)
+                 min_blocks_per_mp=self.ctas_per_sm,
+                 preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
 
     def _append_tensors(self, mK, mV, args: FwdArgs):
         """(cache K, cache V, k_new, v_new) as global tensors for `kv_append` (None without

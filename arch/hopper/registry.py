@@ -2,7 +2,7 @@
 
 from flash_cute.kernel_config import KernelConfig, config_flags
 
-from .config import (BWD_SCHEDULES, COMPILE_OPTIONS, FWD_SCHEDULES, BwdSchedule,
+from .config import (BWD_SCHEDULES, COMPILE_OPTIONS, DECODE_PAIR, FWD_SCHEDULES, BwdSchedule,
                      bwd_compile_options, bwd_schedule, fwd_schedule)
 
 TARGETS = ("sm_90a",)
@@ -172,6 +172,11 @@ def _fwd_configs():
         schedule = FWD_SCHEDULES[d]._replace(persistent=not FWD_SCHEDULES[d].persistent)
         out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", d, dv, schedule, build_fwd,
                                 config_flags(**{**plain, **flags})))
+    # The decode schedule of two CTAs per SM (`config.DECODE_PAIR`), dense and paged.
+    for flags in ({"causal": True, "seqused_k": True, "split_kv": True, "pack_gqa": 4},
+                  {"seqused_k": True, "split_kv": True, "pack_gqa": 4, "page": 16}):
+        out.append(KernelConfig("hopper.fwd", TARGETS, "bf16", 128, 128, DECODE_PAIR,
+                                build_fwd, config_flags(**{**plain, **flags})))
     # Packed GQA (query heads of a K/V head in one tile): O by TMA store from its own tile or
     # Q's, and by row stores (varlen, seqused_q).
     for (d, dv), flags in [((128, 128), {"causal": True, "pack_gqa": 4}),
