@@ -142,11 +142,9 @@ def _flex(q, k, v, score_mod, mask_mod):
     return out.transpose(1, 2)
 
 
-@pytest.mark.parametrize("arch", [None, "ampere"])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("score_mod,mask_mod", CASES, ids=_ID)
-def test_forward_and_backward_against_float64_and_flex(score_mod, mask_mod, d, arch):
-    q, k, v = _inputs(113, 301, d)
+def _forward_against_float64(q, k, v, score_mod, mask_mod, arch):
+    """(O, the float64 and native references) of the mods' forward, O and LSE (-inf exactly
+    where the reference's is) checked by the FlashAttention rule."""
     out, lse = flash_attn_func(q, k, v, score_mod=score_mod, mask_mod=mask_mod, arch=arch,
                                return_lse=True)
     refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(score_mod, mask_mod)))
@@ -154,6 +152,15 @@ def test_forward_and_backward_against_float64_and_flex(score_mod, mask_mod, d, a
     finite = refs.lse_ref.isfinite()
     assert torch.equal(lse.isfinite(), finite)
     _check(lse[finite], refs.lse_ref[finite], refs.lse_nat[finite], "LSE")
+    return out, refs
+
+
+@pytest.mark.parametrize("arch", [None, "ampere"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("score_mod,mask_mod", CASES, ids=_ID)
+def test_forward_and_backward_against_float64_and_flex(score_mod, mask_mod, d, arch):
+    q, k, v = _inputs(113, 301, d)
+    out, refs = _forward_against_float64(q, k, v, score_mod, mask_mod, arch)
     with torch.no_grad():
         flex = _flex(q.detach(), k.detach(), v.detach(), score_mod, mask_mod)
     # FlexAttention, an independent kernel of the same functions, as the baseline.
@@ -301,13 +308,7 @@ def test_indices_past_a_captured_tensor_read_its_edge_values(arch):
     """A load's index below 0 or past the end reads the tensor's first or last entry (the
     clamp of `mod_graph.evaluate`), forward and backward, against float64."""
     q, k, v = _inputs(113, 301, 128)
-    out, lse = flash_attn_func(q, k, v, score_mod=e_edges, mask_mod=e_edge_mask, arch=arch,
-                               return_lse=True)
-    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(e_edges, e_edge_mask)))
-    _check(out, refs.ref, refs.nat, "O")
-    finite = refs.lse_ref.isfinite()
-    assert torch.equal(lse.isfinite(), finite)
-    _check(lse[finite], refs.lse_ref[finite], refs.lse_nat[finite], "LSE")
+    out, refs = _forward_against_float64(q, k, v, e_edges, e_edge_mask, arch)
     _check_grads(out, (q, k, v), refs, finite=True)
 
 
