@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
+from flash_cute.constants import EMPTY, FULL, PARTIAL
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=128):

@@ -26,8 +26,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, Uint64
 
+from flash_cute.constants import PHILOX_M, PHILOX_ROUNDS, PHILOX_W
 from flash_cute.dsl_state import DslState
-from flash_cute.rng import PHILOX_M, PHILOX_ROUNDS, PHILOX_W
 
 
 @cute.jit

@@ -8,7 +8,7 @@ with FMA-pipe arithmetic instead. The arithmetic, per value (model: `models.exp2
 2. j = floor(x): x + 1.5 * 2^23 rounded down leaves j in the sum's low mantissa bits, and
    the sum minus 1.5 * 2^23 is j exactly, so f = x - j lies in [0, 1);
 3. 2^f ~ p(f) = 1 + f (c1 + f (c2 + f c3)): a Horner chain of FMAs over
-   `models.EXP2_POLY_COEFFS` (minimax relative error 1.04e-4 at degree 3);
+   `constants.EXP2_POLY_COEFFS` (minimax relative error 1.04e-4 at degree 3);
 4. 2^x = p(f) with j << 23 added to its bits (p(f) lies in [1, 2], exponent field 127).
 
 Every step runs on the FMA and integer pipes: 2 FADD-class, degree FFMA, 1 SHF/LEA-class
@@ -26,7 +26,7 @@ from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from flash_cute.models import EXP2_POLY_COEFFS
+from flash_cute.constants import EXP2_POLY_COEFFS
 
 # 1.5 * 2^23: x + this (|x| < 2^22) has the integer part of x in its low mantissa bits.
 _SPLIT = 12582912.0

@@ -160,7 +160,7 @@ def score_scalars(problem) -> dict:
 
 def dropout_scalars(problem) -> dict:
     """The dropout fields' scalars of a validated problem (p = 0: the defaults, unread)."""
-    from flash_cute.rng import keep_threshold
+    from flash_cute.constants import keep_threshold
 
     p = problem.dropout_p
     if p <= 0:

@@ -25,6 +25,8 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
+from flash_cute.constants import EXP2_POLY_COEFFS
+
 from .block_range import block_range
 from .reference import Window, attention_mask, normalize_window
 
@@ -272,16 +274,6 @@ def lse_merge(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> Tuple[torch.Ten
 # ---------------------------------------------------------------------------
 # Software exp2
 # ---------------------------------------------------------------------------
-
-# p(f) ~ 2^f on [0, 1): coefficients of f, f^2, ... (the constant is exactly 1).
-# Fitted once by linear programming (minimax relative error on 20001 points of
-# [0, 1]) with p(0) = 1 and p(1) = 2 pinned, so 2^j * p(f) is continuous at
-# every integer; p(1) evaluates to exactly 2.0 in float32 Horner form.
-EXP2_POLY_COEFFS = {
-    3: (0.695424318, 0.226307675, 0.0782679692),
-    4: (0.693032205, 0.241379663, 0.0520322807, 0.013555848),
-    5: (0.693152308, 0.240156025, 0.0558243245, 0.00898833852, 0.00187899789),
-}
 
 # Max relative error of exp2_poly vs. exact 2^x, measured in float32 on a
 # 4M-point grid plus every integer of [-126, 127] (where the result is a

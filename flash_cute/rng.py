@@ -25,16 +25,9 @@ replay a fresh seed; the kernels read it from device memory, never as a host con
 
 import torch
 
-PHILOX_M = (0xD2511F53, 0xCD9E8D57)
-PHILOX_W = (0x9E3779B9, 0xBB67AE85)
-PHILOX_ROUNDS = 10
+from flash_cute.constants import PHILOX_M, PHILOX_ROUNDS, PHILOX_W, keep_threshold
+
 _MASK32 = 0xFFFFFFFF
-
-
-def keep_threshold(dropout_p: float) -> int:
-    """t with keep ⇔ (16 random bits) < t: round((1 - p) · 2^16), at most 65535 (so a
-    kernel's 32-bit compare of ``t << 16`` holds), at least 1."""
-    return max(1, min(65535, int((1.0 - dropout_p) * 65536 + 0.5)))
 
 
 def keep_probability(dropout_p: float) -> float:

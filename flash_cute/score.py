@@ -25,8 +25,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_cute.block_mask import EMPTY, FULL
 from flash_cute.block_range import BlockRange, needs_mask
+from flash_cute.constants import EMPTY, FULL
 from flash_cute.dsl_state import DslState
 from flash_cute.fa4_mods import Fa4Mods, Fa4SeqInfo, Fa4Spec
 from flash_cute.graph_mods import GraphMods
