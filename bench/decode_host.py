@@ -11,7 +11,7 @@ import time
 import torch
 
 from flash_cute import flash_attn_varlen_func
-from flash_cute.kvcache import flash_attn_with_kvcache
+from flash_cute.api.kvcache import flash_attn_with_kvcache
 
 
 def main():

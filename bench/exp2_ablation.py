@@ -1,4 +1,4 @@
-"""The forwards with the software exp2 (`flash_cute.exp2_emu`) on and off, in one run:
+"""The forwards with the software exp2 (`flash_cute.blocks.exp2_emu`) on and off, in one run:
 TFLOP/s (4·b·h·s²·d, ÷2 causal) of each share, the median of `--rounds` interleaved rounds
 with their spread, and the largest |O| difference from the share-0 forward.
 
@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from flash_cute.bench import ablation_rows, ablation_table, make_timer
-from flash_cute.validation import validate_attention_inputs
-from flash_cute.variant import EX2_EMULATION_ENV
+from flash_cute.tools.bench import ablation_rows, ablation_table, make_timer
+from flash_cute.runtime.validation import validate_attention_inputs
+from flash_cute.contract.variant import EX2_EMULATION_ENV
 
 
 def planned(api, q, k, v, problem, per16: int):
@@ -43,9 +43,9 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     if args.arch == "hopper":
-        from flash_cute.arch.hopper import api
+        from flash_cute.arch.hopper import planner as api
     else:
-        from flash_cute.arch.ampere import api
+        from flash_cute.arch.ampere import planner as api
     timer = make_timer(25, 100)
     rows = []
     for hdim in map(int, args.hdim.split(",")):

@@ -10,14 +10,14 @@ Besides the public functions, the score/mask-mod tests call FA4's internal entry
 and its backward operator with the same mods. Their tuning arguments (tile sizes, thread
 counts, swaps, `_arch`) are FA4's own and ignored; features flash-cute lacks raise
 NotImplementedError from flash-cute, naming them. FA4's block-sparsity tensors become a
-block mask (`flash_cute.block_mask.from_fa4`; the backward's are key-major)."""
+block mask (`flash_cute.variants.block_mask.from_fa4`; the backward's are key-major)."""
 
 import torch
 
 import flash_attn.cute.interface as fa4
 
 import flash_cute
-from flash_cute import interface as fc
+from flash_cute.api import interface as fc
 
 for _name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_combine"):
     setattr(fa4, _name, getattr(flash_cute, _name))
@@ -74,7 +74,7 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
     block_mask = None
     if block_sparse_tensors is not None:
         # FA4's backward tensors list query blocks by key block: the same mask, transposed.
-        from flash_cute.block_mask import from_fa4
+        from flash_cute.variants.block_mask import from_fa4
 
         block_mask = from_fa4(block_sparse_tensors, q.shape[1], k.shape[1], key_major=True)
     variant = 0

@@ -30,7 +30,7 @@ if which == "fa4":
     from flash_attn.cute import flash_attn_func as attn
 else:
     import flash_cute
-    from flash_cute import jit
+    from flash_cute.runtime import jit
     attn = flash_cute.flash_attn_func
 q, k, v = (torch.randn(1, seqlen, 2048 // hdim, hdim, device="cuda", dtype=torch.bfloat16,
                        requires_grad=True) for _ in range(3))

@@ -7,7 +7,7 @@ Each config is drawn from every axis the pipeline supports: dtype, head dims (hd
 too), GQA ratios, padded or varlen layout (empty sequences included), seqused, odd and tiny
 lengths (1, 7, 113, ...), causal, sliding windows, softcap, the backward and its
 deterministic mode. Outputs, LSE and gradients are checked by the FlashAttention rule
-(`flash_cute.reference.tolerance_check`: error at most twice that of the same computation in
+(`flash_cute.reference.attention.tolerance_check`: error at most twice that of the same computation in
 the input dtype), with an absolute floor scaled to each reference's magnitude, so that
 gradients whose reference is exactly zero (sk = 1 gives dK = 0) do not turn rounding into a
 miss. A miss or an exception is printed with its config; the summary counts them per axis.
@@ -93,7 +93,7 @@ def _floor(ref: torch.Tensor, dtype) -> float:
 def run_config(cfg: dict, seed: int) -> list:
     """The names of the checks that missed (empty: all passed)."""
     import flash_cute
-    from flash_cute.reference import attention_ref, tolerance_check
+    from flash_cute.reference.attention import attention_ref, tolerance_check
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, kw = _inputs(cfg, gen)

@@ -18,10 +18,10 @@ import functools
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flash_cute.arch.hopper import api
+from flash_cute.arch.hopper import planner as api
 from flash_cute.arch.hopper.config import FWD_SCHEDULES, FwdSchedule, with_switches
-from flash_cute.bench import ablation_rows, ablation_table, make_timer
-from flash_cute.validation import validate_attention_inputs
+from flash_cute.tools.bench import ablation_rows, ablation_table, make_timer
+from flash_cute.runtime.validation import validate_attention_inputs
 
 
 _SWITCHES = {"ov": "intra_wg_overlap", "pp": "pingpong", "ps": "persistent",

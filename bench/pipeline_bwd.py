@@ -17,9 +17,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute import flash_attn_func
-from flash_cute.bench import ablation_rows, ablation_table, make_timer
-from flash_cute.kernel_config import schedule_label
-from flash_cute.validation import validate_attention_inputs
+from flash_cute.tools.bench import ablation_rows, ablation_table, make_timer
+from flash_cute.tools.kernel_config import schedule_label
+from flash_cute.runtime.validation import validate_attention_inputs
 
 
 def _parse_schedule(pipeline: str, text: str):
@@ -76,7 +76,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="round-robin rounds per cell (median)")
     args = p.parse_args()
     timer = make_timer(25, 100)
-    mod = importlib.import_module(f"flash_cute.arch.{args.pipeline}.api")
+    mod = importlib.import_module(f"flash_cute.arch.{args.pipeline}.planner")
     rows = []
     for hdim in map(int, args.hdim.split(",")):
         for seqlen in map(int, args.seqlen.split(",")):

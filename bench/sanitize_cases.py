@@ -8,7 +8,7 @@ postprocess), padded and varlen (an empty sequence, lengths that end mid-tile), 
 packed GQA, causal, a sliding window, softcap, seqused, the deterministic backward, and the
 shared blocks' kernels (score attention, LSE merge), and decode (split-KV, paged K/V with
 garbage page indices). Index contents past the tensors are
-included: the clamps of `flash_cute.seqlen` must keep every access inside. Prints one line
+included: the clamps of `flash_cute.blocks.seqlen` must keep every access inside. Prints one line
 per case; exits 1 if a result is not finite.
 """
 
@@ -64,8 +64,8 @@ def run_case(spec: dict) -> torch.Tensor:
 
 
 def blocks() -> torch.Tensor:
-    from flash_cute.lse_merge import lse_merge
-    from flash_cute.score_attention import score_attention
+    from flash_cute.blocks.lse_merge import lse_merge
+    from flash_cute.tools.score_attention import score_attention
 
     scores = torch.randn(2, 97, 131, device="cuda")
     v = torch.randn(2, 131, 16, device="cuda", dtype=torch.bfloat16)
@@ -107,7 +107,7 @@ def decode() -> torch.Tensor:
 def _zero_tma_outputs() -> None:
     """Fill O, dK and dV with zeros (a torch kernel: initcheck sees that) as they are
     allocated; every other buffer keeps its real allocation, so initcheck still checks it."""
-    from flash_cute import launch
+    from flash_cute.runtime import launch
 
     fwd_alloc, dkv_alloc = launch.ForwardLaunch._alloc, launch.BackwardLaunch._alloc_dkv
 

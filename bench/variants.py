@@ -25,14 +25,15 @@ import dataclasses
 
 import torch
 
-from flash_cute import flash_attn_func, mod_examples, mod_graph
-from flash_cute.bench import interleaved_times, make_timer, markdown_table
+from flash_cute import flash_attn_func
+from flash_cute.variants import examples as mod_examples, mod_graph
+from flash_cute.tools.bench import interleaved_times, make_timer, markdown_table
 
 
 def _cases(batch, seqlen, nheads):
     """name -> case: flash-cute's mods, FlexAttention's mask where it differs, and `fa4`, the
-    FA4-form twin (`flash_cute.fa4_mod_examples`) FA4's own path runs."""
-    from flash_cute import fa4_mod_examples as fa4
+    FA4-form twin (`flash_cute.blocks.fa4_mod_examples`) FA4's own path runs."""
+    from flash_cute.blocks import fa4_mod_examples as fa4
 
     slopes = torch.exp2(-8.0 * torch.arange(1, nheads + 1, device="cuda") / nheads)
     docs = torch.arange(seqlen, device="cuda") * 7 // seqlen          # 7 equal documents
@@ -68,8 +69,8 @@ def _ours(q, k, v, case, schedule=None):
     if schedule is None:
         return lambda: flash_attn_func(q, k, v, causal=case.get("causal", False),
                                        score_mod=score_mod, block_mask=block_mask)[0]
-    from flash_cute.arch.hopper import api
-    from flash_cute.validation import validate_attention_inputs
+    from flash_cute.arch.hopper import planner as api
+    from flash_cute.runtime.validation import validate_attention_inputs
 
     key = mod_graph.register(score_mod, None, block_mask)
     problem = dataclasses.replace(validate_attention_inputs(q, k, v,
@@ -138,7 +139,7 @@ def _backward(fwd, inputs):
 
 def _sweep(cases_at, names, hdim):
     """Per case: the kernels compiled at the first length and at the 19 others."""
-    from flash_cute.jit import compile_cache
+    from flash_cute.runtime.jit import compile_cache
 
     lengths = [int(n) | 1 for n in torch.linspace(1024, 16384, 20).tolist()]
     rows = []

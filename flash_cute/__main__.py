@@ -13,7 +13,7 @@ def _parser():
     parser = argparse.ArgumentParser(prog="python -m flash_cute", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
-    from flash_cute import bench, cache_cli, inspection, selfcheck
+    from flash_cute.tools import bench, cache_cli, inspection, selfcheck
 
     inspection.add_arguments(sub.add_parser("inspect", help="cross-compile kernels, report SASS"))
     bench.add_arguments(sub.add_parser("bench", help="TFLOP/s against SDPA and FA4 (GPU)"))
@@ -31,26 +31,26 @@ def main(argv=None) -> int:
         default = ["check"] if torch.cuda.is_available() else ["inspect"]
         args = _parser().parse_args(default)
     if args.command == "inspect":
-        from flash_cute import inspection
+        from flash_cute.tools import inspection
 
         return inspection.run(args)
     if args.command == "bench" and args.what == "decode":
-        from flash_cute import bench_decode
+        from flash_cute.tools import bench_decode
 
         return bench_decode.run(args)
     if args.command == "bench" and args.what == "latency":
-        from flash_cute import bench_latency
+        from flash_cute.tools import bench_latency
 
         return bench_latency.run(args)
     if args.command == "bench":
-        from flash_cute import bench
+        from flash_cute.tools import bench
 
         return bench.run(args)
     if args.command == "cache":
-        from flash_cute import cache_cli
+        from flash_cute.tools import cache_cli
 
         return cache_cli.run(args)
-    from flash_cute import selfcheck
+    from flash_cute.tools import selfcheck
 
     return selfcheck.run(args)
 

@@ -11,14 +11,14 @@ probabilities and the dropout mask are not returned). They run flash-cute's kern
 
 ``dropout_p`` > 0 is dropout in the kernels, forward and backward, with FA2's scaling (kept
 weights times 1 / (1 - p)); the keep decision takes 16 random bits per element (not FA2's
-8), so an element is kept with probability exactly ``flash_cute.rng.keep_probability(p)``,
+8), so an element is kept with probability exactly ``flash_cute.reference.rng.keep_probability(p)``,
 within 2^-17 of 1 - p, and the masks are not FA2's bit for bit. Not built yet, refused with
 NotImplementedError: block_table (paged KV, the decode issue). alibi_slopes runs where flash-cute's mods run (CPU
 tensors today; the GPU kernels refuse it until the variants issue).
 """
 
-from flash_cute import interface
-from flash_cute.kvcache import flash_attn_with_kvcache  # noqa: F401 - FA2's name, here too
+from flash_cute.api import interface
+from flash_cute.api.kvcache import flash_attn_with_kvcache  # noqa: F401 - FA2's name, here too
 
 
 def _refuse(block_table=None) -> None:

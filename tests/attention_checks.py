@@ -4,7 +4,7 @@ a small transformer block for the torch.compile tests."""
 import torch
 
 from flash_cute import flash_attn_func
-from flash_cute.reference import attention_ref, tolerance_check
+from flash_cute.reference.attention import attention_ref, tolerance_check
 
 
 class AttentionBlock(torch.nn.Module):

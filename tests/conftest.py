@@ -16,7 +16,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def capability(monkeypatch):
     """Dispatch as on a device of compute capability (major, minor), with no GPU."""
-    from flash_cute import dispatch
+    from flash_cute.runtime import dispatch
 
     def set_cap(major, minor=0):
         monkeypatch.setattr(dispatch, "capability_of", lambda device: (major, minor))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-from flash_cute.reference import attention_ref, tolerance_check
+from flash_cute.reference.attention import attention_ref, tolerance_check
 
 from attention_checks import check_forward
 
@@ -123,7 +123,7 @@ def test_every_output_element_is_written(pipeline, monkeypatch):
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_new_lengths_reuse_the_compiled_kernel(pipeline):
-    from flash_cute.jit import compile_cache
+    from flash_cute.runtime.jit import compile_cache
 
     q, k, v = _inputs(1, 100, 100, 2, 2, 64, 64, torch.bfloat16, seed=5)
     flash_attn_func(q, k, v, arch=pipeline)
@@ -414,7 +414,7 @@ def test_seqused_backward_matches_float64(pipeline, causal, layout, spans_q, spa
 @pytest.mark.parametrize("pipeline", SEQUSED_PIPELINES)
 def test_seqused_gqa_window_softcap_and_new_values_reuse_the_kernel(pipeline):
     """Local window + softcap with GQA 4:1; new seqused values (not new flags) recompile nothing."""
-    from flash_cute.jit import compile_cache
+    from flash_cute.runtime.jit import compile_cache
 
     kw = dict(window_size=(40, 7), softcap=20.0)
     for i, (used_q, used_k) in enumerate([([113, 50], [90, 203]), ([3, 113], [203, 0])]):
@@ -429,7 +429,7 @@ def test_seqused_gqa_window_softcap_and_new_values_reuse_the_kernel(pipeline):
 
 def test_seqused_default_dispatch_and_pipelines_without_it():
     """arch=None picks a pipeline that takes seqused; one that does not refuses before launch."""
-    from flash_cute.dispatch import PIPELINES as BUILT
+    from flash_cute.runtime.dispatch import PIPELINES as BUILT
 
     q, k, v, call_kw, ref_kw, _, _ = _seqused_inputs(
         "padded", [1] * 2, [300] * 2, None, [123, 7], 4, 4, 64, torch.bfloat16, seed=23)

@@ -108,7 +108,7 @@ def test_a_negative_window_is_unbounded_as_in_flash_attn():
 
 
 # Index contents the host does not read (content check off): what they mean, as the clamped
-# offsets of `flash_cute.seqlen` define it.
+# offsets of `flash_cute.blocks.seqlen` define it.
 CONTENTS = [
     # cu_seqlens past the tensor: the second sequence ends at the tensor's last row.
     ("cu_seqlens past the tensor", (0, 128, 4096), 4096, None, (0, 128, 256), 128),

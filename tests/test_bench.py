@@ -1,4 +1,4 @@
-"""CPU tests of `flash_cute.bench`: the pure parts directly, the device parts on tiny
+"""CPU tests of `flash_cute.tools.bench`: the pure parts directly, the device parts on tiny
 CPU tensors with a fake timer (torch's CPU SDPA has a flash backend but no cuDNN one)."""
 
 import argparse
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flash_cute
-from flash_cute import bench
+from flash_cute.tools import bench
 
 
 def parse(argv):
@@ -474,7 +474,7 @@ def test_latency_table_and_cli_without_a_gpu(capsys):
     """`bench latency` parses with the bench options, refuses to run without CUDA, and its
     table has one row per provider with host, gpu and loop columns per case."""
     from flash_cute import __main__ as cli
-    from flash_cute import bench_latency
+    from flash_cute.tools import bench_latency
 
     if not __import__("torch").cuda.is_available():
         assert cli.main(["bench", "latency", "--calls", "5", "--providers", "flash_cute"]) == 2

@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from flash_cute import dispatch
+from flash_cute.runtime import dispatch
 from flash_cute.arch.blackwell import config
-from flash_cute.arch.blackwell.registry import CONFIGS
+from flash_cute.arch.blackwell.inspect_configs import CONFIGS
 
 
 def test_every_schedule_fits_tensor_and_shared_memory():
@@ -40,9 +40,9 @@ def test_default_exp2_share_is_fa4s_per_case():
 def test_blackwell_runs_only_when_named(capability):
     """Not hardware-tested: on a 10.x device dispatch picks the ampere code unless
     arch="blackwell" names it; its backward then runs in a pipeline that has one."""
-    from flash_cute.arch.ampere.pipeline import AMPERE
-    from flash_cute.arch.blackwell.pipeline import BLACKWELL
-    from flash_cute.validation import validate_attention_inputs
+    from flash_cute.arch.ampere.descriptor import AMPERE
+    from flash_cute.arch.blackwell.descriptor import BLACKWELL
+    from flash_cute.runtime.validation import validate_attention_inputs
 
     capability(10, 0)
     device = torch.device("cuda")
@@ -60,9 +60,9 @@ def test_blackwell_runs_only_when_named(capability):
 def test_an_environment_switch_admits_it_where_it_takes_the_problem(capability, monkeypatch):
     """FLASH_CUTE_ALLOW_UNTESTED=blackwell: dispatch picks it on 10.x for the head dims it
     has, and the ampere code for the others."""
-    from flash_cute.arch.ampere.pipeline import AMPERE
-    from flash_cute.arch.blackwell.pipeline import BLACKWELL
-    from flash_cute.validation import validate_attention_inputs
+    from flash_cute.arch.ampere.descriptor import AMPERE
+    from flash_cute.arch.blackwell.descriptor import BLACKWELL
+    from flash_cute.runtime.validation import validate_attention_inputs
 
     capability(10, 0)
     monkeypatch.setenv(dispatch.ALLOW_UNTESTED_ENV, "blackwell")
@@ -74,8 +74,8 @@ def test_an_environment_switch_admits_it_where_it_takes_the_problem(capability, 
 
 
 def test_blackwell_refuses_what_it_lacks_before_any_launch():
-    from flash_cute.arch.blackwell.api import check_supported
-    from flash_cute.validation import validate_attention_inputs
+    from flash_cute.arch.blackwell.planner import check_supported
+    from flash_cute.runtime.validation import validate_attention_inputs
 
     q = torch.randn(1, 64, 4, 96, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match=r"head dims \(96, 96\)"):
@@ -158,7 +158,7 @@ def mufu_ex2_expected(entry) -> int:
 
 
 def _has_score_mod(entry) -> bool:
-    from flash_cute.mod_examples import example_spec
+    from flash_cute.variants.examples import example_spec
 
     name = entry.flag_dict.get("mods")
     if name is None:
@@ -175,7 +175,7 @@ def _inspect_entry(entry) -> dict:
 
 
 def _check_sass(entry, art):
-    from flash_cute.sass import opcode_counts
+    from flash_cute.tools.sass import opcode_counts
 
     ops = opcode_counts(art.sass)
     assert ops.get("UTCHMMA", 0) > 0, "QKᵀ and PV on tcgen05"
@@ -205,7 +205,7 @@ def _check_sass(entry, art):
 
 def test_the_causal_hdim128_forward_cross_compiles_with_its_pipeline_intact(tmp_path):
     """One config in the default run (the rest in the `slow` sweep)."""
-    from flash_cute.xcompile import compile_for_target
+    from flash_cute.tools.xcompile import compile_for_target
 
     entry = next(c for c in CONFIGS if c.hdim == 128 and c.flag_dict == {
         **c.flag_dict, "causal": True, "varlen": False, "ex2_emu": 2})
@@ -215,7 +215,7 @@ def test_the_causal_hdim128_forward_cross_compiles_with_its_pipeline_intact(tmp_
 def test_the_document_mask_cross_compiles_spill_free_with_its_pipeline_intact(tmp_path):
     """A mask mod that loads per key (a document id): its values beside a 32-column chunk of
     S in the pass over tensor memory, not beside the 128-column row (D-BW-MODS)."""
-    from flash_cute.xcompile import compile_for_target
+    from flash_cute.tools.xcompile import compile_for_target
 
     entry = next(c for c in CONFIGS if c.flag_dict.get("mods") == "document")
     _check_sass(entry, compile_for_target(entry, "sm_100a", out_dir=tmp_path))
@@ -226,10 +226,11 @@ def test_blackwell_takes_mods_and_block_masks():
     (which still runs only when named: compile-verified only)."""
     import dataclasses
 
-    from flash_cute import create_block_mask, mod_graph
-    from flash_cute.arch.blackwell.pipeline import BLACKWELL
-    from flash_cute.pipeline import required_capabilities
-    from flash_cute.validation import validate_attention_inputs
+    from flash_cute import create_block_mask
+    from flash_cute.variants import mod_graph
+    from flash_cute.arch.blackwell.descriptor import BLACKWELL
+    from flash_cute.contract.descriptor import required_capabilities
+    from flash_cute.runtime.validation import validate_attention_inputs
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
@@ -251,9 +252,11 @@ def test_a_block_mask_reaches_the_256_row_tiles_padded_with_empty_query_tiles():
     a second Q tile's state and range stay inside the tensors."""
     import dataclasses
 
-    from flash_cute import create_block_mask, launch, mod_graph
-    from flash_cute.block_mask import EMPTY
-    from flash_cute.validation import validate_attention_inputs
+    from flash_cute import create_block_mask
+    from flash_cute.runtime import launch
+    from flash_cute.variants import mod_graph
+    from flash_cute.variants.block_mask import EMPTY
+    from flash_cute.runtime.validation import validate_attention_inputs
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
@@ -274,14 +277,14 @@ def test_a_block_mask_reaches_the_256_row_tiles_padded_with_empty_query_tiles():
 @pytest.mark.slow
 @pytest.mark.parametrize("entry", CONFIGS, ids=lambda e: e.label)
 def test_every_blackwell_config_has_its_pipeline_intact(entry, tmp_path):
-    from flash_cute.xcompile import compile_for_target
+    from flash_cute.tools.xcompile import compile_for_target
 
     _check_sass(entry, compile_for_target(entry, "sm_100a", out_dir=tmp_path))
 
 
 def test_check_pipeline_catches_an_early_exit_and_a_missing_free():
     """The static check fails on the faults it is for (SASS edited by hand)."""
-    from flash_cute.xcompile import compile_for_target
+    from flash_cute.tools.xcompile import compile_for_target
 
     entry = next(c for c in CONFIGS if c.hdim == 64)
     sass = compile_for_target(entry, "sm_100a").sass

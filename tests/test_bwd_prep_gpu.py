@@ -73,7 +73,7 @@ PADDED = [
 
 @pytest.mark.parametrize("batch,seqlen,heads,hdim_v,dtype,has_dlse,wide", PADDED)
 def test_preprocess_padded_matches_float64(batch, seqlen, heads, hdim_v, dtype, has_dlse, wide):
-    from flash_cute.bwd_prep import bwd_preprocess
+    from flash_cute.runtime.bwd_prep import bwd_preprocess
 
     out, dout = _inputs((batch, seqlen, heads, hdim_v), dtype, seqlen * hdim_v, wide)
     lse = _row_vector((batch, heads, seqlen), seqlen + 1, neg_inf_every=7)
@@ -97,7 +97,7 @@ VARLEN = [
 def test_preprocess_varlen_matches_float64(lengths, tail, heads, hdim_v, dtype, has_dlse,
                                            pass_max_seqlen):
     """Zero-length and odd-length sequences; rows after the last sequence stay untouched."""
-    from flash_cute.bwd_prep import bwd_preprocess
+    from flash_cute.runtime.bwd_prep import bwd_preprocess
 
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     used = int(cu[-1])
@@ -117,7 +117,7 @@ def test_preprocess_varlen_matches_float64(lengths, tail, heads, hdim_v, dtype, 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_preprocess_seqused_reads_and_writes_only_the_used_rows(varlen):
     """Rows past seqused_q[b] (NaN in O and dO here) are neither read nor written."""
-    from flash_cute.bwd_prep import bwd_preprocess
+    from flash_cute.runtime.bwd_prep import bwd_preprocess
 
     spans, used_q, heads, hdim_v = [77, 77, 77], [40, 0, 77], 2, 64
     rows = torch.cat([torch.arange(s, device="cuda") < u for s, u in zip(spans, used_q)])
@@ -143,7 +143,7 @@ def test_preprocess_seqused_reads_and_writes_only_the_used_rows(varlen):
 
 
 def test_preprocess_empty_inputs_launch_nothing():
-    from flash_cute.bwd_prep import bwd_preprocess
+    from flash_cute.runtime.bwd_prep import bwd_preprocess
 
     out = torch.empty(2, 0, 3, 64, device="cuda", dtype=torch.bfloat16)
     delta, lse_log2 = bwd_preprocess(out, out, torch.empty(2, 3, 0, device="cuda"))
@@ -162,7 +162,7 @@ def test_preprocess_empty_inputs_launch_nothing():
 def test_preprocess_zeroes_the_dq_accumulator(shape, zero_numel, varlen):
     """`zero`: the preprocess sets a NaN-poisoned fp32 buffer (the main kernel's dQaccum) to
     exactly 0, every element, and still writes Delta and LSElog2."""
-    from flash_cute.bwd_prep import bwd_preprocess
+    from flash_cute.runtime.bwd_prep import bwd_preprocess
 
     out, dout = _inputs(shape, torch.bfloat16, 7)
     if varlen:
@@ -180,7 +180,7 @@ def test_preprocess_zeroes_the_dq_accumulator(shape, zero_numel, varlen):
 
 
 def test_preprocess_rejects_a_zero_buffer_it_cannot_store_to():
-    from flash_cute.bwd_prep import bwd_preprocess
+    from flash_cute.runtime.bwd_prep import bwd_preprocess
 
     out, dout = _inputs((1, 8, 1, 64), torch.bfloat16, 9)
     lse = _row_vector((1, 1, 8), 9)
@@ -191,8 +191,8 @@ def test_preprocess_rejects_a_zero_buffer_it_cannot_store_to():
 
 
 def test_preprocess_compiles_once_for_new_lengths():
-    from flash_cute.bwd_prep import bwd_preprocess
-    from flash_cute.jit import compile_cache
+    from flash_cute.runtime.bwd_prep import bwd_preprocess
+    from flash_cute.runtime.jit import compile_cache
 
     def run(batch, seqlen):
         out, dout = _inputs((batch, seqlen, 2, 64), torch.bfloat16, seqlen)
@@ -221,7 +221,7 @@ POSTPROCESS = [
 @pytest.mark.parametrize("shape,dtype,wide", POSTPROCESS)
 def test_postprocess_matches_torch(shape, dtype, wide):
     """fp32 product then one rounding to dtype: bit-exact against PyTorch doing the same."""
-    from flash_cute.bwd_prep import bwd_postprocess
+    from flash_cute.runtime.bwd_prep import bwd_postprocess
 
     gen = torch.Generator(device="cuda").manual_seed(shape[-1] * shape[0])
     width = shape[-1] * (2 if wide else 1)

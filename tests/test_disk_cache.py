@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from flash_cute import disk_cache
+from flash_cute.runtime import disk_cache
 
 WARM = [sys.executable, "-m", "flash_cute", "cache", "warm", "--target", "sm_90a", "--hdim",
         "64", "--causal", "1", "--direction", "fwd"]
@@ -96,7 +96,7 @@ def test_a_loaded_kernel_that_refuses_its_arguments_is_compiled_again(monkeypatc
     """An entry that loads but whose function raises TypeError on the call (an incompatible
     build) is replaced by a kernel compiled in the process; a kernel compiled here that
     raises is not retried."""
-    from flash_cute import jit
+    from flash_cute.runtime import jit
 
     calls = []
 
@@ -130,15 +130,15 @@ def test_a_loaded_kernel_that_refuses_its_arguments_is_compiled_again(monkeypatc
 
 _HIT_IMPORTS = r"""
 import sys
-from flash_cute import cache_cli
+from flash_cute.tools import cache_cli
 p = __import__("argparse").ArgumentParser()
 cache_cli.add_arguments(p)
 args = p.parse_args(sys.argv[1:])
 rows = cache_cli._warm_here(args, "sm_90a")
-from flash_cute.jit import compile_cache
+from flash_cute.runtime.jit import compile_cache
 kernels = sorted(m for m in sys.modules if m in {
     "flash_cute.arch.hopper.fwd", "flash_cute.arch.hopper.bwd", "flash_cute.arch.hopper.dq_accum",
-    "flash_cute.bwd_prep_kernels"})
+    "flash_cute.kernels.bwd_prep"})
 print("@@", compile_cache.store.built, compile_cache.store.loaded, kernels)
 """
 

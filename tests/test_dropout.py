@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from flash_cute import flash_attn_func, flash_attn_varlen_func, rng
-from flash_cute.reference import attention_ref
+from flash_cute import flash_attn_func, flash_attn_varlen_func
+from flash_cute.reference import rng
+from flash_cute.reference.attention import attention_ref
 
 BF16 = torch.bfloat16
 
@@ -35,7 +36,7 @@ def test_keep_probability_is_t_over_65536_within_2_pow_17_of_one_minus_p(p):
 
 def test_each_group_of_eight_elements_is_one_philox_block():
     """{q, q+8} x {k, k+1, k+8, k+9} take the eight 16-bit halves of one block, as the
-    kernels' accumulator layout needs (`flash_cute.dropout`)."""
+    kernels' accumulator layout needs (`flash_cute.blocks.dropout`)."""
     seed = torch.tensor([-0x1234_5678_9ABC_DEF0], dtype=torch.int64)  # the sign bit set
     q0, k0, bh = 16 * 3 + 5, 16 * 7 + 4, 11
     qs = torch.tensor([q0, q0 + 8])[:, None]
@@ -140,7 +141,7 @@ def test_dropout_p_outside_0_1_is_refused(p):
 def test_dropout_needs_a_seed_and_turns_packed_gqa_off():
     from types import SimpleNamespace
 
-    from flash_cute.launch import packed_heads
+    from flash_cute.runtime.launch import packed_heads
 
     q = torch.randn(1, 8, 2, 64, dtype=BF16)
     options = (None, None, None, False, None, None, 0.0, None, False, None)

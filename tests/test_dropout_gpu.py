@@ -1,13 +1,14 @@
 """Dropout in the kernels on the GPU (issue 22): outputs and gradients against float64 with
-the same mask (`flash_cute.rng`), the mask bit for bit against the reference's draws, the
+the same mask (`flash_cute.reference.rng`), the mask bit for bit against the reference's draws, the
 keep rate over 1e8 draws, reproducibility under a fixed seed, and fresh masks under CUDA
 graph replay."""
 
 import pytest
 import torch
 
-from flash_cute import flash_attn_func, flash_attn_varlen_func, rng
-from flash_cute.reference import attention_ref, tolerance_check
+from flash_cute import flash_attn_func, flash_attn_varlen_func
+from flash_cute.reference import rng
+from flash_cute.reference.attention import attention_ref, tolerance_check
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

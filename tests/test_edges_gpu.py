@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-from flash_cute.reference import attention_ref, tolerance_check
+from flash_cute.reference.attention import attention_ref, tolerance_check
 
 from attention_checks import check_forward
 
@@ -91,7 +91,7 @@ def test_fp16_values_near_65504():
 def test_eight_threads_of_first_calls_compile_each_kernel_once():
     """Eight threads call at once with different shapes and variants, several of them first
     calls that compile: every result is right and every kernel is compiled once."""
-    from flash_cute import jit
+    from flash_cute.runtime import jit
 
     shapes = [(1, 97 + 13 * i, 4, (64, 128)[i % 2], i % 3 == 0) for i in range(8)]
     results, errors = [None] * 8, []

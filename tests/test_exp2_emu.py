@@ -1,4 +1,4 @@
-"""The software exp2 (`flash_cute.exp2_emu`) on the CPU: the policy's share, the switch, the
+"""The software exp2 (`flash_cute.blocks.exp2_emu`) on the CPU: the policy's share, the switch, the
 compile-time flag, and the model of the kernels' arithmetic (FMA rounding) against exact 2^x.
 Its SASS (MUFU.EX2 dropping by the share, 3 FFMA per emulated value) is checked by
 tests/test_inspect.py::test_software_exp2_takes_its_share_off_mufu."""
@@ -6,9 +6,9 @@ tests/test_inspect.py::test_software_exp2_takes_its_share_off_mufu."""
 import pytest
 import torch
 
-from flash_cute.exp2_emu import emulated
-from flash_cute.models import EXP2_POLY_MAX_REL_ERR, exp2_poly
-from flash_cute.variant import Variant, ex2_emulation_per16, per16_of
+from flash_cute.blocks.exp2_emu import emulated
+from flash_cute.reference.block_models import EXP2_POLY_MAX_REL_ERR, exp2_poly
+from flash_cute.contract.variant import Variant, ex2_emulation_per16, per16_of
 
 
 @pytest.mark.parametrize("per16", range(17))

@@ -1,4 +1,4 @@
-"""The software exp2 (`flash_cute.exp2_emu`) on the GPU: the block over every float32 in
+"""The software exp2 (`flash_cute.blocks.exp2_emu`) on the GPU: the block over every float32 in
 [-126, 0] against exact 2^x and against the model of its arithmetic, and attention with the
 switch on against float64 by the FlashAttention rule (the ampere and hopper forwards)."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flash_cute import flash_attn_func
-from flash_cute.plans import clear_plans
-from flash_cute.models import exp2_poly
+from flash_cute.runtime.plans import clear_plans
+from flash_cute.reference.block_models import exp2_poly
 
 from attention_checks import check_forward
 
@@ -23,7 +23,7 @@ def _needs_gpu():
 def test_block_over_every_float32_from_minus_126_to_0():
     """Every float32 bit pattern from -0 down to -126: the relative error against 2^x in
     float64 (the issue's bound: 2e-4 at degree 3), and bit equality with the fused model."""
-    from flash_cute.exp2_emu import evaluate
+    from flash_cute.blocks.exp2_emu import evaluate
 
     first, last = 0x80000000, 0xC2FC0000   # -0.0 and -126.0 as bits; magnitudes grow with them
     chunk = 1 << 27

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flash_cute import flash_attn_interface as fa2
-from flash_cute.reference import attention_ref, tolerance_check
+from flash_cute.reference.attention import attention_ref, tolerance_check
 
 BF16 = torch.bfloat16
 _TAIL = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),

@@ -1,4 +1,4 @@
-"""FA4-form mods (`flash_cute.fa4_mods`) on the CPU: the dual numbers that differentiate a
+"""FA4-form mods (`flash_cute.blocks.fa4_mods`) on the CPU: the dual numbers that differentiate a
 score mod, against torch.autograd for every operation they carry (run on torch tensors
 through the same code, `derivative(namespace=)`), and the compile key of a mod."""
 
@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-from flash_cute import fa4_mods
-from flash_cute.fa4_mods import UnsupportedFa4Mod, derivative
+from flash_cute.blocks import fa4_mods
+from flash_cute.blocks.fa4_mods import UnsupportedFa4Mod, derivative
 
 NS = types.SimpleNamespace(where=torch.where, full_like=torch.full_like)
 MATH = types.SimpleNamespace(exp=torch.exp, exp2=torch.exp2, log=torch.log, log2=torch.log2,
@@ -83,7 +83,7 @@ def test_the_compile_key_follows_code_and_closure_not_the_object():
 _COMPILE_A_MOD = """
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from flash_cute import fa4_mods
+from flash_cute.blocks import fa4_mods
 
 @cute.jit
 def mod(score, b, h, q, kv, seqlen_info, aux):
@@ -145,7 +145,7 @@ def test_aux_scalar_values_get_registry_entries_that_stay_bounded():
     """Each value set is its own registry entry (its plan passes the values); the least
     recently registered go past `SCALAR_ENTRIES`, so a scalar that changes every call does not
     grow the registry, while one registered again (every call re-registers) stays."""
-    from flash_cute import mod_graph
+    from flash_cute.variants import mod_graph
 
     f = lambda s, b, h, q, k, info, aux, scalars: s  # noqa: E731
     kept = mod_graph.register_fa4(f, None, None, None, [-1, 0.5])

@@ -10,8 +10,8 @@ import torch
 
 from flash_cute.arch.hopper.config import (BWD_SUPPORTED_HDIMS, BWD_SCHEDULES, SMEM_CAPACITY,
                                            BwdSchedule, bwd_mma_splits, bwd_smem_plan, do_stages)
-from flash_cute.block_range import block_range, m_block_range
-from flash_cute.launch import backward_compile_key, dq_semaphores
+from flash_cute.contract.block_range import block_range, m_block_range
+from flash_cute.runtime.launch import backward_compile_key, dq_semaphores
 
 
 @pytest.mark.parametrize("hdim,hdim_v", sorted(BWD_SUPPORTED_HDIMS))
@@ -34,7 +34,7 @@ def test_varlen_dq_accum_tiles_of_different_sequences_never_overlap():
     own fragment-order dQaccum tile inside the allocation, so a tile's rows past its sequence
     (added as ±0) never land in another sequence's tile."""
     from flash_cute.arch.hopper.dq_accum import varlen_first_tile
-    from flash_cute.arch.hopper.dq_layout import accum_shape
+    from flash_cute.arch.hopper.host_dq_layout import accum_shape
 
     rng = random.Random(5)
     for _ in range(500):
@@ -139,10 +139,10 @@ def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
     SHORT_CAUSAL_BWD_ROWS query rows and keys; other head dims, varlen, longer and
     non-causal problems keep theirs; `api.plan_backward` hands the launcher a plan with that tile
     and the dQaccum layout of it."""
-    from flash_cute import jit, launch
-    from flash_cute.arch.hopper import api
+    from flash_cute.runtime import jit, launch
+    from flash_cute.arch.hopper import planner as api
     from flash_cute.arch.hopper.config import bwd_schedule
-    from flash_cute.validation import validate_attention_inputs
+    from flash_cute.runtime.validation import validate_attention_inputs
 
     assert bwd_schedule(128, short=True) == BWD_SCHEDULES[128]._replace(tile_m=64)
     assert bwd_schedule(128) == BWD_SCHEDULES[128]

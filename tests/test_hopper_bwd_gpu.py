@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-from flash_cute.reference import attention_ref, tolerance_check
-from flash_cute.validation import validate_attention_inputs, validate_backward_inputs
+from flash_cute.reference.attention import attention_ref, tolerance_check
+from flash_cute.runtime.validation import validate_attention_inputs, validate_backward_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ def _inputs(batch, sq, sk, h, hk, d, dv, dtype, seed):
 def _hopper_grads(q, k, v, dout, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                   max_seqlen_k=None, dlse=None, **kw):
     """Hopper forward (O, LSE), then the Hopper backward on them."""
-    from flash_cute.arch.hopper.api import backward
+    from flash_cute.arch.hopper.planner import backward
 
     varlen = cu_seqlens_q is not None
     window = kw.get("window_size", (None, None))
@@ -123,7 +123,7 @@ def test_hopper_backward_every_gradient_element_is_written(monkeypatch):
     q, k, v, dout = _inputs(2, 333, 251, 4, 4, 128, 128, torch.bfloat16, seed=4)
     problem = validate_attention_inputs(q, k, v, window_size=(20, 0))
     out, lse = flash_attn_func(q, k, v, window_size=(20, 0), return_lse=True, arch="hopper")
-    from flash_cute.arch.hopper.api import backward
+    from flash_cute.arch.hopper.planner import backward
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     grads = backward(dout, None, q, k, v, out, lse, problem)
@@ -160,7 +160,7 @@ def test_hopper_backward_every_schedule(tile, hdim, kw):
     through shared memory), with 64, 80 or 128 query rows, dK/dV transposed with 48 or 96
     keys: every schedule passes the float64 rule (301 queries and 413 keys: a partial last
     tile of each size)."""
-    from flash_cute.arch.hopper.api import backward
+    from flash_cute.arch.hopper.planner import backward
     from flash_cute.arch.hopper.config import BwdSchedule
 
     q, k, v, dout = _inputs(2, 301, 413, 4, 2, hdim, hdim, torch.bfloat16, seed=hdim + tile[0])
@@ -171,7 +171,7 @@ def test_hopper_backward_every_schedule(tile, hdim, kw):
 
 
 def test_hopper_backward_new_lengths_reuse_the_compiled_kernel():
-    from flash_cute.jit import compile_cache
+    from flash_cute.runtime.jit import compile_cache
 
     q, k, v, dout = _inputs(1, 100, 100, 2, 2, 64, 64, torch.bfloat16, seed=5)
     _hopper_grads(q, k, v, dout)
@@ -183,7 +183,7 @@ def test_hopper_backward_new_lengths_reuse_the_compiled_kernel():
 
 
 def test_dispatcher_runs_the_hopper_backward_after_the_hopper_forward():
-    from flash_cute.dispatch import pipeline_named, select_backward_pipeline
+    from flash_cute.runtime.dispatch import pipeline_named, select_backward_pipeline
 
     for name in ("hopper", "ampere"):
         pipeline = pipeline_named(name)
@@ -254,7 +254,7 @@ def test_each_dq_hand_over_is_deterministic_and_handles_varlen(tile, hdim, varle
     """deterministic=True with each way dQ leaves: dq_per_wg's two bulk adds per query tile
     inside one turn of the semaphore, one bulk add of the whole tile, fp32 atomics; bitwise
     equal over 5 runs, padded and varlen (tiles of different sequences)."""
-    from flash_cute.arch.hopper.api import backward
+    from flash_cute.arch.hopper.planner import backward
     from flash_cute.arch.hopper.config import BwdSchedule
 
     if varlen:

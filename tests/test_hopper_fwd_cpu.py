@@ -70,9 +70,9 @@ def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
     causal with 4 heads packed per tile (4k packed rows), or 1k queries on 4k keys."""
     import torch
 
-    from flash_cute import jit, launch
-    from flash_cute.arch.hopper import api
-    from flash_cute.validation import validate_attention_inputs
+    from flash_cute.runtime import jit, launch
+    from flash_cute.arch.hopper import planner as api
+    from flash_cute.runtime.validation import validate_attention_inputs
 
     seen = []
     monkeypatch.setattr(jit, "current_target", lambda: "sm_90a")
@@ -103,7 +103,7 @@ def test_hopper_fwd_refuses_schedules_it_cannot_run():
     from cutlass import BFloat16
 
     from flash_cute.arch.hopper.fwd import HopperFwd
-    from flash_cute.variant import Variant
+    from flash_cute.contract.variant import Variant
 
     with pytest.raises(ValueError, match="192-row tiles run persistent only"):
         HopperFwd(BFloat16, 64, schedule=FwdSchedule(192, 128, 2, persistent=False))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-from flash_cute.validation import validate_attention_inputs
+from flash_cute.runtime.validation import validate_attention_inputs
 
 from attention_checks import check_forward
 
@@ -37,7 +37,7 @@ def _tile(d, overlap, pingpong, persistent):
 
 def _forward(q, k, v, overlap, pingpong, cu_q=None, cu_k=None, max_q=None, max_k=None,
              persistent=False, **kw):
-    from flash_cute.arch.hopper import api
+    from flash_cute.arch.hopper import planner as api
 
     problem = validate_attention_inputs(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                         max_seqlen_q=max_q, max_seqlen_k=max_k, **kw)
@@ -88,7 +88,7 @@ def test_every_schedule_handles_varlen(overlap, pingpong):
 
 
 def test_schedules_are_separate_compiled_kernels():
-    from flash_cute.jit import compile_cache
+    from flash_cute.runtime.jit import compile_cache
 
     q, k, v = _inputs((1, 100, 2), (1, 100, 2), seed=5)
     before = len(compile_cache)
@@ -106,7 +106,7 @@ def test_schedules_are_separate_compiled_kernels():
 def poisoned_outputs(monkeypatch):
     """O and LSE start as NaN, so every row a kernel leaves unwritten fails the check (the
     varlen cases here have no row outside a sequence, so every row must be written)."""
-    from flash_cute import launch
+    from flash_cute.runtime import launch
 
     alloc = launch.ForwardLaunch._alloc
 
@@ -196,7 +196,8 @@ def test_tma_store_clips_rows_past_seqlen_q(poisoned_outputs):
 def _packed(monkeypatch, q, k, v, **kw):
     """flash_attn_varlen_func with pack_gqa=True on the hopper pipeline; checks that this
     launch packed the whole group into its tiles."""
-    from flash_cute import interface, launch
+    from flash_cute.api import interface
+    from flash_cute.runtime import launch
 
     seen = []
     real = launch.ForwardLaunch
@@ -277,7 +278,7 @@ def test_packed_gqa_seqused(monkeypatch, layout):
 def test_pack_gqa_requests():
     """None packs where it fills tiles better (decode), not for long prompts; True with a
     group that does not divide 128 rows, or on a pipeline without packing, is refused."""
-    from flash_cute import launch
+    from flash_cute.runtime import launch
 
     q, k, v = _inputs((1, 1, 12), (1, 64, 3), seed=37)
     problem = validate_attention_inputs(q, k, v)

@@ -8,10 +8,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Source folders and the package names they are installed as.
 SOURCES = {"flash_cute": ROOT / "flash_cute", "flash_cute.arch": ROOT / "arch"}
-TOOLING = {"flash_cute.registry", "flash_cute.kernel_config", "flash_cute.xcompile",
-           "flash_cute.sass", "flash_cute.inspection", "flash_cute.bench", "flash_cute.bench_latency",
-           "flash_cute.bench_decode",
-           "flash_cute.selfcheck", "flash_cute.cache_cli", "flash_cute.__main__"}
+TOOLING = {"flash_cute.tools.registry", "flash_cute.tools.kernel_config", "flash_cute.tools.xcompile",
+           "flash_cute.tools.sass", "flash_cute.tools.inspection", "flash_cute.tools.bench", "flash_cute.tools.bench_latency",
+           "flash_cute.tools.bench_decode",
+           "flash_cute.tools.selfcheck", "flash_cute.tools.cache_cli", "flash_cute.__main__"}
 # A pipeline descriptor's lazy reference to its inspect configs (`Pipeline.inspect_configs`):
 # the one place the runtime names tooling, in a function only `inspect` calls.
 LAZY_REGISTRY_HOOK = "_inspect_configs"
@@ -58,7 +58,7 @@ def _imports(name: str, modules: dict) -> list:
                 target = resolve(child.module, child.level)
                 for a in child.names:
                     # `from flash_cute import launch` imports the submodule; `from
-                    # flash_cute.jit import launch_kernel` the module it names.
+                    # flash_cute.runtime.jit import launch_kernel` the module it names.
                     sub = f"{target}.{a.name}"
                     found.append((sub if sub in modules else target, func))
             visit(child, inner)
@@ -73,7 +73,7 @@ def _graph():
 
 
 def _tooling(name: str) -> bool:
-    return name in TOOLING or (name.startswith("flash_cute.arch.") and name.endswith(".registry"))
+    return name in TOOLING or (name.startswith("flash_cute.arch.") and name.endswith(".inspect_configs"))
 
 
 def test_the_import_graph_has_no_cycle():
@@ -104,8 +104,8 @@ def test_the_runtime_imports_no_tooling():
         if _tooling(name):
             continue
         for target, func in graph[name]:
-            hook = (func == LAZY_REGISTRY_HOOK and name.endswith(".pipeline")
-                    and target == name.rpartition(".")[0] + ".registry")
+            hook = (func == LAZY_REGISTRY_HOOK and name.endswith(".descriptor")
+                    and target == name.rpartition(".")[0] + ".inspect_configs")
             if _tooling(target) and not hook:
                 bad.append(f"{name} ({func or 'module level'}) imports {target}")
     assert not bad, "\n".join(bad)
@@ -114,10 +114,10 @@ def test_the_runtime_imports_no_tooling():
 def test_the_graph_reader_sees_the_imports_it_should():
     """A check of the checker: known edges of the tree, at module level and inside functions."""
     _, graph = _graph()
-    assert ("flash_cute.dispatch", None) in graph["flash_cute.plans"]
-    assert ("flash_cute.arch.hopper.registry", LAZY_REGISTRY_HOOK) in \
-        graph["flash_cute.arch.hopper.pipeline"]
-    assert ("flash_cute.arch.hopper.dq_layout", "_bwd_plan") in graph["flash_cute.arch.hopper.api"]
+    assert ("flash_cute.runtime.dispatch", None) in graph["flash_cute.runtime.plans"]
+    assert ("flash_cute.arch.hopper.inspect_configs", LAZY_REGISTRY_HOOK) in \
+        graph["flash_cute.arch.hopper.descriptor"]
+    assert ("flash_cute.arch.hopper.host_dq_layout", "_bwd_plan") in graph["flash_cute.arch.hopper.planner"]
 
 
 def test_import_flash_cute_is_light():
@@ -127,7 +127,7 @@ def test_import_flash_cute_is_light():
     import subprocess
     import sys
 
-    code = ("import sys, flash_cute, flash_cute.dispatch as d; "
+    code = ("import sys, flash_cute, flash_cute.runtime.dispatch as d; "
             "assert d.PIPELINES; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cutlass' "
             "or m in %r))" % sorted(TOOLING))

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from flash_cute.registry import TARGETS, CONFIGS, registered_configs
-from flash_cute.sass import _sval_attrs, loop_bodies, opcode_counts
+from flash_cute.tools.registry import TARGETS, CONFIGS, registered_configs
+from flash_cute.tools.sass import _sval_attrs, loop_bodies, opcode_counts
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_a_second_cross_compile_is_served_from_the_disk_cache(tmp_path, monkeypa
     import glob
     import tempfile
 
-    from flash_cute import xcompile
+    from flash_cute.tools import xcompile
 
     monkeypatch.setenv("FLASH_CUTE_CACHE_DIR", str(tmp_path / "cache"))
     entry = registered_configs("blocks.lse_merge")[0]
@@ -184,7 +184,7 @@ def test_inspect_lists_kernels_and_names_them_on_a_miss():
 def test_inspect_says_when_nvdisasm_is_missing(monkeypatch, capsys):
     import argparse
 
-    from flash_cute import inspection
+    from flash_cute.tools import inspection
 
     parser = argparse.ArgumentParser()
     inspection.add_arguments(parser)
@@ -196,7 +196,7 @@ def test_inspect_says_when_nvdisasm_is_missing(monkeypatch, capsys):
 def test_config_labels_tell_every_registered_config_apart():
     """Within a kernel and target, no two configs print the same label (the packing, the dO
     stages and the schedule switches show)."""
-    from flash_cute.inspection import config_label
+    from flash_cute.tools.inspection import config_label
 
     for target in TARGETS:
         labels = [(c.kernel, config_label(c.config_dict()))
@@ -211,7 +211,7 @@ def test_inspect_rejects_unknown_target():
 
 
 def test_compile_for_target_returns_ptx_cubin_sass(tmp_path):
-    from flash_cute.xcompile import compile_for_target
+    from flash_cute.tools.xcompile import compile_for_target
 
     entry = registered_configs("blocks.lse_merge")[0]
     art = compile_for_target(entry, "sm_80", out_dir=tmp_path)
@@ -245,7 +245,7 @@ def test_nv_info_frame_size_record_is_read():
 
 
 def test_compile_key_has_no_batch_or_seqlen():
-    from flash_cute.jit import CompileKey
+    from flash_cute.runtime.jit import CompileKey
 
     fields = set(CompileKey.__dataclass_fields__)
     assert not fields & {"batch", "seqlen", "seqlen_q", "seqlen_k", "total_q", "max_seqlen_q"}
@@ -253,7 +253,7 @@ def test_compile_key_has_no_batch_or_seqlen():
 
 
 def test_compile_cache_builds_once_per_key():
-    from flash_cute.jit import CompileCache, CompileKey
+    from flash_cute.runtime.jit import CompileCache, CompileKey
 
     cache, built = CompileCache(), []
     key = CompileKey("blocks.lse_merge", "sm_90a", "bf16", 128, 128, (4, 128))
@@ -447,7 +447,7 @@ def test_hopper_bwd_waits_for_each_gemm_only_where_it_is_needed(tile, waits):
     fp32 P, dP and 16-bit P are never all live): S and dP are waited for before P's exp2 (at
     80 and 128 rows the other warpgroup's GEMMs fill that wait; session 14 in the archived log),
     and dK runs under dQ's way out."""
-    from flash_cute.xcompile import compile_for_target
+    from flash_cute.tools.xcompile import compile_for_target
 
     from flash_cute.arch.hopper.config import BwdSchedule
 
@@ -490,7 +490,7 @@ def test_hopper_fwd_softmax_runs_under_the_pv_wgmma(causal):
     some of its exp2s), not before it, and builds no WGMMA descriptor in vector registers
     (R2UR; docs/decisions.md, D-HF-SPLIT and D-WGMMA-SLICE). Causal also has a loop for its
     masked blocks, which waits for both WGMMAs before masking (`drain`)."""
-    from flash_cute.xcompile import compile_for_target
+    from flash_cute.tools.xcompile import compile_for_target
 
     entry = _hopper_config("hopper.fwd", 128, **({"causal": True} if causal else {}))
     masking = re.compile(r"FSEL R\d+, R\d+, -INF")
@@ -512,7 +512,7 @@ def test_hopper_fwd_softmax_runs_under_the_pv_wgmma(causal):
 def test_hopper_bwd_builds_wgmma_descriptors_in_uniform_registers():
     """Shared-memory operands partitioned per warpgroup (`wgmma.wgmma_slice`): no R2UR in the
     query-tile loop (there were 64 per iteration at hdim 128; D-WGMMA-SLICE)."""
-    from flash_cute.xcompile import compile_for_target
+    from flash_cute.tools.xcompile import compile_for_target
 
     sass = compile_for_target(_hopper_config("hopper.bwd", 128), "sm_90a").sass
     loops = _inner_loops(sass, r"HGMMA")
@@ -538,7 +538,7 @@ def test_loop_bodies_finds_backward_branches():
 
 
 def test_hopper_pipeline_has_a_backward():
-    import flash_cute.arch.hopper.api as hopper_api
+    import flash_cute.arch.hopper.planner as hopper_api
 
     assert callable(hopper_api.backward)
 

@@ -7,13 +7,13 @@ import torch
 
 import flash_cute
 from flash_cute import create_block_mask
-from flash_cute import dispatch, plans
-from flash_cute.arch.ampere import api as ampere_api
-from flash_cute.arch.ampere.pipeline import AMPERE
-from flash_cute.arch.hopper import api as hopper_api
-from flash_cute.arch.hopper.pipeline import HOPPER
-from flash_cute.pipeline import required_capabilities
-from flash_cute.validation import validate_attention_inputs
+from flash_cute.runtime import dispatch, plans
+from flash_cute.arch.ampere import planner as ampere_api
+from flash_cute.arch.ampere.descriptor import AMPERE
+from flash_cute.arch.hopper import planner as hopper_api
+from flash_cute.arch.hopper.descriptor import HOPPER
+from flash_cute.contract.descriptor import required_capabilities
+from flash_cute.runtime.validation import validate_attention_inputs
 
 
 def _replace(monkeypatch, pipeline, **changes):
@@ -201,7 +201,7 @@ def test_fa4_block_sparse_tensors_read_as_a_block_mask():
     FA4), and anything else is refused by name."""
     from collections import namedtuple
 
-    from flash_cute.block_mask import block_states, from_fa4
+    from flash_cute.variants.block_mask import block_states, from_fa4
 
     Tensors = namedtuple("Tensors", "mask_block_cnt mask_block_idx full_block_cnt "
                                     "full_block_idx block_size")
@@ -290,7 +290,7 @@ def test_split_request_on_cpu_runs_the_reference():
 def test_backward_inputs_as_autograd_hands_them_over_pass_validation(varlen):
     """The exact tensors `_FlashAttnFunc.backward` validates: forward outputs and a dout made
     kernel-ready from an expanded gradient (what `out.sum().backward()` produces)."""
-    from flash_cute.validation import validate_backward_inputs
+    from flash_cute.runtime.validation import validate_backward_inputs
 
     b, sq, sk, h, hk, d, dv = 2, 37, 53, 8, 2, 192, 128
     if varlen:
@@ -359,8 +359,8 @@ def test_every_compile_time_switch_is_in_the_cache_key():
     import dataclasses
     import itertools
 
-    from flash_cute.mod_examples import example_spec
-    from flash_cute.variant import Variant, set_kernel_switches
+    from flash_cute.variants.examples import example_spec
+    from flash_cute.contract.variant import Variant, set_kernel_switches
 
     seen = {}
     mods = {"mods": [None, example_spec("alibi"), example_spec("document")]}
@@ -447,8 +447,10 @@ def test_a_block_mask_the_heads_share_packs_and_one_per_head_does_not():
     queries a tile); one per head runs unpacked, as FA4's calls do."""
     import dataclasses
 
-    from flash_cute import create_block_mask, launch, mod_graph
-    from flash_cute.block_range import tiles_nest
+    from flash_cute import create_block_mask
+    from flash_cute.runtime import launch
+    from flash_cute.variants import mod_graph
+    from flash_cute.contract.block_range import tiles_nest
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
@@ -466,7 +468,7 @@ def test_packed_heads_decision():
     """FlashAttention-3's rule for None (pack where it fills the tile's rows clearly better,
     varlen by its max_seqlen_q); True needs the group to divide the tile; False and MHA never
     pack."""
-    from flash_cute import launch
+    from flash_cute.runtime import launch
 
     assert launch.packed_heads(_gqa_problem(1), 128) == 4          # decode: 4 rows, not 1
     assert launch.packed_heads(_gqa_problem(40), 128) == 4         # 160/256 vs 40/128
@@ -493,7 +495,7 @@ def test_packed_heads_decision():
 
 
 def test_packing_is_part_of_the_compile_key_only_where_it_packs():
-    from flash_cute.variant import Variant
+    from flash_cute.contract.variant import Variant
 
     problem = _gqa_problem(1)
     assert Variant.from_problem(problem).flags() == Variant().flags()
@@ -517,8 +519,8 @@ def test_backward_fallback_skips_a_pipeline_without_seqused(capability, monkeypa
 
 
 def test_seqused_changes_the_compile_keys():
-    from flash_cute import launch
-    from flash_cute.variant import Variant
+    from flash_cute.runtime import launch
+    from flash_cute.contract.variant import Variant
 
     varlen, padded = _seqused_problems()
     assert ("seqused_q", True) in Variant.from_problem(varlen).flags()
@@ -533,7 +535,7 @@ def test_seqused_changes_the_compile_keys():
 
 def test_seqused_rows_of_the_outputs_are_defined_before_launch():
     """Rows past seqused_q are never written by a kernel: O = 0 and LSE = -inf from the start."""
-    from flash_cute import launch
+    from flash_cute.runtime import launch
 
     varlen, _ = _seqused_problems()
     q = torch.randn(10, 2, 64, dtype=torch.bfloat16)
@@ -551,7 +553,7 @@ def test_seqused_rows_of_the_outputs_are_defined_before_launch():
 
 
 def test_launch_refuses_seqused_tensors_the_problem_was_not_validated_with():
-    from flash_cute import launch
+    from flash_cute.runtime import launch
 
     _, padded = _seqused_problems()
     q = torch.randn(1, 10, 2, 64, dtype=torch.bfloat16)
@@ -713,7 +715,7 @@ def test_flash_attn_combine_has_fa4s_signature():
 def test_flash_attn_combine_recovers_attention_from_key_splits(varlen):
     """Attention over three disjoint key ranges (one of them masked out for the first rows,
     LSE = -inf there), merged, equals attention over all keys (float64 reference)."""
-    from flash_cute.reference import attention_ref
+    from flash_cute.reference.attention import attention_ref
 
     torch.manual_seed(0)
     q = torch.randn(2, 37, 3, 16, dtype=torch.float64)

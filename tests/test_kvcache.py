@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flash_cute
-from flash_cute.reference import attention_ref, tolerance_check
+from flash_cute.reference.attention import attention_ref, tolerance_check
 
 BF16 = torch.bfloat16
 
@@ -219,7 +219,7 @@ def test_append_checks_and_the_torch_append_of_a_launch():
     """`paging.check_append` names each bad argument; `launch.AppendFirst` (the append of a
     pipeline whose kernel writes none) puts row i of k_new at seqused_k[b] - s_new + i of a
     dense or paged cache, clamped into it, before running the launch."""
-    from flash_cute import launch, paging
+    from flash_cute.runtime import launch, paging
 
     cache = torch.zeros(2, 8, 1, 8)
     new = torch.arange(2 * 3 * 8, dtype=torch.float32).view(2, 3, 1, 8) + 1
@@ -249,8 +249,8 @@ def test_append_checks_and_the_torch_append_of_a_launch():
 
 
 def test_kernel_append_is_for_eager_cuda_calls_only():
-    from flash_cute.interface import attend_and_append
-    from flash_cute.kvcache import _kernel_appends
+    from flash_cute.api.interface import attend_and_append
+    from flash_cute.api.kvcache import _kernel_appends
 
     q = torch.randn(1, 1, 2, 8)
     cache = torch.randn(1, 8, 1, 8)

@@ -11,8 +11,8 @@ import pytest
 
 _COMPILE_AND_RECORD = '''
 import torch
-import flash_cute.jit as jit
-from flash_cute.bwd_prep_kernels import BwdPostprocessKernel
+import flash_cute.runtime.jit as jit
+from flash_cute.kernels.bwd_prep import BwdPostprocessKernel
 from flash_cute.arch.hopper.dq_accum import HopperDqPostprocess
 
 calls = []
@@ -64,9 +64,9 @@ def test_launch_kernel_compiles_through_tvm_ffi_and_passes_torch_values():
 
 _BACKWARD_LAUNCHES = '''
 import torch
-import flash_cute.jit as jit
-from flash_cute.arch.hopper import api
-from flash_cute.validation import validate_attention_inputs
+import flash_cute.runtime.jit as jit
+from flash_cute.arch.hopper import planner as api
+from flash_cute.runtime.validation import validate_attention_inputs
 
 launches = []
 
@@ -135,7 +135,7 @@ def test_backward_launches_preprocess_main_and_postprocess_with_the_planned_buff
 def test_a_kernel_call_compiles_once_and_looks_again_after_the_cache_is_cleared(monkeypatch):
     """`KernelCall` keeps its compiled function between calls (the plan cache's launches call
     it directly) and fetches it again once the compile cache was cleared or rebuilt."""
-    from flash_cute import jit
+    from flash_cute.runtime import jit
 
     builds, calls = [], []
     cache = jit.CompileCache()
@@ -158,7 +158,7 @@ def test_a_kernel_call_compiles_once_and_looks_again_after_the_cache_is_cleared(
 
 
 def test_a_kernel_call_refuses_arguments_it_cannot_compile():
-    from flash_cute import jit
+    from flash_cute.runtime import jit
 
     with pytest.raises(TypeError, match="expected a TensorArg"):
         jit.KernelCall(jit.CompileKey("k", "sm_90a", "bf16", 64, 64, ()), lambda: None, (True,))
@@ -170,7 +170,7 @@ def test_split_scratch_is_kept_per_stream_and_fresh_under_capture(monkeypatch):
     over KEEP_PARTIALS_BYTES made per call, and fresh ones while a graph is captured."""
     import torch
 
-    from flash_cute import launch
+    from flash_cute.runtime import launch
 
     stream = [0]
     capturing = [False]

@@ -1,21 +1,13 @@
-"""CPU tests of flash_cute.models: the block-level models the CuTe DSL kernels mirror."""
+"""CPU tests of flash_cute.reference.block_models: the block-level models the CuTe DSL kernels mirror."""
 
 import math
 
 import pytest
 import torch
 
-from flash_cute.block_range import BlockRange, block_runs
-from flash_cute.models import (
-    EXP2_POLY_COEFFS,
-    EXP2_POLY_MAX_REL_ERR,
-    OnlineSoftmax,
-    block_range,
-    exp2_poly,
-    lse_merge,
-    tiled_attention_forward,
-)
-from flash_cute.reference import attention_mask, attention_ref
+from flash_cute.contract.block_range import BlockRange, block_runs
+from flash_cute.reference.block_models import EXP2_POLY_COEFFS, EXP2_POLY_MAX_REL_ERR, OnlineSoftmax, block_range, exp2_poly, lse_merge, tiled_attention_forward
+from flash_cute.reference.attention import attention_mask, attention_ref
 
 LOG2_E = math.log2(math.e)
 
@@ -438,8 +430,8 @@ def test_m_block_range_is_tight_against_the_mask():
     """Brute force: the query blocks that see a key block are exactly [m_min, m_max)."""
     import random
 
-    from flash_cute.block_range import m_block_range
-    from flash_cute.reference import attention_mask
+    from flash_cute.contract.block_range import m_block_range
+    from flash_cute.reference.attention import attention_mask
 
     rng = random.Random(7)
     for _ in range(400):

@@ -7,8 +7,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import flash_cute
-from flash_cute import mod_graph
-from flash_cute.reference import tolerance_check
+from flash_cute.variants import mod_graph
+from flash_cute.reference.attention import tolerance_check
 
 H, K = 4, 45
 SLOPES = torch.rand(H, dtype=torch.float64) + 0.1
@@ -80,8 +80,8 @@ def test_loads_made_many_times_per_tile_read_edge_values():
     columns, reads a key's document id by edge values, the ampere forward's 4 x 8 clamps it;
     a query's id, on the kept side, stays clamped; an element's bias-table load is made 32
     times in either and reads edge values."""
-    from flash_cute import graph_mods
-    from flash_cute.mod_examples import example_spec
+    from flash_cute.blocks import graph_mods
+    from flash_cute.variants.examples import example_spec
 
     def frequent(name, rows, cols):
         spec = example_spec(name)
@@ -251,7 +251,7 @@ def test_captured_tensors_and_block_masks_must_be_on_the_inputs_device():
     kernels would read a host pointer)."""
     from types import SimpleNamespace
 
-    from flash_cute.launch import CapturedTensors
+    from flash_cute.runtime.launch import CapturedTensors
 
     slopes = SLOPES.float()
 
@@ -271,9 +271,9 @@ def test_gpu_pipelines_need_the_mods_and_block_sparse_capabilities():
     ampere have both."""
     import dataclasses
 
-    from flash_cute.dispatch import PIPELINES
-    from flash_cute.pipeline import BLOCK_SPARSE, MODS, required_capabilities
-    from flash_cute.validation import validate_attention_inputs
+    from flash_cute.runtime.dispatch import PIPELINES
+    from flash_cute.contract.descriptor import BLOCK_SPARSE, MODS, required_capabilities
+    from flash_cute.runtime.validation import validate_attention_inputs
 
     q = torch.randn(1, 128, 2, 64, dtype=torch.bfloat16)
     problem = validate_attention_inputs(q, q, q, require_cuda=False)
@@ -409,7 +409,7 @@ def test_block_masks_follow_flex_attentions_meaning():
 
 
 def test_reblocking_to_kernel_tiles_is_conservative_and_exact_where_it_can_be():
-    from flash_cute import block_mask as bm
+    from flash_cute.variants import block_mask as bm
 
     made = flash_cute.create_block_mask(causal, 1, 1, 1000, 1000, device="cpu")
     states = bm.block_states(made)
@@ -433,8 +433,8 @@ def test_kernel_tiles_and_narrowed_ranges_cover_exactly_the_non_empty_tiles():
     """A block mask as a kernel's tiles read it (`block_mask.kernel_tiles`): the ranges are
     the tightest holding every non-empty tile, per query tile and per key tile, and
     `block_range.narrow` / `narrow_pair` cut a kernel's range to them (empty where none)."""
-    from flash_cute.block_mask import EMPTY, FULL, block_states, kernel_tiles
-    from flash_cute.block_range import block_range, narrow, narrow_pair, needs_mask
+    from flash_cute.variants.block_mask import EMPTY, FULL, block_states, kernel_tiles
+    from flash_cute.contract.block_range import block_range, narrow, narrow_pair, needs_mask
 
     torch.manual_seed(5)
     keep = torch.rand(9, 9) < 0.3
@@ -552,10 +552,11 @@ def test_the_backward_operator_returns_the_learnable_gradients_and_passes_opchec
 
 _PLAN_LEARNABLE = """
 import torch
-from flash_cute import mod_graph, plans
-from flash_cute.dispatch import pipeline_named
-from flash_cute.jit import compile_only
-from flash_cute.validation import validate_attention_inputs
+from flash_cute.runtime import plans
+from flash_cute.variants import mod_graph
+from flash_cute.runtime.dispatch import pipeline_named
+from flash_cute.runtime.jit import compile_only
+from flash_cute.runtime.validation import validate_attention_inputs
 
 slopes = torch.rand(4, device="meta").requires_grad_()
 table = torch.rand(4, 101, device="meta").requires_grad_()
@@ -671,7 +672,8 @@ def test_a_paged_call_with_a_block_mask_reads_gathered_pages(monkeypatch):
     """A block mask covers the logical keys: with pages the kernels would read themselves (as
     on CUDA without gradients), the call gathers them instead of checking the mask against the
     cache's page size (which raised)."""
-    from flash_cute import interface, paging
+    from flash_cute.api import interface
+    from flash_cute.runtime import paging
 
     monkeypatch.setattr(interface, "_pages_in_kernel", lambda *args: True)
     q = torch.randn(2, 40, H, 32, dtype=torch.bfloat16)

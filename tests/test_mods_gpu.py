@@ -1,4 +1,4 @@
-"""Traced score and mask mods in the GPU kernels (`flash_cute.graph_mods`): forward and
+"""Traced score and mask mods in the GPU kernels (`flash_cute.blocks.graph_mods`): forward and
 backward of the hopper and ampere pipelines against float64 by the FlashAttention rule, and
 the forward against torch's FlexAttention running the very same functions; GQA, odd lengths,
 causal with a mod, varlen with seqused, packed GQA, captured tensors read as they are at each
@@ -9,8 +9,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from flash_cute import flash_attn_func, flash_attn_varlen_func, mod_examples, mod_graph
-from flash_cute.reference import attention_ref, tolerance_check
+from flash_cute import flash_attn_func, flash_attn_varlen_func
+from flash_cute.variants import examples as mod_examples, mod_graph
+from flash_cute.reference.attention import attention_ref, tolerance_check
 
 pytestmark = pytest.mark.gpu
 
@@ -241,7 +242,7 @@ def test_packed_gqa_split_kv_decode_with_a_mod():
 def test_captured_tensors_are_read_at_each_call():
     """A learnable table updated in place: the next call reads the new values (no copy kept),
     and the kernel is not compiled again."""
-    from flash_cute.jit import compile_cache
+    from flash_cute.runtime.jit import compile_cache
 
     table = torch.zeros(H, 33, device="cuda")
     mod = mod_examples.relative_bias(table, 16)
@@ -335,7 +336,7 @@ def test_block_matches_the_graph_on_index_grids(score_mod, mask_mod):
     """The block alone (`graph_mods.evaluate`, no attention around it) against
     `mod_graph.evaluate` on the same graphs: every op's semantics, negative integer division
     and remainder included, and the derivative in the score."""
-    from flash_cute import graph_mods
+    from flash_cute.blocks import graph_mods
 
     variant = mod_graph.lookup(mod_graph.register(score_mod, mask_mod))
     scores = torch.randn(2, H, 150, 200, device="cuda") * 4
@@ -428,10 +429,10 @@ def test_block_masks_skip_tiles_and_match_the_reference(arch, d, pack):
     assert (scattered.block_states == 0).float().mean() >= 0.9
 
 
-# FA4-form mods (`flash_cute.fa4_mods`) paired with FlexAttention-form twins, whose float64
+# FA4-form mods (`flash_cute.blocks.fa4_mods`) paired with FlexAttention-form twins, whose float64
 # reference and native baseline check them.
 def _fa4_twins():
-    from flash_cute import fa4_mod_examples as fa4
+    from flash_cute.blocks import fa4_mod_examples as fa4
 
     def rel_bias(score, b, h, q_idx, kv_idx):
         return score - 0.01 * (q_idx - kv_idx).abs()
@@ -497,7 +498,8 @@ def test_fa4_form_mods_with_fa4_block_sparse_tensors(arch, d):
     forward tiles straddle the blocks (the per-element rule)."""
     from collections import namedtuple
 
-    from flash_cute import create_block_mask, fa4_mod_examples as fa4
+    from flash_cute import create_block_mask
+    from flash_cute.blocks import fa4_mod_examples as fa4
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
@@ -524,8 +526,8 @@ def _affine(scale, shift):
 
 def test_fa4_aux_scalars_are_read_at_each_call_without_a_recompile():
     """aux_scalars are kernel parameters: new values give new results from the same kernel."""
-    from flash_cute import fa4_mod_examples as fa4
-    from flash_cute.jit import compile_cache
+    from flash_cute.blocks import fa4_mod_examples as fa4
+    from flash_cute.runtime.jit import compile_cache
 
     q, k, v = (t.detach() for t in _inputs(77, 190, 128))
     outs = []
@@ -549,7 +551,7 @@ def test_fa4_form_score_mod_bwd_is_used_when_given():
     (twice the derivative) changes dQ, a right one matches."""
     import cutlass.cute as cute
 
-    from flash_cute import fa4_mod_examples as fa4
+    from flash_cute.blocks import fa4_mod_examples as fa4
 
     @cute.jit
     def right(grad, score, b, h, q_idx, kv_idx, seqlen_info, aux_tensors):

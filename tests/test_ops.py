@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_cute
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-from flash_cute.reference import attention_ref, attention_ref_backward, tolerance_check
+from flash_cute.reference.attention import attention_ref, attention_ref_backward, tolerance_check
 
 from attention_checks import AttentionBlock
 
@@ -209,7 +209,7 @@ def test_forward_through_a_page_table_on_cpu(varlen):
     """The CPU operator reads a paged cache through its table as the K/V it stands for
     (pages shuffled; the gathered keys give the same result), padded or with packed q; fake
     tensors get the shapes; the autograd formula refuses a backward through pages."""
-    from flash_cute.paging import gather
+    from flash_cute.runtime.paging import gather
 
     torch.manual_seed(0)
     batch, pages_per, page, hk, d = 2, 3, 16, 2, 64

@@ -1,17 +1,11 @@
-"""CPU tests of flash_cute.reference: the ground truth everything else is checked against."""
+"""CPU tests of flash_cute.reference.attention: the ground truth everything else is checked against."""
 
 import math
 
 import pytest
 import torch
 
-from flash_cute.reference import (
-    attention_mask,
-    attention_ref,
-    normalize_window,
-    score_attention_ref,
-    tolerance_check,
-)
+from flash_cute.reference.attention import attention_mask, attention_ref, normalize_window, score_attention_ref, tolerance_check
 
 
 def _randn(gen, *shape, dtype=torch.float64):

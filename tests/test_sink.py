@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import flash_cute
-from flash_cute.interface import fold_sink
-from flash_cute.reference import attention_ref
+from flash_cute.api.interface import fold_sink
+from flash_cute.reference.attention import attention_ref
 
 
 def _explicit(q, k, v, sink, causal):

@@ -1,5 +1,5 @@
-"""Decode forwards: split-KV (`flash_cute.splits`, `block_range.split_range`, `lse_merge`) and
-paged K/V (`arch/hopper/paged.py`, `flash_cute.paging`) against
+"""Decode forwards: split-KV (`flash_cute.runtime.splits`, `block_range.split_range`, `lse_merge`) and
+paged K/V (`arch/hopper/paged.py`, `flash_cute.runtime.paging`) against
 float64 by the FlashAttention rule, on decode shapes: one or a few query rows against long,
 ragged caches, GQA packed or not, causal, varlen with seqused; every split count the
 heuristic or the caller picks; partials poisoned so that a row a split leaves unwritten
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import flash_cute
-from flash_cute import flash_attn_func, flash_attn_varlen_func, launch
-from flash_cute.models import lse_merge as lse_merge_model
+from flash_cute import flash_attn_func, flash_attn_varlen_func
+from flash_cute.runtime import launch
+from flash_cute.reference.block_models import lse_merge as lse_merge_model
 
 from attention_checks import check_forward
 
@@ -280,7 +281,7 @@ def test_paged_cache_matches_float64(poisoned, page, num_splits, sq, causal):
     """Pages of every size (8 and up read by the hopper kernel itself, 1 gathered first),
     ragged lengths from 0 to full, GQA 4, split or not: against float64 on the keys the
     table names."""
-    from flash_cute.paging import gather
+    from flash_cute.runtime.paging import gather
 
     batch, heads_kv, d = 4, 2, 128
     pages_per = -(-1100 // page)
@@ -301,8 +302,8 @@ def decode_pair(monkeypatch):
     """The hopper forward planned with `config.DECODE_PAIR` (64-row tiles, one consumer
     warpgroup, two CTAs per SM), as `bench/decode_ablation.py`'s `cta2` plans it; plans built
     before and after stay apart."""
-    from flash_cute import plans
-    from flash_cute.arch.hopper import api
+    from flash_cute.runtime import plans
+    from flash_cute.arch.hopper import planner as api
     from flash_cute.arch.hopper.config import DECODE_PAIR
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -319,7 +320,7 @@ def test_the_two_cta_decode_schedule_matches_float64(poisoned, decode_pair, page
                                                      sq, causal):
     """`DECODE_PAIR` on ragged caches (0, 1, inside a block, full), dense or paged, split by
     the heuristic (which counts two CTAs per SM) or in 5, against float64."""
-    from flash_cute.paging import gather
+    from flash_cute.runtime.paging import gather
 
     batch, heads_kv, d, sk = 4, 2, 128, 1100
     if page is None:
@@ -342,7 +343,7 @@ def test_the_two_cta_decode_schedule_matches_float64(poisoned, decode_pair, page
 
 @pytest.mark.parametrize("page", [16, 128])
 def test_paged_cache_with_packed_queries(poisoned, page):
-    from flash_cute.paging import gather
+    from flash_cute.runtime.paging import gather
 
     k, v, table = _paged_cache(3, -(-2000 // page), page, 2, 128, seed=9)
     cu_q = torch.tensor([0, 1, 5, 9], dtype=torch.int32, device="cuda")
@@ -364,7 +365,7 @@ def test_garbage_page_indices_stay_inside_the_cache():
     """Out-of-range and negative page indices read clamped pages (what `paging.gather`
     reads), never memory outside the cache (compute-sanitizer runs this in
     bench/sanitize_cases.py)."""
-    from flash_cute.paging import gather
+    from flash_cute.runtime.paging import gather
 
     k, v, table = _paged_cache(2, 20, 64, 2, 128, seed=4)
     table[0, 3], table[0, 7], table[1, 0] = 10 ** 6, -5, 2 ** 31 - 1
@@ -378,8 +379,8 @@ def test_garbage_page_indices_stay_inside_the_cache():
 def test_kvcache_reads_pages_in_place(page):
     """flash_attn_with_kvcache with a block_table: the pages are read where they are, with
     and without appended tokens."""
-    from flash_cute.kvcache import flash_attn_with_kvcache
-    from flash_cute.paging import gather
+    from flash_cute.api.kvcache import flash_attn_with_kvcache
+    from flash_cute.runtime.paging import gather
 
     k, v, table = _paged_cache(2, -(-600 // page), page, 2, 128, seed=page)
     q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -406,8 +407,8 @@ def test_kernel_append_equals_the_torch_append(monkeypatch, page, num_splits, ne
     against the same call appending with torch operations first: the caches bitwise equal
     afterwards, the outputs against float64 on the appended cache; lengths ragged (0, inside a
     page, at a split's edge), rotary on, causal."""
-    from flash_cute import kvcache
-    from flash_cute.paging import gather
+    from flash_cute.api import kvcache
+    from flash_cute.runtime.paging import gather
 
     hk, d, capacity = 2, 128, 1024
     gen = torch.Generator(device="cuda").manual_seed(page or 0)
@@ -441,7 +442,7 @@ def test_kernel_append_equals_the_torch_append(monkeypatch, page, num_splits, ne
 
 def _rotate_like_kvcache(q, cos, sin, lens):
     """q rotated as flash_attn_with_kvcache does for a causal call (GPT-NeoX halves)."""
-    from flash_cute.kvcache import _rotate
+    from flash_cute.api.kvcache import _rotate
 
     positions = lens[:, None].long() + torch.arange(q.shape[1], device=q.device)
     return _rotate(q, cos, sin, positions, False)

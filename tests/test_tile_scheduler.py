@@ -1,13 +1,12 @@
-"""CPU tests of flash_cute.tile_scheduler: the tile numbering every forward kernel walks."""
+"""CPU tests of flash_cute.contract.tile_order: the tile numbering every forward kernel walks."""
 
 import random
 
 import pytest
 
-from flash_cute.block_range import block_range
-from flash_cute.models import schedule_makespan, tile_order
-from flash_cute.tile_scheduler import (DEFAULT_NUM_SMS, L2_KV_BYTES, TileOrder, floor_pow2,
-                                       launch_grid, num_sms, pairs_per_section)
+from flash_cute.contract.block_range import block_range
+from flash_cute.reference.block_models import schedule_makespan, tile_order
+from flash_cute.contract.tile_order import DEFAULT_NUM_SMS, L2_KV_BYTES, TileOrder, floor_pow2, launch_grid, num_sms, pairs_per_section
 
 
 class Runtime:

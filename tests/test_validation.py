@@ -1,16 +1,12 @@
-"""CPU tests for flash_cute.validation: every bad input gets a clear Python error."""
+"""CPU tests for flash_cute.runtime.validation: every bad input gets a clear Python error."""
 
 import math
 
 import pytest
 import torch
 
-from flash_cute import validation
-from flash_cute.validation import (
-    AttentionProblem,
-    validate_attention_inputs,
-    validate_backward_inputs,
-)
+from flash_cute.runtime import validation
+from flash_cute.runtime.validation import AttentionProblem, validate_attention_inputs, validate_backward_inputs
 
 F16 = torch.float16
 
@@ -544,7 +540,7 @@ def test_check_inputs_checks_every_call_while_on(monkeypatch):
     planned or not (the plan cache keys shapes, not values); off, nothing is read
     (`plans.forward` called directly: CPU tensors stand in for CUDA ones)."""
     import flash_cute
-    from flash_cute import plans
+    from flash_cute.runtime import plans
 
     seen = []
     monkeypatch.setattr(plans, "check_index_contents", lambda *a: seen.append(a[2].tolist()))

@@ -5,7 +5,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cute.nvgpu import warp
 
-from flash_cute.dsl_state import DslState
+from flash_cute.blocks.dsl_state import DslState
 
 
 def tiled_mma(dtype, warps_mn: tuple):

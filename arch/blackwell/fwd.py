@@ -18,18 +18,17 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import TmemAllocator
 
 from flash_cute.arch.sm90plus.tma import COLS_FIRST, ROWS_FIRST, permute, smem_tile, tma_partition
-from flash_cute.block_range import block_range, narrow_pair
-from flash_cute.dsl_state import DslState
-from flash_cute.kernel_args import FwdArgs
-from flash_cute.layouts import assume_aligned_strides, pack_heads
-from flash_cute.mask import AttentionMask
-from flash_cute.score import (aux_tensors, block_mask_parts, block_mask_tensors, block_ranges,
-                              fold_scores, tile_scores)
-from flash_cute.seqlen import SeqInfo
-from flash_cute.softmax import LN_2, OnlineSoftmax
-from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
-from flash_cute.variant import Variant, set_kernel_switches
-from flash_cute.work_loop import for_each_tile
+from flash_cute.contract.block_range import block_range, narrow_pair
+from flash_cute.blocks.dsl_state import DslState
+from flash_cute.contract.kernel_args import FwdArgs
+from flash_cute.blocks.layouts import assume_aligned_strides, pack_heads
+from flash_cute.blocks.mask import AttentionMask
+from flash_cute.blocks.score import aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores
+from flash_cute.blocks.seqlen import SeqInfo
+from flash_cute.blocks.softmax import LN_2, OnlineSoftmax
+from flash_cute.contract.tile_order import TileOrder, launch_grid, num_sms, pairs_per_section
+from flash_cute.contract.variant import Variant, set_kernel_switches
+from flash_cute.blocks.work_loop import for_each_tile
 
 from .config import (DEFAULT_NUM_SMS, FWD_SCHEDULES, Q_STAGES, RESCALE_THRESHOLD,
                      ROLE_REGISTERS, SMEM_CAPACITY, STATIC_SMEM, TILE_M, FwdSchedule,
@@ -100,7 +99,7 @@ class BlackwellFwd:
     one K/V head by 128 / g queries (row r: query r // g of head r % g), Q, O and LSE as
     `layouts.pack_heads` views, Q loaded as one TMA box; the mask and block range see queries.
 
-    Tiles (`flash_cute.tile_scheduler`): persistent, causal and right windows heaviest first.
+    Tiles (`flash_cute.contract.tile_order`): persistent, causal and right windows heaviest first.
     Every role walks the same tiles and the same block count per tile (`block_range` of the
     256-row tile, a block mask's span over its two Q tiles; each Q tile masks its own rows), so their barrier phases stay in step; a tile
     with no block skips the MMAs and stores O = 0, LSE = -inf. TMEM is allocated before the

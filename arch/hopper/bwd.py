@@ -25,20 +25,16 @@ from flash_cute.arch.sm90plus.barriers import named_barriers
 from flash_cute.arch.sm90plus.tma import (ROWS_FIRST, clear_tails, make_tma_pipelines, permute,
                                           smem_tile, swizzled_layout, tma_load_atom,
                                           tma_partition)
-from flash_cute.block_range import m_block_range, narrow_pair
-from flash_cute.bwd_blocks import (atomic_add_rows, dq_turn, ds_from_probs, p_and_ds,
-                                   p_and_ds_dropout, pass_turn, probs, store_acc_tile,
-                                   tile_row_values, wait_turn)
-from flash_cute.dropout import Dropout
-from flash_cute.dsl_state import DslState
-from flash_cute.kernel_args import BwdArgs
-from flash_cute.layouts import (acc_to_mn, acc_to_operand_a, assume_aligned_strides,
-                                transpose_view)
-from flash_cute.mask import AttentionMask
-from flash_cute.seqlen import SeqInfo
-from flash_cute.score import (aux_tensors, block_mask_parts, block_mask_tensors, block_ranges,
-                              fold_scores, tile_scores)
-from flash_cute.variant import Variant, set_kernel_switches
+from flash_cute.contract.block_range import m_block_range, narrow_pair
+from flash_cute.blocks.bwd import atomic_add_rows, dq_turn, ds_from_probs, p_and_ds, p_and_ds_dropout, pass_turn, probs, store_acc_tile, tile_row_values, wait_turn
+from flash_cute.blocks.dropout import Dropout
+from flash_cute.blocks.dsl_state import DslState
+from flash_cute.contract.kernel_args import BwdArgs
+from flash_cute.blocks.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, transpose_view
+from flash_cute.blocks.mask import AttentionMask
+from flash_cute.blocks.seqlen import SeqInfo
+from flash_cute.blocks.score import aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores
+from flash_cute.contract.variant import Variant, set_kernel_switches
 
 from .config import (BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS, BWD_NUM_THREADS,
                      BWD_PRODUCER_REGISTERS, BWD_SCHEDULES, BWD_SUPPORTED_HDIMS, SMEM_CAPACITY,
@@ -1099,7 +1095,7 @@ class BwdStep(DslState):
     def mask_scores(self, s_mn: cute.Tensor, m_block: Int32, n_block: Int32, grad_mn=None,
                     state=None):
         """The score seam: score mod, then the mask where this block needs it
-        (`flash_cute.score.Scores`); `state`: the tile's block-mask state, loaded early."""
+        (`flash_cute.blocks.score.Scores`); `state`: the tile's block-mask state, loaded early."""
         self.scores.prepare(s_mn, self.coord_s, m_block, n_block, grad_mn=grad_mn, state=state)
 
     @cute.jit

@@ -33,8 +33,8 @@ from cutlass.experimental.primitives.nvvm_wrapper import (CpReduceOp, CpReduceTy
                                                           cp_reduce_async_bulk_global_shared_cta)
 
 from flash_cute.arch.sm90plus.tma import smem_tile, swizzled_layout
-from flash_cute.layouts import assume_aligned_strides, transpose_view
-from flash_cute.seqlen import SeqInfo
+from flash_cute.blocks.layouts import assume_aligned_strides, transpose_view
+from flash_cute.blocks.seqlen import SeqInfo
 
 from .config import BWD_CONSUMER_WARPGROUPS
 from .row_copy import row_store, store_tile_rows

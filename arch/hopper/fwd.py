@@ -3,7 +3,7 @@ FA3's intra-warpgroup overlap and inter-warpgroup ping-pong, each switchable, a
 persistent tile scheduler and a TMA-store epilogue.
 
 Each CTA works through (query tile of 128 or 192 rows, head, batch) tiles (packed GQA: the
-query heads of one K/V head share a tile) in the order of `flash_cute.tile_scheduler` (one
+query heads of one K/V head share a tile) in the order of `flash_cute.contract.tile_order` (one
 tile per CTA, or persistent). Warpgroup 0 produces (one warp issues every TMA load); the
 others (two, or three for 192 rows) consume: each owns 64 query rows of a tile and runs
 S = Q Kᵀ, the online softmax and O += P V for them. K and V flow through two mbarrier rings that
@@ -28,21 +28,20 @@ from flash_cute.arch.sm90plus.convert import convert_pairs
 from flash_cute.arch.sm90plus.tma import (COLS_FIRST, ROWS_FIRST, clear_tails, make_tma_pipelines,
                                           packed_tma_atom, permute, smem_tile, tma_load_atom,
                                           tma_partition)
-from flash_cute.block_range import block_range, block_runs, narrow, split_range
-from flash_cute.dropout import Dropout
-from flash_cute.dsl_state import DslState
-from flash_cute.kernel_args import FwdArgs
-from flash_cute.kv_append import append_rows
-from flash_cute.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
-from flash_cute.lse_merge import SplitArrivals, merge_rows
-from flash_cute.mask import AttentionMask
-from flash_cute.seqlen import SeqInfo
-from flash_cute.score import (Scores, aux_tensors, block_mask_parts, block_mask_tensors,
-                              block_ranges, fold_scores, tile_scores)
-from flash_cute.softmax import OnlineSoftmax, rescale_o
-from flash_cute.tile_scheduler import TileOrder, launch_grid, num_sms, pairs_per_section
-from flash_cute.variant import Variant, kernel_head_dims, set_kernel_switches
-from flash_cute.work_loop import for_each_tile
+from flash_cute.contract.block_range import block_range, block_runs, narrow, split_range
+from flash_cute.blocks.dropout import Dropout
+from flash_cute.blocks.dsl_state import DslState
+from flash_cute.contract.kernel_args import FwdArgs
+from flash_cute.blocks.kv_append import append_rows
+from flash_cute.blocks.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
+from flash_cute.blocks.lse_merge import SplitArrivals, merge_rows
+from flash_cute.blocks.mask import AttentionMask
+from flash_cute.blocks.seqlen import SeqInfo
+from flash_cute.blocks.score import Scores, aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores
+from flash_cute.blocks.softmax import OnlineSoftmax, rescale_o
+from flash_cute.contract.tile_order import TileOrder, launch_grid, num_sms, pairs_per_section
+from flash_cute.contract.variant import Variant, kernel_head_dims, set_kernel_switches
+from flash_cute.blocks.work_loop import for_each_tile
 
 from .config import (CTA_PAIR_SMEM, CTAS_PER_SM, FWD_SCHEDULES, PAGED_ROLE_REGISTERS,
                      ROLE_REGISTERS, SMEM_CAPACITY, FwdSchedule, o_smem_tile, smem_bytes)
@@ -95,7 +94,7 @@ class HopperFwd:
     | 4             | 128 x consumer warpgroups | O's shared tile: free to write, then written (`OutputStore`) |
     | 5             | 128 x consumer warpgroups | varlen: V rows past seqlen_k zeroed (`clear_v_tail`) |
 
-    Tiles (`flash_cute.tile_scheduler`): m_block fastest, or for causal and right windows
+    Tiles (`flash_cute.contract.tile_order`): m_block fastest, or for causal and right windows
     heaviest first (m_block descending within L2-sized sections of heads). With ``persistent``
     off the grid has one CTA per tile; on, min(tiles, SMs) CTAs each take every grid-th tile
     number, and causal tiles are folded into (heavy, light) pairs so that this static round
@@ -681,7 +680,7 @@ class HopperFwd:
 
 
 class WorkTiles(DslState):
-    """This launch's tiles (`flash_cute.tile_scheduler.TileOrder`) and, per tile, what every
+    """This launch's tiles (`flash_cute.contract.tile_order.TileOrder`) and, per tile, what every
     role derives from it the same way: coordinates, sequence bounds, K/V block range, mask."""
 
     def __init__(self, cfg: HopperFwd, num_m_blocks: Int32, section: Int32, mQ, mK, cu_seqlens,
@@ -970,7 +969,7 @@ class WgmmaOperands(DslState):
 
 
 class SoftmaxStep(DslState):
-    """S of one block to unnormalized P in place: the score seam (`flash_cute.score.Scores`:
+    """S of one block to unnormalized P in place: the score seam (`flash_cute.blocks.score.Scores`:
     score mod, then the mask where the block needs it), then the online softmax. Returns the
     factor the O accumulator must be rescaled by."""
 

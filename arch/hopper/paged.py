@@ -5,7 +5,7 @@ in page ``page_table[b, j // page_size]`` at row ``j % page_size``. A K/V block 
 is loaded as tile_n / c boxes of c = gcd(tile_n, page_size) rows, each from its own page
 (one box per block where a page holds whole blocks), all completing the stage's one
 transaction barrier. A box must cover whole 128-byte swizzle atoms (8 rows), so c >= 8:
-smaller pages are gathered before the kernel (`flash_cute.interface`).
+smaller pages are gathered before the kernel (`flash_cute.api.interface`).
 
 Page indices are clamped into the table and the cache, so whatever the table holds the
 TMA reads rows of the cache; keys past a sequence are masked, and V rows past it zeroed
@@ -20,7 +20,7 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from flash_cute.arch.sm90plus.tma import COLS_FIRST, ROWS_FIRST, permute, tma_partition
-from flash_cute.dsl_state import DslState
+from flash_cute.blocks.dsl_state import DslState
 
 from .config import MIN_PAGE_ROWS
 

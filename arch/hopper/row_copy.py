@@ -4,8 +4,8 @@ pieces of rows (the backward's dK/dV and the dQ postprocess)."""
 import cutlass.cute as cute
 from cutlass import Int32
 
-from flash_cute.row_io import copy_rows, row_copy
-from flash_cute.row_split import lanes_per_row
+from flash_cute.blocks.row_io import copy_rows, row_copy
+from flash_cute.contract.row_split import lanes_per_row
 
 
 def row_store(dtype, cols: int, num_threads: int) -> cute.TiledCopy:

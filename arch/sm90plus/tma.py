@@ -9,7 +9,7 @@ from cutlass import Int32, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from flash_cute.layouts import pack_heads
+from flash_cute.blocks.layouts import pack_heads
 
 
 # Mode orders that put (rows, cols) first, as TMA tiles the leading modes of a tensor, and
@@ -50,7 +50,7 @@ def tma_load_atom(t: cute.Tensor, order, staged_layout, tile):
 
 def packed_tma_atom(op, t: cute.Tensor, varlen: bool, staged_layout, tile, pack: int):
     """TMA atom over Q or O with `pack` heads folded into the rows (packed GQA), and its
-    coordinate tensor as `flash_cute.layouts.pack_heads` lays it out: padded (b, (pack, s),
+    coordinate tensor as `flash_cute.blocks.layouts.pack_heads` lays it out: padded (b, (pack, s),
     h / pack, d), varlen ((pack, t), h / pack, d).
 
     The descriptor is built over ((h, s), d[, b]), heads and rows as one mode tiled

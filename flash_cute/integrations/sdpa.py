@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from flash_cute.rng import draw_seed
+from flash_cute.reference.rng import draw_seed
 
 IMPL = "flash_cute"
 _FWD = "_scaled_dot_product_flash_attention"

@@ -21,7 +21,7 @@ transformers is an optional dependency (``pip install flash-cute[transformers]``
 
 import torch
 
-from flash_cute.interface import flash_attn_func, flash_attn_varlen_func
+from flash_cute.api.interface import flash_attn_func, flash_attn_varlen_func
 
 NAME = "flash_cute"
 

@@ -1,0 +1,56 @@
+"""The blackwell pipeline's kernel configs for `inspect` (sm_100a, compile-verified only)."""
+
+from flash_cute.tools.kernel_config import KernelConfig, config_flags
+
+from .config import COMPILE_OPTIONS, FWD_SCHEDULES, default_ex2_per16
+
+TARGETS = ("sm_100a",)
+
+
+def build_fwd(entry):
+    """Fake padded or varlen Q/K/V/O/LSE with dynamic batch, heads and lengths."""
+    from flash_cute.runtime.jit import DTYPES
+    from flash_cute.tools.kernel_config import forward_spec
+    from flash_cute.contract.variant import Variant
+
+    from .fwd import BlackwellFwd
+
+    kernel = BlackwellFwd(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
+                          Variant.from_flags(entry.flag_dict), schedule=tuple(entry.schedule))
+    return forward_spec(kernel, COMPILE_OPTIONS)
+
+
+def _fwd_configs():
+    out = []
+    plain = {"causal": False, "local": False, "softcap": False, "varlen": False}
+    for (d, dv), flags in [((128, 128), {}), ((128, 128), {"causal": True}),
+                           ((64, 64), {}), ((64, 64), {"causal": True, "fp16": True}),
+                           ((192, 128), {"causal": True}),
+                           ((128, 128), {"local": True, "softcap": True}),
+                           ((128, 128), {"causal": True, "varlen": True, "seqused_k": True}),
+                           ((64, 64), {"varlen": True, "seqused_q": True}),
+                           # Packed GQA: 4 and 8 query heads per K/V head in a Q tile.
+                           ((128, 128), {"causal": True, "pack_gqa": 4}),
+                           ((128, 128), {"varlen": True, "seqused_k": True, "pack_gqa": 8}),
+                           # The exp2 share off, and doubled.
+                           ((128, 128), {"causal": True, "ex2_emu": 0}),
+                           ((128, 128), {"causal": True, "ex2_emu": 4}),
+                           # Traced and FA4-form mods (`mod_examples`, `fa4_mod_examples`).
+                           ((128, 128), {"causal": True, "mods": "alibi"}),
+                           ((128, 128), {"mods": "document"}),
+                           ((128, 128), {"varlen": True, "mods": "alibi_document"}),
+                           ((128, 128), {"causal": True, "pack_gqa": 4,
+                                         "mods": "relative_bias"}),
+                           ((128, 128), {"mods": "fa4_softcap_causal"}),
+                           # Block sparsity: the 256-row tile's span of non-empty tiles.
+                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
+        dtype = "fp16" if flags.pop("fp16", False) else "bf16"
+        full = {**plain, **flags}
+        share = full.pop("ex2_emu", None)
+        full["ex2_emu"] = default_ex2_per16(d, full["causal"]) if share is None else share
+        out.append(KernelConfig("blackwell.fwd", TARGETS, dtype, d, dv, FWD_SCHEDULES[(d, dv)],
+                                build_fwd, config_flags(**full)))
+    return tuple(out)
+
+
+CONFIGS = _fwd_configs()

@@ -1,0 +1,33 @@
+"""The hopper pipeline's descriptor: sm90a code (TMA, WGMMA, warp specialization), which runs
+on sm90 only (WGMMA and setmaxnreg exist there alone)."""
+
+from flash_cute.contract import descriptor as caps
+from flash_cute.contract.descriptor import Pipeline
+
+from flash_cute.arch.hopper import planner as api
+
+
+def _inspect_configs() -> tuple:
+    from flash_cute.arch.hopper.inspect_configs import CONFIGS
+
+    return CONFIGS
+
+
+HOPPER = Pipeline(
+    name="hopper",
+    majors=range(9, 10),
+    # pack_gqa: the forward packs a K/V head's query heads into one tile
+    # (`launch.packed_heads`); the backward runs unpacked (its outputs do not depend on how
+    # the forward tiled). deterministic: each query tile's dQ partials are added in a fixed
+    # order (a semaphore per query tile, `HopperBwd`). Varlen tiles that TMA loads past a
+    # sequence get those rows zeroed in shared memory before a GEMM reads them
+    # (`HopperFwd.clear_v_tail`, `BwdStep.clear_tail`), so it takes every problem it supports.
+    capabilities=frozenset({caps.FORWARD, caps.BACKWARD, caps.CAUSAL, caps.LOCAL, caps.SOFTCAP,
+                            caps.GQA, caps.VARLEN, caps.SEQUSED, caps.PACK_GQA,
+                            caps.DETERMINISTIC, caps.DROPOUT, caps.APPEND, caps.MODS,
+                            caps.BLOCK_SPARSE}),
+    plan_forward=api.plan_forward,
+    plan_backward=api.plan_backward,
+    check_supported=api.check_supported,
+    inspect_configs=_inspect_configs,
+)

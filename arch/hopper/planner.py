@@ -1,0 +1,128 @@
+"""Host entry of the Hopper pipeline: what it supports, and the forward and backward launches."""
+
+import functools
+
+from flash_cute.runtime import launch
+from flash_cute.arch.sm90plus.host import tma_ready
+from flash_cute.runtime.splits import plan_splits
+
+from flash_cute.runtime.validation import AttentionProblem
+
+from .config import (BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, CTAS_PER_SM, FWD_SCHEDULES,
+                     MIN_PAGE_ROWS, PACK_ROWS,
+                     SHORT_CAUSAL_BWD_ROWS, SUPPORTED_HDIMS, BwdSchedule, bwd_compile_options,
+                     bwd_schedule, bwd_smem_plan, fwd_schedule, short_causal)
+
+
+def check_supported(problem: AttentionProblem, device=None, backward: bool = False) -> None:
+    """Head dims with a kernel (the tiles are sized for the H100/H200's 227 KiB), and a
+    group that divides the tile when pack_gqa=True."""
+    launch.check_head_dims("hopper", problem, SUPPORTED_HDIMS)
+    # Raises for pack_gqa=True with a group that does not divide the tile.
+    launch.packed_heads(problem, PACK_ROWS)
+    if backward:
+        launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
+
+
+_FWD_KERNEL = launch.KernelRef("flash_cute.arch.hopper.fwd", "HopperFwd")
+_BWD_KERNEL = launch.KernelRef("flash_cute.arch.hopper.bwd", "HopperBwd")
+
+
+def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
+            seqused_q=None, seqused_k=None, schedule=None, rng_seed=None):
+    """(out, lse) for validated inputs. `schedule` overrides the `config.FwdSchedule` for
+    ablations; seqused_q/seqused_k: int32 [batch] or None, as `problem` was validated."""
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    return plan_forward(q, k, v, problem, *lengths, schedule=schedule)(q, k, v, *lengths,
+                                                                       rng_seed=rng_seed)
+
+
+def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
+                 seqused_q=None, seqused_k=None, schedule=None,
+                 page_table=None, append=None) -> launch.ForwardLaunch:
+    """The `launch.ForwardLaunch` of `forward`'s call configuration. `page_table`: k / v
+    are paged caches, read by the kernel (`paged`) where their page size allows, else
+    gathered first (`launch.GatheredPages`). `append`: (k_new, v_new) written into the
+    cache by the kernel (`kv_append`), or by torch first where the pages are gathered."""
+    from flash_cute.runtime.jit import current_target
+
+    target = current_target()
+    if target != "sm_90a":
+        # WGMMA and setmaxnreg exist on sm_90a only; newer GPUs run their own pipeline.
+        raise NotImplementedError(f"the hopper pipeline runs on sm_90a only, not {target}")
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    if page_table is not None and not pages_in_kernel(k.shape[1]):
+        plan = functools.partial(plan_forward, schedule=schedule)
+        gathered = launch.GatheredPages(plan, q, k, v, problem, lengths, page_table)
+        return gathered if append is None else launch.AppendFirst(gathered)
+    pack = launch.packed_heads(problem, PACK_ROWS, FWD_SCHEDULES[problem.hdim].tile_m)
+    short = short_causal(problem.causal, problem.max_seqlen_q * pack, problem.max_seqlen_k)
+
+    def pick(row_stores: bool):
+        return tuple(schedule or fwd_schedule(problem.hdim, pack, row_stores, short,
+                                              problem.dropout_p > 0))
+
+    chosen = pick(problem.varlen or problem.has_seqused_q)
+    splits = plan_splits(problem, chosen[0], chosen[1], pack, launch.device_sms(q.device),
+                         CTAS_PER_SM.get(chosen[0] // 64, 1))
+    if splits is not None:
+        # Split partials leave by row stores (`HopperFwd._rows_past_sequence`).
+        chosen = pick(True)
+    return launch.ForwardLaunch("hopper.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
+                                cu_seqlens_k, seqused_q, seqused_k, chosen, COMPILE_OPTIONS,
+                                target, prepare=tma_ready, pack_gqa=pack, splits=splits,
+                                page_table=page_table, append=append,
+                                merge_in_kernel=True)
+
+
+def pages_in_kernel(page_size: int) -> bool:
+    """Whether the forward reads pages of `page_size` rows itself (every schedule's tile_n
+    then splits into boxes of whole swizzle atoms, `paged.page_chunk`)."""
+    return page_size & (page_size - 1) == 0 and page_size >= MIN_PAGE_ROWS
+
+
+def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
+             cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
+             schedule=None, rng_seed=None):
+    """(dq, dk, dv) through `HopperBwd` (see `flash_cute.runtime.launch.BackwardLaunch`); `deterministic`
+    makes dQ bitwise reproducible. `schedule` overrides the `config.BwdSchedule` for
+    ablations."""
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    return plan_backward(dout, dlse, q, k, v, out, lse, problem, *lengths, deterministic,
+                         schedule)(dout, dlse, q, k, v, out, lse, *lengths, rng_seed=rng_seed)
+
+
+def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
+                  cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
+                  schedule=None) -> launch.BackwardLaunch:
+    """The `launch.BackwardLaunch` of `backward`'s call configuration."""
+    from flash_cute.runtime.jit import current_target
+
+    target = current_target()
+    if target != "sm_90a":
+        raise NotImplementedError(f"the hopper backward runs on sm_90a only, not {target}")
+    launch.check_head_dims("hopper backward", problem, BWD_SUPPORTED_HDIMS)
+    plan = _bwd_plan(problem.hdim, problem.hdim_v, problem.varlen,
+                     short_causal(problem.causal, problem.max_seqlen_q, problem.max_seqlen_k,
+                                  SHORT_CAUSAL_BWD_ROWS),
+                     None if schedule is None else tuple(schedule), target,
+                     problem.dropout_p > 0, problem.mods is not None)
+    return launch.BackwardLaunch(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
+                                 cu_seqlens_k, seqused_q, seqused_k, deterministic)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, schedule, target: str,
+              dropout: bool = False, mods: bool = False):
+    """The `launch.BackwardPlan` of a backward configuration, worked out once: the schedule
+    (`schedule` or the head dim's default, `short`: `config.short_causal`), where the dQ tile
+    fits in shared memory the fragment-order dQaccum (`TiledDqAccum`), else one laid out like
+    q, and `config.bwd_compile_options`; LSE₂ and Δ rows 16-byte aligned for their TMA."""
+    from flash_cute.arch.hopper.host_dq_layout import TiledDqAccum
+
+    schedule = BwdSchedule(*(schedule or bwd_schedule(hdim, varlen, short, dropout, mods)))
+    dq_accum = (TiledDqAccum.of(schedule, hdim)
+                if bwd_smem_plan(hdim, hdim_v, schedule).dq_tma else launch.RowDqAccum(16))
+    return launch.BackwardPlan("hopper.bwd", _BWD_KERNEL, tuple(schedule),
+                               bwd_compile_options(schedule), target, prepare=tma_ready,
+                               dq_accum=dq_accum, row_stats_align=16)

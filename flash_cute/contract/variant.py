@@ -1,0 +1,170 @@
+"""The compile-time shape of an attention call: which masks, softcap and layout a kernel handles.
+
+Every arch kernel takes one `Variant`; run-time values (window sizes, softcap value, scale,
+lengths) stay kernel arguments. `flags()` is the variant's part of a CompileKey. `seqused_q` /
+`seqused_k` are switches because a kernel compiled with those tensors differs from one
+compiled with None in their record fields (their values stay run-time). `pack_gqa` is the number of query heads a
+tile packs into its rows (1: none; see `flash_cute.runtime.launch.packed_heads`). `dropout`: the
+kernel drops attention weights (`flash_cute.blocks.dropout`; p, the seed and the scale are run-time).
+`split_kv`: the forward writes fp32 partial results per key split for `flash_cute.blocks.lse_merge`
+(split-KV; the split count and size are run-time). `page_size` > 0: K and V are a paged cache
+[pages, page_size, heads_kv, d] read through a page table (its rows are compile-time, the
+table and its lengths run-time; seqused_k gives the lengths). `append`: the forward first
+writes new keys and values (k_new / v_new, the last rows of each sequence's seqused_k) into
+the cache it reads (the decode step's in-place append, `flash_attn_with_kvcache`).
+`ex2_per16`: of every 16 scores of a thread's softmax row, how many take the FMA exp2
+instead of MUFU.EX2 (`flash_cute.blocks.exp2_emu`; 0: none). `mods`: the call's traced score and
+mask mods as the kernel compiles them (`flash_cute.variants.mod_graph.KernelMods`; their captured
+tensors are run-time, `FwdArgs.aux0`..); its hash joins the flags.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# The forwards' software-exp2 share (`Variant.ex2_per16`), read when a call's plan is made.
+EX2_EMULATION_ENV = "FLASH_CUTE_EX2_EMULATION"
+
+# Compile-key names of the tensor dtypes, by torch dtype name (no torch import here).
+_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def dtype_name(dtype) -> str:
+    """"bf16", "fp16" or "fp32" for a torch dtype."""
+    return _DTYPE_NAMES[str(dtype)]
+
+
+@dataclass(frozen=True)
+class Variant:
+    causal: bool = False
+    window_left: bool = False
+    window_right: bool = False
+    softcap: bool = False
+    varlen: bool = False
+    seqused_q: bool = False
+    seqused_k: bool = False
+    pack_gqa: int = 1
+    dropout: bool = False
+    split_kv: bool = False
+    page_size: int = 0
+    append: bool = False
+    ex2_per16: int = 0
+    mods: Any = None
+
+    def __post_init__(self):
+        # Causal is the window (left, 0): a right window on top of it means nothing.
+        if self.causal and self.window_right:
+            object.__setattr__(self, "window_right", False)
+        if self.softcap and self.mods is not None and self.mods.score is not None:
+            raise ValueError("softcap with a traced score mod: write the softcap inside the mod "
+                             "(flash_cute.variants.examples.softcap)")
+
+    @classmethod
+    def from_problem(cls, problem, pack_gqa: int = 1, split_kv: bool = False,
+                     page_size: int = 0, append: bool = False,
+                     ex2_per16: int = 0) -> "Variant":
+        """From a validated `flash_cute.runtime.validation.AttentionProblem` (and the pipeline's
+        decisions on packing its heads and splitting its keys)."""
+        mods = None
+        if getattr(problem, "mods", None) is not None:
+            from flash_cute.variants.mod_graph import kernel_mods
+
+            mods = kernel_mods(problem.mods, getattr(problem, "mod_grads", False))[0]
+        return cls(causal=problem.causal, window_left=problem.window_left is not None,
+                   window_right=problem.window_right is not None and not problem.causal,
+                   softcap=problem.softcap > 0, varlen=problem.varlen,
+                   seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k,
+                   pack_gqa=pack_gqa, dropout=problem.dropout_p > 0, split_kv=split_kv,
+                   page_size=page_size, append=append, ex2_per16=ex2_per16, mods=mods)
+
+    @classmethod
+    def from_flags(cls, flags: dict) -> "Variant":
+        """From a registry config's flags (``local`` means both window sides)."""
+        local = flags.get("local", False)
+        return cls(causal=flags.get("causal", False), window_left=local, window_right=local,
+                   softcap=flags.get("softcap", False), varlen=flags.get("varlen", False),
+                   seqused_q=flags.get("seqused_q", False), seqused_k=flags.get("seqused_k", False),
+                   pack_gqa=flags.get("pack_gqa", 1), dropout=flags.get("dropout", False),
+                   split_kv=flags.get("split_kv", False), page_size=flags.get("page", 0),
+                   append=flags.get("append", False), ex2_per16=flags.get("ex2_emu", 0),
+                   mods=_example_mods(flags.get("mods")))
+
+    def flags(self) -> tuple:
+        flags = (("causal", self.causal), ("left", self.window_left), ("right", self.window_right),
+                 ("softcap", self.softcap), ("varlen", self.varlen), ("seqused_q", self.seqused_q),
+                 ("seqused_k", self.seqused_k))
+        # Only where they are on, so the other kernels keep their keys.
+        flags += (("pack_gqa", self.pack_gqa),) if self.pack_gqa > 1 else ()
+        flags += (("dropout", True),) if self.dropout else ()
+        flags += (("split_kv", True),) if self.split_kv else ()
+        flags += (("page", self.page_size),) if self.page_size else ()
+        flags += (("append", True),) if self.append else ()
+        flags += (("ex2_emu", self.ex2_per16),) if self.ex2_per16 else ()
+        return flags + ((("mods", self.mods.key()),) if self.mods is not None else ())
+
+
+def _example_mods(name):
+    """A registry config's mods: the `KernelMods` of a documented example by name
+    (`flash_cute.variants.examples`), or None."""
+    if name is None:
+        return None
+    from flash_cute.variants.examples import example_spec
+
+    return example_spec(name)
+
+
+def set_kernel_switches(kernel, variant: Variant) -> None:
+    """The variant's switches as the attributes the kernels' `const_expr` branches read; the
+    softcap switch as the kernel's score mod (`flash_cute.blocks.score`)."""
+    from flash_cute.blocks.score import score_mod_of
+
+    kernel.causal = variant.causal
+    kernel.has_window_left = variant.window_left
+    kernel.has_window_right = variant.window_right
+    kernel.score_mod = score_mod_of(variant)
+    kernel.varlen = variant.varlen
+    kernel.has_seqused_q = variant.seqused_q
+    kernel.has_seqused_k = variant.seqused_k
+    kernel.pack_gqa = variant.pack_gqa
+    kernel.dropout = variant.dropout
+    kernel.split_kv = variant.split_kv
+    kernel.page_size = variant.page_size
+    kernel.append = variant.append
+    kernel.ex2_per16 = variant.ex2_per16
+    kernel.mods = variant.mods
+
+
+def kernel_head_dims(pipeline: str, hdim: int, hdim_v, schedules: dict, schedule) -> tuple:
+    """(hdim, hdim_v) of a forward kernel: a schedule exists (or is given) and hdim_v ≤ hdim is
+    a multiple of 32 (O reuses Q's shared-memory tile)."""
+    hdim_v = hdim if hdim_v is None else hdim_v
+    if hdim not in schedules and schedule is None:
+        raise ValueError(f"no {pipeline} schedule for hdim {hdim}; have {sorted(schedules)}")
+    if hdim_v > hdim or hdim_v % 32:
+        raise ValueError(f"hdim_v must be a multiple of 32 and <= hdim, got {hdim_v}/{hdim}")
+    return hdim, hdim_v
+
+
+def per16_of(fraction: float) -> int:
+    """A share of a row's exponentials as `Variant.ex2_per16` (0 to 16): exact sixteenths
+    only, so that the share is what inspect's MUFU.EX2 count shows."""
+    per16 = round(fraction * 16)
+    if not 0 <= per16 <= 16 or abs(per16 - fraction * 16) > 1e-9:
+        raise ValueError(f"ex2_emulation_fraction must be a multiple of 1/16 in [0, 1], "
+                         f"got {fraction}")
+    return per16
+
+
+def ex2_emulation_per16() -> int:
+    """The forwards' software-exp2 switch: the share of each softmax row's exponentials that
+    `flash_cute.blocks.exp2_emu` computes with FMAs, from ``FLASH_CUTE_EX2_EMULATION`` (a fraction in
+    sixteenths, e.g. 0.125; unset or 0: none). Read when a call's plan is made (`plans.clear_plans`
+    re-reads it)."""
+    text = os.environ.get(EX2_EMULATION_ENV, "").strip()
+    if not text:
+        return 0
+    try:
+        fraction = float(text)
+    except ValueError:
+        raise ValueError(f"{EX2_EMULATION_ENV}={text!r} is not a number") from None
+    return per16_of(fraction)

@@ -1,0 +1,372 @@
+"""The CUDA implementations of the `flash_cute::fwd` / `flash_cute::bwd` operators
+(`flash_cute.api.ops`), and the plan caches that make a repeated call cheap.
+
+A call is validated, dispatched (`flash_cute.runtime.dispatch`: the newest pipeline that runs on the
+device and has what the problem needs, or the one ``arch=`` forces) and planned (the
+pipeline's `plan_forward` / `plan_backward`: everything the call's dtypes, shapes, strides
+and options fix) once; a plan cache keyed by those (`_call_key`) then skips straight to
+allocating and launching (host time decides short calls: `bench latency`).
+"""
+
+import contextlib
+import dataclasses
+import os
+import threading
+from collections import OrderedDict
+from typing import NamedTuple, Optional
+
+import torch
+
+from flash_cute.variants import mod_graph
+from flash_cute.runtime import paging
+from flash_cute.runtime.dispatch import check_capabilities, select_backward_pipeline, select_pipeline
+from flash_cute.contract.descriptor import APPEND, Pipeline, required_capabilities
+from flash_cute.runtime.validation import AttentionProblem, check_index_contents, validate_attention_inputs, validate_backward_inputs
+
+
+class _Plan(NamedTuple):
+    """What validation and dispatch decide for a forward call, and its launch."""
+    problem: AttentionProblem
+    pipeline: Pipeline
+    bwd_pipeline: Optional[Pipeline]  # None when no gradient is needed
+    deterministic: bool
+    launch: object  # the pipeline's `plan_forward` for the call (a `launch.ForwardLaunch`)
+
+
+class _BoundedCache:
+    """At most `size` entries, the least recently used forgotten first; safe to use from
+    several threads (DataParallel, the autograd engine's one thread per device, a threaded
+    server). A None key (a call without one) is never stored or found."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        if key is None:
+            return None
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key, value):
+        if key is None:
+            return
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def __len__(self):
+        return len(self._entries)
+
+    def clear(self):
+        with self._lock:
+            self._entries.clear()
+
+
+# Forward plans and backward launches by `_call_key`. Each key holds everything validation,
+# dispatch and planning read.
+_PLANS = _BoundedCache(256)
+_BWD_PLANS = _BoundedCache(256)
+
+# The opt-in content check (`check_inputs`), from FLASH_CUTE_CHECK_INPUTS=1 at import.
+_CHECK_INPUTS = [os.environ.get("FLASH_CUTE_CHECK_INPUTS", "0") not in ("", "0")]
+
+
+def check_inputs(on: bool = True) -> bool:
+    """Check the *contents* of every call's cu_seqlens and seqused (non-decreasing from 0,
+    ending inside the tensor; seqused within each sequence's span; max_seqlen covering the
+    longest sequence), raising ValueError that names the tensor and the entry. Off by default
+    (also `FLASH_CUTE_CHECK_INPUTS=1`): it reads them to the host, one device sync per call,
+    which breaks CUDA graph capture and stalls the launch queue. Turn it on while developing
+    a serving or packing path, or to find which batch feeds bad indices; with it off, bad
+    contents never make a kernel touch memory outside its tensors (`flash_cute.blocks.seqlen`), but
+    give meaningless values. Returns the previous setting."""
+    previous, _CHECK_INPUTS[0] = _CHECK_INPUTS[0], bool(on)
+    return previous
+
+
+def clear_plans() -> None:
+    """Forget every planned call (the next call of each is validated and planned again)."""
+    _PLANS.clear()
+    _BWD_PLANS.clear()
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str, tuple})
+
+
+def _call_key(tensors: tuple, options: tuple) -> Optional[tuple]:
+    """A key of a call's tensors and other arguments, or None (then the call is validated
+    every time).
+
+    Of each tensor, what validation and dispatch read (they never read values of CUDA
+    tensors): dtype, device, shape, strides, address modulo 16 bytes, requires_grad; a tensor
+    subclass (e.g. FakeTensor under torch.compile) or a non-tensor gets no key. `options`:
+    plain values, and tuples of them, kept with their types (True and 1 validate differently
+    but compare equal); anything else (a tensor, a list) gets no key."""
+    types = tuple(map(type, options))
+    if not _PLAIN.issuperset(types):
+        return None
+    for o in options:
+        if type(o) is tuple:
+            inner = tuple(map(type, o))
+            if tuple in inner or not _PLAIN.issuperset(inner):
+                return None
+            types += inner
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return None
+    try:
+        signature = tuple([None if t is None else (t.dtype, t.device, t.shape, t.stride(),
+                                                   t.data_ptr() & 15, t.requires_grad)
+                           for t in tensors])
+    except RuntimeError:
+        # A tensor without storage (sparse, ...): validation says what is wrong with it.
+        return None
+    return signature, options, types, torch.is_grad_enabled()
+
+
+def validate_call(q, k, v, lengths: tuple, options: tuple, require_cuda: bool = True,
+                  dropout=(0.0, None), splits=(1, None), page_table=None):
+    """The `AttentionProblem` of an operator call (`options`: max_seqlen_q, max_seqlen_k,
+    softmax_scale, causal, window_left, window_right, softcap, pack_gqa, ...; `dropout`:
+    (dropout_p, rng_seed); `splits`: (num_splits, seqlen_k_per_split); `page_table`: k and v
+    are paged caches, validated as the K and V they stand for, `paging.logical`)."""
+    cu_q, cu_k, used_q, used_k = lengths
+    if page_table is not None:
+        k, v, cu_k = _paged_view(q, k, v, lengths, page_table, require_cuda)
+        require_cuda = False   # checked on the real tensors just now
+    max_q, max_k, scale, causal, left, right, softcap, pack_gqa = options[:8]
+    problem = validate_attention_inputs(
+        q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
+        softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
+        seqused_k=used_k, max_seqlen_q=max_q, max_seqlen_k=max_k, pack_gqa=pack_gqa,
+        dropout_p=dropout[0], num_splits=splits[0], seqlen_k_per_split=splits[1],
+        require_cuda=require_cuda)
+    if problem.dropout_p > 0:
+        _check_seed(dropout[1], q)
+    return problem
+
+
+def _paged_view(q, k, v, lengths, page_table, require_cuda: bool):
+    """The logical K, V and cu_seqlens_k of a paged call, after the checks of its real
+    tensors."""
+    from flash_cute.runtime.validation import _check_devices, _check_memory_layout
+
+    cu_q, cu_k, used_q, used_k = lengths
+    if cu_k is not None:
+        raise ValueError("page_table describes each sequence's keys by its pages: pass "
+                         "seqused_k for their lengths, not cu_seqlens_k")
+    batch = q.shape[0] if cu_q is None else cu_q.shape[0] - 1
+    paging.check_paged(k, v, page_table, batch)
+    if require_cuda:
+        _check_devices(q=q, k=k, v=v, page_table=page_table, cu_seqlens_q=cu_q,
+                       seqused_q=used_q, seqused_k=used_k)
+    for name, t in (("k", k), ("v", v)):
+        _check_memory_layout(name, t)
+    return paging.logical(k, v, page_table, cu_q is not None)
+
+
+def _check_seed(rng_seed, q) -> None:
+    if not (isinstance(rng_seed, torch.Tensor) and rng_seed.dtype == torch.int64
+            and rng_seed.shape == (1,) and rng_seed.device == q.device):
+        got = (f"{rng_seed.dtype} {tuple(rng_seed.shape)} on {rng_seed.device}"
+               if isinstance(rng_seed, torch.Tensor) else type(rng_seed).__name__)
+        raise ValueError(f"dropout_p > 0 needs rng_seed, an int64 [1] tensor on q's device "
+                         f"({q.device}; `flash_cute.reference.rng.draw_seed`), got {got}")
+
+
+def _with_mods(problem, key: int, q, grads: bool = False):
+    """`problem` with the call's mods (registry `key`; 0: none), after the kernels' checks:
+    what their graphs may use (`mod_graph.kernel_mods`) and where their tensors live;
+    `grads`: a backward that also gives the learnable captured tensors' gradients."""
+    if not key:
+        return problem
+    variant = mod_graph.lookup(key)
+    grads = grads and bool(mod_graph.learnable(variant))
+    aux = mod_graph.kernel_mods(variant, grads)[1]
+    for t in aux:
+        if t.device != q.device:
+            raise ValueError(f"a score_mod / mask_mod captures a tensor on {t.device}; the "
+                             f"kernels read it on q's device ({q.device}): move it there")
+    return dataclasses.replace(problem, mods=variant, mods_key=key, mod_grads=grads)
+
+
+def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
+               page_table=None, append=None) -> _Plan:
+    deterministic, arch, needs_grad = options[8:11]
+    problem = validate_call(q, k, v, lengths, options, dropout=(options[12], rng_seed),
+                            splits=splits, page_table=page_table)
+    problem = _with_mods(problem, options[11], q)
+    if page_table is not None and needs_grad:
+        raise NotImplementedError("no backward through a page_table: call flash_attn_func / "
+                                  "flash_attn_varlen_func, which gather the pages when "
+                                  "gradients are needed")
+    pipeline = select_pipeline(q.device, arch, problem)
+    check_capabilities(pipeline, required_capabilities(problem))
+    pipeline.check_supported(problem, q.device)
+    bwd_pipeline = None
+    if needs_grad:
+        # Refused now, before the forward runs, rather than in the backward.
+        bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
+        if problem.mods is not None and mod_graph.learnable(problem.mods):
+            mod_graph.kernel_mods(problem.mods, True)   # what their gradients cannot be
+    paged = {} if page_table is None else {"page_table": page_table}
+    if append is not None:
+        _check_append(k, v, lengths, append, problem)
+        if APPEND in pipeline.capabilities:
+            paged["append"] = append
+    with torch.cuda.device(q.device):
+        launch = pipeline.plan_forward(q, k, v, problem, *lengths, **paged)
+    if append is not None and APPEND not in pipeline.capabilities:
+        from flash_cute.runtime.launch import AppendFirst
+
+        launch = AppendFirst(launch)
+    return _Plan(problem, pipeline, bwd_pipeline, bool(deterministic), launch)
+
+
+def _check_append(k, v, lengths, append, problem) -> None:
+    if problem.varlen or lengths[3] is None:
+        raise ValueError("an append runs on a padded (or paged) cache with seqused_k, not "
+                         "with cu_seqlens")
+    paging.check_append(k, v, *append, problem.batch, lengths[3])
+
+
+def _backward_pipeline(device, pipeline, problem, deterministic) -> Pipeline:
+    bwd_pipeline = select_backward_pipeline(device, pipeline, problem, deterministic)
+    bwd_pipeline.check_supported(problem, device, backward=True)
+    return bwd_pipeline
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options):
+    """`flash_cute::fwd` on CUDA tensors: ``(out, lse)``. `options` as the operator's schema
+    (`flash_cute.api.ops`) orders them, after the tensors (the last, rng_seed, a tensor or
+    None)."""
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    splits = fwd_splits(options)
+    page_table = options[16] if len(options) > 16 else None
+    # (k_new, v_new): written into the cache by the call (`interface.attend_and_append`,
+    # eager calls only: the operator's schema has no such argument).
+    append = tuple(options[17:19]) if len(options) > 17 else None
+    options, rng_seed = split_seed(options, 13)
+    key = _call_key((q, k, v, rng_seed, page_table) + lengths + (append or ()),
+                    options + splits)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(q, k, v, lengths, options, rng_seed, splits, page_table, append)
+        _PLANS.put(key, plan)
+    if _CHECK_INPUTS[0] and (lengths != (None, None, None, None) or page_table is not None):
+        # Contents change from call to call under the same key: checked every call.
+        _check_contents(q, k, v, lengths, plan.problem, page_table)
+    paged = {} if page_table is None else {"page_table": page_table}
+    if append is not None:
+        paged["append"] = append
+    # Kernels launch on the current device and stream: make that q's device.
+    with on_device(q):
+        return plan.launch(q, k, v, *lengths, rng_seed=rng_seed, **paged)
+
+
+def _check_contents(q, k, v, lengths, problem, page_table) -> None:
+    """`check_index_contents` of a call (a paged one against the K its table stands for,
+    and its page indices inside the cache)."""
+    cu_q, cu_k, used_q, used_k = lengths
+    if page_table is not None:
+        bad = (page_table < 0) | (page_table >= k.shape[0])
+        if bool(bad.any()):
+            b, i = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"page_table[{b}, {i}] = {int(page_table[b, i])} is not a page of "
+                             f"the cache (it has {k.shape[0]})")
+        k, _, cu_k = paging.logical(k, v, page_table, cu_q is not None)
+        if cu_k is not None:
+            cu_k = cu_k.to(q.device)
+    check_index_contents(q, k, cu_q, cu_k, used_q, used_k, problem.max_seqlen_q,
+                         problem.max_seqlen_k)
+
+
+def fwd_splits(options: tuple) -> tuple:
+    """(num_splits, seqlen_k_per_split) of a forward call's options (after rng_seed, at
+    14 and 15; left out where they are the defaults)."""
+    tail = options[14:16]
+    return tuple(tail) + (1, None)[len(tail):]
+
+
+def split_seed(options: tuple, count: int):
+    """(options without rng_seed, rng_seed): a call may stop before the dropout options (the
+    dispatcher leaves out trailing arguments equal to their defaults, and a direct call may
+    omit dropout_p 0 and no seed); the missing ones are filled in."""
+    if len(options) > count:
+        return options[:count], options[count]
+    return options + (0.0,) * (count - len(options)), None
+
+
+# `flash_cute::bwd`'s last option: the learnable captured tensors' gradients asked for.
+_MOD_GRADS = 13
+
+
+def mod_grads_asked(options: tuple) -> bool:
+    """Whether a `flash_cute::bwd` call's options ask for the gradients of learnable captured
+    tensors (`mod_grads`, trailing and optional)."""
+    return len(options) > _MOD_GRADS and bool(options[_MOD_GRADS])
+
+
+def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+             *options):
+    """`flash_cute::bwd` on CUDA tensors: ``(dq, dk, dv, dmods)``."""
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    mod_grads = mod_grads_asked(options)
+    options, rng_seed = split_seed(options[:_MOD_GRADS], 12)
+    options += (mod_grads,)
+    dout = kernel_ready(dout)
+    dlse = None if dlse is None else dlse.contiguous()
+    key = _call_key((dout, dlse, q, k, v, out, lse, rng_seed) + lengths, options)
+    launch = _BWD_PLANS.get(key)
+    if launch is not None and mod_grads and not _same_learned(launch, options[10]):
+        launch = None   # which captured tensors require grad changed since it was planned
+    if launch is None:
+        deterministic, arch = options[8:10]
+        problem = validate_call(q, k, v, lengths, options, dropout=(options[11], rng_seed))
+        problem = _with_mods(problem, options[10], q, mod_grads)
+        if deterministic and problem.mods is not None and problem.mods.block_states is not None:
+            raise NotImplementedError("deterministic=True with a block_mask: the fixed dQ "
+                                      "order assumes every key tile of the mask's range")
+        validate_backward_inputs(dout, q, k, v, out, lse, problem)
+        pipeline = select_pipeline(q.device, arch, problem)
+        bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
+        with torch.cuda.device(q.device):
+            launch = bwd_pipeline.plan_backward(dout, dlse, q, k, v, out, lse, problem,
+                                                *lengths, bool(deterministic))
+        _BWD_PLANS.put(key, launch)
+    dmods = []
+    with on_device(q):
+        dq, dk, dv = launch(dout, dlse, q, k, v, out, lse, *lengths, rng_seed=rng_seed,
+                            mod_grads=dmods if mod_grads else None)
+    return dq, dk, dv, dmods
+
+
+def _same_learned(launch, key: int) -> bool:
+    learned = mod_graph.learnable(mod_graph.lookup(key))
+    return len(learned) == len(launch.aux.learned) and all(
+        a is b for a, b in zip(learned, launch.aux.learned))
+
+
+def kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (autograd may hand over expanded or offset gradients)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device(t: torch.Tensor):
+    """`torch.cuda.device(t.device)`, or nothing to do when it is current already (the
+    common case, for a few microseconds less per call)."""
+    index = t.get_device()
+    if index >= 0 and index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(t.device)
