@@ -40,8 +40,8 @@ def test_default_exp2_share_is_fa4s_per_case():
 def test_blackwell_runs_only_when_named(capability):
     """Not hardware-tested: on a 10.x device dispatch picks the ampere code unless
     arch="blackwell" names it; its backward then runs in a pipeline that has one."""
-    from flash_cute.arch.ampere.descriptor import AMPERE
-    from flash_cute.arch.blackwell.descriptor import BLACKWELL
+    from flash_cute.runtime.dispatch import AMPERE
+    from flash_cute.runtime.dispatch import BLACKWELL
     from flash_cute.runtime.validation import validate_attention_inputs
 
     capability(10, 0)
@@ -60,8 +60,8 @@ def test_blackwell_runs_only_when_named(capability):
 def test_an_environment_switch_admits_it_where_it_takes_the_problem(capability, monkeypatch):
     """FLASH_CUTE_ALLOW_UNTESTED=blackwell: dispatch picks it on 10.x for the head dims it
     has, and the ampere code for the others."""
-    from flash_cute.arch.ampere.descriptor import AMPERE
-    from flash_cute.arch.blackwell.descriptor import BLACKWELL
+    from flash_cute.runtime.dispatch import AMPERE
+    from flash_cute.runtime.dispatch import BLACKWELL
     from flash_cute.runtime.validation import validate_attention_inputs
 
     capability(10, 0)
@@ -228,7 +228,7 @@ def test_blackwell_takes_mods_and_block_masks():
 
     from flash_cute import create_block_mask
     from flash_cute.variants import mod_graph
-    from flash_cute.arch.blackwell.descriptor import BLACKWELL
+    from flash_cute.runtime.dispatch import BLACKWELL
     from flash_cute.contract.descriptor import required_capabilities
     from flash_cute.runtime.validation import validate_attention_inputs
 

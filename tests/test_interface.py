@@ -9,9 +9,9 @@ import flash_cute
 from flash_cute import create_block_mask
 from flash_cute.runtime import dispatch, plans
 from flash_cute.arch.ampere import planner as ampere_api
-from flash_cute.arch.ampere.descriptor import AMPERE
+from flash_cute.runtime.dispatch import AMPERE
 from flash_cute.arch.hopper import planner as hopper_api
-from flash_cute.arch.hopper.descriptor import HOPPER
+from flash_cute.runtime.dispatch import HOPPER
 from flash_cute.contract.descriptor import required_capabilities
 from flash_cute.runtime.validation import validate_attention_inputs
 

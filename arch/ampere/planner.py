@@ -5,6 +5,8 @@ import functools
 from flash_cute.runtime import launch
 from flash_cute.runtime.splits import plan_splits
 from flash_cute.runtime.validation import AttentionProblem
+from flash_cute.contract.descriptor import Pipeline
+from flash_cute.arch.ampere.descriptor import AMPERE
 
 from .config import (BWD_SCHEDULES, COMPILE_OPTIONS, SUPPORTED_HDIMS, FWD_SCHEDULES, bwd_smem_bytes,
                      fwd_smem_bytes)
@@ -88,3 +90,7 @@ def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_s
 def _bwd_plan(hdim: int, target: str) -> launch.BackwardPlan:
     return launch.BackwardPlan("ampere.bwd", _BWD_KERNEL, BWD_SCHEDULES[hdim], COMPILE_OPTIONS,
                                target)
+
+
+# The pipeline dispatch runs: the descriptor joined to this planner's entry points.
+PIPELINE = Pipeline.of(AMPERE, plan_forward=plan_forward, plan_backward=plan_backward, check_supported=check_supported)

@@ -4,26 +4,14 @@ Blackwell hardware, and runs when named (arch="blackwell") or allowed by
 FLASH_CUTE_ALLOW_UNTESTED=blackwell."""
 
 from flash_cute.contract import descriptor as caps
-from flash_cute.contract.descriptor import Pipeline
-
-from flash_cute.arch.blackwell import planner as api
+from flash_cute.contract.descriptor import Descriptor
 
 
-def _inspect_configs() -> tuple:
-    from flash_cute.arch.blackwell.inspect_configs import CONFIGS
-
-    return CONFIGS
-
-
-BLACKWELL = Pipeline(
+BLACKWELL = Descriptor(
     name="blackwell",
     majors=range(10, 11),
     capabilities=frozenset({caps.FORWARD, caps.CAUSAL, caps.LOCAL, caps.SOFTCAP, caps.GQA,
                             caps.VARLEN, caps.SEQUSED, caps.PACK_GQA, caps.MODS,
                             caps.BLOCK_SPARSE}),
-    plan_forward=api.plan_forward,
-    check_supported=api.check_supported,
-    takes=api.takes,
-    inspect_configs=_inspect_configs,
     hardware_tested=False,
 )

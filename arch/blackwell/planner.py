@@ -5,6 +5,8 @@ from flash_cute.runtime import launch
 from flash_cute.arch.sm90plus.host import tma_ready
 from flash_cute.runtime.validation import AttentionProblem
 from flash_cute.contract.variant import EX2_EMULATION_ENV
+from flash_cute.contract.descriptor import Pipeline
+from flash_cute.arch.blackwell.descriptor import BLACKWELL
 
 from .config import (COMPILE_OPTIONS, FWD_SCHEDULES, Q_STAGES, SUPPORTED_HDIMS, TILE_M,
                      FwdSchedule, default_ex2_per16)
@@ -50,3 +52,7 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
                                 target, prepare=tma_ready, pack_gqa=pack, ex2_per16=per16,
                                 tile=(TILE_M, FwdSchedule(*chosen).tile_n),
                                 q_tiles_per_cta=Q_STAGES)
+
+
+# The pipeline dispatch runs: the descriptor joined to this planner's entry points.
+PIPELINE = Pipeline.of(BLACKWELL, plan_forward=plan_forward, check_supported=check_supported, takes=takes)

@@ -2,18 +2,10 @@
 on sm90 only (WGMMA and setmaxnreg exist there alone)."""
 
 from flash_cute.contract import descriptor as caps
-from flash_cute.contract.descriptor import Pipeline
-
-from flash_cute.arch.hopper import planner as api
+from flash_cute.contract.descriptor import Descriptor
 
 
-def _inspect_configs() -> tuple:
-    from flash_cute.arch.hopper.inspect_configs import CONFIGS
-
-    return CONFIGS
-
-
-HOPPER = Pipeline(
+HOPPER = Descriptor(
     name="hopper",
     majors=range(9, 10),
     # pack_gqa: the forward packs a K/V head's query heads into one tile
@@ -26,8 +18,4 @@ HOPPER = Pipeline(
                             caps.GQA, caps.VARLEN, caps.SEQUSED, caps.PACK_GQA,
                             caps.DETERMINISTIC, caps.DROPOUT, caps.APPEND, caps.MODS,
                             caps.BLOCK_SPARSE}),
-    plan_forward=api.plan_forward,
-    plan_backward=api.plan_backward,
-    check_supported=api.check_supported,
-    inspect_configs=_inspect_configs,
 )

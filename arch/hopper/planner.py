@@ -7,6 +7,8 @@ from flash_cute.arch.sm90plus.host import tma_ready
 from flash_cute.runtime.splits import plan_splits
 
 from flash_cute.runtime.validation import AttentionProblem
+from flash_cute.contract.descriptor import Pipeline
+from flash_cute.arch.hopper.descriptor import HOPPER
 
 from .config import (BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, CTAS_PER_SM, FWD_SCHEDULES,
                      MIN_PAGE_ROWS, PACK_ROWS,
@@ -126,3 +128,7 @@ def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, schedule, targe
     return launch.BackwardPlan("hopper.bwd", _BWD_KERNEL, tuple(schedule),
                                bwd_compile_options(schedule), target, prepare=tma_ready,
                                dq_accum=dq_accum, row_stats_align=16)
+
+
+# The pipeline dispatch runs: the descriptor joined to this planner's entry points.
+PIPELINE = Pipeline.of(HOPPER, plan_forward=plan_forward, plan_backward=plan_backward, check_supported=check_supported)

@@ -46,8 +46,22 @@ def spelled(capability: str) -> str:
 
 
 @dataclass(frozen=True)
+class Descriptor:
+    """What an arch pipeline is, as data (`arch/<name>/descriptor.py`): its name, the compute
+    capability majors it runs on, its capability set, and whether it ran on hardware. Its
+    planner (`arch/<name>/planner.py`, runtime) joins it to the entry points (`Pipeline.of`);
+    its inspect configs are `arch/<name>/inspect_configs.py` (tools)."""
+
+    name: str
+    majors: range
+    capabilities: frozenset
+    hardware_tested: bool = True
+
+
+@dataclass(frozen=True)
 class Pipeline:
-    """An arch pipeline as dispatch sees it.
+    """An arch pipeline as dispatch sees it: its descriptor's fields and its planner's entry
+    points (`Pipeline.of`).
 
     `majors`: the compute capability majors it runs on. `plan_forward(q, k, v, problem,
     cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)` and `plan_backward(dout, dlse, q, k, v,
@@ -61,7 +75,6 @@ class Pipeline:
     `takes(problem)`: whether dispatch picks it on its own for a problem it can run (None:
     always). `hardware_tested`: it ran on real hardware; a pipeline that has not (compile-
     verified only) stays out of the default order and runs only when named with arch=.
-    `inspect_configs()`: its registered configs for `inspect`, imported only when called.
     Decode needs no entry point of its own: `plan_forward` takes `problem.num_splits`
     (`flash_cute.runtime.splits`), a `page_table` keyword (k / v paged, `flash_cute.runtime.paging`) and,
     with the `append` capability, an `append` keyword ((k_new, v_new) written into the cache).
@@ -72,10 +85,17 @@ class Pipeline:
     capabilities: frozenset
     plan_forward: Callable
     check_supported: Callable
-    inspect_configs: Callable[[], tuple]
     plan_backward: Optional[Callable] = None
     takes: Optional[Callable] = None
     hardware_tested: bool = True
+
+    @classmethod
+    def of(cls, descriptor: Descriptor, **entry_points) -> "Pipeline":
+        """The pipeline of `descriptor` with its planner's `entry_points` (plan_forward,
+        check_supported, and plan_backward / takes where it has them)."""
+        return cls(name=descriptor.name, majors=descriptor.majors,
+                   capabilities=descriptor.capabilities,
+                   hardware_tested=descriptor.hardware_tested, **entry_points)
 
     def __post_init__(self):
         if (BACKWARD in self.capabilities) != (self.plan_backward is not None):

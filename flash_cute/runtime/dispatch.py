@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from flash_cute.arch.ampere.descriptor import AMPERE
-from flash_cute.arch.blackwell.descriptor import BLACKWELL
-from flash_cute.arch.hopper.descriptor import HOPPER
+from flash_cute.arch.ampere.planner import PIPELINE as AMPERE
+from flash_cute.arch.blackwell.planner import PIPELINE as BLACKWELL
+from flash_cute.arch.hopper.planner import PIPELINE as HOPPER
 from flash_cute.runtime.device import capability_of
 from flash_cute.contract.descriptor import Pipeline, required_capabilities
 

@@ -1,8 +1,9 @@
 """The table of kernel configurations that `inspect` cross-compiles: the shared blocks' own
-kernels, listed here, and each pipeline's, listed with that pipeline (`arch/<name>/registry.py`,
-reached through its descriptor's `inspect_configs`). Tooling: the runtime never imports it.
+kernels, listed here, and each pipeline's, listed with that pipeline
+(`arch/<name>/inspect_configs.py`). Tooling: the runtime never imports it.
 """
 
+import importlib
 from flash_cute.runtime.dispatch import PIPELINES
 from flash_cute.tools.kernel_config import KernelConfig, config_flags
 
@@ -162,8 +163,12 @@ _BWD_PREP = (
                  build_bwd_prep, config_flags(varlen=False)),
 )
 
-CONFIGS = _BLOCKS + tuple(c for p in reversed(PIPELINES) for c in p.inspect_configs()) \
-    + _BWD_PREP
+def _arch_configs(pipeline) -> tuple:
+    """A pipeline's registered configs: `arch/<name>/inspect_configs.py`, by convention."""
+    return importlib.import_module(f"flash_cute.arch.{pipeline.name}.inspect_configs").CONFIGS
+
+
+CONFIGS = _BLOCKS + tuple(c for p in reversed(PIPELINES) for c in _arch_configs(p)) + _BWD_PREP
 
 
 def registered_configs(kernel=None, target=None) -> list:
