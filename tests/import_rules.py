@@ -65,7 +65,8 @@ BY_NAME = {"runtime": {"kernels"}, "api": {"kernels"}, "package": {"kernels"}}
 DSL_ROOTS = {"cutlass", "cuda"}
 DSL_AT_MODULE_LEVEL = {"blocks", "kernels", "tools", "compat"}
 DSL_NEVER = {"contract", "variants", "reference", "runtime", "package"}
-JIT = ("flash_cute.runtime.jit",)
+# The JIT and its disk cache (which loads compiled modules through the DSL's runtime).
+JIT = ("flash_cute.runtime.jit", "flash_cute.runtime.disk_cache")
 # Layers that never import torch: records and device code.
 NO_TORCH = {"contract", "blocks", "kernels"}
 

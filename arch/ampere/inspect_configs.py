@@ -29,7 +29,7 @@ def build_fwd(entry):
 def build_bwd(entry):
     """Fake padded or varlen tensors (and seqused) with dynamic batch, heads and lengths."""
     from flash_cute.runtime.jit import DTYPES
-    from flash_cute.contract.kernel_args import fake_backward_args
+    from flash_cute.tools.fake_args import fake_backward_args
     from flash_cute.contract.variant import Variant
     from flash_cute.tools.kernel_config import CompileSpec
 

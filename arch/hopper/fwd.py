@@ -39,9 +39,9 @@ from flash_cute.blocks.mask import AttentionMask
 from flash_cute.blocks.seqlen import SeqInfo
 from flash_cute.blocks.score import Scores, aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores
 from flash_cute.blocks.softmax import OnlineSoftmax, rescale_o
-from flash_cute.contract.tile_order import TileOrder, launch_grid, num_sms, pairs_per_section
+from flash_cute.contract.tile_order import TileOrder, launch_grid, pairs_per_section
 from flash_cute.contract.variant import Variant, kernel_head_dims, set_kernel_switches
-from flash_cute.blocks.work_loop import for_each_tile
+from flash_cute.blocks.work_loop import for_each_tile, num_sms
 
 from .config import (CTA_PAIR_SMEM, CTAS_PER_SM, FWD_SCHEDULES, PAGED_ROLE_REGISTERS,
                      ROLE_REGISTERS, SMEM_CAPACITY, FwdSchedule, o_smem_tile, smem_bytes)
@@ -115,7 +115,7 @@ class HopperFwd:
     * ``pingpong``: the two consumer warpgroups take turns issuing their WGMMAs, so one's
       softmax overlaps the other's GEMMs (`GemmTurns`; the turns run on across tiles).
     * ``persistent``: the static persistent grid above (the SM count is read from the driver
-      when the kernel is compiled, `tile_scheduler.num_sms`).
+      when the kernel is compiled, `work_loop.num_sms`).
 
     Epilogue (`OutputStore`): padded inputs stage O (in dtype) in a swizzled shared tile by
     stmatrix and leave it with one TMA store per tile, which clips the rows past seqlen_q.

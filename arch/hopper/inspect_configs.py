@@ -26,7 +26,7 @@ def build_bwd(entry):
     """Fake padded or varlen tensors with dynamic batch, heads and lengths; the alignments
     and dQaccum layout `api.backward` promises (TMA-ready 16-byte rows of LSE₂, Δ, dQaccum)."""
     from flash_cute.runtime.jit import DTYPES
-    from flash_cute.contract.kernel_args import fake_backward_args
+    from flash_cute.tools.fake_args import fake_backward_args
     from flash_cute.contract.variant import Variant
     from flash_cute.tools.kernel_config import CompileSpec
 

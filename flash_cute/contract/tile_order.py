@@ -30,7 +30,7 @@ Order:
   unit of an odd M, are empty: they get m_block = num_m_blocks, past every sequence, and a
   kernel skips them as it skips varlen tiles past their sequence.
 
-The SM count comes from the host (`num_sms`). Varlen: `num_m_blocks` comes from max_seqlen_q.
+The SM count comes from the host (`work_loop.num_sms`). Varlen: `num_m_blocks` comes from max_seqlen_q.
 """
 
 from typing import NamedTuple
@@ -39,7 +39,7 @@ from typing import NamedTuple
 # whatever K/V of the previous section is still being read.
 L2_BYTES = 50 * 1024 * 1024
 L2_KV_BYTES = L2_BYTES // 2
-# SMs of an H100 SXM or H200, for compiling without a GPU (`num_sms`).
+# SMs of an H100 SXM or H200, for compiling without a GPU (`work_loop.num_sms`).
 DEFAULT_NUM_SMS = 132
 
 
@@ -144,26 +144,3 @@ class TileOrder(NamedTuple):
 def launch_grid(num_tiles, persistent: bool, num_sms: int, *, imin=min):
     """CTAs to launch: one per tile, or for a persistent kernel at most one per SM."""
     return imin(num_tiles, num_sms) if persistent else num_tiles
-
-
-def num_sms(default: int = DEFAULT_NUM_SMS) -> int:
-    """SMs of the current CUDA device, from the driver (host side, when a kernel is traced).
-
-    A persistent kernel's grid is fixed when it is compiled: the launch code passes the kernel
-    no SM count, and a kernel can read none that is not arch-specific. The compile cache is
-    per process and a process normally sees one GPU model, so the count of the device that
-    compiles is the count of the device that runs (on a mixed machine a kernel compiled on a
-    larger GPU would run its extra CTAs as a second wave: correct, slower). Without a GPU
-    (cross-compiling) the H100/H200 count is used."""
-    try:
-        from cuda.bindings import driver
-
-        ok = driver.CUresult.CUDA_SUCCESS
-        err, device = driver.cuCtxGetDevice()
-        if err != ok:
-            return default
-        err, count = driver.cuDeviceGetAttribute(
-            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
-    except Exception:  # no driver library (a CPU-only host): cross-compiling
-        return default
-    return count if err == ok and count > 0 else default

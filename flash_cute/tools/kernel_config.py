@@ -69,7 +69,7 @@ def config_flags(**kw) -> tuple:
 def forward_spec(kernel, options: str, extra: Optional[dict] = None) -> "CompileSpec":
     """An attention forward kernel's CompileSpec: a fake `FwdArgs` of its dtype, head dims
     and layout (padded or varlen, seqused or not), its shared memory and compile options."""
-    from flash_cute.contract.kernel_args import fake_forward_args
+    from flash_cute.tools.fake_args import fake_forward_args
 
     args = fake_forward_args(kernel.dtype, kernel.hdim, kernel.hdim_v, kernel.varlen,
                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k),

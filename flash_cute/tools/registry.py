@@ -119,7 +119,8 @@ def build_graph_mods(entry):
 
     from flash_cute.blocks.graph_mods import GraphModsKernel
     from flash_cute.runtime.jit import dynamic_dim, fake_stream, fake_tensor
-    from flash_cute.contract.kernel_args import AUX_FIELDS, fake_aux
+    from flash_cute.contract.kernel_args import AUX_FIELDS
+    from flash_cute.tools.fake_args import fake_aux
     from flash_cute.tools.kernel_config import CompileSpec
     from flash_cute.variants.examples import example_spec
 
