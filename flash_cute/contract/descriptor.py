@@ -1,11 +1,12 @@
 """The contract between dispatch and an arch pipeline: one `Pipeline` descriptor per arch.
 
-Each `arch/<name>/pipeline.py` declares its descriptor once: the compute capabilities it runs
-on, what it can do (`capabilities`), its entry points and a lazy reference to its inspect
-configs. Dispatch (`flash_cute.runtime.dispatch`) reads only descriptors: a new feature is a new
-capability name here and in the pipelines that have it, not a global flag per module.
+Each `arch/<name>/descriptor.py` declares its `Descriptor` once, as data: the compute
+capabilities it runs on, what it can do (`capabilities`), whether it ran on hardware. Its
+planner (`arch/<name>/planner.py`) joins it to the entry points (`Pipeline.of`), and dispatch
+(`flash_cute.runtime.dispatch`) reads only those: a new feature is a new capability name here
+and in the pipelines that have it, not a global flag per module.
 
-No CuTe DSL import here or in any descriptor: `import flash_cute` stays light.
+Plain Python (a contract): no torch, no CuTe DSL, nothing else of ours.
 """
 
 from dataclasses import dataclass
