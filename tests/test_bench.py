@@ -3,6 +3,7 @@ CPU tensors with a fake timer (torch's CPU SDPA has a flash backend but no cuDNN
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -448,7 +449,8 @@ def test_sass_diff_names_each_changed_config(tmp_path, capsys):
     config key."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("sass_diff", "bench/sass_diff.py")
+    spec = importlib.util.spec_from_file_location(
+        "sass_diff", Path(__file__).resolve().parent.parent / "bench" / "sass_diff.py")
     sass_diff = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sass_diff)
     before = [_inspect_entry(), _inspect_entry(hdim=64)]
