@@ -64,8 +64,8 @@ def run_case(spec: dict) -> torch.Tensor:
 
 
 def blocks() -> torch.Tensor:
-    from flash_cute.blocks.lse_merge import lse_merge
-    from flash_cute.tools.score_attention import score_attention
+    from flash_cute.runtime.lse_merge import lse_merge
+    from flash_cute.tools.block_kernels import score_attention
 
     scores = torch.randn(2, 97, 131, device="cuda")
     v = torch.randn(2, 131, 16, device="cuda", dtype=torch.bfloat16)

@@ -66,7 +66,7 @@ OLD_PATHS = {
     "flash_cute.sass": "flash_cute.tools.sass",
     "flash_cute.selfcheck": "flash_cute.tools.selfcheck",
     "flash_cute.cache_cli": "flash_cute.tools.cache_cli",
-    "flash_cute.score_attention": "flash_cute.tools.score_attention",
+    "flash_cute.score_attention": "flash_cute.tools.block_kernels",
     "flash_cute.arch.ampere.pipeline": "flash_cute.arch.ampere.descriptor",
     "flash_cute.arch.ampere.api": "flash_cute.arch.ampere.planner",
     "flash_cute.arch.ampere.registry": "flash_cute.arch.ampere.inspect_configs",

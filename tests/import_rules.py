@@ -49,7 +49,8 @@ BELOW = {
     "reference": {"contract", "variants"},
     "runtime": {"contract", "variants", "reference"},
     "api": {"contract", "variants", "reference", "runtime"},
-    "tools": {"contract", "blocks", "kernels", "variants", "reference", "runtime", "api"},
+    "tools": {"contract", "blocks", "kernels", "variants", "reference", "runtime", "api",
+              "package"},
     # The package's __init__: the public names, and the old paths' aliases installed.
     "package": {"contract", "variants", "reference", "runtime", "api", "compat"},
     "compat": {"contract", "blocks", "kernels", "variants", "reference", "runtime", "api",

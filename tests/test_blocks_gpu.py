@@ -51,7 +51,7 @@ CASES = [
 
 @pytest.mark.parametrize("batch,sq,sk,causal,window,softcap,dtype", CASES)
 def test_score_attention_matches_float64(batch, sq, sk, causal, window, softcap, dtype):
-    from flash_cute.tools.score_attention import score_attention
+    from flash_cute.tools.block_kernels import score_attention
 
     gen = torch.Generator(device="cuda").manual_seed(sq * 1000 + sk)
     scores = torch.randn(batch, sq, sk, device="cuda", generator=gen) * 4.0
@@ -71,7 +71,7 @@ def test_score_attention_matches_float64(batch, sq, sk, causal, window, softcap,
 
 def test_seed_worked_example_on_gpu():
     """Seed 10.3.2: scores [1, 3, 2], V = [10, 20, 30] -> O = 21.547, LSE = 3.4076."""
-    from flash_cute.tools.score_attention import score_attention
+    from flash_cute.tools.block_kernels import score_attention
 
     scores = torch.tensor([[[1.0, 3.0, 2.0]]], device="cuda")
     v = torch.tensor([10.0, 20.0, 30.0], device="cuda").view(1, 3, 1).expand(1, 3, 16)
@@ -83,7 +83,7 @@ def test_seed_worked_example_on_gpu():
 
 @pytest.mark.parametrize("splits,rows,hdim", [(1, 33, 64), (2, 1000, 128), (7, 129, 256)])
 def test_lse_merge_matches_model(splits, rows, hdim):
-    from flash_cute.blocks.lse_merge import lse_merge
+    from flash_cute.runtime.lse_merge import lse_merge
 
     gen = torch.Generator(device="cuda").manual_seed(splits * rows)
     o_parts = torch.randn(splits, rows, hdim, device="cuda", generator=gen)

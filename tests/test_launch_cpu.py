@@ -202,3 +202,13 @@ def test_split_scratch_is_kept_per_stream_and_fresh_under_capture(monkeypatch):
     big = scratch.get()
     again = scratch.get()
     assert big[0] is not again[0] and big[2] is again[2]
+
+
+def test_the_merge_launch_names_the_kernel_it_compiles():
+    """The LSE merge's launch keys its kernel by rows per CTA without importing it: the two
+    must agree."""
+    from flash_cute.kernels.lse_merge import LseMergeKernel
+    from flash_cute.runtime import lse_merge
+
+    assert lse_merge.ROWS_PER_CTA == LseMergeKernel.rows_per_cta
+    assert lse_merge._KERNEL.module == LseMergeKernel.__module__

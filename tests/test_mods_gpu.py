@@ -333,14 +333,14 @@ def _graph_cases():
 
 @pytest.mark.parametrize("score_mod,mask_mod", _graph_cases(), ids=_ID)
 def test_block_matches_the_graph_on_index_grids(score_mod, mask_mod):
-    """The block alone (`graph_mods.evaluate`, no attention around it) against
+    """The block alone (`block_kernels.graph_mods_on_gpu`, no attention around it) against
     `mod_graph.evaluate` on the same graphs: every op's semantics, negative integer division
     and remainder included, and the derivative in the score."""
-    from flash_cute.blocks import graph_mods
+    from flash_cute.tools import block_kernels
 
     variant = mod_graph.lookup(mod_graph.register(score_mod, mask_mod))
     scores = torch.randn(2, H, 150, 200, device="cuda") * 4
-    out, grad = graph_mods.evaluate(variant, scores)
+    out, grad = block_kernels.graph_mods_on_gpu(variant, scores)
     grids = mod_graph.index_grids([0, 1], H, 150, 200, device="cuda")
     want = scores.double()
 

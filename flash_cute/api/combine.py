@@ -76,7 +76,7 @@ def _merge_kernel(out_partial, lse_partial, dtype, out):
     """The kernel's layouts: LSEs with the query index contiguous ([.., heads, seqlen]);
     the result's LSE a transposed view of one, as FA4 returns it."""
     from flash_cute.runtime.jit import TensorArg
-    from flash_cute.blocks.lse_merge import merge_call
+    from flash_cute.runtime.lse_merge import merge_call
 
     varlen = out_partial.dim() == 4
     o_parts = out_partial.float()

@@ -20,7 +20,6 @@ evenly; the share is exact when the fragment holds a multiple of 16 values (hopp
 hdim 128, ampere's 16).
 """
 
-import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import Float32
 from cutlass._mlir.dialects import llvm
@@ -110,44 +109,3 @@ def exp2_row(values: cute.Tensor, per16: int, first: int = 0, degree: int = 3,
             values[i] = exp2_emulated(values[i], degree)
         else:
             values[i] = cute.math.exp2(values[i], fastmath=True)
-
-
-class Exp2EmulatedKernel:
-    """`exp2_emulated` over a tensor, for measuring the block on hardware (`evaluate`).
-
-    | threads | role                                       |
-    |---------|--------------------------------------------|
-    | 0-255   | one value each: load, emulated 2^x, store  |
-
-    No pipeline stages: one load and one store per thread.
-    """
-
-    num_threads = 256
-
-    def __init__(self, degree: int = 3):
-        self.degree = degree
-
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
-        grid = cute.ceil_div(mX.shape[0], self.num_threads)
-        self.kernel(mX, mY).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1],
-                                   stream=stream)
-
-    @cute.kernel
-    def kernel(self, mX: cute.Tensor, mY: cute.Tensor):
-        i = cute.arch.block_idx()[0] * self.num_threads + cute.arch.thread_idx()[0]
-        if i < mX.shape[0]:
-            mY[i] = exp2_emulated(mX[i], self.degree)
-
-
-def evaluate(x, degree: int = 3):
-    """The block's 2^x of a CUDA float32 vector (< 2^31 values), as the kernels compute it."""
-    import torch
-
-    from flash_cute.runtime.jit import CompileKey, TensorArg, current_target, launch_kernel
-
-    y = torch.empty_like(x)
-    key = CompileKey("blocks.exp2_emulated", current_target(), "fp32", None, None, (degree,),
-                     ())
-    launch_kernel(key, lambda: Exp2EmulatedKernel(degree), (TensorArg(x, 4), TensorArg(y, 4)))
-    return y

@@ -5,7 +5,6 @@ the plan cache (`flash_cute.api.interface`): `ForwardLaunch` (one kernel) and `B
 (`flash_cute.contract.kernel_args`) once and then passing the fields straight to TVM-FFI."""
 
 import functools
-import importlib
 import math
 from typing import Callable, NamedTuple, Optional
 
@@ -15,6 +14,7 @@ import torch
 # few; docs/decisions.md, D-IMPORT).
 import tvm_ffi  # noqa: F401
 
+from flash_cute.runtime.kernel_ref import KernelRef  # noqa: F401  (planners name kernels by it)
 from flash_cute.contract.kernel_args import BwdArgs, FwdArgs, dropout_scalars, score_scalars
 from flash_cute.runtime.splits import launch_tiles
 from flash_cute.contract.variant import Variant, dtype_name, ex2_emulation_per16
@@ -95,16 +95,6 @@ def packed_heads(problem, tile_m: int, fill_rows=None) -> int:
         return rows / (-(-rows // fill_rows) * fill_rows)
 
     return group if filled(problem.max_seqlen_q) < 0.9 * filled(problem.max_seqlen_q * group) else 1
-
-
-class KernelRef(NamedTuple):
-    """A kernel class named by its module, imported when a kernel is first built: a call whose
-    kernels come from the disk cache never imports the CuTe DSL modules (tens of ms)."""
-    module: str
-    name: str
-
-    def __call__(self, *args, **kwargs):
-        return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
 
 
 def _restride(t: torch.Tensor, prepare):
@@ -289,7 +279,7 @@ class ForwardLaunch:
                           split_counts=TensorArg(torch.empty(1, dtype=torch.int32,
                                                              device=q.device), 4))
         elif splits is not None:
-            from flash_cute.blocks.lse_merge import merge_call
+            from flash_cute.runtime.lse_merge import merge_call
 
             self.merge = merge_call(q.dtype, problem.hdim_v, "varlen" if varlen else "padded",
                                     (TensorArg(kernel_out), TensorArg(kernel_lse, 4),

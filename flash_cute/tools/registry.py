@@ -15,7 +15,7 @@ def build_softmax_rows(entry):
     from cutlass import Float32, Int32
 
     from flash_cute.runtime.jit import DTYPES, dynamic_dim, fake_stream, fake_tensor
-    from flash_cute.tools.score_attention import ScoreAttentionKernel
+    from flash_cute.tools.block_kernels import ScoreAttentionKernel
     from flash_cute.tools.kernel_config import CompileSpec
 
     flags = entry.flag_dict
@@ -40,7 +40,7 @@ def build_lse_merge(entry):
     from cutlass import Float32
 
     from flash_cute.runtime.jit import DTYPES, dynamic_dim, fake_stream, fake_tensor
-    from flash_cute.blocks.lse_merge import LseMergeKernel
+    from flash_cute.kernels.lse_merge import LseMergeKernel
     from flash_cute.tools.kernel_config import CompileSpec
 
     layout = entry.flag_dict.get("layout", "rows")
@@ -102,7 +102,7 @@ def build_exp2_emulated(entry):
     """``blocks.exp2_emulated`` over fake float32 vectors."""
     from cutlass import Float32
 
-    from flash_cute.blocks.exp2_emu import Exp2EmulatedKernel
+    from flash_cute.tools.block_kernels import Exp2EmulatedKernel
     from flash_cute.runtime.jit import dynamic_dim, fake_stream, fake_tensor
     from flash_cute.tools.kernel_config import CompileSpec
 
@@ -117,7 +117,7 @@ def build_graph_mods(entry):
     float32 scores."""
     from cutlass import Float32
 
-    from flash_cute.blocks.graph_mods import GraphModsKernel
+    from flash_cute.tools.block_kernels import GraphModsKernel
     from flash_cute.runtime.jit import dynamic_dim, fake_stream, fake_tensor
     from flash_cute.contract.kernel_args import AUX_FIELDS
     from flash_cute.tools.fake_args import fake_aux

@@ -30,7 +30,7 @@ def check_score_attention() -> bool:
     import torch
 
     from flash_cute.reference.attention import score_attention_ref, tolerance_check
-    from flash_cute.tools.score_attention import score_attention
+    from flash_cute.tools.block_kernels import score_attention
 
     ok = True
     for batch, sq, sk, causal, window, softcap in _SCORE_CASES:
@@ -50,7 +50,7 @@ def check_score_attention() -> bool:
 def check_lse_merge() -> bool:
     import torch
 
-    from flash_cute.blocks.lse_merge import lse_merge
+    from flash_cute.runtime.lse_merge import lse_merge
     from flash_cute.reference.block_models import lse_merge as lse_merge_model
 
     o_parts = torch.randn(3, 777, 128, device="cuda")

@@ -1,4 +1,7 @@
-"""Attention over given scores: the shared blocks, alone, on real hardware.
+"""The shared blocks alone on real hardware: test kernels and their launchers (tooling: the
+GPU tests and `inspect` use them, no call of the library does).
+
+`ScoreAttentionKernel`: attention over given scores.
 
 ``O = softmax(mask(softcap(S * scale))) V`` and its LSE, for a score matrix S that is an input
 instead of Q Kᵀ. It runs the same online softmax, mask and block-range code as the attention
@@ -12,6 +15,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from flash_cute.blocks.exp2_emu import exp2_emulated
+from flash_cute.blocks.graph_mods import GraphMods
 from flash_cute.blocks.mask import AttentionMask
 from flash_cute.blocks.score import SOFTCAP, Scores, fold_scores
 from flash_cute.blocks.softmax import OnlineSoftmax, rescale_o
@@ -181,3 +186,131 @@ def score_attention(scores, v, softmax_scale: float, causal: bool = False,
                                                     left is not None, right is not None,
                                                     softcap > 0), args)
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# `exp2_emu`: the software 2^x alone
+# ---------------------------------------------------------------------------------------------
+
+class Exp2EmulatedKernel:
+    """`exp2_emulated` over a tensor, for measuring the block on hardware (`exp2_emulated_on_gpu`).
+
+    | threads | role                                       |
+    |---------|--------------------------------------------|
+    | 0-255   | one value each: load, emulated 2^x, store  |
+
+    No pipeline stages: one load and one store per thread.
+    """
+
+    num_threads = 256
+
+    def __init__(self, degree: int = 3):
+        self.degree = degree
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
+        grid = cute.ceil_div(mX.shape[0], self.num_threads)
+        self.kernel(mX, mY).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1],
+                                   stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mY: cute.Tensor):
+        i = cute.arch.block_idx()[0] * self.num_threads + cute.arch.thread_idx()[0]
+        if i < mX.shape[0]:
+            mY[i] = exp2_emulated(mX[i], self.degree)
+
+
+def exp2_emulated_on_gpu(x, degree: int = 3):
+    """The block's 2^x of a CUDA float32 vector (< 2^31 values), as the kernels compute it."""
+    import torch
+
+    from flash_cute.runtime.jit import CompileKey, TensorArg, current_target, launch_kernel
+
+    y = torch.empty_like(x)
+    key = CompileKey("blocks.exp2_emulated", current_target(), "fp32", None, None, (degree,),
+                     ())
+    launch_kernel(key, lambda: Exp2EmulatedKernel(degree), (TensorArg(x, 4), TensorArg(y, 4)))
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# `graph_mods`: a traced mod alone, over a score tensor
+# ---------------------------------------------------------------------------------------------
+
+class GraphModsKernel:
+    """`GraphMods` over a whole [b, h, q, k] score tensor, for checking the block on hardware
+    against `mod_graph.evaluate` (`graph_mods_on_gpu`).
+
+    | warps | role                                                                      |
+    |-------|---------------------------------------------------------------------------|
+    | 0-3   | one 64x64 tile of one (b, h): a quad of threads shares 2 rows, 16 columns |
+
+    No pipeline stages: clamped loads of the tile, the mods, predicated stores of the result
+    (-inf where masked) and of the derivative in the score.
+    """
+
+    tile = 64
+    num_threads = 128
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    @cute.jit
+    def __call__(self, mS: cute.Tensor, mOut: cute.Tensor, mGrad: cute.Tensor, aux0, aux1,
+                 aux2, aux3, stream: cuda.CUstream):
+        aux = tuple(a for a in (aux0, aux1, aux2, aux3) if a is not None)
+        grid = (cute.ceil_div(mS.shape[2], self.tile), cute.ceil_div(mS.shape[3], self.tile),
+                mS.shape[0] * mS.shape[1])
+        self.kernel(mS, mOut, mGrad, aux).launch(grid=grid, block=[self.num_threads, 1, 1],
+                                                 stream=stream)
+
+    @cute.kernel
+    def kernel(self, mS: cute.Tensor, mOut: cute.Tensor, mGrad: cute.Tensor, aux):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, n_block, bh = cute.arch.block_idx()
+        batch = bh // mS.shape[1]
+        head = bh - batch * mS.shape[1]
+        rows, cols = mS.shape[2], mS.shape[3]
+        thr = cute.make_layout((32, 4), stride=(4, 1))
+        coord = cute.local_partition(cute.make_identity_tensor((self.tile, self.tile)), thr,
+                                     tidx)
+        acc = cute.make_rmem_tensor(coord.shape, Float32)
+        grad = cute.make_rmem_tensor(coord.shape, Float32)
+        grad.fill(1.0)
+        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+            row = cutlass.min(m_block * self.tile + coord[r, 0][0], rows - 1)
+            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                col = cutlass.min(n_block * self.tile + coord[0, c][1], cols - 1)
+                acc[r, c] = mS[batch, head, row, col]
+        mods = GraphMods(self.spec, aux, batch, head, rows, cols, self.tile, self.tile)
+        mods.apply(acc, coord, m_block, n_block, Float32(1.0), grad)
+        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+            row = m_block * self.tile + coord[r, 0][0]
+            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                col = n_block * self.tile + coord[0, c][1]
+                if row < rows and col < cols:
+                    mOut[batch, head, row, col] = acc[r, c]
+                    mGrad[batch, head, row, col] = grad[r, c]
+
+
+def graph_mods_on_gpu(variant, scores):
+    """(mods' output, their derivative in the score) of a registered `mod_graph.Variant` on
+    CUDA float32 scores [b, h, q, k], as the kernels compute them (q_idx and kv_idx are the
+    positions in the tensor; a mask mod's False gives -inf; the derivative is 1 where the
+    score mod has none, or is a bias)."""
+    import torch
+
+    from flash_cute.runtime.jit import CompileKey, TensorArg, current_target, launch_kernel
+    from flash_cute.contract.kernel_args import AUX_ALIGN
+    from flash_cute.variants.mod_graph import aux_for_kernel, kernel_mods
+
+    spec, aux = kernel_mods(variant)
+    out, grad = torch.empty_like(scores), torch.empty_like(scores)
+    tensors = [aux_for_kernel(t) for t in aux]
+    args = [TensorArg(scores, 4), TensorArg(out, 4), TensorArg(grad, 4)]
+    args += [TensorArg(t, AUX_ALIGN[name]) for t, (name, _) in zip(tensors, spec.aux)]
+    args += [None] * (7 - len(args))
+    key = CompileKey("blocks.graph_mods", current_target(), "fp32", None, None, (),
+                     (("mods", spec.key()),))
+    launch_kernel(key, lambda: GraphModsKernel(spec), tuple(args))
+    return out, grad
