@@ -158,7 +158,7 @@ def mufu_ex2_expected(entry) -> int:
 
 
 def _has_score_mod(entry) -> bool:
-    from flash_cute.variants.examples import example_spec
+    from flash_cute.tools.kernel_config import example_spec
 
     name = entry.flag_dict.get("mods")
     if name is None:

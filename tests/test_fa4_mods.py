@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flash_cute.blocks import fa4_mods
+from flash_cute.variants import fa4_spec
 from flash_cute.blocks.fa4_mods import UnsupportedFa4Mod, derivative
 
 NS = types.SimpleNamespace(where=torch.where, full_like=torch.full_like)
@@ -67,16 +68,16 @@ def test_the_compile_key_follows_code_and_closure_not_the_object():
             return s * scale
         return mod
 
-    assert fa4_mods.identity(make(2.0)) == fa4_mods.identity(make(2.0))
-    assert fa4_mods.identity(make(2.0)) != fa4_mods.identity(make(3.0))
+    assert fa4_spec.identity(make(2.0)) == fa4_spec.identity(make(2.0))
+    assert fa4_spec.identity(make(2.0)) != fa4_spec.identity(make(3.0))
 
     def other(s, b, h, q, kv, seqlen_info, aux):
         return s + 1
 
-    spec = fa4_mods.fa4_spec(make(2.0), None, None, (("fp32", 1),))
-    assert spec.key() == fa4_mods.fa4_spec(make(2.0), None, None, (("fp32", 1),)).key()
-    assert spec.key() != fa4_mods.fa4_spec(other, None, None, (("fp32", 1),)).key()
-    assert spec.key() != fa4_mods.fa4_spec(make(2.0), None, None, (("bf16", 1),)).key()
+    spec = fa4_spec.fa4_spec(make(2.0), None, None, (("fp32", 1),))
+    assert spec.key() == fa4_spec.fa4_spec(make(2.0), None, None, (("fp32", 1),)).key()
+    assert spec.key() != fa4_spec.fa4_spec(other, None, None, (("fp32", 1),)).key()
+    assert spec.key() != fa4_spec.fa4_spec(make(2.0), None, None, (("bf16", 1),)).key()
     assert spec.score is not None and spec.score_grad is not None and spec.mask is None
 
 
@@ -84,6 +85,7 @@ _COMPILE_A_MOD = """
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from flash_cute.blocks import fa4_mods
+from flash_cute.variants import fa4_spec
 
 @cute.jit
 def mod(score, b, h, q, kv, seqlen_info, aux):
@@ -97,10 +99,10 @@ def host(x: Float32):
     i[0] = Int32(0)
     mod(s.load(), i.load(), i.load(), i.load(), i.load(), None, None)
 
-before, code = fa4_mods.identity(mod), mod.__wrapped__.__code__
+before, code = fa4_spec.identity(mod), mod.__wrapped__.__code__
 cute.compile(host, Float32(1.0))
 assert mod.__wrapped__.__code__ is not code, "the DSL no longer rewrites the code"
-assert fa4_mods.identity(mod) == before, "a compile changed the mod's compile key"
+assert fa4_spec.identity(mod) == before, "a compile changed the mod's compile key"
 print("stable")
 """
 
@@ -125,20 +127,20 @@ def test_aux_scalars_keep_their_types_and_values_and_refuse_others():
     (`Fa4Spec.scalars`), their values run-time; other types, or too many, are refused."""
     import cutlass
 
-    kinds, values = fa4_mods.scalar_signature([2, 0.5, cutlass.Int32(7), cutlass.Float32(1.5)])
+    kinds, values = fa4_spec.scalar_signature([2, 0.5, cutlass.Int32(7), cutlass.Float32(1.5)])
     assert kinds == ("Int32", "Float32", "Int32", "Float32")
     assert values == (2, 0.5, 7, 1.5)
-    assert fa4_mods.scalar_signature(None) == ((), ())
+    assert fa4_spec.scalar_signature(None) == ((), ())
     with pytest.raises(TypeError, match="aux_scalars\\[0\\]"):
-        fa4_mods.scalar_signature([True])
+        fa4_spec.scalar_signature([True])
     with pytest.raises(TypeError, match="aux_scalars\\[1\\]"):
-        fa4_mods.scalar_signature([1, "x"])
+        fa4_spec.scalar_signature([1, "x"])
     with pytest.raises(ValueError, match="at most"):
-        fa4_mods.scalar_signature([1] * 5)
+        fa4_spec.scalar_signature([1] * 5)
     f = lambda s, b, h, q, k, info, aux, scalars: s  # noqa: E731
-    a = fa4_mods.fa4_spec(f, None, None, (), ("Int32",))
-    b = fa4_mods.fa4_spec(f, None, None, (), ("Float32",))
-    assert a.key() != b.key() and a.key() == fa4_mods.fa4_spec(f, None, None, (), ("Int32",)).key()
+    a = fa4_spec.fa4_spec(f, None, None, (), ("Int32",))
+    b = fa4_spec.fa4_spec(f, None, None, (), ("Float32",))
+    assert a.key() != b.key() and a.key() == fa4_spec.fa4_spec(f, None, None, (), ("Int32",)).key()
 
 
 def test_aux_scalar_values_get_registry_entries_that_stay_bounded():

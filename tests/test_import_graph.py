@@ -9,19 +9,6 @@ import sys
 import import_rules as rules
 import pytest
 
-# Edges the layer rules forbid that the tree still has: the leaks the splits after the move
-# remove, one by one. Each must still occur (a mended one leaves this list in the same
-# commit), and no other may appear.
-PENDING = {
-    'flash_cute.blocks.graph_mods [blocks] imports flash_cute.variants.mod_graph (import, levels) [variants]',
-    'flash_cute.contract.variant [contract] imports flash_cute.blocks.score (import, set_kernel_switches) [blocks]',
-    'flash_cute.contract.variant [contract] imports flash_cute.variants.examples (import, _example_mods) [variants]',
-    'flash_cute.contract.variant [contract] imports flash_cute.variants.mod_graph (import, from_problem) [variants]',
-    'flash_cute.variants.examples [variants] imports flash_cute.blocks.fa4_mod_examples (import, example_spec) [blocks]',
-    'flash_cute.variants.examples [variants] imports flash_cute.blocks.fa4_mods (import, example_spec) [blocks]',
-    'flash_cute.variants.mod_graph [variants] imports flash_cute.blocks.fa4_mods (import, register_fa4) [blocks]',
-}
-
 
 def test_every_module_has_a_layer():
     missing = []
@@ -36,9 +23,8 @@ def test_every_module_has_a_layer():
 
 
 def test_the_tree_follows_the_layer_rules():
-    found = set(rules.violations(rules.package_modules()))
-    assert not found - PENDING, "\n".join(sorted(found - PENDING))
-    assert not PENDING - found, "mended, take off PENDING:\n" + "\n".join(sorted(PENDING - found))
+    found = rules.violations(rules.package_modules())
+    assert not found, "\n".join(found)
 
 
 def test_the_installed_packages_are_the_package_folders():

@@ -10,6 +10,8 @@ from flash_cute import create_block_mask
 from flash_cute.runtime import dispatch, plans
 from flash_cute.arch.ampere import planner as ampere_api
 from flash_cute.runtime.dispatch import AMPERE
+from flash_cute.runtime.launch import variant_of
+from flash_cute.tools.kernel_config import variant_from_flags
 from flash_cute.arch.hopper import planner as hopper_api
 from flash_cute.runtime.dispatch import HOPPER
 from flash_cute.contract.descriptor import required_capabilities
@@ -359,8 +361,9 @@ def test_every_compile_time_switch_is_in_the_cache_key():
     import dataclasses
     import itertools
 
-    from flash_cute.variants.examples import example_spec
-    from flash_cute.contract.variant import Variant, set_kernel_switches
+    from flash_cute.tools.kernel_config import example_spec
+    from flash_cute.blocks.score import set_kernel_switches
+    from flash_cute.contract.variant import Variant
 
     seen = {}
     mods = {"mods": [None, example_spec("alibi"), example_spec("document")]}
@@ -498,10 +501,10 @@ def test_packing_is_part_of_the_compile_key_only_where_it_packs():
     from flash_cute.contract.variant import Variant
 
     problem = _gqa_problem(1)
-    assert Variant.from_problem(problem).flags() == Variant().flags()
-    packed = Variant.from_problem(problem, 4)
+    assert variant_of(problem).flags() == Variant().flags()
+    packed = variant_of(problem, 4)
     assert ("pack_gqa", 4) in packed.flags()
-    assert Variant.from_flags(dict(packed.flags())) == packed
+    assert variant_from_flags(dict(packed.flags())) == packed
 
 
 def test_backward_fallback_skips_a_pipeline_without_seqused(capability, monkeypatch):
@@ -520,12 +523,11 @@ def test_backward_fallback_skips_a_pipeline_without_seqused(capability, monkeypa
 
 def test_seqused_changes_the_compile_keys():
     from flash_cute.runtime import launch
-    from flash_cute.contract.variant import Variant
 
     varlen, padded = _seqused_problems()
-    assert ("seqused_q", True) in Variant.from_problem(varlen).flags()
-    assert ("seqused_k", False) in Variant.from_problem(varlen).flags()
-    assert ("seqused_k", True) in Variant.from_problem(padded).flags()
+    assert ("seqused_q", True) in variant_of(varlen).flags()
+    assert ("seqused_k", False) in variant_of(varlen).flags()
+    assert ("seqused_k", True) in variant_of(padded).flags()
     plain = validate_attention_inputs(*(torch.randn(1, 10, 2, 64, dtype=torch.bfloat16),) * 3,
                                       require_cuda=False)
     keys = {launch.backward_compile_key("ampere.bwd", "sm_80", "bf16", p, (64, 128, 8))

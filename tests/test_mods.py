@@ -81,7 +81,7 @@ def test_loads_made_many_times_per_tile_read_edge_values():
     a query's id, on the kept side, stays clamped; an element's bias-table load is made 32
     times in either and reads edge values."""
     from flash_cute.blocks import graph_mods
-    from flash_cute.variants.examples import example_spec
+    from flash_cute.tools.kernel_config import example_spec
 
     def frequent(name, rows, cols):
         spec = example_spec(name)

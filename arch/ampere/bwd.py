@@ -21,8 +21,8 @@ from flash_cute.blocks.dropout import Dropout
 from flash_cute.blocks.layouts import acc_to_mn, assume_aligned_strides, transpose_view
 from flash_cute.blocks.mask import AttentionMask
 from flash_cute.blocks.seqlen import SeqInfo
-from flash_cute.blocks.score import aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores
-from flash_cute.contract.variant import Variant, set_kernel_switches
+from flash_cute.blocks.score import aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores, set_kernel_switches
+from flash_cute.contract.variant import Variant
 
 from .config import BWD_SCHEDULES, bwd_smem_bytes
 from .mma import SmemGemm, tiled_mma

@@ -17,12 +17,12 @@ def build_fwd(entry):
     """Fake padded or varlen Q/K/V/O/LSE (and seqused) with dynamic batch and lengths."""
     from flash_cute.runtime.jit import DTYPES
     from flash_cute.tools.kernel_config import forward_spec
-    from flash_cute.contract.variant import Variant
+    from flash_cute.tools.kernel_config import variant_from_flags
 
     from .fwd import AmpereFwd
 
     return forward_spec(AmpereFwd(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
-                                  Variant.from_flags(entry.flag_dict),
+                                  variant_from_flags(entry.flag_dict),
                                   schedule=tuple(entry.schedule)), COMPILE_OPTIONS)
 
 
@@ -30,13 +30,13 @@ def build_bwd(entry):
     """Fake padded or varlen tensors (and seqused) with dynamic batch, heads and lengths."""
     from flash_cute.runtime.jit import DTYPES
     from flash_cute.tools.fake_args import fake_backward_args
-    from flash_cute.contract.variant import Variant
+    from flash_cute.tools.kernel_config import variant_from_flags
     from flash_cute.tools.kernel_config import CompileSpec
 
     from .bwd import AmpereBwd
 
     dtype = DTYPES[entry.dtype]
-    kernel = AmpereBwd(dtype, entry.hdim, entry.hdim_v, Variant.from_flags(entry.flag_dict))
+    kernel = AmpereBwd(dtype, entry.hdim, entry.hdim_v, variant_from_flags(entry.flag_dict))
     args = fake_backward_args(dtype, entry.hdim, entry.hdim_v, kernel.varlen,
                               seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
                               dropout=kernel.dropout, mods=kernel.mods)

@@ -11,12 +11,12 @@ def build_fwd(entry):
     """Fake padded or varlen Q/K/V/O/LSE with dynamic batch, heads and lengths."""
     from flash_cute.runtime.jit import DTYPES
     from flash_cute.tools.kernel_config import forward_spec
-    from flash_cute.contract.variant import Variant
+    from flash_cute.tools.kernel_config import variant_from_flags
 
     from .fwd import BlackwellFwd
 
     kernel = BlackwellFwd(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
-                          Variant.from_flags(entry.flag_dict), schedule=tuple(entry.schedule))
+                          variant_from_flags(entry.flag_dict), schedule=tuple(entry.schedule))
     return forward_spec(kernel, COMPILE_OPTIONS)
 
 

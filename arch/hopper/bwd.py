@@ -33,8 +33,8 @@ from flash_cute.contract.kernel_args import BwdArgs
 from flash_cute.blocks.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, transpose_view
 from flash_cute.blocks.mask import AttentionMask
 from flash_cute.blocks.seqlen import SeqInfo
-from flash_cute.blocks.score import aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores
-from flash_cute.contract.variant import Variant, set_kernel_switches
+from flash_cute.blocks.score import aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores, set_kernel_switches
+from flash_cute.contract.variant import Variant
 
 from .config import (BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS, BWD_NUM_THREADS,
                      BWD_PRODUCER_REGISTERS, BWD_SCHEDULES, BWD_SUPPORTED_HDIMS, SMEM_CAPACITY,

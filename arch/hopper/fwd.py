@@ -37,10 +37,10 @@ from flash_cute.blocks.layouts import acc_to_mn, acc_to_operand_a, assume_aligne
 from flash_cute.blocks.lse_merge import SplitArrivals, merge_rows
 from flash_cute.blocks.mask import AttentionMask
 from flash_cute.blocks.seqlen import SeqInfo
-from flash_cute.blocks.score import Scores, aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores
+from flash_cute.blocks.score import Scores, aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores, set_kernel_switches
 from flash_cute.blocks.softmax import OnlineSoftmax, rescale_o
 from flash_cute.contract.tile_order import TileOrder, launch_grid, pairs_per_section
-from flash_cute.contract.variant import Variant, kernel_head_dims, set_kernel_switches
+from flash_cute.contract.variant import Variant, kernel_head_dims
 from flash_cute.blocks.work_loop import for_each_tile, num_sms
 
 from .config import (CTA_PAIR_SMEM, CTAS_PER_SM, FWD_SCHEDULES, PAGED_ROLE_REGISTERS,

@@ -12,12 +12,12 @@ def build_fwd(entry):
     """Fake padded or varlen Q/K/V/O/LSE with dynamic batch and lengths."""
     from flash_cute.runtime.jit import DTYPES
     from flash_cute.tools.kernel_config import forward_spec
-    from flash_cute.contract.variant import Variant
+    from flash_cute.tools.kernel_config import variant_from_flags
 
     from .fwd import HopperFwd, registers_per_role
 
     kernel = HopperFwd(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
-                       Variant.from_flags(entry.flag_dict), schedule=tuple(entry.schedule))
+                       variant_from_flags(entry.flag_dict), schedule=tuple(entry.schedule))
     return forward_spec(kernel, COMPILE_OPTIONS,
                         {"registers_per_role": registers_per_role(kernel)})
 
@@ -27,14 +27,14 @@ def build_bwd(entry):
     and dQaccum layout `api.backward` promises (TMA-ready 16-byte rows of LSE₂, Δ, dQaccum)."""
     from flash_cute.runtime.jit import DTYPES
     from flash_cute.tools.fake_args import fake_backward_args
-    from flash_cute.contract.variant import Variant
+    from flash_cute.tools.kernel_config import variant_from_flags
     from flash_cute.tools.kernel_config import CompileSpec
 
     from .bwd import HopperBwd, registers_per_role
 
     dtype = DTYPES[entry.dtype]
     flags = entry.flag_dict
-    kernel = HopperBwd(dtype, entry.hdim, entry.hdim_v, Variant.from_flags(flags),
+    kernel = HopperBwd(dtype, entry.hdim, entry.hdim_v, variant_from_flags(flags),
                        schedule=tuple(entry.schedule),
                        deterministic=flags.get("deterministic", False))
     args = fake_backward_args(dtype, entry.hdim, entry.hdim_v, kernel.varlen,

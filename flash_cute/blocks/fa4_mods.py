@@ -22,139 +22,19 @@ else to the score (stores it into a register tensor, calls the MLIR dialects on 
 """
 
 import contextlib
-import hashlib
-import inspect
-import weakref
-from typing import Callable, NamedTuple, Optional
+from typing import Callable
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_cute.contract.block_range import tiles_nest
 from flash_cute.blocks.dsl_state import DslState
+from flash_cute.contract.block_range import tiles_nest
+from flash_cute.contract.mods import Fa4Spec
 
 
 class UnsupportedFa4Mod(TypeError):
     """An FA4-form mod whose derivative the dual numbers cannot carry."""
-
-
-def identity(fn: Callable) -> str:
-    """A hash of a function's code, source and closure constants (its compile-key part): the
-    same function body with the same captured values compiles once. Kept per function object
-    from its first call: compiling a `@cute.jit` function replaces its code with the DSL's
-    rewritten one."""
-    try:
-        return _IDENTITIES[fn]
-    except (KeyError, TypeError):
-        pass
-    ident = _identity(fn)
-    try:
-        _IDENTITIES[fn] = ident
-    except TypeError:
-        pass
-    return ident
-
-
-_IDENTITIES = weakref.WeakKeyDictionary()
-
-
-def _identity(fn: Callable) -> str:
-    raw = fn
-    while getattr(raw, "__wrapped__", None) is not None:
-        raw = raw.__wrapped__
-    code = getattr(raw, "__code__", None)
-    parts = [getattr(raw, "__module__", "") or "", getattr(raw, "__qualname__", repr(raw))]
-    if code is not None:
-        # The code as well as the source: two lambdas on one line share their source.
-        parts += [code.co_code.hex(), repr(code.co_consts), repr(code.co_names)]
-        try:
-            parts.append(inspect.getsource(raw))
-        except (OSError, TypeError):
-            pass
-        for cell in getattr(raw, "__closure__", None) or ():
-            try:
-                parts.append(repr(cell.cell_contents))
-            except ValueError:
-                parts.append("<empty>")
-    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
-
-
-class Fa4Spec(NamedTuple):
-    """What a kernel compiles of a call's FA4-form mods: the functions (compile-time), each
-    captured tensor's (dtype name, rank), the functions' identity hash and each aux scalar's
-    DSL type name ("Int32" or "Float32"; their values are run-time)."""
-    score_mod: Optional[Callable]
-    mask_mod: Optional[Callable]
-    score_mod_bwd: Optional[Callable]
-    aux: tuple
-    ident: str
-    scalars: tuple = ()
-    # With a block mask: its (rows, cols) block size; its block-level states are the last
-    # aux tensor (int32 [B or 1, H or 1, query blocks, key blocks]).
-    block_size: tuple = ()
-
-    # The fields the kernels read of a traced spec (`mod_graph.KernelMods`).
-    @property
-    def sparse(self) -> bool:
-        return bool(self.block_size)
-
-    @property
-    def block_rule(self):
-        """FlexAttention's rule per element, for tiles that straddle blocks (`Fa4Mods.apply`'s
-        mask "rule")."""
-        return "rule" if self.sparse else None
-
-    @property
-    def score(self):
-        return None if self.score_mod is None else 0
-
-    @property
-    def score_grad(self):
-        """Not None where the backward takes the derivative (any score mod: it is not known
-        to be 1)."""
-        return self.score
-
-    @property
-    def mask(self):
-        return None if self.mask_mod is None else 0
-
-    def key(self) -> str:
-        return hashlib.sha256(repr((self.ident, self.aux, self.scalars, self.block_size))
-                              .encode()).hexdigest()[:16]
-
-
-def fa4_spec(score_mod, mask_mod, score_mod_bwd, aux_sig: tuple, scalar_sig: tuple = (),
-             block_size: tuple = ()) -> Fa4Spec:
-    """`block_size`: a block mask's, whose states `aux_sig` then ends with."""
-    ident = "|".join(identity(f) if f is not None else "-"
-                     for f in (score_mod, mask_mod, score_mod_bwd))
-    return Fa4Spec(score_mod, mask_mod, score_mod_bwd, tuple(aux_sig), ident, tuple(scalar_sig),
-                   tuple(int(x) for x in block_size))
-
-
-MAX_SCALARS = 4
-
-
-def scalar_signature(aux_scalars) -> tuple:
-    """((DSL type name, ...), (Python value, ...)) of FA4's aux_scalars: Python ints and
-    cutlass.Int32 as Int32, Python floats and cutlass.Float32 as Float32 (FA4 keys its compile
-    cache on their types too); anything else raises TypeError."""
-    kinds, values = [], []
-    for i, x in enumerate(aux_scalars or ()):
-        kind = _SCALAR_KINDS.get(type(x))
-        if kind is None:
-            raise TypeError(f"aux_scalars[{i}] is a {type(x).__name__}; the kernels take "
-                            "int / cutlass.Int32 or float / cutlass.Float32")
-        raw = getattr(x, "value", x)
-        kinds.append(kind)
-        values.append(int(raw) if kind == "Int32" else float(raw))
-    if len(kinds) > MAX_SCALARS:
-        raise ValueError(f"{len(kinds)} aux_scalars; the kernels take at most {MAX_SCALARS}")
-    return tuple(kinds), tuple(values)
-
-
-_SCALAR_KINDS = {int: "Int32", float: "Float32", Int32: "Int32", Float32: "Float32"}
 
 
 # ---------------------------------------------------------------- dual numbers

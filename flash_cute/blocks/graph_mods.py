@@ -29,15 +29,14 @@ from cutlass import Boolean, Float32, Int32
 from cutlass._mlir.dialects import arith
 from cutlass.cutlass_dsl import dsl_user_op
 
-from flash_cute.contract.block_range import tiles_nest
 from flash_cute.blocks.dsl_state import DslState
+from flash_cute.contract.block_range import tiles_nest
+from flash_cute.contract.mods import input_reads
 
 def levels(nodes: tuple, pack: int = 1) -> tuple:
     """Per node, what its value varies with: a subset of {"row", "col", "score"} (empty: the
     whole tile). q_idx varies by row, kv_idx by column; h by row only with packed GQA (a
     tile's rows then hold several heads), else it is the tile's."""
-    from flash_cute.variants.mod_graph import input_reads
-
     varying = {"q_idx": {"row"}, "kv_idx": {"col"}, "score": {"score"},
                "h": {"row"} if pack > 1 else set()}
     return tuple(frozenset().union(*(varying.get(name, ()) for name in reads))

@@ -27,8 +27,9 @@ from cutlass import Float32, Int32
 
 from flash_cute.contract.block_range import BlockRange, needs_mask
 from flash_cute.contract.constants import EMPTY, FULL
+from flash_cute.contract.mods import Fa4Spec
 from flash_cute.blocks.dsl_state import DslState
-from flash_cute.blocks.fa4_mods import Fa4Mods, Fa4SeqInfo, Fa4Spec
+from flash_cute.blocks.fa4_mods import Fa4Mods, Fa4SeqInfo
 from flash_cute.blocks.graph_mods import GraphMods
 from flash_cute.blocks.mask import AttentionMask
 from flash_cute.blocks.softmax import LOG2_E
@@ -99,6 +100,26 @@ def score_mod_of(variant) -> Optional[ScoreMod]:
     if variant.mods is not None and variant.mods.score is not None:
         return GRAPH
     return SOFTCAP if variant.softcap else None
+
+
+def set_kernel_switches(kernel, variant) -> None:
+    """The variant's switches as the attributes the kernels' `const_expr` branches read; the
+    softcap switch as the kernel's score mod (`score_mod_of`); `variant` is a
+    `contract.variant.Variant`."""
+    kernel.causal = variant.causal
+    kernel.has_window_left = variant.window_left
+    kernel.has_window_right = variant.window_right
+    kernel.score_mod = score_mod_of(variant)
+    kernel.varlen = variant.varlen
+    kernel.has_seqused_q = variant.seqused_q
+    kernel.has_seqused_k = variant.seqused_k
+    kernel.pack_gqa = variant.pack_gqa
+    kernel.dropout = variant.dropout
+    kernel.split_kv = variant.split_kv
+    kernel.page_size = variant.page_size
+    kernel.append = variant.append
+    kernel.ex2_per16 = variant.ex2_per16
+    kernel.mods = variant.mods
 
 
 def aux_tensors(cfg, args):

@@ -59,36 +59,6 @@ class Variant:
             raise ValueError("softcap with a traced score mod: write the softcap inside the mod "
                              "(flash_cute.variants.examples.softcap)")
 
-    @classmethod
-    def from_problem(cls, problem, pack_gqa: int = 1, split_kv: bool = False,
-                     page_size: int = 0, append: bool = False,
-                     ex2_per16: int = 0) -> "Variant":
-        """From a validated `flash_cute.runtime.validation.AttentionProblem` (and the pipeline's
-        decisions on packing its heads and splitting its keys)."""
-        mods = None
-        if getattr(problem, "mods", None) is not None:
-            from flash_cute.variants.mod_graph import kernel_mods
-
-            mods = kernel_mods(problem.mods, getattr(problem, "mod_grads", False))[0]
-        return cls(causal=problem.causal, window_left=problem.window_left is not None,
-                   window_right=problem.window_right is not None and not problem.causal,
-                   softcap=problem.softcap > 0, varlen=problem.varlen,
-                   seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k,
-                   pack_gqa=pack_gqa, dropout=problem.dropout_p > 0, split_kv=split_kv,
-                   page_size=page_size, append=append, ex2_per16=ex2_per16, mods=mods)
-
-    @classmethod
-    def from_flags(cls, flags: dict) -> "Variant":
-        """From a registry config's flags (``local`` means both window sides)."""
-        local = flags.get("local", False)
-        return cls(causal=flags.get("causal", False), window_left=local, window_right=local,
-                   softcap=flags.get("softcap", False), varlen=flags.get("varlen", False),
-                   seqused_q=flags.get("seqused_q", False), seqused_k=flags.get("seqused_k", False),
-                   pack_gqa=flags.get("pack_gqa", 1), dropout=flags.get("dropout", False),
-                   split_kv=flags.get("split_kv", False), page_size=flags.get("page", 0),
-                   append=flags.get("append", False), ex2_per16=flags.get("ex2_emu", 0),
-                   mods=_example_mods(flags.get("mods")))
-
     def flags(self) -> tuple:
         flags = (("causal", self.causal), ("left", self.window_left), ("right", self.window_right),
                  ("softcap", self.softcap), ("varlen", self.varlen), ("seqused_q", self.seqused_q),
@@ -101,37 +71,6 @@ class Variant:
         flags += (("append", True),) if self.append else ()
         flags += (("ex2_emu", self.ex2_per16),) if self.ex2_per16 else ()
         return flags + ((("mods", self.mods.key()),) if self.mods is not None else ())
-
-
-def _example_mods(name):
-    """A registry config's mods: the `KernelMods` of a documented example by name
-    (`flash_cute.variants.examples`), or None."""
-    if name is None:
-        return None
-    from flash_cute.variants.examples import example_spec
-
-    return example_spec(name)
-
-
-def set_kernel_switches(kernel, variant: Variant) -> None:
-    """The variant's switches as the attributes the kernels' `const_expr` branches read; the
-    softcap switch as the kernel's score mod (`flash_cute.blocks.score`)."""
-    from flash_cute.blocks.score import score_mod_of
-
-    kernel.causal = variant.causal
-    kernel.has_window_left = variant.window_left
-    kernel.has_window_right = variant.window_right
-    kernel.score_mod = score_mod_of(variant)
-    kernel.varlen = variant.varlen
-    kernel.has_seqused_q = variant.seqused_q
-    kernel.has_seqused_k = variant.seqused_k
-    kernel.pack_gqa = variant.pack_gqa
-    kernel.dropout = variant.dropout
-    kernel.split_kv = variant.split_kv
-    kernel.page_size = variant.page_size
-    kernel.append = variant.append
-    kernel.ex2_per16 = variant.ex2_per16
-    kernel.mods = variant.mods
 
 
 def kernel_head_dims(pipeline: str, hdim: int, hdim_v, schedules: dict, schedule) -> tuple:

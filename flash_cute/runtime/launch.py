@@ -20,6 +20,25 @@ from flash_cute.runtime.splits import launch_tiles
 from flash_cute.contract.variant import Variant, dtype_name, ex2_emulation_per16
 
 
+def variant_of(problem, pack_gqa: int = 1, split_kv: bool = False,
+                 page_size: int = 0, append: bool = False,
+                 ex2_per16: int = 0) -> Variant:
+    """From a validated `flash_cute.runtime.validation.AttentionProblem` (and the pipeline's
+    decisions on packing its heads and splitting its keys)."""
+    mods = None
+    if getattr(problem, "mods", None) is not None:
+        from flash_cute.variants.mod_graph import kernel_mods
+
+        mods = kernel_mods(problem.mods, getattr(problem, "mod_grads", False))[0]
+    return Variant(causal=problem.causal, window_left=problem.window_left is not None,
+                   window_right=problem.window_right is not None and not problem.causal,
+                   softcap=problem.softcap > 0, varlen=problem.varlen,
+                   seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k,
+                   pack_gqa=pack_gqa, dropout=problem.dropout_p > 0, split_kv=split_kv,
+                   page_size=page_size, append=append, ex2_per16=ex2_per16, mods=mods)
+
+
+
 def check_head_dims(pipeline: str, problem, supported) -> None:
     if (problem.hdim, problem.hdim_v) not in supported:
         pairs = ", ".join(f"{a}/{b}" for a, b in sorted(supported))
@@ -258,7 +277,7 @@ class ForwardLaunch:
         tile_m, tile_n = tile or schedule[:2]
         self.sparse = SparseTiles(problem, (tile_m // pack_gqa, tile_n), backward=False,
                                   q_tiles_per_cta=q_tiles_per_cta)
-        variant = Variant.from_problem(problem, pack_gqa, split_kv=splits is not None,
+        variant = variant_of(problem, pack_gqa, split_kv=splits is not None,
                                        page_size=0 if page_table is None else k.shape[1],
                                        append=append is not None,
                                        ex2_per16=ex2_emulation_per16() if ex2_per16 is None
@@ -694,7 +713,7 @@ def _backward_setup(plan: BackwardPlan, problem, dtype, deterministic: bool):
     from flash_cute.runtime.jit import DTYPES
 
     group = problem.qheads_per_kvhead
-    variant = Variant.from_problem(problem)
+    variant = variant_of(problem)
     dname = dtype_name(dtype)
 
     def make_kernel():
@@ -721,7 +740,7 @@ def backward_compile_key(name: str, target: str, dtype: str, problem, schedule: 
     """A backward main kernel's CompileKey: the variant, fp32 dK/dV for GQA, deterministic dQ."""
     from flash_cute.runtime.jit import CompileKey
 
-    flags = Variant.from_problem(problem).flags() + (
+    flags = variant_of(problem).flags() + (
         ("dkv_fp32", problem.qheads_per_kvhead > 1), ("deterministic", bool(deterministic)))
     return CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(schedule), flags)
 

@@ -1,14 +1,18 @@
 """`KernelConfig`: one entry of the table of kernel configurations that `inspect` compiles.
 
-Data only (no CuTe DSL import): each pipeline lists its entries in `arch/<name>/registry.py`
+Data only (no CuTe DSL import): each pipeline lists its entries in `arch/<name>/inspect_configs.py`
 and `flash_cute.tools.registry` gathers them with the shared blocks' own. An entry's `builder`,
-called inside a compile worker, returns what to compile (`CompileSpec`).
+called inside a compile worker, returns what to compile (`CompileSpec`). An entry's flags
+name its `Variant` (`variant_from_flags`), and its mods a documented example's
+(`example_spec`).
 A kernel is named ``<pipeline>.<role>``: ``ampere.fwd``, ``hopper.bwd``, ... for the
 attention pipelines, ``blocks.*`` for the shared blocks' own kernels.
 """
 
 from dataclasses import dataclass, field
 from typing import Callable, Optional
+
+from flash_cute.contract.variant import Variant
 
 
 @dataclass(frozen=True)
@@ -92,3 +96,63 @@ class CompileSpec:
     dynamic_smem_bytes: int = 0
     extra: dict = field(default_factory=dict)
     options: str = ""
+
+
+def variant_from_flags(flags: dict) -> Variant:
+    """From a registry config's flags (``local`` means both window sides)."""
+    local = flags.get("local", False)
+    return Variant(causal=flags.get("causal", False), window_left=local, window_right=local,
+                   softcap=flags.get("softcap", False), varlen=flags.get("varlen", False),
+                   seqused_q=flags.get("seqused_q", False),
+                   seqused_k=flags.get("seqused_k", False),
+                   pack_gqa=flags.get("pack_gqa", 1), dropout=flags.get("dropout", False),
+                   split_kv=flags.get("split_kv", False), page_size=flags.get("page", 0),
+                   append=flags.get("append", False), ex2_per16=flags.get("ex2_emu", 0),
+                   mods=None if flags.get("mods") is None else example_spec(flags["mods"]))
+
+
+_SPECS = {}
+
+
+def example_spec(name: str):
+    """The `mod_graph.KernelMods` of example `name` (as `variants.examples.by_name` builds
+    it); a name ending in "+blocks" adds the block mask `create_block_mask` makes of its mask mod (the
+    kernels' block sparsity); one ending in "+grads" is a backward's with its float captured
+    tensors learnable (their gradients accumulated, `KernelMods.aux_grads`); one starting
+    "fa4_" is an FA4-form example's `Fa4Spec` (`flash_cute.blocks.fa4_mod_examples`)."""
+    if name.startswith("fa4_"):
+        from flash_cute.blocks.fa4_mod_examples import EXAMPLES
+        from flash_cute.variants.fa4_spec import fa4_spec
+
+        score, mask, bwd, aux, *rest = EXAMPLES[name.removesuffix("+blocks")]
+        scalars = rest[0] if rest else ()
+        if not name.endswith("+blocks"):
+            return fa4_spec(score, mask, bwd, aux, scalars)
+        # A block mask's states join the aux tensors last (`mod_graph.register_fa4`).
+        return fa4_spec(score, mask, bwd, aux + (("i32", 4),), scalars, (128, 128))
+    if name not in _SPECS:
+        import torch
+
+        from flash_cute.variants.examples import by_name
+        from flash_cute.variants.mod_graph import Variant, kernel_mods, trace
+
+        examples = by_name()
+        grads = name.endswith("+grads")
+        base = name.removesuffix("+grads").removesuffix("+blocks")
+        if base not in examples:
+            raise KeyError(f"no mod example {base!r}; have {sorted(examples)}")
+        score, mask = examples[base]
+        if grads:
+            for t in trace(score, "score").aux:
+                if t.is_floating_point():
+                    t.requires_grad_()
+        states = size = None
+        if name.removesuffix("+grads").endswith("+blocks"):
+            from flash_cute.variants.block_mask import block_states, create_block_mask
+
+            block_mask = create_block_mask(mask, 1, 1, 256, 256, device="cpu")
+            states, size = block_states(block_mask).to(torch.int32), (128, 128)
+        variant = Variant(None if score is None else trace(score, "score"),
+                          None if mask is None else trace(mask, "mask"), states, size)
+        _SPECS[name] = kernel_mods(variant, grads)[0]
+    return _SPECS[name]

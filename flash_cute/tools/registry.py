@@ -122,7 +122,7 @@ def build_graph_mods(entry):
     from flash_cute.contract.kernel_args import AUX_FIELDS
     from flash_cute.tools.fake_args import fake_aux
     from flash_cute.tools.kernel_config import CompileSpec
-    from flash_cute.variants.examples import example_spec
+    from flash_cute.tools.kernel_config import example_spec
 
     spec = example_spec(entry.flag_dict["mods"])
     aux = fake_aux(spec)

@@ -9,7 +9,7 @@ unchanged (`flash_attn_func(..., score_mod=..., mask_mod=...)`, traced by `mod_g
     out = flash_attn_func(q, k, v, mask_mod=document_mask(doc_ids))
 
 Captured tensors stay run-time kernel arguments (a learnable table is read as it is at each
-call); captured Python numbers become compile-time constants of the kernel. `example_spec`
+call); captured Python numbers become compile-time constants of the kernel. `tools.kernel_config.example_spec`
 gives `inspect`'s registry the kernels' view of each (`mod_graph.KernelMods`).
 """
 
@@ -69,7 +69,7 @@ def _row_col_bias(q_bias, k_bias):
     return row_col_bias_mod
 
 
-def _examples() -> dict:
+def by_name() -> dict:
     """name -> (score_mod, mask_mod) over small stand-in tensors (ranks and dtypes as in use)."""
     heads = 4
     docs = (torch.arange(256) >= 100).to(torch.int32)[None]   # two documents
@@ -85,47 +85,3 @@ def _examples() -> dict:
         "alibi_document": (alibi(torch.ones(heads)),
                            document_mask(docs)),
     }
-
-
-_SPECS = {}
-
-
-def example_spec(name: str):
-    """The `mod_graph.KernelMods` of example `name` (as `_examples` builds it); a name
-    ending in "+blocks" adds the block mask `create_block_mask` makes of its mask mod (the
-    kernels' block sparsity); one ending in "+grads" is a backward's with its float captured
-    tensors learnable (their gradients accumulated, `KernelMods.aux_grads`); one starting
-    "fa4_" is an FA4-form example's `Fa4Spec` (`flash_cute.blocks.fa4_mod_examples`)."""
-    if name.startswith("fa4_"):
-        from flash_cute.blocks.fa4_mod_examples import EXAMPLES
-        from flash_cute.blocks.fa4_mods import fa4_spec
-
-        score, mask, bwd, aux, *rest = EXAMPLES[name.removesuffix("+blocks")]
-        scalars = rest[0] if rest else ()
-        if not name.endswith("+blocks"):
-            return fa4_spec(score, mask, bwd, aux, scalars)
-        # A block mask's states join the aux tensors last (`mod_graph.register_fa4`).
-        return fa4_spec(score, mask, bwd, aux + (("i32", 4),), scalars, (128, 128))
-    if name not in _SPECS:
-        from flash_cute.variants.mod_graph import Variant, kernel_mods, trace
-
-        examples = _examples()
-        grads = name.endswith("+grads")
-        base = name.removesuffix("+grads").removesuffix("+blocks")
-        if base not in examples:
-            raise KeyError(f"no mod example {base!r}; have {sorted(examples)}")
-        score, mask = examples[base]
-        if grads:
-            for t in trace(score, "score").aux:
-                if t.is_floating_point():
-                    t.requires_grad_()
-        states = size = None
-        if name.removesuffix("+grads").endswith("+blocks"):
-            from flash_cute.variants.block_mask import block_states, create_block_mask
-
-            block_mask = create_block_mask(mask, 1, 1, 256, 256, device="cpu")
-            states, size = block_states(block_mask).to(torch.int32), (128, 128)
-        variant = Variant(None if score is None else trace(score, "score"),
-                          None if mask is None else trace(mask, "mask"), states, size)
-        _SPECS[name] = kernel_mods(variant, grads)[0]
-    return _SPECS[name]

@@ -27,11 +27,9 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-INPUTS = ("score", "b", "h", "q_idx", "kv_idx")
-MASK_INPUTS = INPUTS[1:]
-# Inputs only flash-cute's built-in mods use (a traced mod has FlexAttention's five): the
-# sequence's used lengths, for masks and biases aligned bottom-right.
-LENGTH_INPUTS = ("seqlen_q", "seqlen_k")
+from flash_cute.contract.mods import (INPUTS, LENGTH_INPUTS, MASK_INPUTS, KernelMods, Node,  # noqa: F401
+                                     input_reads)
+
 
 # Graph op -> (arity, torch implementation). Loads ("load") and constants are nodes of their own.
 OPS = {
@@ -64,14 +62,6 @@ _FUNCTIONS = {
 _METHODS = {"exp": "exp", "log": "log", "tanh": "tanh", "sigmoid": "sigmoid", "abs": "abs",
             "sqrt": "sqrt", "neg": "neg", "__getitem__": "load"}
 _BOOL = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not"}
-
-
-class Node(NamedTuple):
-    """One graph node: ``op`` is an input name ("score", "b", ...), "const" (``args`` =
-    (value,)), "load" (``args`` = (aux index, index nodes...)) or an `OPS` name over earlier
-    nodes (``args``: their indices)."""
-    op: str
-    args: tuple
 
 
 class ModGraph(NamedTuple):
@@ -393,44 +383,6 @@ AUX_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
               torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.bool: "u8"}
 
 
-class KernelMods(NamedTuple):
-    """What a kernel compiles of a call's mods (`kernel_mods`): one node list holding the score
-    mod, its derivative in the score and the mask mod, their output nodes (None where absent;
-    `score_grad` None where the derivative is identically 1, as for any additive bias), and
-    each captured tensor's (dtype name, rank). Python values only: hashable, the compile key's
-    part (`key`)."""
-    nodes: tuple
-    score: Optional[int]
-    score_grad: Optional[int]
-    mask: Optional[int]
-    aux: tuple
-    # With a block mask: FlexAttention's rule per element (`_block_rule`), for kernel tiles
-    # that straddle its blocks, and its (rows, cols) block size.
-    block_rule: Optional[int] = None
-    block_size: tuple = ()
-    # A backward's gradients of learnable captured tensors: per load of one, (its aux index,
-    # the load node, the node of d(score mod)/d(load)); each such tensor's fp32 gradient is
-    # an aux field after the captured tensors, in `grad_slots` order.
-    aux_grads: tuple = ()
-
-    @property
-    def grad_slots(self) -> tuple:
-        """The aux indices of the tensors with gradients, each once, by first load."""
-        return tuple(dict.fromkeys(a for a, _, _ in self.aux_grads))
-
-    @property
-    def sparse(self) -> bool:
-        return self.block_rule is not None
-
-    def key(self) -> str:
-        import hashlib
-
-        # Without gradients, the fields before `aux_grads` alone: the keys (and the disk
-        # cache's entries) of every other mods kernel stay as they were.
-        fields = tuple(self) if self.aux_grads else tuple(self)[:-1]
-        return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
-
-
 def kernel_mods(variant: "Variant", grads: bool = False) -> tuple:
     """(`KernelMods`, the captured tensors in its aux order) of a registered `Variant` (FA4-form
     mods: their `fa4_mods.Fa4Spec` and the call's aux tensors); `grads`: a backward's, with the
@@ -504,18 +456,6 @@ def _load_grads(nodes: list, aux: list, score: ModGraph) -> tuple:
         base = _merge(nodes, aux, d)
         slot = next(i for i, a in enumerate(aux) if a is score.aux[score.nodes[load].args[0]])
         out.append((slot, base + load, base + d.output))
-    return tuple(out)
-
-
-def input_reads(nodes: tuple) -> tuple:
-    """Per node, the inputs of `INPUTS` it reads, transitively (a load by its indices)."""
-    out = []
-    for node in nodes:
-        deps = node.args[1:] if node.op == "load" else (() if node.op == "const" else node.args)
-        level = {node.op} if node.op in INPUTS else set()
-        for i in deps:
-            level |= out[i]
-        out.append(frozenset(level))
     return tuple(out)
 
 
@@ -697,7 +637,7 @@ def register_fa4(score_mod: Optional[Callable], mask_mod: Optional[Callable],
     `SCALAR_ENTRIES` value sets registered last keep entries); with a block mask (a
     FlexAttention BlockMask, or FA4's tensors as `block_mask.Fa4Blocks`), kept while it lives,
     its block states joining the aux tensors last."""
-    from flash_cute.blocks.fa4_mods import fa4_spec, scalar_signature
+    from flash_cute.variants.fa4_spec import fa4_spec, scalar_signature
 
     aux = tuple(aux_tensors or ())
     if len(aux) > MAX_AUX:
