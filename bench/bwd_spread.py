@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from flash_cute import flash_attn_func
-from flash_cute.tools.bench import attention_flops, tflops_per_s
+from flash_cute.tools.bench.measure import attention_flops, tflops_per_s
 
 
 def one_round(batch, seqlen, nheads, hdim, causal, arch, calls):

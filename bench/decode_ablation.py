@@ -18,7 +18,7 @@ import torch
 from flash_cute.runtime import plans, splits
 from flash_cute.arch.hopper import planner as hopper_api
 from flash_cute.arch.hopper.config import DECODE_PAIR
-from flash_cute.tools.bench import make_timer
+from flash_cute.tools.bench.measure import make_timer
 from flash_cute.tools.bench_decode import HDIM, HEADS, HEADS_KV, _paged, cache_bytes, gbps
 from flash_cute.api.kvcache import flash_attn_with_kvcache
 
@@ -81,9 +81,10 @@ def main():
             for _ in range(args.rounds):
                 for name in VARIANTS:
                     override.set(name)
-                    fn = lambda n=name: flash_attn_with_kvcache(  # noqa: E731
-                        q, kc, vc, cache_seqlens=lens, block_table=table,
-                        num_splits=1 if n == "nosplit" else 0)
+                    def fn(n=name, q=q, kc=kc, vc=vc, table=table):
+                        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                                       block_table=table,
+                                                       num_splits=1 if n == "nosplit" else 0)
                     fn()
                     times[name].append(timer(fn))
                     override.reset()

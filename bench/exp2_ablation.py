@@ -14,8 +14,9 @@ import os
 
 import torch
 
-from flash_cute.tools.bench import ablation_rows, ablation_table, make_timer
-from flash_cute.runtime.validation import validate_attention_inputs
+from flash_cute.tools.bench.measure import ablation_rows, make_timer
+from flash_cute.tools.bench.report import ablation_table
+from flash_cute.runtime.problem import validate_attention_inputs
 from flash_cute.contract.variant import EX2_EMULATION_ENV
 
 

@@ -107,9 +107,10 @@ def decode() -> torch.Tensor:
 def _zero_tma_outputs() -> None:
     """Fill O, dK and dV with zeros (a torch kernel: initcheck sees that) as they are
     allocated; every other buffer keeps its real allocation, so initcheck still checks it."""
-    from flash_cute.runtime import launch
+    from flash_cute.runtime import launch_bwd
+    from flash_cute.runtime import launch_fwd
 
-    fwd_alloc, dkv_alloc = launch.ForwardLaunch._alloc, launch.BackwardLaunch._alloc_dkv
+    fwd_alloc, dkv_alloc = launch_fwd.ForwardLaunch._alloc, launch_bwd.BackwardLaunch._alloc_dkv
 
     def forward_outputs(self):
         out, lse = fwd_alloc(self)
@@ -118,8 +119,8 @@ def _zero_tma_outputs() -> None:
     def dkv_outputs(self):
         return tuple(t.zero_() for t in dkv_alloc(self))
 
-    launch.ForwardLaunch._alloc = forward_outputs
-    launch.BackwardLaunch._alloc_dkv = dkv_outputs
+    launch_fwd.ForwardLaunch._alloc = forward_outputs
+    launch_bwd.BackwardLaunch._alloc_dkv = dkv_outputs
 
 
 def main() -> int:

@@ -26,8 +26,9 @@ import dataclasses
 import torch
 
 from flash_cute import flash_attn_func
-from flash_cute.variants import examples as mod_examples, mod_graph
-from flash_cute.tools.bench import interleaved_times, make_timer, markdown_table
+from flash_cute.variants import examples as mod_examples, registry
+from flash_cute.tools.bench.measure import interleaved_times, make_timer
+from flash_cute.tools.bench.report import markdown_table
 
 
 def _cases(batch, seqlen, nheads):
@@ -70,12 +71,12 @@ def _ours(q, k, v, case, schedule=None):
         return lambda: flash_attn_func(q, k, v, causal=case.get("causal", False),
                                        score_mod=score_mod, block_mask=block_mask)[0]
     from flash_cute.arch.hopper import planner as api
-    from flash_cute.runtime.validation import validate_attention_inputs
+    from flash_cute.runtime.problem import validate_attention_inputs
 
-    key = mod_graph.register(score_mod, None, block_mask)
+    key = registry.register(score_mod, None, block_mask)
     problem = dataclasses.replace(validate_attention_inputs(q, k, v,
                                                             causal=case.get("causal", False)),
-                                  mods=mod_graph.lookup(key), mods_key=key)
+                                  mods=registry.lookup(key), mods_key=key)
     launch = api.plan_forward(q, k, v, problem, schedule=schedule)
     return lambda: launch(q, k, v)[0]
 

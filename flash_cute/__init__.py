@@ -13,8 +13,8 @@ from flash_cute.api.kvcache import flash_attn_with_kvcache
 from flash_cute.reference.attention import attention_ref
 from flash_cute.runtime.plans import clear_plans
 from flash_cute.variants.block_mask import create_block_mask
-from flash_cute.variants.mod_graph import UnsupportedMod
-from flash_cute.variants.mod_graph import register as register_mods
+from flash_cute.variants.registry import register as register_mods
+from flash_cute.variants.tracer import UnsupportedMod
 
 _aliases.install()
 

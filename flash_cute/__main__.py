@@ -13,7 +13,8 @@ def _parser():
     parser = argparse.ArgumentParser(prog="python -m flash_cute", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
-    from flash_cute.tools import bench, cache_cli, inspection, selfcheck
+    from flash_cute.tools import cache_cli, inspection, selfcheck
+    from flash_cute.tools.bench import cli as bench
 
     inspection.add_arguments(sub.add_parser("inspect", help="cross-compile kernels, report SASS"))
     bench.add_arguments(sub.add_parser("bench", help="TFLOP/s against SDPA and FA4 (GPU)"))
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
 
         return bench_latency.run(args)
     if args.command == "bench":
-        from flash_cute.tools import bench
+        from flash_cute.tools.bench import cli as bench
 
         return bench.run(args)
     if args.command == "cache":

@@ -42,7 +42,7 @@ OLD_PATHS = {
     "flash_cute.block_mask": "flash_cute.variants.block_mask",
     "flash_cute.models": "flash_cute.reference.block_models",
     "flash_cute.rng": "flash_cute.reference.rng",
-    "flash_cute.validation": "flash_cute.runtime.validation",
+    "flash_cute.validation": "flash_cute.runtime.problem",
     "flash_cute.plans": "flash_cute.runtime.plans",
     "flash_cute.dispatch": "flash_cute.runtime.dispatch",
     "flash_cute.launch": "flash_cute.runtime.launch",

@@ -42,7 +42,7 @@ def test_blackwell_runs_only_when_named(capability):
     arch="blackwell" names it; its backward then runs in a pipeline that has one."""
     from flash_cute.runtime.dispatch import AMPERE
     from flash_cute.runtime.dispatch import BLACKWELL
-    from flash_cute.runtime.validation import validate_attention_inputs
+    from flash_cute.runtime.problem import validate_attention_inputs
 
     capability(10, 0)
     device = torch.device("cuda")
@@ -62,7 +62,7 @@ def test_an_environment_switch_admits_it_where_it_takes_the_problem(capability, 
     has, and the ampere code for the others."""
     from flash_cute.runtime.dispatch import AMPERE
     from flash_cute.runtime.dispatch import BLACKWELL
-    from flash_cute.runtime.validation import validate_attention_inputs
+    from flash_cute.runtime.problem import validate_attention_inputs
 
     capability(10, 0)
     monkeypatch.setenv(dispatch.ALLOW_UNTESTED_ENV, "blackwell")
@@ -75,7 +75,7 @@ def test_an_environment_switch_admits_it_where_it_takes_the_problem(capability, 
 
 def test_blackwell_refuses_what_it_lacks_before_any_launch():
     from flash_cute.arch.blackwell.planner import check_supported
-    from flash_cute.runtime.validation import validate_attention_inputs
+    from flash_cute.runtime.problem import validate_attention_inputs
 
     q = torch.randn(1, 64, 4, 96, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match=r"head dims \(96, 96\)"):
@@ -227,21 +227,21 @@ def test_blackwell_takes_mods_and_block_masks():
     import dataclasses
 
     from flash_cute import create_block_mask
-    from flash_cute.variants import mod_graph
+    from flash_cute.variants import registry
     from flash_cute.runtime.dispatch import BLACKWELL
     from flash_cute.contract.descriptor import required_capabilities
-    from flash_cute.runtime.validation import validate_attention_inputs
+    from flash_cute.runtime.problem import validate_attention_inputs
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
 
     q = torch.randn(1, 256, 4, 128, dtype=torch.bfloat16)
     base = validate_attention_inputs(q, q, q, require_cuda=False)
-    mods = dataclasses.replace(base, mods=mod_graph.lookup(mod_graph.register(None, causal)))
+    mods = dataclasses.replace(base, mods=registry.lookup(registry.register(None, causal)))
     assert BLACKWELL.missing(required_capabilities(mods)) is None
     block_mask = create_block_mask(causal, 1, 1, 256, 256, device="cpu")
-    sparse = dataclasses.replace(base, mods=mod_graph.lookup(
-        mod_graph.register(None, causal, block_mask)))
+    sparse = dataclasses.replace(base, mods=registry.lookup(
+        registry.register(None, causal, block_mask)))
     assert BLACKWELL.missing(required_capabilities(sparse)) is None
     assert not BLACKWELL.hardware_tested
 
@@ -254,9 +254,9 @@ def test_a_block_mask_reaches_the_256_row_tiles_padded_with_empty_query_tiles():
 
     from flash_cute import create_block_mask
     from flash_cute.runtime import launch
-    from flash_cute.variants import mod_graph
+    from flash_cute.variants import registry
     from flash_cute.variants.block_mask import EMPTY
-    from flash_cute.runtime.validation import validate_attention_inputs
+    from flash_cute.runtime.problem import validate_attention_inputs
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
@@ -265,7 +265,7 @@ def test_a_block_mask_reaches_the_256_row_tiles_padded_with_empty_query_tiles():
     block_mask = create_block_mask(causal, 1, 1, 300, 300, device="cpu")
     problem = dataclasses.replace(
         validate_attention_inputs(q, q, q, require_cuda=False),
-        mods=mod_graph.lookup(mod_graph.register(None, causal, block_mask)))
+        mods=registry.lookup(registry.register(None, causal, block_mask)))
     plain = launch.SparseTiles(problem, (128, 128), backward=False).tensors
     states, ranges = launch.SparseTiles(problem, (128, 128), backward=False,
                                         q_tiles_per_cta=2).tensors

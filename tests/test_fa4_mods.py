@@ -147,20 +147,20 @@ def test_aux_scalar_values_get_registry_entries_that_stay_bounded():
     """Each value set is its own registry entry (its plan passes the values); the least
     recently registered go past `SCALAR_ENTRIES`, so a scalar that changes every call does not
     grow the registry, while one registered again (every call re-registers) stays."""
-    from flash_cute.variants import mod_graph
+    from flash_cute.variants import registry
 
     f = lambda s, b, h, q, k, info, aux, scalars: s  # noqa: E731
-    kept = mod_graph.register_fa4(f, None, None, None, [-1, 0.5])
+    kept = registry.register_fa4(f, None, None, None, [-1, 0.5])
     keys = []
-    for i in range(mod_graph.SCALAR_ENTRIES + 10):
-        keys.append(mod_graph.register_fa4(f, None, None, None, [i, 0.5]))
-        assert mod_graph.register_fa4(f, None, None, None, [-1, 0.5]) == kept
+    for i in range(registry.SCALAR_ENTRIES + 10):
+        keys.append(registry.register_fa4(f, None, None, None, [i, 0.5]))
+        assert registry.register_fa4(f, None, None, None, [-1, 0.5]) == kept
     assert len(set(keys)) == len(keys)
-    assert mod_graph.lookup(kept).aux_scalars == (-1, 0.5)
-    assert mod_graph.lookup(keys[-1]).aux_scalars == (mod_graph.SCALAR_ENTRIES + 9, 0.5)
+    assert registry.lookup(kept).aux_scalars == (-1, 0.5)
+    assert registry.lookup(keys[-1]).aux_scalars == (registry.SCALAR_ENTRIES + 9, 0.5)
     with pytest.raises(KeyError):
-        mod_graph.lookup(keys[0])
-    assert len(mod_graph._SCALAR_KEYS) == mod_graph.SCALAR_ENTRIES
-    for ident, key in list(mod_graph._SCALAR_KEYS.items()):
-        mod_graph._forget(ident, key)
-    assert not mod_graph._SCALAR_KEYS
+        registry.lookup(keys[0])
+    assert len(registry._SCALAR_KEYS) == registry.SCALAR_ENTRIES
+    for ident, key in list(registry._SCALAR_KEYS.items()):
+        registry._forget(ident, key)
+    assert not registry._SCALAR_KEYS

@@ -1,6 +1,6 @@
 """CPU checks of the Hopper backward's host-side choices: its shared-memory plan, the
 deterministic dQ order (a model of the semaphore protocol on `block_range`/`m_block_range`),
-and the compile key and semaphores of `launch.BackwardLaunch`."""
+and the compile key and semaphores of `launch_bwd.BackwardLaunch`."""
 
 import random
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ import torch
 from flash_cute.arch.hopper.config import (BWD_SUPPORTED_HDIMS, BWD_SCHEDULES, SMEM_CAPACITY,
                                            BwdSchedule, bwd_mma_splits, bwd_smem_plan, do_stages)
 from flash_cute.contract.block_range import block_range, m_block_range
-from flash_cute.runtime.launch import backward_compile_key, dq_semaphores
+from flash_cute.runtime.launch_bwd import backward_compile_key, dq_semaphores
 
 
 @pytest.mark.parametrize("hdim,hdim_v", sorted(BWD_SUPPORTED_HDIMS))
@@ -139,10 +139,10 @@ def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
     SHORT_CAUSAL_BWD_ROWS query rows and keys; other head dims, varlen, longer and
     non-causal problems keep theirs; `api.plan_backward` hands the launcher a plan with that tile
     and the dQaccum layout of it."""
-    from flash_cute.runtime import jit, launch
+    from flash_cute.runtime import jit, launch_bwd
     from flash_cute.arch.hopper import planner as api
     from flash_cute.arch.hopper.config import bwd_schedule
-    from flash_cute.runtime.validation import validate_attention_inputs
+    from flash_cute.runtime.problem import validate_attention_inputs
 
     assert bwd_schedule(128, short=True) == BWD_SCHEDULES[128]._replace(tile_m=64)
     assert bwd_schedule(128) == BWD_SCHEDULES[128]
@@ -152,7 +152,7 @@ def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
 
     seen = []
     monkeypatch.setattr(jit, "current_target", lambda: "sm_90a")
-    monkeypatch.setattr(launch, "BackwardLaunch", lambda plan, *a: seen.append(plan))
+    monkeypatch.setattr(launch_bwd, "BackwardLaunch", lambda plan, *a: seen.append(plan))
     for sq, sk, causal in [(512, 512, True), (513, 513, True), (500, 500, False),
                            (500, 2000, True)]:
         q = torch.randn(1, sq, 2, 128, dtype=torch.bfloat16)

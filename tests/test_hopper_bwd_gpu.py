@@ -12,7 +12,7 @@ import torch
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
 from flash_cute.reference.attention import attention_ref, tolerance_check
-from flash_cute.runtime.validation import validate_attention_inputs, validate_backward_inputs
+from flash_cute.runtime.problem import validate_attention_inputs, validate_backward_inputs
 
 pytestmark = pytest.mark.gpu
 

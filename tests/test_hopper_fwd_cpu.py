@@ -70,13 +70,13 @@ def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
     causal with 4 heads packed per tile (4k packed rows), or 1k queries on 4k keys."""
     import torch
 
-    from flash_cute.runtime import jit, launch
+    from flash_cute.runtime import jit, launch_fwd
     from flash_cute.arch.hopper import planner as api
-    from flash_cute.runtime.validation import validate_attention_inputs
+    from flash_cute.runtime.problem import validate_attention_inputs
 
     seen = []
     monkeypatch.setattr(jit, "current_target", lambda: "sm_90a")
-    monkeypatch.setattr(launch, "ForwardLaunch",
+    monkeypatch.setattr(launch_fwd, "ForwardLaunch",
                         lambda *a, **kw: seen.append((a[10][0], kw["pack_gqa"])))
     for sq, sk, causal, heads_kv, pack in [(1024, 1024, True, 4, None),
                                            (4096, 4096, True, 4, None),

@@ -11,8 +11,10 @@ a tile the scheduler skips shows, and bitwise against one CTA per tile. Needs an
 import pytest
 import torch
 
+from flash_cute.runtime import launch_fwd
+
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-from flash_cute.runtime.validation import validate_attention_inputs
+from flash_cute.runtime.problem import validate_attention_inputs
 
 from attention_checks import check_forward
 
@@ -106,15 +108,15 @@ def test_schedules_are_separate_compiled_kernels():
 def poisoned_outputs(monkeypatch):
     """O and LSE start as NaN, so every row a kernel leaves unwritten fails the check (the
     varlen cases here have no row outside a sequence, so every row must be written)."""
-    from flash_cute.runtime import launch
+    from flash_cute.runtime import launch_fwd
 
-    alloc = launch.ForwardLaunch._alloc
+    alloc = launch_fwd.ForwardLaunch._alloc
 
     def poisoned(self):
         out, lse = alloc(self)
         return out.fill_(float("nan")), lse.fill_(float("nan"))
 
-    monkeypatch.setattr(launch.ForwardLaunch, "_alloc", poisoned)
+    monkeypatch.setattr(launch_fwd.ForwardLaunch, "_alloc", poisoned)
 
 
 def _cu(lens):
@@ -197,10 +199,9 @@ def _packed(monkeypatch, q, k, v, **kw):
     """flash_attn_varlen_func with pack_gqa=True on the hopper pipeline; checks that this
     launch packed the whole group into its tiles."""
     from flash_cute.api import interface
-    from flash_cute.runtime import launch
 
     seen = []
-    real = launch.ForwardLaunch
+    real = launch_fwd.ForwardLaunch
 
     class Spy(real):
         def __init__(self, *args, **kwargs):
@@ -208,10 +209,10 @@ def _packed(monkeypatch, q, k, v, **kw):
             super().__init__(*args, **kwargs)
 
     interface.clear_plans()
-    monkeypatch.setattr(launch, "ForwardLaunch", Spy)
+    monkeypatch.setattr(launch_fwd, "ForwardLaunch", Spy)
     out, lse = flash_attn_varlen_func(q, k, v, return_lse=True, arch="hopper", pack_gqa=True,
                                       **kw)
-    monkeypatch.setattr(launch, "ForwardLaunch", real)
+    monkeypatch.setattr(launch_fwd, "ForwardLaunch", real)
     assert seen == [q.shape[-2] // k.shape[-2]], seen
     return out, lse
 

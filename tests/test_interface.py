@@ -5,6 +5,8 @@ import dataclasses
 import pytest
 import torch
 
+from flash_cute.runtime import launch_bwd, launch_fwd
+
 import flash_cute
 from flash_cute import create_block_mask
 from flash_cute.runtime import dispatch, plans
@@ -15,7 +17,7 @@ from flash_cute.tools.kernel_config import variant_from_flags
 from flash_cute.arch.hopper import planner as hopper_api
 from flash_cute.runtime.dispatch import HOPPER
 from flash_cute.contract.descriptor import required_capabilities
-from flash_cute.runtime.validation import validate_attention_inputs
+from flash_cute.runtime.problem import validate_attention_inputs
 
 
 def _replace(monkeypatch, pipeline, **changes):
@@ -292,7 +294,7 @@ def test_split_request_on_cpu_runs_the_reference():
 def test_backward_inputs_as_autograd_hands_them_over_pass_validation(varlen):
     """The exact tensors `_FlashAttnFunc.backward` validates: forward outputs and a dout made
     kernel-ready from an expanded gradient (what `out.sum().backward()` produces)."""
-    from flash_cute.runtime.validation import validate_backward_inputs
+    from flash_cute.runtime.problem import validate_backward_inputs
 
     b, sq, sk, h, hk, d, dv = 2, 37, 53, 8, 2, 192, 128
     if varlen:
@@ -452,7 +454,7 @@ def test_a_block_mask_the_heads_share_packs_and_one_per_head_does_not():
 
     from flash_cute import create_block_mask
     from flash_cute.runtime import launch
-    from flash_cute.variants import mod_graph
+    from flash_cute.variants import registry
     from flash_cute.contract.block_range import tiles_nest
 
     def causal(b, h, q_idx, kv_idx):
@@ -461,7 +463,7 @@ def test_a_block_mask_the_heads_share_packs_and_one_per_head_does_not():
     problem = _gqa_problem(3, pack_gqa=True)
     for heads, packs in ((1, 4), (8, 1)):
         block_mask = create_block_mask(causal, 1, heads, 3, 40, device="cpu")
-        mods = mod_graph.lookup(mod_graph.register(None, causal, block_mask))
+        mods = registry.lookup(registry.register(None, causal, block_mask))
         assert launch.packed_heads(dataclasses.replace(problem, mods=mods), 128) == packs
     assert tiles_nest((128, 128), 128, 128, 4) and tiles_nest((32, 128), 128, 128, 4)
     assert not tiles_nest((16, 128), 128, 128, 4) and not tiles_nest((64, 128), 128, 128, 1)
@@ -522,7 +524,6 @@ def test_backward_fallback_skips_a_pipeline_without_seqused(capability, monkeypa
 
 
 def test_seqused_changes_the_compile_keys():
-    from flash_cute.runtime import launch
 
     varlen, padded = _seqused_problems()
     assert ("seqused_q", True) in variant_of(varlen).flags()
@@ -530,37 +531,35 @@ def test_seqused_changes_the_compile_keys():
     assert ("seqused_k", True) in variant_of(padded).flags()
     plain = validate_attention_inputs(*(torch.randn(1, 10, 2, 64, dtype=torch.bfloat16),) * 3,
                                       require_cuda=False)
-    keys = {launch.backward_compile_key("ampere.bwd", "sm_80", "bf16", p, (64, 128, 8))
+    keys = {launch_bwd.backward_compile_key("ampere.bwd", "sm_80", "bf16", p, (64, 128, 8))
             for p in (plain, padded)}
     assert len(keys) == 2
 
 
 def test_seqused_rows_of_the_outputs_are_defined_before_launch():
     """Rows past seqused_q are never written by a kernel: O = 0 and LSE = -inf from the start."""
-    from flash_cute.runtime import launch
 
     varlen, _ = _seqused_problems()
     q = torch.randn(10, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    out, lse = launch.ForwardLaunch("x", object, q, q, q, varlen, cu, cu, cu[1:], None,
+    out, lse = launch_fwd.ForwardLaunch("x", object, q, q, q, varlen, cu, cu, cu[1:], None,
                                     (64, 64), "", "sm_90a")._alloc()
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
     seqused = torch.tensor([3], dtype=torch.int32)
     padded = validate_attention_inputs(q[None], q[None], q[None], require_cuda=False,
                                        seqused_q=seqused)
-    out, lse = launch.ForwardLaunch("x", object, q[None], q[None], q[None], padded, None, None,
+    out, lse = launch_fwd.ForwardLaunch("x", object, q[None], q[None], q[None], padded, None, None,
                                     seqused, None, (64, 64), "", "sm_90a")._alloc()
     assert lse.shape == (1, 2, 10) and torch.equal(out, torch.zeros_like(out))
     assert torch.isneginf(lse).all()
 
 
 def test_launch_refuses_seqused_tensors_the_problem_was_not_validated_with():
-    from flash_cute.runtime import launch
 
     _, padded = _seqused_problems()
     q = torch.randn(1, 10, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="problem was validated"):
-        launch.ForwardLaunch("x", object, q, q, q, padded, None, None, None, None, (64, 64), "",
+        launch_fwd.ForwardLaunch("x", object, q, q, q, padded, None, None, None, None, (64, 64), "",
                              "sm_90a")
 
 

@@ -5,6 +5,8 @@ a written-out float64 reference."""
 import pytest
 import torch
 
+from flash_cute.runtime import launch_fwd
+
 import flash_cute
 from flash_cute.reference.attention import attention_ref, tolerance_check
 
@@ -216,10 +218,10 @@ def test_page_table_on_the_varlen_function_reads_the_pages_in_order():
 
 
 def test_append_checks_and_the_torch_append_of_a_launch():
-    """`paging.check_append` names each bad argument; `launch.AppendFirst` (the append of a
+    """`paging.check_append` names each bad argument; `launch_fwd.AppendFirst` (the append of a
     pipeline whose kernel writes none) puts row i of k_new at seqused_k[b] - s_new + i of a
     dense or paged cache, clamped into it, before running the launch."""
-    from flash_cute.runtime import launch, paging
+    from flash_cute.runtime import paging
 
     cache = torch.zeros(2, 8, 1, 8)
     new = torch.arange(2 * 3 * 8, dtype=torch.float32).view(2, 3, 1, 8) + 1
@@ -233,7 +235,7 @@ def test_append_checks_and_the_torch_append_of_a_launch():
         paging.check_append(cache, cache, new, new, 2, None)
 
     ran = []
-    run = launch.AppendFirst(lambda *a, **kw: ran.append(kw))
+    run = launch_fwd.AppendFirst(lambda *a, **kw: ran.append(kw))
     k, v = cache.clone(), cache.clone()
     run(None, k, v, seqused_k=used, append=(new, new * 2))
     assert ran == [{"rng_seed": None}]

@@ -66,7 +66,7 @@ _BACKWARD_LAUNCHES = '''
 import torch
 import flash_cute.runtime.jit as jit
 from flash_cute.arch.hopper import planner as api
-from flash_cute.runtime.validation import validate_attention_inputs
+from flash_cute.runtime.problem import validate_attention_inputs
 
 launches = []
 
@@ -165,12 +165,12 @@ def test_a_kernel_call_refuses_arguments_it_cannot_compile():
 
 
 def test_split_scratch_is_kept_per_stream_and_fresh_under_capture(monkeypatch):
-    """`launch.SplitScratch`: one set of zeroed counts (and small partials) per stream, the
+    """`launch_fwd.SplitScratch`: one set of zeroed counts (and small partials) per stream, the
     same set again on that stream, the oldest stream's dropped past KEEP_STREAMS, partials
     over KEEP_PARTIALS_BYTES made per call, and fresh ones while a graph is captured."""
     import torch
 
-    from flash_cute.runtime import launch
+    from flash_cute.runtime import launch_fwd
 
     stream = [0]
     capturing = [False]
@@ -182,22 +182,22 @@ def test_split_scratch_is_kept_per_stream_and_fresh_under_capture(monkeypatch):
     def new_parts():
         return torch.empty(size[0]), torch.empty(2)
 
-    scratch = launch.SplitScratch(5, new_parts, torch.device("cpu"))
+    scratch = launch_fwd.SplitScratch(5, new_parts, torch.device("cpu"))
     first = scratch.get()
     assert first[2].tolist() == [0] * 5
     assert all(a is b for a, b in zip(scratch.get(), first))
     stream[0] = 1
     other = scratch.get()
     assert all(a is not b for a, b in zip(other, first))
-    for s in range(2, 2 + launch.KEEP_STREAMS):
+    for s in range(2, 2 + launch_fwd.KEEP_STREAMS):
         stream[0] = s
         scratch.get()
-    assert 0 not in scratch.by_stream and len(scratch.by_stream) == launch.KEEP_STREAMS
+    assert 0 not in scratch.by_stream and len(scratch.by_stream) == launch_fwd.KEEP_STREAMS
     capturing[0] = True
     captured = scratch.get()
     assert all(a is not b for a, b in zip(captured, scratch.get()))
     capturing[0] = False
-    size[0] = launch.KEEP_PARTIALS_BYTES // 4
+    size[0] = launch_fwd.KEEP_PARTIALS_BYTES // 4
     stream[0] = 99
     big = scratch.get()
     again = scratch.get()

@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import flash_cute
-from flash_cute.variants import mod_graph
+from flash_cute.variants import derivative, kernel_view, registry, tracer
 from flash_cute.reference.attention import tolerance_check
 
 H, K = 4, 45
@@ -54,23 +54,23 @@ SCORE_MODS = [alibi, relative_bias, softcap20, gated, smooth]
 
 @pytest.mark.parametrize("fn", SCORE_MODS, ids=lambda f: f.__name__)
 def test_traced_graph_equals_the_function_and_its_derivative_equals_autograd(fn):
-    graph = mod_graph.trace(fn)
-    grids = mod_graph.index_grids([0, 1], H, 9, 11)
+    graph = tracer.trace(fn)
+    grids = tracer.index_grids([0, 1], H, 9, 11)
     score = torch.randn(2, H, 9, 11, dtype=torch.float64, requires_grad=True)
     want = fn(score, *grids.values())
-    got = mod_graph.evaluate(graph, {"score": score, **grids})
+    got = tracer.evaluate(graph, {"score": score, **grids})
     torch.testing.assert_close(torch.broadcast_to(got, want.shape), want, rtol=1e-12, atol=1e-12)
     (grad,) = torch.autograd.grad(want.sum(), score)
-    deriv = mod_graph.evaluate(mod_graph.score_derivative(graph),
+    deriv = tracer.evaluate(derivative.score_derivative(graph),
                                {"score": score.detach(), **grids})
     torch.testing.assert_close(torch.broadcast_to(deriv, grad.shape), grad, rtol=1e-10,
                                atol=1e-12)
 
 
 def test_loads_clamp_their_indices_into_the_tensor():
-    graph = mod_graph.trace(lambda score, b, h, q_idx, kv_idx: score + BIAS[q_idx - kv_idx])
-    grids = mod_graph.index_grids(0, 1, 3, 200)
-    out = mod_graph.evaluate(graph, {"score": torch.zeros(()), **grids})
+    graph = tracer.trace(lambda score, b, h, q_idx, kv_idx: score + BIAS[q_idx - kv_idx])
+    grids = tracer.index_grids(0, 1, 3, 200)
+    out = tracer.evaluate(graph, {"score": torch.zeros(()), **grids})
     index = (grids["q_idx"] - grids["kv_idx"]).clamp(0, BIAS.numel() - 1)
     assert torch.equal(out, BIAS[index.long()])
 
@@ -107,8 +107,8 @@ def test_loads_made_many_times_per_tile_read_edge_values():
     (lambda score, b, h, q, k: score + TABLE[h], "index every dimension"),
 ])
 def test_unsupported_mods_are_refused_naming_why(fn, match):
-    with pytest.raises(mod_graph.UnsupportedMod, match=match):
-        mod_graph.trace(fn)
+    with pytest.raises(tracer.UnsupportedMod, match=match):
+        tracer.trace(fn)
 
 
 def _flex(q, k, v, score_mod=None, mask_mod=None):
@@ -132,7 +132,7 @@ def _dense(q, k, v, score_mod, mask_mod, mm_dtype):
     kk, vv = (t.repeat_interleave(group, dim=2).to(mm_dtype) for t in (k, v))
     score = torch.einsum("bqhd,bkhd->bhqk", q.to(mm_dtype), kk)
     score = score.to(torch.promote_types(mm_dtype, torch.float32)) * q.shape[-1] ** -0.5
-    grids = mod_graph.index_grids(list(range(q.shape[0])), q.shape[2], q.shape[1], k.shape[1])
+    grids = tracer.index_grids(list(range(q.shape[0])), q.shape[2], q.shape[1], k.shape[1])
     if score_mod is not None:
         score = score_mod(score, *grids.values())
     if mask_mod is not None:
@@ -193,15 +193,15 @@ def test_varlen_mods_see_the_sequence_and_positions_inside_it():
 
 
 def test_softcap_goes_inside_the_mod_and_the_key_stays():
-    key = mod_graph.register(alibi, None)
+    key = registry.register(alibi, None)
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="softcap inside the mod"):
         flash_cute.flash_attn_func(q, q, q, score_mod=alibi, softcap=5.0)
-    assert mod_graph.register(alibi, None) == key   # the same function keeps its key
+    assert registry.register(alibi, None) == key   # the same function keeps its key
 
 
 def _kernel_spec(score_mod=None, mask_mod=None):
-    return mod_graph.kernel_mods(mod_graph.lookup(mod_graph.register(score_mod, mask_mod)))
+    return kernel_view.kernel_mods(registry.lookup(registry.register(score_mod, mask_mod)))
 
 
 def test_kernel_mods_join_graphs_and_tell_a_bias_from_a_derivative():
@@ -228,7 +228,7 @@ def test_kernel_mods_join_graphs_and_tell_a_bias_from_a_derivative():
 
 
 def test_kernel_mods_refuse_what_the_kernels_cannot_read():
-    many = [torch.ones(3) for _ in range(mod_graph.MAX_AUX + 1)]
+    many = [torch.ones(3) for _ in range(kernel_view.MAX_AUX + 1)]
     wide = torch.ones(H, dtype=torch.float64)
 
     def five_tables(score, b, h, q_idx, kv_idx):
@@ -242,7 +242,7 @@ def test_kernel_mods_refuse_what_the_kernels_cannot_read():
 
     for fn, match in ((five_tables, "at most"), (wide_bias, "float64"),
                       (power, "constant powers")):
-        with pytest.raises(mod_graph.UnsupportedMod, match=match):
+        with pytest.raises(tracer.UnsupportedMod, match=match):
             _kernel_spec(fn)
 
 
@@ -259,8 +259,8 @@ def test_captured_tensors_and_block_masks_must_be_on_the_inputs_device():
         return score - slopes[h] * (q_idx - kv_idx).abs()
 
     block = create_block_mask(causal, 1, 2, 128, 128, device="cpu")
-    for key in (mod_graph.register(alibi32, None), mod_graph.register(None, None, block)):
-        problem = SimpleNamespace(mods=mod_graph.lookup(key))
+    for key in (registry.register(alibi32, None), registry.register(None, None, block)):
+        problem = SimpleNamespace(mods=registry.lookup(key))
         assert len(CapturedTensors(problem, torch.device("cpu")).tensors) == 1
         with pytest.raises(ValueError, match="on the inputs' device 'meta'"):
             CapturedTensors(problem, torch.device("meta"))
@@ -273,16 +273,16 @@ def test_gpu_pipelines_need_the_mods_and_block_sparse_capabilities():
 
     from flash_cute.runtime.dispatch import PIPELINES
     from flash_cute.contract.descriptor import BLOCK_SPARSE, MODS, required_capabilities
-    from flash_cute.runtime.validation import validate_attention_inputs
+    from flash_cute.runtime.problem import validate_attention_inputs
 
     q = torch.randn(1, 128, 2, 64, dtype=torch.bfloat16)
     problem = validate_attention_inputs(q, q, q, require_cuda=False)
-    key = mod_graph.register(alibi, None)
-    with_mods = dataclasses.replace(problem, mods=mod_graph.lookup(key))
+    key = registry.register(alibi, None)
+    with_mods = dataclasses.replace(problem, mods=registry.lookup(key))
     assert MODS in required_capabilities(with_mods) and MODS not in required_capabilities(problem)
     block = create_block_mask(causal, 1, 2, 128, 128, device="cpu")
-    sparse = dataclasses.replace(problem, mods=mod_graph.lookup(
-        mod_graph.register(None, None, block)))
+    sparse = dataclasses.replace(problem, mods=registry.lookup(
+        registry.register(None, None, block)))
     assert BLOCK_SPARSE in required_capabilities(sparse)
     names = {p.name: p for p in PIPELINES}
     for name in ("hopper", "ampere"):
@@ -340,7 +340,7 @@ def test_mods_under_compile_fullgraph_dynamic():
                         torch.autograd.grad(want.float().sum(), (q, k, v))):
             assert torch.equal(a, b)
 
-    mod_graph.register(alibi, causal)
+    registry.register(alibi, causal)
     _over_lengths_compiled(attend, check)
 
     def fresh(score, b, h, q_idx, kv_idx):
@@ -529,17 +529,17 @@ def test_a_learnable_tensor_whose_derivative_reads_the_score_is_refused():
     def scaled(score, b, h, q_idx, kv_idx):
         return score * w[h]
 
-    variant = mod_graph.lookup(mod_graph.register(scaled, None))
-    with pytest.raises(mod_graph.UnsupportedMod, match="depends on the score"):
-        mod_graph.kernel_mods(variant, grads=True)
-    assert mod_graph.kernel_mods(variant)[0].aux_grads == ()
+    variant = registry.lookup(registry.register(scaled, None))
+    with pytest.raises(tracer.UnsupportedMod, match="depends on the score"):
+        kernel_view.kernel_mods(variant, grads=True)
+    assert kernel_view.kernel_mods(variant)[0].aux_grads == ()
 
 
 def test_the_backward_operator_returns_the_learnable_gradients_and_passes_opcheck():
     """flash_cute::bwd with mod_grads: its fake and CPU implementations agree (opcheck), and
     it returns one gradient per learnable tensor, none without mod_grads."""
     slopes = (torch.rand(H) + 0.1).requires_grad_()
-    key = mod_graph.register(_learnable_mod(slopes, torch.zeros(H, 61), 30), None)
+    key = registry.register(_learnable_mod(slopes, torch.zeros(H, 61), 30), None)
     q, k, v = (torch.randn(1, 29, H, 32, dtype=torch.bfloat16) for _ in range(3))
     opts = (None, None, None, True, None, None, 0.0, None, False, None)
     out, lse = torch.ops.flash_cute.fwd(q, k, v, None, None, None, None, *opts, True, key)
@@ -553,10 +553,10 @@ def test_the_backward_operator_returns_the_learnable_gradients_and_passes_opchec
 _PLAN_LEARNABLE = """
 import torch
 from flash_cute.runtime import plans
-from flash_cute.variants import mod_graph
+from flash_cute.variants import kernel_view, registry, tracer
 from flash_cute.runtime.dispatch import pipeline_named
 from flash_cute.runtime.jit import compile_only
-from flash_cute.runtime.validation import validate_attention_inputs
+from flash_cute.runtime.problem import validate_attention_inputs
 
 slopes = torch.rand(4, device="meta").requires_grad_()
 table = torch.rand(4, 101, device="meta").requires_grad_()
@@ -572,12 +572,12 @@ def with_ids(score, b, h, q_idx, kv_idx):
 
 
 try:   # three tensors and two gradients: five slots of four
-    mod_graph.kernel_mods(mod_graph.lookup(mod_graph.register(with_ids, None)), True)
-except mod_graph.UnsupportedMod as e:
+    kernel_view.kernel_mods(registry.lookup(registry.register(with_ids, None)), True)
+except tracer.UnsupportedMod as e:
     assert "at most 4 in all" in str(e), e
 else:
     raise AssertionError("five aux slots accepted")
-key = mod_graph.register(mod, None)
+key = registry.register(mod, None)
 q = torch.empty(2, 77, 4, 128, dtype=torch.bfloat16, device="meta")
 k = torch.empty(2, 90, 2, 128, dtype=torch.bfloat16, device="meta")
 base = validate_attention_inputs(q, k, k, causal=True, require_cuda=False)
@@ -638,7 +638,7 @@ def test_learnable_parameters_under_compile_fullgraph_dynamic():
             grads.append(slopes.grad.clone())
         assert grads[0].abs().max() > 0 and torch.equal(grads[0], grads[1])
 
-    mod_graph.register(learned_alibi, None)
+    registry.register(learned_alibi, None)
     _over_lengths_compiled(attend, check)
     torch._dynamo.reset()
 
@@ -651,9 +651,9 @@ def test_a_learnable_tensor_indexed_by_the_score_is_refused():
     def by_sign(score, b, h, q_idx, kv_idx):
         return score + table[h, torch.where(score > 0, 1, 0)]
 
-    variant = mod_graph.lookup(mod_graph.register(by_sign, None))
-    with pytest.raises(mod_graph.UnsupportedMod, match="indexed by a value of the score"):
-        mod_graph.kernel_mods(variant, grads=True)
+    variant = registry.lookup(registry.register(by_sign, None))
+    with pytest.raises(tracer.UnsupportedMod, match="indexed by a value of the score"):
+        kernel_view.kernel_mods(variant, grads=True)
 
 
 def test_learnable_gradients_refuse_a_second_differentiation():

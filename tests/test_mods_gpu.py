@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-from flash_cute.variants import examples as mod_examples, mod_graph
+from flash_cute.variants import examples as mod_examples, derivative, registry, tracer
 from flash_cute.reference.attention import attention_ref, tolerance_check
 
 pytestmark = pytest.mark.gpu
@@ -148,7 +148,7 @@ def _forward_against_float64(q, k, v, score_mod, mask_mod, arch):
     where the reference's is) checked by the FlashAttention rule."""
     out, lse = flash_attn_func(q, k, v, score_mod=score_mod, mask_mod=mask_mod, arch=arch,
                                return_lse=True)
-    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(score_mod, mask_mod)))
+    refs = _references(q, k, v, registry.lookup(registry.register(score_mod, mask_mod)))
     _check(out, refs.ref, refs.nat, "O")
     finite = refs.lse_ref.isfinite()
     assert torch.equal(lse.isfinite(), finite)
@@ -181,7 +181,7 @@ def test_a_large_max_that_stays_put_does_not_drift_the_lse(arch, splits):
     q, k, v = _inputs(256, 16384, 64, dtype=torch.float16, batch=1)
     out, lse = flash_attn_func(q, k, v, score_mod=far, arch=arch, num_splits=splits,
                                return_lse=True)
-    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(far, None)))
+    refs = _references(q, k, v, registry.lookup(registry.register(far, None)))
     _check(out, refs.ref, refs.nat, "O")
     ulp = torch.finfo(torch.float32).eps * refs.lse_ref.abs().max().item()
     err = (lse.double() - refs.lse_ref).abs().max().item()
@@ -198,7 +198,7 @@ def test_a_mod_past_exp_range_leaves_padded_rows_out(sq, sk, arch):
 
     q, k, v = _inputs(sq, sk, 128)
     out = flash_attn_func(q, k, v, score_mod=far_bias, arch=arch)[0]
-    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(far_bias, None)))
+    refs = _references(q, k, v, registry.lookup(registry.register(far_bias, None)))
     _check(out, refs.ref, refs.nat, "O")
     _check_grads(out, (q, k, v), refs, finite=True)
 
@@ -217,7 +217,7 @@ def test_varlen_with_seqused_sees_each_sequence(arch):
                                  max_seqlen_q=80, max_seqlen_k=203, seqused_k=seqused_k,
                                  causal=True, score_mod=exotic, mask_mod=prefix_lm,
                                  arch=arch)[0]
-    variant = mod_graph.lookup(mod_graph.register(exotic, prefix_lm))
+    variant = registry.lookup(registry.register(exotic, prefix_lm))
     kw = dict(causal=True, variant=variant, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
               seqused_k=seqused_k)
     ref = attention_ref(q.double(), k.double(), v.double(), mode="float64", **kw)[0]
@@ -231,7 +231,7 @@ def test_packed_gqa_split_kv_decode_with_a_mod():
     for splits in (1, 0, 5):
         out = flash_attn_func(q, k, v, causal=True, score_mod=alibi, mask_mod=document,
                               pack_gqa=True, num_splits=splits)[0]
-        variant = mod_graph.lookup(mod_graph.register(alibi, document))
+        variant = registry.lookup(registry.register(alibi, document))
         args = [t.detach() for t in (q, k, v)]
         ref = attention_ref(*(t.double() for t in args), mode="float64", causal=True,
                             variant=variant)[0]
@@ -252,7 +252,7 @@ def test_captured_tensors_are_read_at_each_call():
     table.normal_()
     out = flash_attn_func(q, k, v, score_mod=mod)[0]
     assert len(compile_cache) == compiled
-    variant = mod_graph.lookup(mod_graph.register(mod, None))
+    variant = registry.lookup(registry.register(mod, None))
     ref = attention_ref(q.double(), k.double(), v.double(), mode="float64", variant=variant)[0]
     nat = attention_ref(q, k, v, mode="native", variant=variant)[0]
     _check(out, ref, nat, "O after the table changed")
@@ -268,7 +268,7 @@ def test_documented_examples_run():
                                 (None, mod_examples.prefix_lm(torch.tensor(
                                     [5, 60], dtype=torch.int32, device="cuda")))]:
         out = flash_attn_func(q, k, v, score_mod=score_mod, mask_mod=mask_mod)[0]
-        variant = mod_graph.lookup(mod_graph.register(score_mod, mask_mod))
+        variant = registry.lookup(registry.register(score_mod, mask_mod))
         ref = attention_ref(q.double(), k.double(), v.double(), mode="float64",
                             variant=variant)[0]
         nat = attention_ref(q, k, v, mode="native", variant=variant)[0]
@@ -289,7 +289,7 @@ def test_bad_captured_tensors_are_refused_before_launch():
     def wide_bias(score, b, h, q_idx, kv_idx):
         return score + wide[h]
 
-    with pytest.raises(mod_graph.UnsupportedMod, match="float64"):
+    with pytest.raises(tracer.UnsupportedMod, match="float64"):
         flash_attn_func(q, q, q, score_mod=wide_bias)
 
 
@@ -307,7 +307,7 @@ def e_edge_mask(b, h, q_idx, kv_idx):
 @pytest.mark.parametrize("arch", [None, "ampere"])
 def test_indices_past_a_captured_tensor_read_its_edge_values(arch):
     """A load's index below 0 or past the end reads the tensor's first or last entry (the
-    clamp of `mod_graph.evaluate`), forward and backward, against float64."""
+    clamp of `tracer.evaluate`), forward and backward, against float64."""
     q, k, v = _inputs(113, 301, 128)
     out, refs = _forward_against_float64(q, k, v, e_edges, e_edge_mask, arch)
     _check_grads(out, (q, k, v), refs, finite=True)
@@ -334,26 +334,26 @@ def _graph_cases():
 @pytest.mark.parametrize("score_mod,mask_mod", _graph_cases(), ids=_ID)
 def test_block_matches_the_graph_on_index_grids(score_mod, mask_mod):
     """The block alone (`block_kernels.graph_mods_on_gpu`, no attention around it) against
-    `mod_graph.evaluate` on the same graphs: every op's semantics, negative integer division
+    `tracer.evaluate` on the same graphs: every op's semantics, negative integer division
     and remainder included, and the derivative in the score."""
     from flash_cute.tools import block_kernels
 
-    variant = mod_graph.lookup(mod_graph.register(score_mod, mask_mod))
+    variant = registry.lookup(registry.register(score_mod, mask_mod))
     scores = torch.randn(2, H, 150, 200, device="cuda") * 4
     out, grad = block_kernels.graph_mods_on_gpu(variant, scores)
-    grids = mod_graph.index_grids([0, 1], H, 150, 200, device="cuda")
+    grids = tracer.index_grids([0, 1], H, 150, 200, device="cuda")
     want = scores.double()
 
     def full(t):
         return torch.broadcast_to(t.to(scores.device), scores.shape)
 
     if variant.score_mod is not None:
-        want = full(mod_graph.evaluate(variant.score_mod, {"score": want, **grids}).double())
-        d = mod_graph.score_derivative(variant.score_mod)
-        want_grad = full(mod_graph.evaluate(d, {"score": scores.double(), **grids}))
+        want = full(tracer.evaluate(variant.score_mod, {"score": want, **grids}).double())
+        d = derivative.score_derivative(variant.score_mod)
+        want_grad = full(tracer.evaluate(d, {"score": scores.double(), **grids}))
         torch.testing.assert_close(grad.double(), want_grad.double(), rtol=2e-3, atol=2e-3)
     if variant.mask_mod is not None:
-        keep = full(mod_graph.evaluate(variant.mask_mod, grids))
+        keep = full(tracer.evaluate(variant.mask_mod, grids))
         assert torch.equal(out.isinf() & (out < 0), ~keep.bool())
         want = want.masked_fill(~keep.bool(), float("-inf"))
     torch.testing.assert_close(out.double(), want, rtol=2e-3, atol=2e-3)
@@ -421,11 +421,11 @@ def test_block_masks_skip_tiles_and_match_the_reference(arch, d, pack):
     for name, block_mask, mask_mod in cases:
         out, lse = flash_attn_func(q, k, v, block_mask=block_mask, arch=arch, return_lse=True,
                                    pack_gqa=pack)
-        refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(None, None, block_mask)))
+        refs = _references(q, k, v, registry.lookup(registry.register(None, None, block_mask)))
         _check(out, refs.ref, refs.nat, f"{name}: O")
         assert torch.equal(lse.isfinite(), refs.lse_ref.isfinite()), name
         _check_grads(out, (q, k, v), refs, f"{name}: ")
-    scattered = mod_graph.lookup(mod_graph.register(None, None, cases[2][1]))
+    scattered = registry.lookup(registry.register(None, None, cases[2][1]))
     assert (scattered.block_states == 0).float().mean() >= 0.9
 
 
@@ -485,7 +485,7 @@ def test_fa4_form_mods_forward_and_backward(case, arch):
     name, fa4_kwargs, (score_mod, mask_mod) = _fa4_twins()[case]
     q, k, v = _inputs(113, 301, 128)
     out, lse = flash_attn_func(q, k, v, arch=arch, return_lse=True, **fa4_kwargs)
-    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(score_mod, mask_mod)))
+    refs = _references(q, k, v, registry.lookup(registry.register(score_mod, mask_mod)))
     _check(out, refs.ref, refs.nat, f"{name}: O")
     assert torch.equal(lse.isfinite(), refs.lse_ref.isfinite())
     _check_grads(out, (q, k, v), refs, f"{name}: ")
@@ -513,7 +513,7 @@ def test_fa4_form_mods_with_fa4_block_sparse_tensors(arch, d):
                          flex.full_kv_indices, (128, 128))
     out = flash_attn_func(q, k, v, mask_mod=fa4.causal, block_sparse_tensors=fa4_blocks,
                           arch=arch)[0]
-    refs = _references(q, k, v, mod_graph.lookup(mod_graph.register(None, causal, flex)))
+    refs = _references(q, k, v, registry.lookup(registry.register(None, causal, flex)))
     _check(out, refs.ref, refs.nat, "O")
     _check_grads(out, (q, k, v), refs)
 
@@ -536,7 +536,7 @@ def test_fa4_aux_scalars_are_read_at_each_call_without_a_recompile():
         outs.append(flash_attn_func(q, k, v, score_mod=fa4.scaled_shift,
                                     aux_scalars=[scale, shift])[0])
         compiled = set(compile_cache._entries) - before
-        variant = mod_graph.lookup(mod_graph.register(_affine(scale, shift), None))
+        variant = registry.lookup(registry.register(_affine(scale, shift), None))
         ref, _ = attention_ref(q.double(), k.double(), v.double(), mode="float64",
                                variant=variant)
         nat, _ = attention_ref(q, k, v, mode="native", variant=variant)
@@ -624,7 +624,7 @@ def test_learnable_captured_tensors_get_their_gradients(which, arch, d):
     mod, learned = _learnable_case(which)
     q, k, v = _inputs(301, 389, d)
     out = flash_attn_func(q, k, v, score_mod=mod, causal=True, arch=arch)[0]
-    variant = mod_graph.lookup(mod_graph.register(mod, None))
+    variant = registry.lookup(registry.register(mod, None))
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = attention_ref(q64, k64, v64, mode="float64", variant=variant, causal=True)[0]
     qn, kn, vn = (t.detach().requires_grad_() for t in (q, k, v))

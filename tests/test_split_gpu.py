@@ -12,7 +12,7 @@ import torch
 
 import flash_cute
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-from flash_cute.runtime import launch
+from flash_cute.runtime import launch_fwd
 from flash_cute.reference.block_models import lse_merge as lse_merge_model
 
 from attention_checks import check_forward
@@ -32,7 +32,7 @@ def poisoned(monkeypatch):
     launch fills them for the merge kernel: rows no tile owns); records each launch's split
     count."""
     counts = []
-    alloc, alloc_parts = launch.ForwardLaunch._alloc, launch.ForwardLaunch._alloc_parts
+    alloc, alloc_parts = launch_fwd.ForwardLaunch._alloc, launch_fwd.ForwardLaunch._alloc_parts
 
     def poisoned_alloc(self):
         out, lse = alloc(self)
@@ -45,8 +45,8 @@ def poisoned(monkeypatch):
             lse_parts.fill_(float("nan"))
         return o_parts.fill_(float("nan")), lse_parts, split_counts
 
-    monkeypatch.setattr(launch.ForwardLaunch, "_alloc", poisoned_alloc)
-    monkeypatch.setattr(launch.ForwardLaunch, "_alloc_parts", poisoned_parts)
+    monkeypatch.setattr(launch_fwd.ForwardLaunch, "_alloc", poisoned_alloc)
+    monkeypatch.setattr(launch_fwd.ForwardLaunch, "_alloc_parts", poisoned_parts)
     return counts
 
 
@@ -165,13 +165,13 @@ def test_the_in_kernel_merge_serves_two_streams_and_leaves_its_counts_at_zero(mo
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the in-kernel merge is the hopper forward's (sm90)")
     seen = []
-    get = launch.SplitScratch.get
+    get = launch_fwd.SplitScratch.get
 
     def recorded(self):
         seen.append(get(self)[2])
         return get(self)
 
-    monkeypatch.setattr(launch.SplitScratch, "get", recorded)
+    monkeypatch.setattr(launch_fwd.SplitScratch, "get", recorded)
     q, k, v = _decode(2, 1, 30001, 32, 8, seed=3)
     kw = dict(num_splits=13, return_lse=True)
     want, want_lse = flash_attn_func(q, k, v, **kw)

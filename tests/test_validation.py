@@ -1,12 +1,12 @@
-"""CPU tests for flash_cute.runtime.validation: every bad input gets a clear Python error."""
+"""CPU tests for flash_cute.runtime.problem: every bad input gets a clear Python error."""
 
 import math
 
 import pytest
 import torch
 
-from flash_cute.runtime import validation
-from flash_cute.runtime.validation import AttentionProblem, validate_attention_inputs, validate_backward_inputs
+from flash_cute.runtime import contents
+from flash_cute.runtime.problem import AttentionProblem, validate_attention_inputs, validate_backward_inputs
 
 F16 = torch.float16
 
@@ -524,15 +524,15 @@ def test_the_content_check_names_the_tensor_and_the_entry(cu_q, used_k, max_q, m
     cu_k = torch.tensor([0, 100, 256], dtype=torch.int32)
     used = None if used_k is None else torch.tensor(used_k, dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
-        validation.check_index_contents(q, k, cu, cu_k, None, used, max_q, 156)
+        contents.check_index_contents(q, k, cu, cu_k, None, used, max_q, 156)
 
 
 def test_good_contents_pass_the_check():
     q, k, v = _packed()
     cu = torch.tensor([0, 100, 100, 256], dtype=torch.int32)  # an empty sequence
     used = torch.tensor([7, 0, 156], dtype=torch.int32)
-    validation.check_index_contents(q, k, cu, cu, used, used, 156, 156)
-    validation.check_index_contents(q, k)  # nothing to read
+    contents.check_index_contents(q, k, cu, cu, used, used, 156, 156)
+    contents.check_index_contents(q, k)  # nothing to read
 
 
 def test_check_inputs_checks_every_call_while_on(monkeypatch):

@@ -68,7 +68,7 @@ class AmpereBwd:
 
     @cute.jit
     def __call__(self, args: BwdArgs, stream: cuda.CUstream):
-        """`args`: a `kernel_args.BwdArgs`, dQaccum laid out like Q (`launch.RowDqAccum`)."""
+        """`args`: a `kernel_args.BwdArgs`, dQaccum laid out like Q (`launch_bwd.RowDqAccum`)."""
         vec = 128 // self.dtype.width
         mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v,
                                                                       args.dout))

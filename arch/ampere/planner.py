@@ -3,8 +3,10 @@
 import functools
 
 from flash_cute.runtime import launch
+from flash_cute.runtime import launch_bwd
+from flash_cute.runtime import launch_fwd
 from flash_cute.runtime.splits import plan_splits
-from flash_cute.runtime.validation import AttentionProblem
+from flash_cute.runtime.problem import AttentionProblem
 from flash_cute.contract.descriptor import Pipeline
 from flash_cute.arch.ampere.descriptor import AMPERE
 
@@ -39,14 +41,14 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
 
 def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, schedule=None,
-                 page_table=None) -> launch.ForwardLaunch:
-    """The `launch.ForwardLaunch` of `forward`'s call configuration (`page_table`: the
-    pages gathered first, `launch.GatheredPages`: this kernel reads no pages)."""
+                 page_table=None) -> launch_fwd.ForwardLaunch:
+    """The `launch_fwd.ForwardLaunch` of `forward`'s call configuration (`page_table`: the
+    pages gathered first, `launch_fwd.GatheredPages`: this kernel reads no pages)."""
     from flash_cute.runtime.jit import current_target
 
     if page_table is not None:
         plan = functools.partial(plan_forward, schedule=schedule)
-        return launch.GatheredPages(plan, q, k, v, problem,
+        return launch_fwd.GatheredPages(plan, q, k, v, problem,
                                     (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k),
                                     page_table)
 
@@ -57,7 +59,7 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
                                                           schedule)))
     splits = plan_splits(problem, schedule[0], schedule[1], 1, launch.device_sms(q.device),
                          per_sm)
-    return launch.ForwardLaunch("ampere.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
+    return launch_fwd.ForwardLaunch("ampere.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
                                 cu_seqlens_k, seqused_q, seqused_k, schedule, COMPILE_OPTIONS,
                                 current_target(), splits=splits)
 
@@ -65,7 +67,7 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
              rng_seed=None):
-    """(dq, dk, dv) through `AmpereBwd` (see `flash_cute.runtime.launch.BackwardLaunch`); dQ is added by fp32
+    """(dq, dk, dv) through `AmpereBwd` (see `flash_cute.runtime.launch_bwd.BackwardLaunch`); dQ is added by fp32
     atomics, so `deterministic` is refused (the descriptor does not list it)."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     return plan_backward(dout, dlse, q, k, v, out, lse, problem, *lengths, deterministic)(
@@ -74,21 +76,21 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
 
 def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
                   cu_seqlens_k=None, seqused_q=None, seqused_k=None,
-                  deterministic: bool = False) -> launch.BackwardLaunch:
-    """The `launch.BackwardLaunch` of `backward`'s call configuration."""
+                  deterministic: bool = False) -> launch_bwd.BackwardLaunch:
+    """The `launch_bwd.BackwardLaunch` of `backward`'s call configuration."""
     from flash_cute.runtime.jit import current_target
 
     if deterministic:
         raise NotImplementedError("deterministic=True: the ampere backward adds dQ with fp32 "
                                   "atomics, whose order varies")
     plan = _bwd_plan(problem.hdim, current_target())
-    return launch.BackwardLaunch(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
+    return launch_bwd.BackwardLaunch(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
                                  cu_seqlens_k, seqused_q, seqused_k, deterministic)
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_plan(hdim: int, target: str) -> launch.BackwardPlan:
-    return launch.BackwardPlan("ampere.bwd", _BWD_KERNEL, BWD_SCHEDULES[hdim], COMPILE_OPTIONS,
+def _bwd_plan(hdim: int, target: str) -> launch_bwd.BackwardPlan:
+    return launch_bwd.BackwardPlan("ampere.bwd", _BWD_KERNEL, BWD_SCHEDULES[hdim], COMPILE_OPTIONS,
                                target)
 
 

@@ -2,8 +2,9 @@
 hardware, so dispatch takes it only when named, `Pipeline.hardware_tested`)."""
 
 from flash_cute.runtime import launch
+from flash_cute.runtime import launch_fwd
 from flash_cute.arch.sm90plus.host import tma_ready
-from flash_cute.runtime.validation import AttentionProblem
+from flash_cute.runtime.problem import AttentionProblem
 from flash_cute.contract.variant import EX2_EMULATION_ENV
 from flash_cute.contract.descriptor import Pipeline
 from flash_cute.arch.blackwell.descriptor import BLACKWELL
@@ -30,8 +31,8 @@ def takes(problem: AttentionProblem) -> bool:
 
 
 def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None, schedule=None) -> launch.ForwardLaunch:
-    """The `launch.ForwardLaunch` of a call configuration on sm_100a. The software exp2's share
+                 seqused_q=None, seqused_k=None, schedule=None) -> launch_fwd.ForwardLaunch:
+    """The `launch_fwd.ForwardLaunch` of a call configuration on sm_100a. The software exp2's share
     is FA4's per case (`config.default_ex2_per16`) unless FLASH_CUTE_EX2_EMULATION sets one."""
     import os
 
@@ -47,7 +48,7 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
     chosen = tuple(schedule or FWD_SCHEDULES[(problem.hdim, problem.hdim_v)])
     # Packing fills the CTA's two Q tiles (`launch.packed_heads`' rule).
     pack = launch.packed_heads(problem, TILE_M, Q_STAGES * TILE_M)
-    return launch.ForwardLaunch("blackwell.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
+    return launch_fwd.ForwardLaunch("blackwell.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
                                 cu_seqlens_k, seqused_q, seqused_k, chosen, COMPILE_OPTIONS,
                                 target, prepare=tma_ready, pack_gqa=pack, ex2_per16=per16,
                                 tile=(TILE_M, FwdSchedule(*chosen).tile_n),

@@ -216,7 +216,7 @@ class HopperBwd:
     @cute.jit
     def __call__(self, args: BwdArgs, stream: cuda.CUstream):
         """`args`: a `kernel_args.BwdArgs` with LSE₂ and Δ rows 16-byte aligned
-        (`launch._Scratch`: they are TMA-loaded) and, when deterministic, the dQ
+        (`launch_bwd.Scratch`: they are TMA-loaded) and, when deterministic, the dQ
         semaphores. dQaccum, zeroed: with the shared dQ tile (`dq_tma`) the fragment-order
         tiles of `dq_layout.accum_shape`, else like Q."""
         mLSElog2, mDelta, mdQaccum, mdK, mdV = (args.lse_log2, args.delta, args.dq_accum,
@@ -227,7 +227,7 @@ class HopperBwd:
         mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v,
                                                                       args.dout))
         if cutlass.const_expr(mdK.element_type == self.dtype):
-            # Allocated by `launch.BackwardLaunch`, compact: 128-bit row stores (`store_dkv_rows`).
+            # Allocated by `launch_bwd.BackwardLaunch`, compact: 128-bit row stores (`store_dkv_rows`).
             mdK, mdV = (assume_aligned_strides(t, vec) for t in (mdK, mdV))
         layouts = self._smem_layouts()
         sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout = layouts

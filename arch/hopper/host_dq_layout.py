@@ -22,7 +22,7 @@ def accum_shape(batch: int, seqlen_q: int, nheads: int, tile_m: int, hdim: int,
 
 
 class TiledDqAccum:
-    """`launch.BackwardLaunch`'s dQaccum for the Hopper kernels with the shared dQ tile: the
+    """`launch_bwd.BackwardLaunch`'s dQaccum for the Hopper kernels with the shared dQ tile: the
     fragment-order tiles' shape, and their postprocess into dQ."""
 
     # Fragment-order tiles, each 16-byte aligned for the bulk reduce-add.

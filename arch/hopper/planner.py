@@ -3,10 +3,12 @@
 import functools
 
 from flash_cute.runtime import launch
+from flash_cute.runtime import launch_bwd
+from flash_cute.runtime import launch_fwd
 from flash_cute.arch.sm90plus.host import tma_ready
 from flash_cute.runtime.splits import plan_splits
 
-from flash_cute.runtime.validation import AttentionProblem
+from flash_cute.runtime.problem import AttentionProblem
 from flash_cute.contract.descriptor import Pipeline
 from flash_cute.arch.hopper.descriptor import HOPPER
 
@@ -41,10 +43,10 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
 
 def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, schedule=None,
-                 page_table=None, append=None) -> launch.ForwardLaunch:
-    """The `launch.ForwardLaunch` of `forward`'s call configuration. `page_table`: k / v
+                 page_table=None, append=None) -> launch_fwd.ForwardLaunch:
+    """The `launch_fwd.ForwardLaunch` of `forward`'s call configuration. `page_table`: k / v
     are paged caches, read by the kernel (`paged`) where their page size allows, else
-    gathered first (`launch.GatheredPages`). `append`: (k_new, v_new) written into the
+    gathered first (`launch_fwd.GatheredPages`). `append`: (k_new, v_new) written into the
     cache by the kernel (`kv_append`), or by torch first where the pages are gathered."""
     from flash_cute.runtime.jit import current_target
 
@@ -55,8 +57,8 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     if page_table is not None and not pages_in_kernel(k.shape[1]):
         plan = functools.partial(plan_forward, schedule=schedule)
-        gathered = launch.GatheredPages(plan, q, k, v, problem, lengths, page_table)
-        return gathered if append is None else launch.AppendFirst(gathered)
+        gathered = launch_fwd.GatheredPages(plan, q, k, v, problem, lengths, page_table)
+        return gathered if append is None else launch_fwd.AppendFirst(gathered)
     pack = launch.packed_heads(problem, PACK_ROWS, FWD_SCHEDULES[problem.hdim].tile_m)
     short = short_causal(problem.causal, problem.max_seqlen_q * pack, problem.max_seqlen_k)
 
@@ -70,7 +72,7 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
     if splits is not None:
         # Split partials leave by row stores (`HopperFwd._rows_past_sequence`).
         chosen = pick(True)
-    return launch.ForwardLaunch("hopper.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
+    return launch_fwd.ForwardLaunch("hopper.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
                                 cu_seqlens_k, seqused_q, seqused_k, chosen, COMPILE_OPTIONS,
                                 target, prepare=tma_ready, pack_gqa=pack, splits=splits,
                                 page_table=page_table, append=append,
@@ -86,7 +88,7 @@ def pages_in_kernel(page_size: int) -> bool:
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
              schedule=None, rng_seed=None):
-    """(dq, dk, dv) through `HopperBwd` (see `flash_cute.runtime.launch.BackwardLaunch`); `deterministic`
+    """(dq, dk, dv) through `HopperBwd` (see `flash_cute.runtime.launch_bwd.BackwardLaunch`); `deterministic`
     makes dQ bitwise reproducible. `schedule` overrides the `config.BwdSchedule` for
     ablations."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
@@ -96,8 +98,8 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
 
 def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
                   cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
-                  schedule=None) -> launch.BackwardLaunch:
-    """The `launch.BackwardLaunch` of `backward`'s call configuration."""
+                  schedule=None) -> launch_bwd.BackwardLaunch:
+    """The `launch_bwd.BackwardLaunch` of `backward`'s call configuration."""
     from flash_cute.runtime.jit import current_target
 
     target = current_target()
@@ -109,14 +111,14 @@ def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_s
                                   SHORT_CAUSAL_BWD_ROWS),
                      None if schedule is None else tuple(schedule), target,
                      problem.dropout_p > 0, problem.mods is not None)
-    return launch.BackwardLaunch(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
+    return launch_bwd.BackwardLaunch(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
                                  cu_seqlens_k, seqused_q, seqused_k, deterministic)
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, schedule, target: str,
               dropout: bool = False, mods: bool = False):
-    """The `launch.BackwardPlan` of a backward configuration, worked out once: the schedule
+    """The `launch_bwd.BackwardPlan` of a backward configuration, worked out once: the schedule
     (`schedule` or the head dim's default, `short`: `config.short_causal`), where the dQ tile
     fits in shared memory the fragment-order dQaccum (`TiledDqAccum`), else one laid out like
     q, and `config.bwd_compile_options`; LSE₂ and Δ rows 16-byte aligned for their TMA."""
@@ -124,8 +126,8 @@ def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, schedule, targe
 
     schedule = BwdSchedule(*(schedule or bwd_schedule(hdim, varlen, short, dropout, mods)))
     dq_accum = (TiledDqAccum.of(schedule, hdim)
-                if bwd_smem_plan(hdim, hdim_v, schedule).dq_tma else launch.RowDqAccum(16))
-    return launch.BackwardPlan("hopper.bwd", _BWD_KERNEL, tuple(schedule),
+                if bwd_smem_plan(hdim, hdim_v, schedule).dq_tma else launch_bwd.RowDqAccum(16))
+    return launch_bwd.BackwardPlan("hopper.bwd", _BWD_KERNEL, tuple(schedule),
                                bwd_compile_options(schedule), target, prepare=tma_ready,
                                dq_accum=dq_accum, row_stats_align=16)
 

@@ -13,12 +13,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from flash_cute.variants import mod_graph
-from flash_cute.api import ops
+from flash_cute.variants import derivative, registry
+from flash_cute.api import ops  # noqa: F401 - registers torch.ops.flash_cute
 from flash_cute.runtime import paging, plans  # noqa: F401 - ops registers torch.ops.flash_cute
 from flash_cute.runtime.plans import check_inputs, clear_plans  # noqa: F401 - public here
 from flash_cute.reference.rng import draw_seed
-from flash_cute.runtime.validation import _check_dropout_p, check_splits, _normalize_mask, _real, validate_attention_inputs
+from flash_cute.runtime.checks import check_dropout_p, normalize_mask, real
+from flash_cute.runtime.problem import check_splits, validate_attention_inputs
 
 
 class _FlashAttnFunc(torch.autograd.Function):
@@ -29,7 +30,7 @@ class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, options, variant,
                 dropout_p, rng_seed, splits, *learned):
-        """`learned`: the mods' learnable captured tensors (`mod_graph.learnable`), inputs
+        """`learned`: the mods' learnable captured tensors (`derivative.learnable`), inputs
         here so that their gradients reach them."""
         fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
         out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options,
@@ -39,7 +40,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         ctx.options, ctx.variant, ctx.dropout_p = options, variant, dropout_p
         # The mods' registry entry lives as long as what it was built from: kept here for the
         # backward (a block mask built inline in the call is gone by then).
-        ctx.holders = mod_graph.holders(variant)
+        ctx.holders = registry.holders(variant)
         ctx.learned = len(learned)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -379,7 +380,7 @@ def _variant_key(score_mod, mask_mod, softcap, block_mask=None, alibi_slopes=Non
     if torch.compiler.is_compiling():
         # A trace cannot trace the tracer: the mods must have been registered already (a
         # first eager call, or `flash_cute.variants.mod_graph.register`).
-        key = mod_graph.registered(score_mod, mask_mod, block_mask)
+        key = registry.registered(score_mod, mask_mod, block_mask)
         if key is None:
             raise RuntimeError("score_mod / mask_mod under torch.compile: register them first "
                                "with flash_cute.variants.mod_graph.register(score_mod, mask_mod) (or "
@@ -400,7 +401,7 @@ def _alibi_key(slopes, score_mod, mask_mod, block_mask, batch, heads) -> int:
                else type(slopes).__name__)
         raise ValueError(f"alibi_slopes must be fp32 [nheads={heads}] or [batch={batch}, "
                          f"nheads={heads}], got {got}")
-    return mod_graph.register_alibi(slopes, mask_mod, block_mask)
+    return registry.register_alibi(slopes, mask_mod, block_mask)
 
 
 def _check_block_mask(block_mask, q, k) -> None:
@@ -461,19 +462,19 @@ def _fa4_key(score_mod, mask_mod, softcap, block_mask, alibi_slopes, score_mod_b
         raise ValueError("softcap with a score_mod: write the softcap inside the mod")
     if torch.compiler.is_compiling():
         raise NotImplementedError("FA4-form mods under torch.compile: not built yet")
-    return mod_graph.register_fa4(score_mod, mask_mod, score_mod_bwd, aux_tensors, aux_scalars,
+    return registry.register_fa4(score_mod, mask_mod, score_mod_bwd, aux_tensors, aux_scalars,
                                   block_mask)
 
 
 def _checked_variant_key(score_mod, mask_mod, softcap, block_mask=None) -> int:
-    """The registry key of FlexAttention-form mods (`flash_cute.variants.mod_graph`)."""
-    key = mod_graph.registered(score_mod, mask_mod, block_mask)
+    """The registry key of FlexAttention-form mods (`flash_cute.variants.tracer`)."""
+    key = registry.registered(score_mod, mask_mod, block_mask)
     if key is not None and not (score_mod is not None and softcap):
         return key   # checked when it was registered
     if score_mod is not None and softcap:
         raise ValueError("softcap with a score_mod: write the softcap inside the mod "
                          "(cap * torch.tanh(score / cap))")
-    return mod_graph.register(score_mod, mask_mod, block_mask)
+    return registry.register(score_mod, mask_mod, block_mask)
 
 
 def _refuse_unbuilt(args: dict) -> None:
@@ -529,12 +530,12 @@ def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scal
 
 
 def _learned(variant: int) -> tuple:
-    """The call's learnable captured tensors (`mod_graph.learnable`) while autograd records:
+    """The call's learnable captured tensors (`derivative.learnable`) while autograd records:
     inputs of the autograd Function, so that their gradients reach them (under torch.compile
     too)."""
     if not variant or not torch.is_grad_enabled():
         return ()
-    return mod_graph.learnable(mod_graph.lookup(variant))
+    return derivative.learnable(registry.lookup(variant))
 
 
 def check_sink(sink, q) -> None:
@@ -593,7 +594,7 @@ def _dropout(dropout_p, q) -> tuple:
     """(dropout_p as a float, the call's seed or None)."""
     if dropout_p is None or (type(dropout_p) in (int, float) and dropout_p == 0):
         return 0.0, None
-    p = _check_dropout_p(dropout_p)
+    p = check_dropout_p(dropout_p)
     return (p, draw_seed(q.device)) if p > 0 else (0.0, None)
 
 
@@ -627,9 +628,9 @@ def _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, sof
             and type(softcap) in _OPT_REAL[1:] and type(softmax_scale) in _OPT_REAL
             and type(pack_gqa) in _OPT_BOOL and type(max_seqlen_q) in _OPT_INT
             and type(max_seqlen_k) in _OPT_INT and (arch is None or type(arch) is str)):
-        causal, left, right = _normalize_mask(causal, window_size)
-        softcap = _real("softcap", softcap)
-        softmax_scale = None if softmax_scale is None else _real("softmax_scale", softmax_scale)
+        causal, left, right = normalize_mask(causal, window_size)
+        softcap = real("softcap", softcap)
+        softmax_scale = None if softmax_scale is None else real("softmax_scale", softmax_scale)
         max_seqlen_q, max_seqlen_k = (None if m is None else int(m)
                                       for m in (max_seqlen_q, max_seqlen_k))
         if pack_gqa is not None and not isinstance(pack_gqa, bool):

@@ -13,7 +13,7 @@ tensors, `torch.library.opcheck` and CUDA graphs see one operator per pass:
 
 One schema serves the padded and the packed (varlen) layouts: the packed one passes
 cu_seqlens. ``bwd`` with ``mod_grads`` also returns the gradients of the score mod's
-learnable captured tensors (`mod_graph.learnable`: a learnable bias, ALiBi slopes), in that
+learnable captured tensors (`derivative.learnable`: a learnable bias, ALiBi slopes), in that
 order (``dmods``; empty without). ``variant`` is the key of the call's score/mask modifications in a registry (0:
 none), since Python objects cannot be schema arguments. ``dropout_p`` > 0 drops attention
 weights with the keep decisions `flash_cute.reference.rng` derives from ``rng_seed`` (int64 [1], drawn
@@ -23,7 +23,7 @@ forward's decisions from the same seed).
 
 import torch
 
-from flash_cute.variants import mod_graph
+from flash_cute.variants import derivative, registry
 from flash_cute.runtime import paging, plans
 from flash_cute.reference.attention import attention_ref, attention_ref_backward
 
@@ -59,8 +59,8 @@ _LIB.impl("bwd", plans.backward, "CUDA")
 
 
 def _variant(key: int):
-    """The `mod_graph.Variant` of a registry key (None for 0)."""
-    return mod_graph.lookup(key) if key else None
+    """The `registry.CallMods` of a registry key (None for 0)."""
+    return registry.lookup(key) if key else None
 
 
 def _page_table(options: tuple):
@@ -111,7 +111,7 @@ def _bwd_cpu(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options
     dropout = _dropout_of(options, _BWD_VARIANT)
     problem = _reference_problem(q, k, v, lengths, options, dropout)
     kwargs = _reference_kwargs(problem, lengths, options[_BWD_VARIANT], dropout[1])
-    learned = mod_graph.learnable(kwargs["variant"]) if plans.mod_grads_asked(options) else ()
+    learned = derivative.learnable(kwargs["variant"]) if plans.mod_grads_asked(options) else ()
     grads = {id(t): torch.zeros(t.shape, dtype=torch.float32) for t in learned}
     dq, dk, dv = attention_ref_backward(q, k, v, dout, dlse, aux_grads=grads, **kwargs)
     return (*(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v))),
@@ -141,7 +141,7 @@ def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *option
     _variant(options[_BWD_VARIANT])
     _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options,
                        _dropout_of(options, _BWD_VARIANT))
-    learned = (mod_graph.learnable(_variant(options[_BWD_VARIANT])) if plans.mod_grads_asked(options)
+    learned = (derivative.learnable(_variant(options[_BWD_VARIANT])) if plans.mod_grads_asked(options)
                else ())
     # Contiguous, whatever the inputs' strides, as the kernels' gradients are.
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
@@ -155,7 +155,7 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.paged = _page_table(inputs[7:]) is not None
     # Without needs_grad and the seed (saved above).
     ctx.options = inputs[7:17] + (inputs[18], dropout_p)
-    ctx.holders = mod_graph.holders(inputs[18])   # the mods' registry entry, for the backward
+    ctx.holders = registry.holders(inputs[18])   # the mods' registry entry, for the backward
     ctx.set_materialize_grads(False)
 
 

@@ -1,10 +1,10 @@
-"""Block: traced score and mask mods (`flash_cute.variants.mod_graph.KernelMods`) run inside a kernel.
+"""Block: traced score and mask mods (`flash_cute.contract.mods.KernelMods`) run inside a kernel.
 
 The graph is walked at trace time, once per score element of a thread's fragment, and each
 node becomes a few DSL operations on that element's (score, b, h, q_idx, kv_idx); nodes that
 vary with the row only (q_idx, loads indexed by it) are emitted once per row, those that vary
 with the column only (kv_idx, loads indexed by it) once per column, the rest once per tile
-(`levels`). Semantics follow `mod_graph.evaluate` (the CPU operators' and the
+(`levels`). Semantics follow `tracer.evaluate` (the CPU operators' and the
 reference's):
 
 * values are float32, int32 or bool; an int meets a float as float (torch's promotion), `/`
@@ -194,7 +194,7 @@ class GraphMods(DslState):
             varies = frozenset().union(*(level[i] for i in nodes))
             if not varies <= {"row", "col"}:
                 raise ValueError(f"a learnable load indexed by {sorted(varies)} "
-                                 "(`mod_graph._load_grads` refuses it)")
+                                 "(`kernel_view._load_grads` refuses it)")
             per_element = "row" in varies and "col" in varies
             col_sums = [Float32(0.0) for _ in range(n_cols)]
             total = Float32(0.0)

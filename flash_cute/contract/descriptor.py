@@ -26,7 +26,7 @@ PACK_GQA = "pack_gqa"  # a K/V head's query heads in one tile's rows, on request
 DETERMINISTIC = "deterministic"  # bitwise reproducible backward
 DROPOUT = "dropout"  # dropout of the attention weights in the kernels (`flash_cute.blocks.dropout`)
 # The forward writes a decode step's new K/V rows into the cache it reads (`kv_append`);
-# without it they are written by torch operations first (`launch.AppendFirst`).
+# without it they are written by torch operations first (`launch_fwd.AppendFirst`).
 APPEND = "append"
 # Traced score / mask mods in the score seam (`flash_cute.blocks.graph_mods`); a block mask's
 # block sparsity (its skipped and full blocks) is a capability of its own.

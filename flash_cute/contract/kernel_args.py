@@ -48,7 +48,7 @@ class FwdArgs(NamedTuple):
     k_new: Optional[Any] = None
     v_new: Optional[Any] = None
     # Traced mods (`Variant.mods`): the tensors they capture, contiguous, in `KernelMods.aux`
-    # order (`mod_graph.MAX_AUX` slots; unused ones None).
+    # order (`kernel_view.MAX_AUX` slots; unused ones None).
     aux0: Optional[Any] = None
     aux1: Optional[Any] = None
     aux2: Optional[Any] = None
@@ -63,7 +63,7 @@ class FwdArgs(NamedTuple):
     scalar1: Optional[Any] = None
     scalar2: Optional[Any] = None
     scalar3: Optional[Any] = None
-    # Split-KV merged by the forward itself (`launch.ForwardLaunch`'s `merge_in_kernel`): out
+    # Split-KV merged by the forward itself (`launch_fwd.ForwardLaunch`'s `merge_in_kernel`): out
     # and lse above are the partials, merged_out / merged_lse O and LSE, split_counts int32
     # [b * heads of a split * query tiles], zero before and after each launch.
     merged_out: Optional[Any] = None
@@ -74,7 +74,7 @@ class FwdArgs(NamedTuple):
 class BwdArgs(NamedTuple):
     """An attention backward main kernel: q/dout like q, k/v like k, dk/dv [.., h, d] (per query
     head; dtype, or fp32 for GQA), lse_log2 and delta like the forward's lse (`bwd_prep`),
-    dq_accum in the layout of the arch's `launch.BackwardPlan.dq_accum`, dq_semaphores (deterministic only) int32
+    dq_accum in the layout of the arch's `launch_bwd.BackwardPlan.dq_accum`, dq_semaphores (deterministic only) int32
     [b, h, ceil(max_seqlen_q / tile_m)]."""
     q: Any
     k: Any
@@ -114,7 +114,7 @@ class BwdArgs(NamedTuple):
 
 AUX_FIELDS = ("aux0", "aux1", "aux2", "aux3")
 SCALAR_FIELDS = ("scalar0", "scalar1", "scalar2", "scalar3")
-# Bytes per element of the captured tensors' dtypes (`mod_graph.AUX_DTYPES` names): the
+# Bytes per element of the captured tensors' dtypes (`kernel_view.AUX_DTYPES` names): the
 # alignment a kernel may assume of their data pointers.
 AUX_ALIGN = {"fp32": 4, "fp16": 2, "bf16": 2, "i32": 4, "i64": 8, "u8": 1}
 

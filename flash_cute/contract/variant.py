@@ -14,7 +14,7 @@ writes new keys and values (k_new / v_new, the last rows of each sequence's sequ
 the cache it reads (the decode step's in-place append, `flash_attn_with_kvcache`).
 `ex2_per16`: of every 16 scores of a thread's softmax row, how many take the FMA exp2
 instead of MUFU.EX2 (`flash_cute.blocks.exp2_emu`; 0: none). `mods`: the call's traced score and
-mask mods as the kernel compiles them (`flash_cute.variants.mod_graph.KernelMods`; their captured
+mask mods as the kernel compiles them (`flash_cute.contract.mods.KernelMods`; their captured
 tensors are run-time, `FwdArgs.aux0`..); its hash joins the flags.
 """
 

@@ -114,7 +114,7 @@ def _probs(scores, softmax_scale, causal, window_size, softcap, variant=None, ba
 
 
 def _mod_grids(scores, batch_index):
-    from flash_cute.variants.mod_graph import index_grids
+    from flash_cute.variants.tracer import index_grids
 
     grids = index_grids(batch_index, scores.shape[1], scores.shape[2], scores.shape[3],
                         device=scores.device)
@@ -123,11 +123,11 @@ def _mod_grids(scores, batch_index):
 
 
 def _apply_mods(variant, scores, mask, batch_index):
-    """A `mod_graph.Variant`'s score and mask mods on [b, h, sq, sk] scaled scores."""
+    """A `registry.CallMods`'s score and mask mods on [b, h, sq, sk] scaled scores."""
     if getattr(variant, "fa4", None) is not None:
         raise NotImplementedError("FA4-form (@cute.jit) mods run in the GPU kernels only; on "
                                   "CPU tensors write them in FlexAttention's form")
-    from flash_cute.variants.mod_graph import evaluate
+    from flash_cute.variants.tracer import evaluate
 
     grids = _mod_grids(scores, batch_index)
     if variant.score_mod is not None:
@@ -312,7 +312,7 @@ def attention_ref(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference attention; returns ``(out, lse)``. Differentiable through autograd.
 
-    ``variant``: a `mod_graph.Variant` (traced score and mask mods), applied to the scaled
+    ``variant``: a `registry.CallMods` (traced score and mask mods), applied to the scaled
     scores (b: the batch entry or sequence; q_idx, kv_idx: positions inside it).
     ``dropout``: (p, rng_seed): the attention weights dropped by the decisions the kernels
     draw from that seed (`flash_cute.reference.rng`), kept ones scaled by 1 / (1 - p); the LSE is the
@@ -371,7 +371,7 @@ def attention_ref_backward(
     (summed over each K/V head's query heads). It runs where autograd does not (inside an
     operator's kernel under a dispatch mode), and checks the kernels' formula against
     autograd of the forward. `aux_grads` ({id(tensor): zeroed tensor of its shape}): the
-    gradients of a score mod's learnable captured tensors (`mod_graph.learnable`) are added
+    gradients of a score mod's learnable captured tensors (`derivative.learnable`) are added
     there."""
     varlen = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if softmax_scale is None:
@@ -395,7 +395,7 @@ def attention_ref_backward(
 def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, softcap,
                     variant=None, dropout=None, aux_grads=None, batch_index=None):
     """The backward of `_attention_dense` ([b, s, h, d]; dlse [b, h, sq] or None); a score
-    mod's derivative comes from its graph (`mod_graph.score_derivative`). With dropout,
+    mod's derivative comes from its graph (`derivative.score_derivative`). With dropout,
     P̃ = Z ∘ P / (1 - p): dV = P̃ᵀ dO, dP = Z ∘ (dO Vᵀ) / (1 - p), dS = P ∘ (dP − Δ)."""
     hk = k.shape[2]
     group = q.shape[2] // hk
@@ -417,7 +417,7 @@ def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, sof
     if softcap > 0:
         ds = ds * (1 - (capped / softcap) ** 2)
     if aux_grads and variant is not None and variant.score_mod is not None:
-        from flash_cute.variants.mod_graph import accumulate_load_grads
+        from flash_cute.variants.derivative import accumulate_load_grads
 
         accumulate_load_grads(variant.score_mod, {"score": raw, **_mod_grids(raw, batch_index)},
                               ds, aux_grads)
@@ -431,7 +431,8 @@ def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, sof
 
 def _mod_derivative(graph, raw, batch_index):
     """d(score_mod)/d(score) at the scaled scores `raw` [b, h, sq, sk]."""
-    from flash_cute.variants.mod_graph import evaluate, score_derivative
+    from flash_cute.variants.derivative import score_derivative
+    from flash_cute.variants.tracer import evaluate
 
     aux = tuple(t.to(raw.device) for t in graph.aux)
     grad = evaluate(score_derivative(graph), {"score": raw, **_mod_grids(raw, batch_index)}, aux)

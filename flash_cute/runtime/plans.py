@@ -17,11 +17,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from flash_cute.variants import mod_graph
+from flash_cute.variants import derivative, kernel_view, registry
 from flash_cute.runtime import paging
 from flash_cute.runtime.dispatch import check_capabilities, select_backward_pipeline, select_pipeline
 from flash_cute.contract.descriptor import APPEND, Pipeline, required_capabilities
-from flash_cute.runtime.validation import AttentionProblem, check_index_contents, validate_attention_inputs, validate_backward_inputs
+from flash_cute.runtime.contents import check_index_contents
+from flash_cute.runtime.problem import AttentionProblem, validate_attention_inputs, validate_backward_inputs
 
 
 class _Plan(NamedTuple):
@@ -30,7 +31,7 @@ class _Plan(NamedTuple):
     pipeline: Pipeline
     bwd_pipeline: Optional[Pipeline]  # None when no gradient is needed
     deterministic: bool
-    launch: object  # the pipeline's `plan_forward` for the call (a `launch.ForwardLaunch`)
+    launch: object  # the pipeline's `plan_forward` for the call (a `launch_fwd.ForwardLaunch`)
 
 
 class _BoundedCache:
@@ -156,7 +157,7 @@ def validate_call(q, k, v, lengths: tuple, options: tuple, require_cuda: bool = 
 def _paged_view(q, k, v, lengths, page_table, require_cuda: bool):
     """The logical K, V and cu_seqlens_k of a paged call, after the checks of its real
     tensors."""
-    from flash_cute.runtime.validation import _check_devices, _check_memory_layout
+    from flash_cute.runtime.checks import check_devices, check_memory_layout
 
     cu_q, cu_k, used_q, used_k = lengths
     if cu_k is not None:
@@ -165,10 +166,10 @@ def _paged_view(q, k, v, lengths, page_table, require_cuda: bool):
     batch = q.shape[0] if cu_q is None else cu_q.shape[0] - 1
     paging.check_paged(k, v, page_table, batch)
     if require_cuda:
-        _check_devices(q=q, k=k, v=v, page_table=page_table, cu_seqlens_q=cu_q,
+        check_devices(q=q, k=k, v=v, page_table=page_table, cu_seqlens_q=cu_q,
                        seqused_q=used_q, seqused_k=used_k)
     for name, t in (("k", k), ("v", v)):
-        _check_memory_layout(name, t)
+        check_memory_layout(name, t)
     return paging.logical(k, v, page_table, cu_q is not None)
 
 
@@ -183,13 +184,13 @@ def _check_seed(rng_seed, q) -> None:
 
 def _with_mods(problem, key: int, q, grads: bool = False):
     """`problem` with the call's mods (registry `key`; 0: none), after the kernels' checks:
-    what their graphs may use (`mod_graph.kernel_mods`) and where their tensors live;
+    what their graphs may use (`kernel_view.kernel_mods`) and where their tensors live;
     `grads`: a backward that also gives the learnable captured tensors' gradients."""
     if not key:
         return problem
-    variant = mod_graph.lookup(key)
-    grads = grads and bool(mod_graph.learnable(variant))
-    aux = mod_graph.kernel_mods(variant, grads)[1]
+    variant = registry.lookup(key)
+    grads = grads and bool(derivative.learnable(variant))
+    aux = kernel_view.kernel_mods(variant, grads)[1]
     for t in aux:
         if t.device != q.device:
             raise ValueError(f"a score_mod / mask_mod captures a tensor on {t.device}; the "
@@ -214,8 +215,8 @@ def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
     if needs_grad:
         # Refused now, before the forward runs, rather than in the backward.
         bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
-        if problem.mods is not None and mod_graph.learnable(problem.mods):
-            mod_graph.kernel_mods(problem.mods, True)   # what their gradients cannot be
+        if problem.mods is not None and derivative.learnable(problem.mods):
+            kernel_view.kernel_mods(problem.mods, True)   # what their gradients cannot be
     paged = {} if page_table is None else {"page_table": page_table}
     if append is not None:
         _check_append(k, v, lengths, append, problem)
@@ -224,7 +225,7 @@ def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
     with torch.cuda.device(q.device):
         launch = pipeline.plan_forward(q, k, v, problem, *lengths, **paged)
     if append is not None and APPEND not in pipeline.capabilities:
-        from flash_cute.runtime.launch import AppendFirst
+        from flash_cute.runtime.launch_fwd import AppendFirst
 
         launch = AppendFirst(launch)
     return _Plan(problem, pipeline, bwd_pipeline, bool(deterministic), launch)
@@ -349,7 +350,7 @@ def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
 
 
 def _same_learned(launch, key: int) -> bool:
-    learned = mod_graph.learnable(mod_graph.lookup(key))
+    learned = derivative.learnable(registry.lookup(key))
     return len(learned) == len(launch.aux.learned) and all(
         a is b for a, b in zip(learned, launch.aux.learned))
 

@@ -198,7 +198,8 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("bench decode needs a CUDA GPU", file=sys.stderr)
         return 2
-    from flash_cute.tools.bench import environment_info, make_timer
+    from flash_cute.tools.bench.measure import make_timer
+    from flash_cute.tools.bench.report import environment_info
 
     timer = make_timer(args.warmup, args.rep)
     read_rate = hbm_read_rate(timer)

@@ -140,7 +140,8 @@ def format_table(records: list) -> str:
 def run(args) -> int:
     import torch
 
-    from flash_cute.tools.bench import environment_info, load_provider
+    from flash_cute.tools.bench.providers import load_provider
+    from flash_cute.tools.bench.report import environment_info
 
     if not torch.cuda.is_available():
         print("bench latency needs a CUDA GPU", file=__import__("sys").stderr)

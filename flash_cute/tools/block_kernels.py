@@ -239,7 +239,7 @@ def exp2_emulated_on_gpu(x, degree: int = 3):
 
 class GraphModsKernel:
     """`GraphMods` over a whole [b, h, q, k] score tensor, for checking the block on hardware
-    against `mod_graph.evaluate` (`graph_mods_on_gpu`).
+    against `tracer.evaluate` (`graph_mods_on_gpu`).
 
     | warps | role                                                                      |
     |-------|---------------------------------------------------------------------------|
@@ -294,7 +294,7 @@ class GraphModsKernel:
 
 
 def graph_mods_on_gpu(variant, scores):
-    """(mods' output, their derivative in the score) of a registered `mod_graph.Variant` on
+    """(mods' output, their derivative in the score) of a registered `registry.CallMods` on
     CUDA float32 scores [b, h, q, k], as the kernels compute them (q_idx and kv_idx are the
     positions in the tensor; a mask mod's False gives -inf; the derivative is 1 where the
     score mod has none, or is a bias)."""
@@ -302,7 +302,7 @@ def graph_mods_on_gpu(variant, scores):
 
     from flash_cute.runtime.jit import CompileKey, TensorArg, current_target, launch_kernel
     from flash_cute.contract.kernel_args import AUX_ALIGN
-    from flash_cute.variants.mod_graph import aux_for_kernel, kernel_mods
+    from flash_cute.variants.kernel_view import aux_for_kernel, kernel_mods
 
     spec, aux = kernel_mods(variant)
     out, grad = torch.empty_like(scores), torch.empty_like(scores)

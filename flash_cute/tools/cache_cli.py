@@ -54,7 +54,7 @@ def _warm_here(args, target: str) -> list:
 
     from flash_cute.runtime.dispatch import pipeline_named
     from flash_cute.runtime.jit import compile_cache, compile_only
-    from flash_cute.runtime.validation import validate_attention_inputs
+    from flash_cute.runtime.problem import validate_attention_inputs
 
     pipeline = pipeline_named(args.arch) if args.arch else _pipeline_for(target)
     dtypes = _DTYPES if args.dtype == "both" else (args.dtype,)

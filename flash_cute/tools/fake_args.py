@@ -108,7 +108,7 @@ def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(
                        semaphores: bool = False, dropout: bool = False,
                        mods=None) -> BwdArgs:
     """A backward record of fake tensors, as `fake_forward_args`. The alignments are those the
-    arch's launch promises (`launch.BackwardPlan`); `dq_accum_cols`: dQaccum as [.., h, cols]
+    arch's launch promises (`launch_bwd.BackwardPlan`); `dq_accum_cols`: dQaccum as [.., h, cols]
     fragment-order tiles (`arch.hopper.dq_accum`) instead of laid out like q; `semaphores`:
     the deterministic backward's dQ semaphores; `mods`: a `KernelMods`, with its aux
     tensors."""

@@ -115,7 +115,7 @@ _SPECS = {}
 
 
 def example_spec(name: str):
-    """The `mod_graph.KernelMods` of example `name` (as `variants.examples.by_name` builds
+    """The `contract.mods.KernelMods` of example `name` (as `variants.examples.by_name` builds
     it); a name ending in "+blocks" adds the block mask `create_block_mask` makes of its mask mod (the
     kernels' block sparsity); one ending in "+grads" is a backward's with its float captured
     tensors learnable (their gradients accumulated, `KernelMods.aux_grads`); one starting
@@ -128,13 +128,15 @@ def example_spec(name: str):
         scalars = rest[0] if rest else ()
         if not name.endswith("+blocks"):
             return fa4_spec(score, mask, bwd, aux, scalars)
-        # A block mask's states join the aux tensors last (`mod_graph.register_fa4`).
+        # A block mask's states join the aux tensors last (`registry.register_fa4`).
         return fa4_spec(score, mask, bwd, aux + (("i32", 4),), scalars, (128, 128))
     if name not in _SPECS:
         import torch
 
         from flash_cute.variants.examples import by_name
-        from flash_cute.variants.mod_graph import Variant, kernel_mods, trace
+        from flash_cute.variants.kernel_view import kernel_mods
+        from flash_cute.variants.registry import CallMods
+        from flash_cute.variants.tracer import trace
 
         examples = by_name()
         grads = name.endswith("+grads")
@@ -152,7 +154,7 @@ def example_spec(name: str):
 
             block_mask = create_block_mask(mask, 1, 1, 256, 256, device="cpu")
             states, size = block_states(block_mask).to(torch.int32), (128, 128)
-        variant = Variant(None if score is None else trace(score, "score"),
+        variant = CallMods(None if score is None else trace(score, "score"),
                           None if mask is None else trace(mask, "mask"), states, size)
         _SPECS[name] = kernel_mods(variant, grads)[0]
     return _SPECS[name]

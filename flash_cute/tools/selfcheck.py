@@ -103,7 +103,7 @@ def run(args) -> int:
         return 1
     if args.no_bench:
         return 0
-    from flash_cute.tools import bench
+    from flash_cute.tools.bench import cli as bench
 
     # torch's own backends only: FA4 compiles its kernels on every run (its disk cache is
     # opt-in), which would make this quick check slow; `bench` times it.

@@ -1,6 +1,6 @@
 """Documented score and mask mods, in FlexAttention's form: each factory returns the plain torch
 function a user would pass to `torch.nn.attention.flex_attention`, and flash-cute runs it
-unchanged (`flash_attn_func(..., score_mod=..., mask_mod=...)`, traced by `mod_graph`).
+unchanged (`flash_attn_func(..., score_mod=..., mask_mod=...)`, traced by `tracer`).
 
     from flash_cute import flash_attn_func
     from flash_cute.variants.examples import alibi, document_mask
@@ -10,7 +10,7 @@ unchanged (`flash_attn_func(..., score_mod=..., mask_mod=...)`, traced by `mod_g
 
 Captured tensors stay run-time kernel arguments (a learnable table is read as it is at each
 call); captured Python numbers become compile-time constants of the kernel. `tools.kernel_config.example_spec`
-gives `inspect`'s registry the kernels' view of each (`mod_graph.KernelMods`).
+gives `inspect`'s registry the kernels' view of each (`contract.mods.KernelMods`).
 """
 
 import torch
