@@ -24,7 +24,6 @@ import tempfile
 
 from flash_cute.tools.bench.report import tree_ab_table
 
-
 _WHERE = "import os, flash_cute.arch as a; print(os.path.realpath(a.__file__))"
 
 

@@ -12,8 +12,8 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute.arch.ampere import planner as api
-from flash_cute.tools.bench.report import markdown_table
 from flash_cute.runtime.problem import validate_attention_inputs
+from flash_cute.tools.bench.report import markdown_table
 
 CANDIDATES = {
     64: [(128, 128, 8), (128, 64, 8), (128, 64, 4), (64, 128, 4), (128, 128, 4)],

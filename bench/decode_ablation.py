@@ -15,12 +15,12 @@ import argparse
 
 import torch
 
-from flash_cute.runtime import plans, splits
+from flash_cute.api.kvcache import flash_attn_with_kvcache
 from flash_cute.arch.hopper import planner as hopper_api
 from flash_cute.arch.hopper.config import DECODE_PAIR
+from flash_cute.runtime import plans, splits
 from flash_cute.tools.bench.measure import make_timer
 from flash_cute.tools.bench_decode import HDIM, HEADS, HEADS_KV, _paged, cache_bytes, gbps
-from flash_cute.api.kvcache import flash_attn_with_kvcache
 
 VARIANTS = ("base", "stages3", "x2", "half", "nosplit", "cta2")
 

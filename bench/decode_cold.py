@@ -9,7 +9,15 @@ import argparse
 import torch
 import triton.testing
 
-from flash_cute.tools.bench_decode import HDIM, HEADS, HEADS_KV, _calls, cache_bytes, cold_graph_ms, gbps
+from flash_cute.tools.bench_decode import (
+    HDIM,
+    HEADS,
+    HEADS_KV,
+    _calls,
+    cache_bytes,
+    cold_graph_ms,
+    gbps,
+)
 
 
 def main():

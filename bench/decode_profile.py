@@ -11,8 +11,8 @@ import torch
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
-from flash_cute.tools.bench_decode import _paged, cold_graph_ms
 from flash_cute.api.kvcache import flash_attn_with_kvcache
+from flash_cute.tools.bench_decode import _paged, cold_graph_ms
 
 
 def main():

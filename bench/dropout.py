@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute import flash_attn_func
-from flash_cute.reference import rng
 from flash_cute.arch.hopper import planner as api
 from flash_cute.arch.hopper.config import BWD_SCHEDULES
+from flash_cute.reference import rng
+from flash_cute.runtime.problem import validate_attention_inputs
 from flash_cute.tools.bench.measure import interleaved_times, make_timer, spread_pct
 from flash_cute.tools.bench.report import markdown_table
-from flash_cute.runtime.problem import validate_attention_inputs
 
 
 def _fwd_bwd(run, q, k, v):

@@ -14,10 +14,10 @@ import os
 
 import torch
 
+from flash_cute.contract.variant import EX2_EMULATION_ENV
+from flash_cute.runtime.problem import validate_attention_inputs
 from flash_cute.tools.bench.measure import ablation_rows, make_timer
 from flash_cute.tools.bench.report import ablation_table
-from flash_cute.runtime.problem import validate_attention_inputs
-from flash_cute.contract.variant import EX2_EMULATION_ENV
 
 
 def planned(api, q, k, v, problem, per16: int):

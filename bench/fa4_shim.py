@@ -12,9 +12,8 @@ counts, swaps, `_arch`) are FA4's own and ignored; features flash-cute lacks rai
 NotImplementedError from flash-cute, naming them. FA4's block-sparsity tensors become a
 block mask (`flash_cute.variants.block_mask.from_fa4`; the backward's are key-major)."""
 
-import torch
-
 import flash_attn.cute.interface as fa4
+import torch
 
 import flash_cute
 from flash_cute.api import interface as fc

@@ -20,10 +20,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute.arch.hopper import planner as api
 from flash_cute.arch.hopper.config import FWD_SCHEDULES, FwdSchedule, with_switches
+from flash_cute.runtime.problem import validate_attention_inputs
 from flash_cute.tools.bench.measure import ablation_rows, make_timer
 from flash_cute.tools.bench.report import ablation_table
-from flash_cute.runtime.problem import validate_attention_inputs
-
 
 _SWITCHES = {"ov": "intra_wg_overlap", "pp": "pingpong", "ps": "persistent",
              "persistent": "persistent"}

@@ -17,10 +17,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flash_cute import flash_attn_func
+from flash_cute.runtime.problem import validate_attention_inputs
 from flash_cute.tools.bench.measure import ablation_rows, make_timer
 from flash_cute.tools.bench.report import ablation_table
 from flash_cute.tools.kernel_config import schedule_label
-from flash_cute.runtime.problem import validate_attention_inputs
 
 
 def _parse_schedule(pipeline: str, text: str):

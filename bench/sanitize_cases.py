@@ -107,8 +107,7 @@ def decode() -> torch.Tensor:
 def _zero_tma_outputs() -> None:
     """Fill O, dK and dV with zeros (a torch kernel: initcheck sees that) as they are
     allocated; every other buffer keeps its real allocation, so initcheck still checks it."""
-    from flash_cute.runtime import launch_bwd
-    from flash_cute.runtime import launch_fwd
+    from flash_cute.runtime import launch_bwd, launch_fwd
 
     fwd_alloc, dkv_alloc = launch_fwd.ForwardLaunch._alloc, launch_bwd.BackwardLaunch._alloc_dkv
 

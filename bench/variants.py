@@ -26,9 +26,10 @@ import dataclasses
 import torch
 
 from flash_cute import flash_attn_func
-from flash_cute.variants import examples as mod_examples, registry
 from flash_cute.tools.bench.measure import interleaved_times, make_timer
 from flash_cute.tools.bench.report import markdown_table
+from flash_cute.variants import examples as mod_examples
+from flash_cute.variants import registry
 
 
 def _cases(batch, seqlen, nheads):

@@ -8,8 +8,9 @@ name: the last two are edges "by name", the only way the runtime may reach a ker
 """
 
 import ast
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 # Source folders and the package names they are installed as.

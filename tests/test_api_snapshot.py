@@ -11,7 +11,6 @@ import os
 import warnings
 from pathlib import Path
 
-
 SNAPSHOT = Path(__file__).with_name("api_snapshot.json")
 MODULES = ("flash_cute", "flash_cute.flash_attn_interface", "flash_cute.integrations.sdpa",
            "flash_cute.integrations.transformers")

@@ -10,11 +10,10 @@ import math
 
 import pytest
 import torch
+from attention_checks import check_forward
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
 from flash_cute.reference.attention import attention_ref, tolerance_check
-
-from attention_checks import check_forward
 
 pytestmark = pytest.mark.gpu
 

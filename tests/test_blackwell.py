@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from flash_cute.runtime import dispatch
 from flash_cute.arch.blackwell import config
 from flash_cute.arch.blackwell.inspect_configs import CONFIGS
+from flash_cute.runtime import dispatch
 
 
 def test_every_schedule_fits_tensor_and_shared_memory():
@@ -40,8 +40,7 @@ def test_default_exp2_share_is_fa4s_per_case():
 def test_blackwell_runs_only_when_named(capability):
     """Not hardware-tested: on a 10.x device dispatch picks the ampere code unless
     arch="blackwell" names it; its backward then runs in a pipeline that has one."""
-    from flash_cute.runtime.dispatch import AMPERE
-    from flash_cute.runtime.dispatch import BLACKWELL
+    from flash_cute.runtime.dispatch import AMPERE, BLACKWELL
     from flash_cute.runtime.problem import validate_attention_inputs
 
     capability(10, 0)
@@ -60,8 +59,7 @@ def test_blackwell_runs_only_when_named(capability):
 def test_an_environment_switch_admits_it_where_it_takes_the_problem(capability, monkeypatch):
     """FLASH_CUTE_ALLOW_UNTESTED=blackwell: dispatch picks it on 10.x for the head dims it
     has, and the ampere code for the others."""
-    from flash_cute.runtime.dispatch import AMPERE
-    from flash_cute.runtime.dispatch import BLACKWELL
+    from flash_cute.runtime.dispatch import AMPERE, BLACKWELL
     from flash_cute.runtime.problem import validate_attention_inputs
 
     capability(10, 0)
@@ -182,7 +180,7 @@ def _check_sass(entry, art):
     assert ops.get("UTCATOMSWS.FIND_AND_SET", 0) > 0 and ops.get("UTCATOMSWS.AND", 0) == 1
     assert ops.get("UTMALDG", 0) > 0 and ops.get("LDTM", 0) > 0 and ops.get("STTM", 0) > 0
     assert ops.get("HGMMA", 0) == 0 and ops.get("HMMA", 0) == 0
-    from test_inspect import known_spill   # the pinned spills, one list for every kernel
+    from test_inspect import known_spill  # the pinned spills, one list for every kernel
 
     if known_spill(_inspect_entry(entry)) is None:
         assert ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
@@ -227,10 +225,10 @@ def test_blackwell_takes_mods_and_block_masks():
     import dataclasses
 
     from flash_cute import create_block_mask
-    from flash_cute.variants import registry
-    from flash_cute.runtime.dispatch import BLACKWELL
     from flash_cute.contract.descriptor import required_capabilities
+    from flash_cute.runtime.dispatch import BLACKWELL
     from flash_cute.runtime.problem import validate_attention_inputs
+    from flash_cute.variants import registry
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
@@ -254,9 +252,9 @@ def test_a_block_mask_reaches_the_256_row_tiles_padded_with_empty_query_tiles():
 
     from flash_cute import create_block_mask
     from flash_cute.runtime import launch
+    from flash_cute.runtime.problem import validate_attention_inputs
     from flash_cute.variants import registry
     from flash_cute.variants.block_mask import EMPTY
-    from flash_cute.runtime.problem import validate_attention_inputs
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from flash_cute.reference.block_models import lse_merge as lse_merge_model
 from flash_cute.reference.attention import attention_mask
+from flash_cute.reference.block_models import lse_merge as lse_merge_model
 
 pytestmark = pytest.mark.gpu
 

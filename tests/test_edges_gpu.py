@@ -4,11 +4,10 @@ import threading
 
 import pytest
 import torch
+from attention_checks import check_forward
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
 from flash_cute.reference.attention import attention_ref, tolerance_check
-
-from attention_checks import check_forward
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from flash_cute.blocks.exp2_emu import emulated
-from flash_cute.reference.block_models import EXP2_POLY_MAX_REL_ERR, exp2_poly
 from flash_cute.contract.variant import Variant, ex2_emulation_per16, per16_of
+from flash_cute.reference.block_models import EXP2_POLY_MAX_REL_ERR, exp2_poly
 from flash_cute.tools.kernel_config import variant_from_flags
 
 

@@ -4,12 +4,11 @@ switch on against float64 by the FlashAttention rule (the ampere and hopper forw
 
 import pytest
 import torch
+from attention_checks import check_forward
 
 from flash_cute import flash_attn_func
-from flash_cute.runtime.plans import clear_plans
 from flash_cute.reference.block_models import exp2_poly
-
-from attention_checks import check_forward
+from flash_cute.runtime.plans import clear_plans
 
 pytestmark = pytest.mark.gpu
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flash_cute.blocks import fa4_mods
-from flash_cute.variants import fa4_spec
 from flash_cute.blocks.fa4_mods import UnsupportedFa4Mod, derivative
+from flash_cute.variants import fa4_spec
 
 NS = types.SimpleNamespace(where=torch.where, full_like=torch.full_like)
 MATH = types.SimpleNamespace(exp=torch.exp, exp2=torch.exp2, log=torch.log, log2=torch.log2,

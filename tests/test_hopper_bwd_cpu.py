@@ -8,8 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flash_cute.arch.hopper.config import (BWD_SUPPORTED_HDIMS, BWD_SCHEDULES, SMEM_CAPACITY,
-                                           BwdSchedule, bwd_mma_splits, bwd_smem_plan, do_stages)
+from flash_cute.arch.hopper.config import (
+    BWD_SCHEDULES,
+    BWD_SUPPORTED_HDIMS,
+    SMEM_CAPACITY,
+    BwdSchedule,
+    bwd_mma_splits,
+    bwd_smem_plan,
+    do_stages,
+)
 from flash_cute.contract.block_range import block_range, m_block_range
 from flash_cute.runtime.launch_bwd import backward_compile_key, dq_semaphores
 
@@ -139,9 +146,9 @@ def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
     SHORT_CAUSAL_BWD_ROWS query rows and keys; other head dims, varlen, longer and
     non-causal problems keep theirs; `api.plan_backward` hands the launcher a plan with that tile
     and the dQaccum layout of it."""
-    from flash_cute.runtime import jit, launch_bwd
     from flash_cute.arch.hopper import planner as api
     from flash_cute.arch.hopper.config import bwd_schedule
+    from flash_cute.runtime import jit, launch_bwd
     from flash_cute.runtime.problem import validate_attention_inputs
 
     assert bwd_schedule(128, short=True) == BWD_SCHEDULES[128]._replace(tile_m=64)

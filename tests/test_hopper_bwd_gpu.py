@@ -160,8 +160,8 @@ def test_hopper_backward_every_schedule(tile, hdim, kw):
     through shared memory), with 64, 80 or 128 query rows, dK/dV transposed with 48 or 96
     keys: every schedule passes the float64 rule (301 queries and 413 keys: a partial last
     tile of each size)."""
-    from flash_cute.arch.hopper.planner import backward
     from flash_cute.arch.hopper.config import BwdSchedule
+    from flash_cute.arch.hopper.planner import backward
 
     q, k, v, dout = _inputs(2, 301, 413, 4, 2, hdim, hdim, torch.bfloat16, seed=hdim + tile[0])
     problem = validate_attention_inputs(q, k, v, **kw)
@@ -254,8 +254,8 @@ def test_each_dq_hand_over_is_deterministic_and_handles_varlen(tile, hdim, varle
     """deterministic=True with each way dQ leaves: dq_per_wg's two bulk adds per query tile
     inside one turn of the semaphore, one bulk add of the whole tile, fp32 atomics; bitwise
     equal over 5 runs, padded and varlen (tiles of different sequences)."""
-    from flash_cute.arch.hopper.planner import backward
     from flash_cute.arch.hopper.config import BwdSchedule
+    from flash_cute.arch.hopper.planner import backward
 
     if varlen:
         lens = [300, 0, 77, 513]

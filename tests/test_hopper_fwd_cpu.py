@@ -4,10 +4,20 @@ warpgroups, and what `HopperFwd` refuses before any compile."""
 
 import pytest
 
-from flash_cute.arch.hopper.config import (CTA_PAIR_SMEM, CTAS_PER_SM, DECODE_PAIR, PACK_ROWS,
-                                           ROLE_REGISTERS, SMEM_CAPACITY,
-                                           SUPPORTED_HDIMS, FWD_SCHEDULES, FwdSchedule, fwd_schedule,
-                                           smem_bytes, with_switches)
+from flash_cute.arch.hopper.config import (
+    CTA_PAIR_SMEM,
+    CTAS_PER_SM,
+    DECODE_PAIR,
+    FWD_SCHEDULES,
+    PACK_ROWS,
+    ROLE_REGISTERS,
+    SMEM_CAPACITY,
+    SUPPORTED_HDIMS,
+    FwdSchedule,
+    fwd_schedule,
+    smem_bytes,
+    with_switches,
+)
 
 
 @pytest.mark.parametrize("consumers", sorted(ROLE_REGISTERS))
@@ -70,8 +80,8 @@ def test_hopper_forward_dispatch_picks_the_short_causal_tile(monkeypatch):
     causal with 4 heads packed per tile (4k packed rows), or 1k queries on 4k keys."""
     import torch
 
-    from flash_cute.runtime import jit, launch_fwd
     from flash_cute.arch.hopper import planner as api
+    from flash_cute.runtime import jit, launch_fwd
     from flash_cute.runtime.problem import validate_attention_inputs
 
     seen = []

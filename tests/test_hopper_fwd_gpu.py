@@ -10,13 +10,11 @@ a tile the scheduler skips shows, and bitwise against one CTA per tile. Needs an
 
 import pytest
 import torch
-
-from flash_cute.runtime import launch_fwd
+from attention_checks import check_forward
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
+from flash_cute.runtime import launch_fwd
 from flash_cute.runtime.problem import validate_attention_inputs
-
-from attention_checks import check_forward
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from flash_cute.tools.registry import TARGETS, CONFIGS, registered_configs
+from flash_cute.tools.registry import CONFIGS, TARGETS, registered_configs
 from flash_cute.tools.sass import _sval_attrs, loop_bodies, opcode_counts
 
 
@@ -447,9 +447,8 @@ def test_hopper_bwd_waits_for_each_gemm_only_where_it_is_needed(tile, waits):
     fp32 P, dP and 16-bit P are never all live): S and dP are waited for before P's exp2 (at
     80 and 128 rows the other warpgroup's GEMMs fill that wait; session 14 in the archived log),
     and dK runs under dQ's way out."""
-    from flash_cute.tools.xcompile import compile_for_target
-
     from flash_cute.arch.hopper.config import BwdSchedule
+    from flash_cute.tools.xcompile import compile_for_target
 
     entry = next(c for c in registered_configs("hopper.bwd")
                if c.hdim == 128 and c.dtype == "bf16" and c.schedule == BwdSchedule(*tile)

@@ -5,19 +5,16 @@ import dataclasses
 import pytest
 import torch
 
-from flash_cute.runtime import launch_bwd, launch_fwd
-
 import flash_cute
 from flash_cute import create_block_mask
-from flash_cute.runtime import dispatch, plans
 from flash_cute.arch.ampere import planner as ampere_api
-from flash_cute.runtime.dispatch import AMPERE
-from flash_cute.runtime.launch import variant_of
-from flash_cute.tools.kernel_config import variant_from_flags
 from flash_cute.arch.hopper import planner as hopper_api
-from flash_cute.runtime.dispatch import HOPPER
 from flash_cute.contract.descriptor import required_capabilities
+from flash_cute.runtime import dispatch, launch_bwd, launch_fwd, plans
+from flash_cute.runtime.dispatch import AMPERE, HOPPER
+from flash_cute.runtime.launch import variant_of
 from flash_cute.runtime.problem import validate_attention_inputs
+from flash_cute.tools.kernel_config import variant_from_flags
 
 
 def _replace(monkeypatch, pipeline, **changes):
@@ -363,9 +360,9 @@ def test_every_compile_time_switch_is_in_the_cache_key():
     import dataclasses
     import itertools
 
-    from flash_cute.tools.kernel_config import example_spec
     from flash_cute.blocks.score import set_kernel_switches
     from flash_cute.contract.variant import Variant
+    from flash_cute.tools.kernel_config import example_spec
 
     seen = {}
     mods = {"mods": [None, example_spec("alibi"), example_spec("document")]}
@@ -453,9 +450,9 @@ def test_a_block_mask_the_heads_share_packs_and_one_per_head_does_not():
     import dataclasses
 
     from flash_cute import create_block_mask
+    from flash_cute.contract.block_range import tiles_nest
     from flash_cute.runtime import launch
     from flash_cute.variants import registry
-    from flash_cute.contract.block_range import tiles_nest
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx

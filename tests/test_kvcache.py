@@ -5,10 +5,9 @@ a written-out float64 reference."""
 import pytest
 import torch
 
-from flash_cute.runtime import launch_fwd
-
 import flash_cute
 from flash_cute.reference.attention import attention_ref, tolerance_check
+from flash_cute.runtime import launch_fwd
 
 BF16 = torch.bfloat16
 

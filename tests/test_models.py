@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from flash_cute.contract.block_range import BlockRange, block_runs
-from flash_cute.reference.block_models import EXP2_POLY_COEFFS, EXP2_POLY_MAX_REL_ERR, OnlineSoftmax, block_range, exp2_poly, lse_merge, tiled_attention_forward
 from flash_cute.reference.attention import attention_mask, attention_ref
+from flash_cute.reference.block_models import (
+    EXP2_POLY_COEFFS,
+    EXP2_POLY_MAX_REL_ERR,
+    OnlineSoftmax,
+    block_range,
+    exp2_poly,
+    lse_merge,
+    tiled_attention_forward,
+)
 
 LOG2_E = math.log2(math.e)
 

@@ -7,8 +7,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import flash_cute
-from flash_cute.variants import derivative, kernel_view, registry, tracer
 from flash_cute.reference.attention import tolerance_check
+from flash_cute.variants import derivative, kernel_view, registry, tracer
 
 H, K = 4, 45
 SLOPES = torch.rand(H, dtype=torch.float64) + 0.1
@@ -271,8 +271,8 @@ def test_gpu_pipelines_need_the_mods_and_block_sparse_capabilities():
     ampere have both."""
     import dataclasses
 
-    from flash_cute.runtime.dispatch import PIPELINES
     from flash_cute.contract.descriptor import BLOCK_SPARSE, MODS, required_capabilities
+    from flash_cute.runtime.dispatch import PIPELINES
     from flash_cute.runtime.problem import validate_attention_inputs
 
     q = torch.randn(1, 128, 2, 64, dtype=torch.bfloat16)
@@ -433,8 +433,8 @@ def test_kernel_tiles_and_narrowed_ranges_cover_exactly_the_non_empty_tiles():
     """A block mask as a kernel's tiles read it (`block_mask.kernel_tiles`): the ranges are
     the tightest holding every non-empty tile, per query tile and per key tile, and
     `block_range.narrow` / `narrow_pair` cut a kernel's range to them (empty where none)."""
-    from flash_cute.variants.block_mask import EMPTY, FULL, block_states, kernel_tiles
     from flash_cute.contract.block_range import block_range, narrow, narrow_pair, needs_mask
+    from flash_cute.variants.block_mask import EMPTY, FULL, block_states, kernel_tiles
 
     torch.manual_seed(5)
     keep = torch.rand(9, 9) < 0.3

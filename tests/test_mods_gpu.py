@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-from flash_cute.variants import examples as mod_examples, derivative, registry, tracer
 from flash_cute.reference.attention import attention_ref, tolerance_check
+from flash_cute.variants import derivative, registry, tracer
+from flash_cute.variants import examples as mod_examples
 
 pytestmark = pytest.mark.gpu
 

@@ -4,13 +4,12 @@ torch.compile(fullgraph=True, dynamic=True) of a transformer block."""
 
 import pytest
 import torch
+from attention_checks import AttentionBlock
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_cute
 from flash_cute import flash_attn_func, flash_attn_varlen_func
 from flash_cute.reference.attention import attention_ref, attention_ref_backward, tolerance_check
-
-from attention_checks import AttentionBlock
 
 BF16 = torch.bfloat16
 

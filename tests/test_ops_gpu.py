@@ -4,10 +4,9 @@ graph capture (issue 22)."""
 
 import pytest
 import torch
+from attention_checks import AttentionBlock, check_forward
 
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-
-from attention_checks import AttentionBlock, check_forward
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

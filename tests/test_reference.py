@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from flash_cute.reference.attention import attention_mask, attention_ref, normalize_window, score_attention_ref, tolerance_check
+from flash_cute.reference.attention import (
+    attention_mask,
+    attention_ref,
+    normalize_window,
+    score_attention_ref,
+    tolerance_check,
+)
 
 
 def _randn(gen, *shape, dtype=torch.float64):

@@ -10,7 +10,6 @@ import torch
 
 import flash_cute
 from flash_cute.api.interface import fold_sink
-from flash_cute.reference.attention import attention_ref
 
 
 def _explicit(q, k, v, sink, causal):

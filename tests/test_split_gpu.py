@@ -9,13 +9,12 @@ kernel against the float model. Needs a GPU (the hopper pipeline on sm90, else a
 
 import pytest
 import torch
+from attention_checks import check_forward
 
 import flash_cute
 from flash_cute import flash_attn_func, flash_attn_varlen_func
-from flash_cute.runtime import launch_fwd
 from flash_cute.reference.block_models import lse_merge as lse_merge_model
-
-from attention_checks import check_forward
+from flash_cute.runtime import launch_fwd
 
 pytestmark = pytest.mark.gpu
 
@@ -302,9 +301,9 @@ def decode_pair(monkeypatch):
     """The hopper forward planned with `config.DECODE_PAIR` (64-row tiles, one consumer
     warpgroup, two CTAs per SM), as `bench/decode_ablation.py`'s `cta2` plans it; plans built
     before and after stay apart."""
-    from flash_cute.runtime import plans
     from flash_cute.arch.hopper import planner as api
     from flash_cute.arch.hopper.config import DECODE_PAIR
+    from flash_cute.runtime import plans
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the hopper forward needs an sm90 GPU")

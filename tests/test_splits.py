@@ -8,7 +8,13 @@ from types import SimpleNamespace
 import pytest
 
 from flash_cute.contract.block_range import BlockRange, block_range, split_range
-from flash_cute.runtime.splits import MAX_SPLITS, Splits, num_splits_heuristic, plan_splits, visited_blocks
+from flash_cute.runtime.splits import (
+    MAX_SPLITS,
+    Splits,
+    num_splits_heuristic,
+    plan_splits,
+    visited_blocks,
+)
 
 
 def _random_range(rnd):

@@ -4,11 +4,17 @@ import random
 
 import pytest
 
-from flash_cute.contract.block_range import block_range
-from flash_cute.reference.block_models import schedule_makespan, tile_order
-from flash_cute.contract.tile_order import (DEFAULT_NUM_SMS, L2_KV_BYTES, TileOrder, floor_pow2,
-                                             launch_grid, pairs_per_section)
 from flash_cute.blocks.work_loop import num_sms
+from flash_cute.contract.block_range import block_range
+from flash_cute.contract.tile_order import (
+    DEFAULT_NUM_SMS,
+    L2_KV_BYTES,
+    TileOrder,
+    floor_pow2,
+    launch_grid,
+    pairs_per_section,
+)
+from flash_cute.reference.block_models import schedule_makespan, tile_order
 
 
 class Runtime:

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from flash_cute.runtime import contents
-from flash_cute.runtime.problem import AttentionProblem, validate_attention_inputs, validate_backward_inputs
+from flash_cute.runtime.problem import (
+    AttentionProblem,
+    validate_attention_inputs,
+    validate_backward_inputs,
+)
 
 F16 = torch.float16
 

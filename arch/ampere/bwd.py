@@ -13,15 +13,29 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_cute.blocks.dsl_state import DslState
-from flash_cute.contract.kernel_args import BwdArgs
-from flash_cute.contract.block_range import m_block_range, narrow_pair
-from flash_cute.blocks.bwd import atomic_add_rows, p_and_ds, p_and_ds_dropout, row_stats, store_acc_tile
+from flash_cute.blocks.bwd import (
+    atomic_add_rows,
+    p_and_ds,
+    p_and_ds_dropout,
+    row_stats,
+    store_acc_tile,
+)
 from flash_cute.blocks.dropout import Dropout
+from flash_cute.blocks.dsl_state import DslState
 from flash_cute.blocks.layouts import acc_to_mn, assume_aligned_strides, transpose_view
 from flash_cute.blocks.mask import AttentionMask
+from flash_cute.blocks.score import (
+    aux_tensors,
+    block_mask_parts,
+    block_mask_tensors,
+    block_ranges,
+    fold_scores,
+    set_kernel_switches,
+    tile_scores,
+)
 from flash_cute.blocks.seqlen import SeqInfo
-from flash_cute.blocks.score import aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores, set_kernel_switches
+from flash_cute.contract.block_range import m_block_range, narrow_pair
+from flash_cute.contract.kernel_args import BwdArgs
 from flash_cute.contract.variant import Variant
 
 from .config import BWD_SCHEDULES, bwd_smem_bytes

@@ -4,7 +4,6 @@ from sm80 on."""
 from flash_cute.contract import descriptor as caps
 from flash_cute.contract.descriptor import Descriptor
 
-
 AMPERE = Descriptor(
     name="ampere",
     majors=range(8, 13),

@@ -12,15 +12,23 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
-from flash_cute.contract.block_range import block_range, narrow, split_range
-from flash_cute.blocks.dsl_state import DslState
-from flash_cute.contract.kernel_args import FwdArgs
 from flash_cute.blocks.dropout import Dropout
+from flash_cute.blocks.dsl_state import DslState
 from flash_cute.blocks.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides
 from flash_cute.blocks.mask import AttentionMask
+from flash_cute.blocks.score import (
+    aux_tensors,
+    block_mask_parts,
+    block_mask_tensors,
+    block_ranges,
+    fold_scores,
+    set_kernel_switches,
+    tile_scores,
+)
 from flash_cute.blocks.seqlen import SeqInfo
-from flash_cute.blocks.score import aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores, set_kernel_switches
 from flash_cute.blocks.softmax import OnlineSoftmax, rescale_o
+from flash_cute.contract.block_range import block_range, narrow, split_range
+from flash_cute.contract.kernel_args import FwdArgs
 from flash_cute.contract.variant import Variant, kernel_head_dims
 
 from .config import FWD_SCHEDULES, fwd_smem_bytes

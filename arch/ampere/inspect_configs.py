@@ -16,8 +16,7 @@ _SWITCHES = {"causal": False, "local": False, "softcap": False, "varlen": False,
 def build_fwd(entry):
     """Fake padded or varlen Q/K/V/O/LSE (and seqused) with dynamic batch and lengths."""
     from flash_cute.runtime.jit import DTYPES
-    from flash_cute.tools.kernel_config import forward_spec
-    from flash_cute.tools.kernel_config import variant_from_flags
+    from flash_cute.tools.kernel_config import forward_spec, variant_from_flags
 
     from .fwd import AmpereFwd
 
@@ -30,8 +29,7 @@ def build_bwd(entry):
     """Fake padded or varlen tensors (and seqused) with dynamic batch, heads and lengths."""
     from flash_cute.runtime.jit import DTYPES
     from flash_cute.tools.fake_args import fake_backward_args
-    from flash_cute.tools.kernel_config import variant_from_flags
-    from flash_cute.tools.kernel_config import CompileSpec
+    from flash_cute.tools.kernel_config import CompileSpec, variant_from_flags
 
     from .bwd import AmpereBwd
 

@@ -2,16 +2,20 @@
 
 import functools
 
-from flash_cute.runtime import launch
-from flash_cute.runtime import launch_bwd
-from flash_cute.runtime import launch_fwd
-from flash_cute.runtime.splits import plan_splits
-from flash_cute.runtime.problem import AttentionProblem
-from flash_cute.contract.descriptor import Pipeline
 from flash_cute.arch.ampere.descriptor import AMPERE
+from flash_cute.contract.descriptor import Pipeline
+from flash_cute.runtime import launch, launch_bwd, launch_fwd
+from flash_cute.runtime.problem import AttentionProblem
+from flash_cute.runtime.splits import plan_splits
 
-from .config import (BWD_SCHEDULES, COMPILE_OPTIONS, SUPPORTED_HDIMS, FWD_SCHEDULES, bwd_smem_bytes,
-                     fwd_smem_bytes)
+from .config import (
+    BWD_SCHEDULES,
+    COMPILE_OPTIONS,
+    FWD_SCHEDULES,
+    SUPPORTED_HDIMS,
+    bwd_smem_bytes,
+    fwd_smem_bytes,
+)
 
 
 def check_supported(problem: AttentionProblem, device=None, backward: bool = False) -> None:

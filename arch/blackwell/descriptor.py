@@ -6,7 +6,6 @@ FLASH_CUTE_ALLOW_UNTESTED=blackwell."""
 from flash_cute.contract import descriptor as caps
 from flash_cute.contract.descriptor import Descriptor
 
-
 BLACKWELL = Descriptor(
     name="blackwell",
     majors=range(10, 11),

@@ -18,21 +18,39 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import TmemAllocator
 
 from flash_cute.arch.sm90plus.tma import COLS_FIRST, ROWS_FIRST, permute, smem_tile, tma_partition
-from flash_cute.contract.block_range import block_range, narrow_pair
 from flash_cute.blocks.dsl_state import DslState
-from flash_cute.contract.kernel_args import FwdArgs
 from flash_cute.blocks.layouts import assume_aligned_strides, pack_heads
 from flash_cute.blocks.mask import AttentionMask
-from flash_cute.blocks.score import aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores, set_kernel_switches
+from flash_cute.blocks.score import (
+    aux_tensors,
+    block_mask_parts,
+    block_mask_tensors,
+    block_ranges,
+    fold_scores,
+    set_kernel_switches,
+    tile_scores,
+)
 from flash_cute.blocks.seqlen import SeqInfo
 from flash_cute.blocks.softmax import LN_2, OnlineSoftmax
+from flash_cute.blocks.work_loop import for_each_tile, num_sms
+from flash_cute.contract.block_range import block_range, narrow_pair
+from flash_cute.contract.kernel_args import FwdArgs
 from flash_cute.contract.tile_order import TileOrder, launch_grid, pairs_per_section
 from flash_cute.contract.variant import Variant
-from flash_cute.blocks.work_loop import for_each_tile, num_sms
 
-from .config import (DEFAULT_NUM_SMS, FWD_SCHEDULES, Q_STAGES, RESCALE_THRESHOLD,
-                     ROLE_REGISTERS, SMEM_CAPACITY, STATIC_SMEM, TILE_M, FwdSchedule,
-                     smem_bytes, tmem_plan)
+from .config import (
+    DEFAULT_NUM_SMS,
+    FWD_SCHEDULES,
+    Q_STAGES,
+    RESCALE_THRESHOLD,
+    ROLE_REGISTERS,
+    SMEM_CAPACITY,
+    STATIC_SMEM,
+    TILE_M,
+    FwdSchedule,
+    smem_bytes,
+    tmem_plan,
+)
 
 # Warp roles (`BlackwellFwd` docstring).
 _SOFTMAX1_WARP = 4  # softmax i: warps 4i .. 4i+3

@@ -10,8 +10,7 @@ TARGETS = ("sm_100a",)
 def build_fwd(entry):
     """Fake padded or varlen Q/K/V/O/LSE with dynamic batch, heads and lengths."""
     from flash_cute.runtime.jit import DTYPES
-    from flash_cute.tools.kernel_config import forward_spec
-    from flash_cute.tools.kernel_config import variant_from_flags
+    from flash_cute.tools.kernel_config import forward_spec, variant_from_flags
 
     from .fwd import BlackwellFwd
 

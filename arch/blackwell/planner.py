@@ -1,16 +1,22 @@
 """Host entry of the Blackwell pipeline (forward only, compile-verified: it has not run on
 hardware, so dispatch takes it only when named, `Pipeline.hardware_tested`)."""
 
-from flash_cute.runtime import launch
-from flash_cute.runtime import launch_fwd
-from flash_cute.arch.sm90plus.host import tma_ready
-from flash_cute.runtime.problem import AttentionProblem
-from flash_cute.contract.variant import EX2_EMULATION_ENV
-from flash_cute.contract.descriptor import Pipeline
 from flash_cute.arch.blackwell.descriptor import BLACKWELL
+from flash_cute.arch.sm90plus.host import tma_ready
+from flash_cute.contract.descriptor import Pipeline
+from flash_cute.contract.variant import EX2_EMULATION_ENV
+from flash_cute.runtime import launch, launch_fwd
+from flash_cute.runtime.problem import AttentionProblem
 
-from .config import (COMPILE_OPTIONS, FWD_SCHEDULES, Q_STAGES, SUPPORTED_HDIMS, TILE_M,
-                     FwdSchedule, default_ex2_per16)
+from .config import (
+    COMPILE_OPTIONS,
+    FWD_SCHEDULES,
+    Q_STAGES,
+    SUPPORTED_HDIMS,
+    TILE_M,
+    FwdSchedule,
+    default_ex2_per16,
+)
 
 _FWD_KERNEL = launch.KernelRef("flash_cute.arch.blackwell.fwd", "BlackwellFwd")
 
@@ -36,8 +42,8 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
     is FA4's per case (`config.default_ex2_per16`) unless FLASH_CUTE_EX2_EMULATION sets one."""
     import os
 
-    from flash_cute.runtime.jit import current_target
     from flash_cute.contract.variant import ex2_emulation_per16
+    from flash_cute.runtime.jit import current_target
 
     target = current_target()
     if target != "sm_100a":

@@ -22,24 +22,67 @@ from cutlass import Float32, Int32, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from flash_cute.arch.sm90plus.barriers import named_barriers
-from flash_cute.arch.sm90plus.tma import (ROWS_FIRST, clear_tails, make_tma_pipelines, permute,
-                                          smem_tile, swizzled_layout, tma_load_atom,
-                                          tma_partition)
-from flash_cute.contract.block_range import m_block_range, narrow_pair
-from flash_cute.blocks.bwd import atomic_add_rows, dq_turn, ds_from_probs, p_and_ds, p_and_ds_dropout, pass_turn, probs, store_acc_tile, tile_row_values, wait_turn
+from flash_cute.arch.sm90plus.tma import (
+    ROWS_FIRST,
+    clear_tails,
+    make_tma_pipelines,
+    permute,
+    smem_tile,
+    swizzled_layout,
+    tma_load_atom,
+    tma_partition,
+)
+from flash_cute.blocks.bwd import (
+    atomic_add_rows,
+    dq_turn,
+    ds_from_probs,
+    p_and_ds,
+    p_and_ds_dropout,
+    pass_turn,
+    probs,
+    store_acc_tile,
+    tile_row_values,
+    wait_turn,
+)
 from flash_cute.blocks.dropout import Dropout
 from flash_cute.blocks.dsl_state import DslState
-from flash_cute.contract.kernel_args import BwdArgs
-from flash_cute.blocks.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, transpose_view
+from flash_cute.blocks.layouts import (
+    acc_to_mn,
+    acc_to_operand_a,
+    assume_aligned_strides,
+    transpose_view,
+)
 from flash_cute.blocks.mask import AttentionMask
+from flash_cute.blocks.score import (
+    aux_tensors,
+    block_mask_parts,
+    block_mask_tensors,
+    block_ranges,
+    fold_scores,
+    set_kernel_switches,
+    tile_scores,
+)
 from flash_cute.blocks.seqlen import SeqInfo
-from flash_cute.blocks.score import aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores, set_kernel_switches
+from flash_cute.contract.block_range import m_block_range, narrow_pair
+from flash_cute.contract.kernel_args import BwdArgs
 from flash_cute.contract.variant import Variant
 
-from .config import (BWD_CONSUMER_REGISTERS, BWD_CONSUMER_WARPGROUPS, BWD_NUM_THREADS,
-                     BWD_PRODUCER_REGISTERS, BWD_SCHEDULES, BWD_SUPPORTED_HDIMS, SMEM_CAPACITY,
-                     BwdSchedule, bwd_mma_splits, bwd_smem_plan, do_stages, dq_swapped,
-                     ds_stored_before_dv, stats_stage_rows)
+from .config import (
+    BWD_CONSUMER_REGISTERS,
+    BWD_CONSUMER_WARPGROUPS,
+    BWD_NUM_THREADS,
+    BWD_PRODUCER_REGISTERS,
+    BWD_SCHEDULES,
+    BWD_SUPPORTED_HDIMS,
+    SMEM_CAPACITY,
+    BwdSchedule,
+    bwd_mma_splits,
+    bwd_smem_plan,
+    do_stages,
+    dq_swapped,
+    ds_stored_before_dv,
+    stats_stage_rows,
+)
 from .dq_accum import DQ_THREADS, as_vectors, reduce_add_tile, thread_view
 from .row_copy import row_store, store_tile_rows
 from .wgmma import wgmma_slice

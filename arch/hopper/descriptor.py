@@ -4,7 +4,6 @@ on sm90 only (WGMMA and setmaxnreg exist there alone)."""
 from flash_cute.contract import descriptor as caps
 from flash_cute.contract.descriptor import Descriptor
 
-
 HOPPER = Descriptor(
     name="hopper",
     majors=range(9, 10),

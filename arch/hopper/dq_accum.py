@@ -29,8 +29,11 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode
-from cutlass.experimental.primitives.nvvm_wrapper import (CpReduceOp, CpReduceType,
-                                                          cp_reduce_async_bulk_global_shared_cta)
+from cutlass.experimental.primitives.nvvm_wrapper import (
+    CpReduceOp,
+    CpReduceType,
+    cp_reduce_async_bulk_global_shared_cta,
+)
 
 from flash_cute.arch.sm90plus.tma import smem_tile, swizzled_layout
 from flash_cute.blocks.layouts import assume_aligned_strides, transpose_view

@@ -25,29 +25,59 @@ from cutlass.tensor_utils import LayoutEnum
 
 from flash_cute.arch.sm90plus.barriers import named_barriers
 from flash_cute.arch.sm90plus.convert import convert_pairs
-from flash_cute.arch.sm90plus.tma import (COLS_FIRST, ROWS_FIRST, clear_tails, make_tma_pipelines,
-                                          packed_tma_atom, permute, smem_tile, tma_load_atom,
-                                          tma_partition)
-from flash_cute.contract.block_range import block_range, block_runs, narrow, split_range
+from flash_cute.arch.sm90plus.tma import (
+    COLS_FIRST,
+    ROWS_FIRST,
+    clear_tails,
+    make_tma_pipelines,
+    packed_tma_atom,
+    permute,
+    smem_tile,
+    tma_load_atom,
+    tma_partition,
+)
 from flash_cute.blocks.dropout import Dropout
 from flash_cute.blocks.dsl_state import DslState
-from flash_cute.contract.kernel_args import FwdArgs
 from flash_cute.blocks.kv_append import append_rows
-from flash_cute.blocks.layouts import acc_to_mn, acc_to_operand_a, assume_aligned_strides, pack_heads
+from flash_cute.blocks.layouts import (
+    acc_to_mn,
+    acc_to_operand_a,
+    assume_aligned_strides,
+    pack_heads,
+)
 from flash_cute.blocks.lse_merge import SplitArrivals, merge_rows
 from flash_cute.blocks.mask import AttentionMask
+from flash_cute.blocks.score import (
+    Scores,
+    aux_tensors,
+    block_mask_parts,
+    block_mask_tensors,
+    block_ranges,
+    fold_scores,
+    set_kernel_switches,
+    tile_scores,
+)
 from flash_cute.blocks.seqlen import SeqInfo
-from flash_cute.blocks.score import Scores, aux_tensors, block_mask_parts, block_mask_tensors, block_ranges, fold_scores, tile_scores, set_kernel_switches
 from flash_cute.blocks.softmax import OnlineSoftmax, rescale_o
+from flash_cute.blocks.work_loop import for_each_tile, num_sms
+from flash_cute.contract.block_range import block_range, block_runs, narrow, split_range
+from flash_cute.contract.kernel_args import FwdArgs
 from flash_cute.contract.tile_order import TileOrder, launch_grid, pairs_per_section
 from flash_cute.contract.variant import Variant, kernel_head_dims
-from flash_cute.blocks.work_loop import for_each_tile, num_sms
 
-from .config import (CTA_PAIR_SMEM, CTAS_PER_SM, FWD_SCHEDULES, PAGED_ROLE_REGISTERS,
-                     ROLE_REGISTERS, SMEM_CAPACITY, FwdSchedule, o_smem_tile, smem_bytes)
+from .config import (
+    CTA_PAIR_SMEM,
+    CTAS_PER_SM,
+    FWD_SCHEDULES,
+    PAGED_ROLE_REGISTERS,
+    ROLE_REGISTERS,
+    SMEM_CAPACITY,
+    FwdSchedule,
+    o_smem_tile,
+    smem_bytes,
+)
 from .paged import PagedBlocks, page_chunk, paged_tma_atoms
 from .wgmma import WARPGROUP_THREADS, wgmma_slice
-
 
 
 @named_barriers

@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from flash_cute.runtime.launch import KernelRef
 from flash_cute.contract.variant import dtype_name
+from flash_cute.runtime.launch import KernelRef
 
 _POSTPROCESS = KernelRef("flash_cute.arch.hopper.dq_accum", "HopperDqPostprocess")
 

@@ -2,8 +2,16 @@
 
 from flash_cute.tools.kernel_config import KernelConfig, config_flags
 
-from .config import (BWD_SCHEDULES, COMPILE_OPTIONS, DECODE_PAIR, FWD_SCHEDULES, BwdSchedule,
-                     bwd_compile_options, bwd_schedule, fwd_schedule)
+from .config import (
+    BWD_SCHEDULES,
+    COMPILE_OPTIONS,
+    DECODE_PAIR,
+    FWD_SCHEDULES,
+    BwdSchedule,
+    bwd_compile_options,
+    bwd_schedule,
+    fwd_schedule,
+)
 
 TARGETS = ("sm_90a",)
 
@@ -11,8 +19,7 @@ TARGETS = ("sm_90a",)
 def build_fwd(entry):
     """Fake padded or varlen Q/K/V/O/LSE with dynamic batch and lengths."""
     from flash_cute.runtime.jit import DTYPES
-    from flash_cute.tools.kernel_config import forward_spec
-    from flash_cute.tools.kernel_config import variant_from_flags
+    from flash_cute.tools.kernel_config import forward_spec, variant_from_flags
 
     from .fwd import HopperFwd, registers_per_role
 
@@ -27,8 +34,7 @@ def build_bwd(entry):
     and dQaccum layout `api.backward` promises (TMA-ready 16-byte rows of LSE₂, Δ, dQaccum)."""
     from flash_cute.runtime.jit import DTYPES
     from flash_cute.tools.fake_args import fake_backward_args
-    from flash_cute.tools.kernel_config import variant_from_flags
-    from flash_cute.tools.kernel_config import CompileSpec
+    from flash_cute.tools.kernel_config import CompileSpec, variant_from_flags
 
     from .bwd import HopperBwd, registers_per_role
 
@@ -52,11 +58,11 @@ def build_dq_postprocess(entry):
     """``hopper.bwd.dq_postprocess``: fake padded or varlen tensors."""
     from cutlass import Float32, Int32
 
+    from flash_cute.arch.hopper.host_dq_layout import TiledDqAccum
     from flash_cute.runtime.jit import DTYPES, dynamic_dim, fake_stream, fake_tensor
     from flash_cute.tools.kernel_config import CompileSpec
 
     from .dq_accum import HopperDqPostprocess
-    from flash_cute.arch.hopper.host_dq_layout import TiledDqAccum
 
     dtype = DTYPES[entry.dtype]
     varlen = entry.flag_dict["varlen"]

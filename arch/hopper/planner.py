@@ -2,20 +2,29 @@
 
 import functools
 
-from flash_cute.runtime import launch
-from flash_cute.runtime import launch_bwd
-from flash_cute.runtime import launch_fwd
+from flash_cute.arch.hopper.descriptor import HOPPER
 from flash_cute.arch.sm90plus.host import tma_ready
+from flash_cute.contract.descriptor import Pipeline
+from flash_cute.runtime import launch, launch_bwd, launch_fwd
+from flash_cute.runtime.problem import AttentionProblem
 from flash_cute.runtime.splits import plan_splits
 
-from flash_cute.runtime.problem import AttentionProblem
-from flash_cute.contract.descriptor import Pipeline
-from flash_cute.arch.hopper.descriptor import HOPPER
-
-from .config import (BWD_SUPPORTED_HDIMS, COMPILE_OPTIONS, CTAS_PER_SM, FWD_SCHEDULES,
-                     MIN_PAGE_ROWS, PACK_ROWS,
-                     SHORT_CAUSAL_BWD_ROWS, SUPPORTED_HDIMS, BwdSchedule, bwd_compile_options,
-                     bwd_schedule, bwd_smem_plan, fwd_schedule, short_causal)
+from .config import (
+    BWD_SUPPORTED_HDIMS,
+    COMPILE_OPTIONS,
+    CTAS_PER_SM,
+    FWD_SCHEDULES,
+    MIN_PAGE_ROWS,
+    PACK_ROWS,
+    SHORT_CAUSAL_BWD_ROWS,
+    SUPPORTED_HDIMS,
+    BwdSchedule,
+    bwd_compile_options,
+    bwd_schedule,
+    bwd_smem_plan,
+    fwd_schedule,
+    short_causal,
+)
 
 
 def check_supported(problem: AttentionProblem, device=None, backward: bool = False) -> None:

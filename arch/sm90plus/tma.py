@@ -11,7 +11,6 @@ from cutlass.tensor_utils import LayoutEnum
 
 from flash_cute.blocks.layouts import pack_heads
 
-
 # Mode orders that put (rows, cols) first, as TMA tiles the leading modes of a tensor, and
 # their inverses that give the kernel back the caller's order (so `SeqInfo` views apply).
 # Q, K: (b, s, h, d) -> (s, d, h, b); varlen (t, h, d) -> (t, d, h).

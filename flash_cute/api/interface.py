@@ -13,13 +13,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from flash_cute.variants import derivative, registry
 from flash_cute.api import ops  # noqa: F401 - registers torch.ops.flash_cute
-from flash_cute.runtime import paging, plans  # noqa: F401 - ops registers torch.ops.flash_cute
-from flash_cute.runtime.plans import check_inputs, clear_plans  # noqa: F401 - public here
 from flash_cute.reference.rng import draw_seed
+from flash_cute.runtime import paging, plans  # noqa: F401 - ops registers torch.ops.flash_cute
 from flash_cute.runtime.checks import check_dropout_p, normalize_mask, real
+from flash_cute.runtime.plans import check_inputs, clear_plans  # noqa: F401 - public here
 from flash_cute.runtime.problem import check_splits, validate_attention_inputs
+from flash_cute.variants import derivative, registry
 
 
 class _FlashAttnFunc(torch.autograd.Function):

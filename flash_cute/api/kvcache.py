@@ -31,8 +31,8 @@ from typing import Optional, Union
 
 import torch
 
-from flash_cute.runtime import paging
 from flash_cute.api.interface import _eager, attend_and_append, flash_attn_varlen_func
+from flash_cute.runtime import paging
 
 # Whether the attention kernel itself writes the appended k / v into the cache where it can
 # (`_kernel_appends`); off, torch operations write them first (tests compare the two).

@@ -23,9 +23,9 @@ forward's decisions from the same seed).
 
 import torch
 
-from flash_cute.variants import derivative, registry
-from flash_cute.runtime import paging, plans
 from flash_cute.reference.attention import attention_ref, attention_ref_backward
+from flash_cute.runtime import paging, plans
+from flash_cute.variants import derivative, registry
 
 # Options after the tensors, in the order both schemas take them.
 _OPTIONS = ("SymInt? max_seqlen_q, SymInt? max_seqlen_k, float? softmax_scale, bool causal, "

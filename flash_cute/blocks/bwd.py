@@ -10,9 +10,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_cute.contract.block_range import block_range
 from flash_cute.blocks.dropout import kept
 from flash_cute.blocks.layouts import acc_to_mn
+from flash_cute.contract.block_range import block_range
 
 
 @cute.jit

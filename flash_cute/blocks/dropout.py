@@ -26,8 +26,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, Uint64
 
-from flash_cute.contract.constants import PHILOX_M, PHILOX_ROUNDS, PHILOX_W
 from flash_cute.blocks.dsl_state import DslState
+from flash_cute.contract.constants import PHILOX_M, PHILOX_ROUNDS, PHILOX_W
 
 
 @cute.jit

@@ -33,6 +33,7 @@ from flash_cute.blocks.dsl_state import DslState
 from flash_cute.contract.block_range import tiles_nest
 from flash_cute.contract.mods import input_reads
 
+
 def levels(nodes: tuple, pack: int = 1) -> tuple:
     """Per node, what its value varies with: a subset of {"row", "col", "score"} (empty: the
     whole tile). q_idx varies by row, kv_idx by column; h by row only with packed GQA (a

@@ -18,8 +18,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_cute.contract.block_range import BlockRange, block_range
 from flash_cute.blocks.dsl_state import DslState
+from flash_cute.contract.block_range import BlockRange, block_range
 
 
 class AttentionMask(DslState):

@@ -25,14 +25,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flash_cute.contract.block_range import BlockRange, needs_mask
-from flash_cute.contract.constants import EMPTY, FULL
-from flash_cute.contract.mods import Fa4Spec
 from flash_cute.blocks.dsl_state import DslState
 from flash_cute.blocks.fa4_mods import Fa4Mods, Fa4SeqInfo
 from flash_cute.blocks.graph_mods import GraphMods
 from flash_cute.blocks.mask import AttentionMask
 from flash_cute.blocks.softmax import LOG2_E
+from flash_cute.contract.block_range import BlockRange, needs_mask
+from flash_cute.contract.constants import EMPTY, FULL
+from flash_cute.contract.mods import Fa4Spec
 
 
 class ScoreMod:

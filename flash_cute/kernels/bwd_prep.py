@@ -10,10 +10,9 @@ from cutlass import Float32, Int32
 
 from flash_cute.blocks.layouts import assume_aligned_strides
 from flash_cute.blocks.row_io import copy_rows, row_copy
-from flash_cute.contract.row_split import ROW_THREADS, VECTORS_PER_THREAD, row_split
 from flash_cute.blocks.seqlen import SeqInfo
 from flash_cute.blocks.softmax import LOG2_E
-
+from flash_cute.contract.row_split import ROW_THREADS, VECTORS_PER_THREAD, row_split
 
 # fp32 values per 128-bit zero store (`BwdPreprocessKernel.zero_fill`).
 _ZERO_VEC = 4

@@ -25,9 +25,8 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
-from flash_cute.contract.constants import EXP2_POLY_COEFFS
-
 from flash_cute.contract.block_range import block_range
+from flash_cute.contract.constants import EXP2_POLY_COEFFS
 from flash_cute.reference.attention import Window, attention_mask, normalize_window
 
 __all__ = [

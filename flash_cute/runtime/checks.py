@@ -10,7 +10,6 @@ import numbers
 
 import torch
 
-
 # TMA and 128-bit cp.async move 16 bytes at a time, so every row start the
 # kernels address must sit on a 16-byte boundary.
 ALIGN_BYTES = 16

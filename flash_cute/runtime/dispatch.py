@@ -17,8 +17,8 @@ import torch
 from flash_cute.arch.ampere.planner import PIPELINE as AMPERE
 from flash_cute.arch.blackwell.planner import PIPELINE as BLACKWELL
 from flash_cute.arch.hopper.planner import PIPELINE as HOPPER
-from flash_cute.runtime.device import capability_of
 from flash_cute.contract.descriptor import Pipeline, required_capabilities
+from flash_cute.runtime.device import capability_of
 
 PIPELINES = (BLACKWELL, HOPPER, AMPERE)
 # Compile-verified pipelines dispatch may also pick by itself (`admitted`).

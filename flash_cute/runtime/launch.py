@@ -6,13 +6,14 @@ the plan cache (`flash_cute.api.interface`): `ForwardLaunch` (one kernel) and `B
 
 
 import torch
+
 # Every launch calls a TVM-FFI function: importing it here, not at the first call, keeps its
 # tens of milliseconds out of that call (a kernel loaded from the disk cache then starts in a
 # few; docs/decisions.md, D-IMPORT).
 import tvm_ffi  # noqa: F401
 
-from flash_cute.runtime.kernel_ref import KernelRef  # noqa: F401  (planners name kernels by it)
 from flash_cute.contract.variant import Variant
+from flash_cute.runtime.kernel_ref import KernelRef  # noqa: F401  (planners name kernels by it)
 
 
 def variant_of(problem, pack_gqa: int = 1, split_kv: bool = False,
@@ -170,8 +171,8 @@ class CapturedTensors:
                      for t in self.learned)
 
     def fields(self) -> dict:
-        from flash_cute.runtime.jit import TensorArg
         from flash_cute.contract.kernel_args import SCALAR_FIELDS, aux_fields
+        from flash_cute.runtime.jit import TensorArg
 
         values = self.values(self.new_gradients())
         return {**aux_fields([TensorArg(t, t.element_size()) for t in values

@@ -17,12 +17,20 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from flash_cute.variants import derivative, kernel_view, registry
-from flash_cute.runtime import paging
-from flash_cute.runtime.dispatch import check_capabilities, select_backward_pipeline, select_pipeline
 from flash_cute.contract.descriptor import APPEND, Pipeline, required_capabilities
+from flash_cute.runtime import paging
 from flash_cute.runtime.contents import check_index_contents
-from flash_cute.runtime.problem import AttentionProblem, validate_attention_inputs, validate_backward_inputs
+from flash_cute.runtime.dispatch import (
+    check_capabilities,
+    select_backward_pipeline,
+    select_pipeline,
+)
+from flash_cute.runtime.problem import (
+    AttentionProblem,
+    validate_attention_inputs,
+    validate_backward_inputs,
+)
+from flash_cute.variants import derivative, kernel_view, registry
 
 
 class _Plan(NamedTuple):

@@ -38,9 +38,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flash_cute.runtime.checks import check_bwd_qkv_against_problem, check_devices, check_dropout_p, check_head_dims, check_lse, check_lse_layout, check_memory_layout, check_optional_tensor_args, check_out_and_dout, check_padded_metadata, check_qkv_dtypes, check_qkv_shapes, check_seqused, check_softcap, check_softmax_scale, check_tensor_args, check_varlen_metadata, is_varlen, normalize_mask
+from flash_cute.runtime.checks import (
+    check_bwd_qkv_against_problem,
+    check_devices,
+    check_dropout_p,
+    check_head_dims,
+    check_lse,
+    check_lse_layout,
+    check_memory_layout,
+    check_optional_tensor_args,
+    check_out_and_dout,
+    check_padded_metadata,
+    check_qkv_dtypes,
+    check_qkv_shapes,
+    check_seqused,
+    check_softcap,
+    check_softmax_scale,
+    check_tensor_args,
+    check_varlen_metadata,
+    is_varlen,
+    normalize_mask,
+)
 from flash_cute.runtime.contents import check_seqlen_contents
-
 
 __all__ = [
     "AttentionProblem",

@@ -165,8 +165,8 @@ def score_attention(scores, v, softmax_scale: float, causal: bool = False,
     """
     import torch
 
-    from flash_cute.runtime.jit import DTYPES, CompileKey, TensorArg, current_target, launch_kernel
     from flash_cute.contract.variant import dtype_name
+    from flash_cute.runtime.jit import DTYPES, CompileKey, TensorArg, current_target, launch_kernel
 
     left, right = window_size
     batch, seqlen_q, _ = scores.shape
@@ -300,8 +300,8 @@ def graph_mods_on_gpu(variant, scores):
     score mod has none, or is a bias)."""
     import torch
 
-    from flash_cute.runtime.jit import CompileKey, TensorArg, current_target, launch_kernel
     from flash_cute.contract.kernel_args import AUX_ALIGN
+    from flash_cute.runtime.jit import CompileKey, TensorArg, current_target, launch_kernel
     from flash_cute.variants.kernel_view import aux_for_kernel, kernel_mods
 
     spec, aux = kernel_mods(variant)

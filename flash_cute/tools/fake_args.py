@@ -7,7 +7,7 @@ from typing import Optional
 import cutlass
 from cutlass import Float32, Int32
 
-from flash_cute.contract.kernel_args import AUX_ALIGN, BwdArgs, FwdArgs, SCALAR_FIELDS, aux_fields
+from flash_cute.contract.kernel_args import AUX_ALIGN, SCALAR_FIELDS, BwdArgs, FwdArgs, aux_fields
 from flash_cute.runtime.jit import dynamic_dim, fake_tensor
 
 

@@ -4,6 +4,7 @@ kernels, listed here, and each pipeline's, listed with that pipeline
 """
 
 import importlib
+
 from flash_cute.runtime.dispatch import PIPELINES
 from flash_cute.tools.kernel_config import KernelConfig, config_flags
 
@@ -39,8 +40,8 @@ def build_lse_merge(entry):
     """``blocks.lse_merge`` with fake inputs in its layout (`lse_merge.LAYOUTS`)."""
     from cutlass import Float32
 
-    from flash_cute.runtime.jit import DTYPES, dynamic_dim, fake_stream, fake_tensor
     from flash_cute.kernels.lse_merge import LseMergeKernel
+    from flash_cute.runtime.jit import DTYPES, dynamic_dim, fake_stream, fake_tensor
     from flash_cute.tools.kernel_config import CompileSpec
 
     layout = entry.flag_dict.get("layout", "rows")
@@ -102,8 +103,8 @@ def build_exp2_emulated(entry):
     """``blocks.exp2_emulated`` over fake float32 vectors."""
     from cutlass import Float32
 
-    from flash_cute.tools.block_kernels import Exp2EmulatedKernel
     from flash_cute.runtime.jit import dynamic_dim, fake_stream, fake_tensor
+    from flash_cute.tools.block_kernels import Exp2EmulatedKernel
     from flash_cute.tools.kernel_config import CompileSpec
 
     n = dynamic_dim()
@@ -117,12 +118,11 @@ def build_graph_mods(entry):
     float32 scores."""
     from cutlass import Float32
 
-    from flash_cute.tools.block_kernels import GraphModsKernel
-    from flash_cute.runtime.jit import dynamic_dim, fake_stream, fake_tensor
     from flash_cute.contract.kernel_args import AUX_FIELDS
+    from flash_cute.runtime.jit import dynamic_dim, fake_stream, fake_tensor
+    from flash_cute.tools.block_kernels import GraphModsKernel
     from flash_cute.tools.fake_args import fake_aux
-    from flash_cute.tools.kernel_config import CompileSpec
-    from flash_cute.tools.kernel_config import example_spec
+    from flash_cute.tools.kernel_config import CompileSpec, example_spec
 
     spec = example_spec(entry.flag_dict["mods"])
     aux = fake_aux(spec)

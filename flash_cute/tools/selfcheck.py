@@ -50,8 +50,8 @@ def check_score_attention() -> bool:
 def check_lse_merge() -> bool:
     import torch
 
-    from flash_cute.runtime.lse_merge import lse_merge
     from flash_cute.reference.block_models import lse_merge as lse_merge_model
+    from flash_cute.runtime.lse_merge import lse_merge
 
     o_parts = torch.randn(3, 777, 128, device="cuda")
     lse_parts = torch.randn(3, 777, device="cuda") * 3

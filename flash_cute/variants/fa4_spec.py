@@ -9,6 +9,7 @@ from typing import Callable
 
 from flash_cute.contract.mods import Fa4Spec
 
+
 def identity(fn: Callable) -> str:
     """A hash of a function's code, source and closure constants (its compile-key part): the
     same function body with the same captured values compiles once. Kept per function object

@@ -16,7 +16,6 @@ from flash_cute.contract.mods import MASK_INPUTS, KernelMods, Node, input_reads
 from flash_cute.variants.derivative import learnable_loads, load_derivative, score_derivative
 from flash_cute.variants.tracer import OPS, ModGraph, UnsupportedMod
 
-
 # The kernels' limits: captured tensors per call, their dtypes (bool is read as uint8, int64
 # values as int32), and the exponents `pow` takes (constants only).
 MAX_AUX = 4

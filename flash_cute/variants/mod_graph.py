@@ -22,15 +22,43 @@ rebinding a name here changes nothing there. `INPUTS`, `LENGTH_INPUTS`, `MASK_IN
 this module always exported them.
 """
 
-from flash_cute.contract.mods import (INPUTS, LENGTH_INPUTS, MASK_INPUTS, KernelMods, Node,
-                                     input_reads)
-from flash_cute.variants.derivative import (accumulate_load_grads, derivative, learnable,
-                                            learnable_loads, load_derivative, score_derivative)
+from flash_cute.contract.mods import (
+                                     INPUTS,
+                                     LENGTH_INPUTS,
+                                     MASK_INPUTS,
+                                     KernelMods,
+                                     Node,
+                                     input_reads,
+)
+from flash_cute.variants.derivative import (
+                                     accumulate_load_grads,
+                                     derivative,
+                                     learnable,
+                                     learnable_loads,
+                                     load_derivative,
+                                     score_derivative,
+)
 from flash_cute.variants.kernel_view import AUX_DTYPES, MAX_AUX, aux_for_kernel, kernel_mods
-from flash_cute.variants.registry import (SCALAR_ENTRIES, CallMods, holders, lookup, register,
-                                          register_alibi, register_fa4, registered)
-from flash_cute.variants.tracer import (OPS, ModGraph, UnsupportedMod, alibi_graph, evaluate,
-                                        index_grids, trace, values)
+from flash_cute.variants.registry import (
+                                     SCALAR_ENTRIES,
+                                     CallMods,
+                                     holders,
+                                     lookup,
+                                     register,
+                                     register_alibi,
+                                     register_fa4,
+                                     registered,
+)
+from flash_cute.variants.tracer import (
+                                     OPS,
+                                     ModGraph,
+                                     UnsupportedMod,
+                                     alibi_graph,
+                                     evaluate,
+                                     index_grids,
+                                     trace,
+                                     values,
+)
 
 __all__ = [
     # tracer

@@ -27,7 +27,6 @@ import torch
 
 from flash_cute.contract.mods import INPUTS, LENGTH_INPUTS, MASK_INPUTS, Node
 
-
 # Graph op -> (arity, torch implementation). Loads ("load") and constants are nodes of their own.
 OPS = {
     "add": (2, torch.add), "sub": (2, torch.sub), "mul": (2, torch.mul),

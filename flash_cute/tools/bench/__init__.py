@@ -19,20 +19,44 @@ the tests, the scripts in bench/); code of the package and new code import a nam
 module that defines it.
 """
 
-from flash_cute.tools.bench.cells import (make_inputs, math_reference, max_abs_diff,
-                                          reference_output, run_cell)
+from flash_cute.tools.bench.cells import (
+                                          make_inputs,
+                                          math_reference,
+                                          max_abs_diff,
+                                          reference_output,
+                                          run_cell,
+)
 from flash_cute.tools.bench.cli import _run_on_gpu as _run_on_gpu  # the tests drive it on the CPU
 from flash_cute.tools.bench.cli import add_arguments, run, selected_configs
 from flash_cute.tools.bench.grid import MODEL_DIM, SIZES, BenchConfig, filter_grid, make_grid
-from flash_cute.tools.bench.measure import (ablation_rows, attention_flops, interleaved_times,
-                                            make_timer, spread_pct, tflops_per_s)
-from flash_cute.tools.bench.providers import (PROVIDERS, Provider, Unavailable, classify_error,
-                                              load_provider)
+from flash_cute.tools.bench.measure import (
+                                          ablation_rows,
+                                          attention_flops,
+                                          interleaved_times,
+                                          make_timer,
+                                          spread_pct,
+                                          tflops_per_s,
+)
+from flash_cute.tools.bench.providers import (
+                                          PROVIDERS,
+                                          Provider,
+                                          Unavailable,
+                                          classify_error,
+                                          load_provider,
+)
 from flash_cute.tools.bench.records import is_wrong, make_record
-from flash_cute.tools.bench.report import (RATIO_COLUMN, ablation_table, build_report,
-                                           environment_info, flash_cute_ratio, format_table,
-                                           markdown_table, plot_results, tree_ab_table,
-                                           write_json)
+from flash_cute.tools.bench.report import (
+                                          RATIO_COLUMN,
+                                          ablation_table,
+                                          build_report,
+                                          environment_info,
+                                          flash_cute_ratio,
+                                          format_table,
+                                          markdown_table,
+                                          plot_results,
+                                          tree_ab_table,
+                                          write_json,
+)
 
 __all__ = [
     "BenchConfig", "MODEL_DIM", "PROVIDERS", "Provider", "RATIO_COLUMN", "SIZES", "Unavailable",

@@ -14,13 +14,26 @@ import time
 from typing import Sequence
 
 from flash_cute.tools.bench.cells import cuda_healthy, run_cell
-from flash_cute.tools.bench.grid import (HDIMS, QUICK_HDIMS, QUICK_SIZES, SIZES, BenchConfig,
-                                         filter_grid, make_grid)
+from flash_cute.tools.bench.grid import (
+    HDIMS,
+    QUICK_HDIMS,
+    QUICK_SIZES,
+    SIZES,
+    BenchConfig,
+    filter_grid,
+    make_grid,
+)
 from flash_cute.tools.bench.measure import make_timer
 from flash_cute.tools.bench.providers import PROVIDERS, load_provider
-from flash_cute.tools.bench.report import (build_report, environment_info, format_cell,
-                                           format_header, format_table, plot_results,
-                                           write_json)
+from flash_cute.tools.bench.report import (
+    build_report,
+    environment_info,
+    format_cell,
+    format_header,
+    format_table,
+    plot_results,
+    write_json,
+)
 
 ARCHS = ("auto", "ampere", "hopper", "blackwell")
 DTYPES = ("bf16", "fp16")
