@@ -2,6 +2,7 @@
 CPU tensors with a fake timer (torch's CPU SDPA has a flash backend but no cuDNN one)."""
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 
@@ -520,3 +521,18 @@ def test_the_ratio_leaves_out_providers_running_our_kernels():
     ok = lambda t: {"status": "ok", "tflops": t}  # noqa: E731
     row = {"flash_cute": ok(500.0), "sdpa_flash_cute": ok(600.0), "sdpa_cudnn": ok(400.0)}
     assert bench.flash_cute_ratio(row) == 500.0 / 400.0
+
+
+def test_sass_text_diff_ignores_symbol_names_only():
+    """bench/sass_text_diff.py: a kernel whose class moved (its mangled name spells the module)
+    compares equal; a changed instruction does not."""
+    spec = importlib.util.spec_from_file_location(
+        "sass_text_diff", Path(__file__).resolve().parent.parent / "bench" / "sass_text_diff.py")
+    diff = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diff)
+    old = (".text.kernel_cutlass_kernel_flash_cutefwdK_0:\n  CALL `(kernel_cutlass_f_flash_cutefwd_1) ;\n"
+           "  FADD R0, R1, R2 ;\n")
+    moved = old.replace("flash_cutefwd", "flash_cutearchfwd")
+    changed = moved.replace("FADD", "FMUL")
+    assert diff.normalised(old) == diff.normalised(moved)
+    assert diff.normalised(old) != diff.normalised(changed)

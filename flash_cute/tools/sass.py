@@ -1,15 +1,18 @@
 """Reading compiled kernels without a GPU: SASS opcode counts and resource usage from a cubin.
 
-Resource usage comes from the cubin's ELF: registers from the kernel's ``.text`` section header
-(``sh_info >> 24``, as cuobjdump reads it), static shared memory from its ``.nv.shared`` section,
-and the per-thread local-memory frame (spills and local arrays) from the ``EIATTR_FRAME_SIZE``
-attribute in ``.nv.info.<kernel>``.
+Resource usage comes from the cubin's ELF (read by pyelftools): registers from the kernel's
+``.text`` section header (``sh_info >> 24``, as cuobjdump reads it), static shared memory from
+its ``.nv.shared`` section, and the per-thread local-memory frame (spills and local arrays) from
+the ``EIATTR_FRAME_SIZE`` attribute in ``.nv.info.<kernel>`` (NVIDIA's records, read here).
 """
 
+import io
 import re
 import struct
 from collections import Counter
 from dataclasses import dataclass
+
+from elftools.elf.elffile import ELFFile
 
 # Opcodes whose modifiers matter enough to be counted on their own as well.
 # WARPGROUP.DEPBAR (a wait on in-flight WGMMAs) tells whether ptxas serialized the WGMMAs.
@@ -76,26 +79,6 @@ class KernelResources:
     frame_bytes: int
 
 
-def _sections(elf: bytes):
-    if elf[:4] != b"\x7fELF" or elf[4] != 2:
-        raise ValueError("not a 64-bit ELF cubin")
-    shoff, = struct.unpack_from("<Q", elf, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
-    headers = []
-    for i in range(shnum):
-        name, typ, flags, addr, off, size, link, info = struct.unpack_from(
-            "<IIQQQQII", elf, shoff + i * shentsize
-        )
-        headers.append((name, off, size, info))
-    str_off = headers[shstrndx][1]
-
-    def section_name(idx):
-        end = elf.index(b"\0", str_off + idx)
-        return elf[str_off + idx : end].decode()
-
-    return [(section_name(n), off, size, info) for n, off, size, info in headers]
-
-
 def _sval_attrs(elf: bytes, off: int, size: int) -> dict:
     """{(attr, symbol index): value} for the (symbol, u32) records of an .nv.info section.
 
@@ -115,36 +98,28 @@ def _sval_attrs(elf: bytes, off: int, size: int) -> dict:
     return attrs
 
 
-def _symbols(elf: bytes, sections) -> dict:
-    """{symbol name: symbol index} from .symtab/.strtab."""
-    by_name = {name: (off, size) for name, off, size, _ in sections}
-    sym_off, sym_size = by_name[".symtab"]
-    str_off, _ = by_name[".strtab"]
-    names = {}
-    for idx in range(sym_size // 24):
-        name_off = struct.unpack_from("<I", elf, sym_off + idx * 24)[0]
-        end = elf.index(b"\0", str_off + name_off)
-        names[elf[str_off + name_off : end].decode()] = idx
-    return names
-
-
 def kernel_resources(cubin: bytes) -> list:
-    """One KernelResources per kernel in the cubin."""
-    sections = _sections(cubin)
-    by_name = {name: (off, size, info) for name, off, size, info in sections}
-    symbols = _symbols(cubin, sections)
+    """One KernelResources per kernel in the cubin (its ELF read by pyelftools; the
+    `.nv.info` attribute records, NVIDIA's own format, by `_sval_attrs`)."""
+    elf = ELFFile(io.BytesIO(cubin))
+    if elf.elfclass != 64:
+        raise ValueError("not a 64-bit ELF cubin")
+    symbols = {sym.name: i for i, sym in enumerate(elf.get_section_by_name(".symtab")
+                                                    .iter_symbols())}
     attrs = {}
-    for name, off, size, _ in sections:
-        if name == ".nv.info" or name.startswith(".nv.info."):
-            attrs.update(_sval_attrs(cubin, off, size))
+    for section in elf.iter_sections():
+        if section.name == ".nv.info" or section.name.startswith(".nv.info."):
+            data = section.data()
+            attrs.update(_sval_attrs(data, 0, len(data)))
     kernels = []
-    for name, off, size, info in sections:
-        if not name.startswith(".text."):
+    for section in elf.iter_sections():
+        if not section.name.startswith(".text."):
             continue
-        kname = name[len(".text.") :]
+        kname = section.name[len(".text."):]
         sym = symbols.get(kname, -1)
-        registers = attrs.get((_EIATTR_REGCOUNT, sym), info >> 24)
+        registers = attrs.get((_EIATTR_REGCOUNT, sym), section["sh_info"] >> 24)
         frame = attrs.get((_EIATTR_FRAME_SIZE, sym), 0)
-        smem = by_name.get(".nv.shared." + kname, (0, 0, 0))[1]
+        shared = elf.get_section_by_name(".nv.shared." + kname)
+        smem = shared["sh_size"] if shared is not None else 0
         kernels.append(KernelResources(kname, registers, smem, frame))
     return kernels
