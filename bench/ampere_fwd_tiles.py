@@ -49,7 +49,8 @@ def main():
                     fn = lambda: api.forward(q, k, v, problem, schedule=tile)  # noqa: E731
                     err = (fn()[0].float() - ref.float()).abs().max().item()
                     ms = triton.testing.do_bench(fn, return_mode="median")
-                    rows.append((hdim, seqlen, causal, "x".join(map(str, tile)), flops / ms / 1e9, err))
+                    rows.append((hdim, seqlen, causal, "x".join(map(str, tile)), flops / ms / 1e9,
+                                 err))
                     print(rows[-1], flush=True)
     header = ["hdim", "seqlen", "causal", "config", "TFLOP/s", "max err vs sdpa"]
     print("\n" + markdown_table(header, [[str(r[0]), str(r[1]), str(int(r[2])), r[3],

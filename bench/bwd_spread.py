@@ -4,9 +4,9 @@
                                [--calls 20] [--arch hopper]
 
 Some cells (the 2k causal backward) have measured up to 2x apart between runs of the same
-code (session 10 in docs/archive/perf-log-2026-11.md). This separates the candidates: each round allocates new
-inputs (new addresses), then times `--calls` backward calls one by one with CUDA events
-(autograd through `flash_attn_func`, as `bench` times it). A spread inside a round points at
+code (session 10 in docs/archive/perf-log-2026-11.md). This separates the candidates: each round
+allocates new inputs (new addresses), then times `--calls` backward calls one by one with CUDA
+events (autograd through `flash_attn_func`, as `bench` times it). A spread inside a round points at
 the kernel's own run-to-run behaviour (scheduling, contention); rounds that differ from each
 other while each is tight point at the placement of the buffers. Unlike `bench`, L2 is not
 flushed between calls.

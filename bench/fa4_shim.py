@@ -23,7 +23,8 @@ for _name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_combine")
 
 
 def _window(left, right):
-    return (None if left is None or left < 0 else left, None if right is None or right < 0 else right)
+    return (None if left is None or left < 0 else left,
+            None if right is None or right < 0 else right)
 
 
 def _flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
@@ -43,7 +44,8 @@ def _flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, sequ
                   aux_tensors=aux_tensors, aux_scalars=aux_scalars, qv=qv,
                   block_sparse_tensors=block_sparse_tensors, return_lse=True)
     with torch.no_grad():
-        if cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
+        if (cu_seqlens_q is None and cu_seqlens_k is None and seqused_q is None
+                and seqused_k is None):
             o, l = flash_cute.flash_attn_func(q, k, v, page_table=page_table, **common)
         else:
             o, l = flash_cute.flash_attn_varlen_func(

@@ -7,8 +7,8 @@ Each config is drawn from every axis the pipeline supports: dtype, head dims (hd
 too), GQA ratios, padded or varlen layout (empty sequences included), seqused, odd and tiny
 lengths (1, 7, 113, ...), causal, sliding windows, softcap, the backward and its
 deterministic mode. Outputs, LSE and gradients are checked by the FlashAttention rule
-(`flash_cute.reference.attention.tolerance_check`: error at most twice that of the same computation in
-the input dtype), with an absolute floor scaled to each reference's magnitude, so that
+(`flash_cute.reference.attention.tolerance_check`: error at most twice that of the same computation
+in the input dtype), with an absolute floor scaled to each reference's magnitude, so that
 gradients whose reference is exactly zero (sk = 1 gives dK = 0) do not turn rounding into a
 miss. A miss or an exception is printed with its config; the summary counts them per axis.
 A CUDA error stops the run (the context is lost). New features add their axes here.
@@ -79,7 +79,8 @@ def _inputs(cfg: dict, gen: torch.Generator):
                                 device="cuda")
         kw.update(cu_seqlens_q=cu(cfg["lens_q"]), cu_seqlens_k=cu(cfg["lens_k"]))
     if cfg["seqused_k"]:
-        used = [int(torch.randint(0, n + 1, (), generator=gen, device="cuda")) for n in cfg["lens_k"]]
+        used = [int(torch.randint(0, n + 1, (), generator=gen, device="cuda"))
+                for n in cfg["lens_k"]]
         kw["seqused_k"] = torch.tensor(used, dtype=torch.int32, device="cuda")
     return q, k, v, kw
 

@@ -95,7 +95,8 @@ def main():
                 for schedule in configs:
                     fn = functools.partial(api.forward, q, k, v, problem, schedule=schedule)
                     fns[label(schedule)] = fn
-                    errs[label(schedule)] = f"{(fn()[0].float() - ref.float()).abs().max().item():.1e}"
+                    errs[label(schedule)] = (
+                        f"{(fn()[0].float() - ref.float()).abs().max().item():.1e}")
                 rows += ablation_rows(cell, fns, errs, flops, args.rounds, timer)
     print("\n" + ablation_table(rows, "fwd TFLOP/s", "max err vs sdpa_flash"))
 

@@ -5,10 +5,11 @@
 
 Short sequences are bound by the host: at seqlen 512 (batch 32) the forward ran at the same
 ~260 us per call whatever the head dim or mask (session 11, docs/archive/perf-log-2026-11.md).
-This times `flash_attn_func` forward and forward + backward on a 1 x 128 x 1 x 64 problem (and FA4's,
-when flash_attn.cute imports), calls back to back without synchronizing (the GPU work is a
-few microseconds, so the wall time per call is the host's), and with `--profile N` prints the N functions with the most
-cumulative time in a profiled run of the forward (`--profile-call fwd_bwd`: of both).
+This times `flash_attn_func` forward and forward + backward on a 1 x 128 x 1 x 64 problem (and
+FA4's, when flash_attn.cute imports), calls back to back without synchronizing (the GPU work is a
+few microseconds, so the wall time per call is the host's), and with `--profile N` prints the N
+functions with the most cumulative time in a profiled run of the forward (`--profile-call fwd_bwd`:
+of both).
 """
 
 import argparse

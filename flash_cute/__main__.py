@@ -1,4 +1,5 @@
-"""`python -m flash_cute [inspect|bench [latency|decode]|check|cache]` (also the `flash-cute` command).
+"""`python -m flash_cute [inspect|bench [latency|decode]|check|cache]` (also the `flash-cute`
+command).
 
 With no sub-command: on a CUDA machine, `check` (a quick correctness check against the
 float64 reference and a short benchmark with a plot); without a GPU, `inspect` (one forward

@@ -13,8 +13,8 @@ probabilities and the dropout mask are not returned). They run flash-cute's kern
 weights times 1 / (1 - p)); the keep decision takes 16 random bits per element (not FA2's
 8), so an element is kept with probability exactly ``flash_cute.reference.rng.keep_probability(p)``,
 within 2^-17 of 1 - p, and the masks are not FA2's bit for bit. Not built yet, refused with
-NotImplementedError: block_table (paged KV, the decode issue). alibi_slopes runs where flash-cute's mods run (CPU
-tensors today; the GPU kernels refuse it until the variants issue).
+NotImplementedError: block_table (paged KV, the decode issue). alibi_slopes runs where flash-cute's
+mods run (CPU tensors today; the GPU kernels refuse it until the variants issue).
 """
 
 from flash_cute.api import interface

@@ -121,7 +121,8 @@ class AmpereBwd:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, scale_log2: Float32,
-               mod_scale: Float32, window_left: Int32, window_right: Int32, max_seqlen_q: Optional[Int32],
+               mod_scale: Float32, window_left: Int32, window_right: Int32,
+               max_seqlen_q: Optional[Int32],
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
@@ -160,9 +161,11 @@ class AmpereBwd:
             gK = cute.local_tile(seq.k_view(mK, head_kv), (self.tile_n, self.hdim), (n_block, 0))
             gV = cute.local_tile(seq.k_view(mV, head_kv), (self.tile_n, self.hdim_v), (n_block, 0))
             load_rows(copy_qk, thr_qk.partition_S(gK), thr_qk.partition_D(sK),
-                      thr_qk.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim))), kv_rows)
+                      thr_qk.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim))),
+                      kv_rows)
             load_rows(copy_v, thr_v.partition_S(gV), thr_v.partition_D(sV),
-                      thr_v.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim_v))), kv_rows)
+                      thr_v.partition_S(cute.make_identity_tensor((self.tile_n, self.hdim_v))),
+                      kv_rows)
             if m_max > m_min:
                 loader.load(m_min, 0)
             cute.arch.cp_async_commit_group()

@@ -108,7 +108,8 @@ class AmpereFwd:
             sO_layout,
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim),
             gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v),
-            gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v, cute.nvgpu.CopyUniversalOp()),
+            gmem_tiled_copy(self.dtype, self.num_threads, self.hdim_v,
+                            cute.nvgpu.CopyUniversalOp()),
             mma, args.rng_seed, args.keep_threshold, args.dropout_scale, args.num_splits,
             args.blocks_per_split, aux_tensors(self, args), block_mask_tensors(self, args),
             SharedStorage,
@@ -240,7 +241,8 @@ class AmpereFwd:
 
     @cute.jit
     def store_lse(self, lse, thr_mma, seq, mLSE, head, m_block):
-        coord_o = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+        coord_o = acc_to_mn(thr_mma.partition_C(
+            cute.make_identity_tensor((self.tile_m, self.hdim_v))))
         g_lse = seq.lse_view(mLSE, head)
         for r in cutlass.range_constexpr(cute.size(coord_o, mode=[0])):
             row = m_block * self.tile_m + coord_o[r, 0][0]
@@ -250,7 +252,8 @@ class AmpereFwd:
     @cute.jit
     def store_o_rows(self, acc_o, thr_mma, seq, mO, head, m_block):
         """O straight from registers in mO's dtype, rows past seqlen_q skipped."""
-        coord = acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
+        coord = acc_to_mn(thr_mma.partition_C(
+            cute.make_identity_tensor((self.tile_m, self.hdim_v))))
         gO = cute.local_tile(seq.q_view(mO, head), (self.tile_m, self.hdim_v), (m_block, 0))
         acc_mn = acc_to_mn(acc_o)
         col0 = coord[0, 0][1]
@@ -296,7 +299,8 @@ class MmaOperands(DslState):
         self.cfg = cfg
         self.tiled_mma = tiled_mma
         self.thr_mma = thr_mma
-        sVt = cute.composition(sV, cute.make_layout((cfg.hdim_v, cfg.tile_n), stride=(cfg.tile_n, 1)))
+        sVt = cute.composition(sV, cute.make_layout((cfg.hdim_v, cfg.tile_n),
+                                                    stride=(cfg.tile_n, 1)))
         self.tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
         self.tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
         self.tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
@@ -321,7 +325,8 @@ class MmaOperands(DslState):
         for k in cutlass.range_constexpr(cute.size(self.tSsQ, mode=[2])):
             cute.copy(self.copy_q, self.tSsQ[None, None, k], self.tSrQ_v[None, None, k])
             cute.copy(self.copy_k, self.tSsK[None, None, k], self.tSrK_v[None, None, k])
-            cute.gemm(self.tiled_mma, acc_s, self.tSrQ[None, None, k], self.tSrK[None, None, k], acc_s)
+            cute.gemm(self.tiled_mma, acc_s, self.tSrQ[None, None, k], self.tSrK[None, None, k],
+                      acc_s)
         return acc_s
 
     @cute.jit
@@ -334,5 +339,6 @@ class MmaOperands(DslState):
         cute.copy(self.copy_v, self.tOsVt[None, None, 0], self.tOrVt_v[None, None, 0])
         for k in cutlass.range_constexpr(num_k):
             if cutlass.const_expr(k + 1 < num_k):
-                cute.copy(self.copy_v, self.tOsVt[None, None, k + 1], self.tOrVt_v[None, None, k + 1])
+                cute.copy(self.copy_v, self.tOsVt[None, None, k + 1],
+                          self.tOrVt_v[None, None, k + 1])
             cute.gemm(self.tiled_mma, acc_o, tOrP[None, None, k], self.tOrVt[None, None, k], acc_o)

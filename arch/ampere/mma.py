@@ -33,7 +33,8 @@ class SmemGemm(DslState):
         self.b_staged = cute.rank(sB) == 3
         self.rA = thr.make_fragment_A(thr.partition_A(sA[None, None, 0] if self.a_staged else sA))
         self.rB = thr.make_fragment_B(thr.partition_B(sB[None, None, 0] if self.b_staged else sB))
-        ld = lambda t: cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=t, num_matrices=4), dtype)  # noqa: E731
+        ld = lambda t: cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=t, num_matrices=4),  # noqa: E731
+                                           dtype)
         copy_a = cute.make_tiled_copy_A(ld(a_transposed), tiled)
         copy_b = cute.make_tiled_copy_B(ld(b_transposed), tiled)
         self.copy_a, self.copy_b = copy_a, copy_b

@@ -71,8 +71,8 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
              rng_seed=None):
-    """(dq, dk, dv) through `AmpereBwd` (see `flash_cute.runtime.launch_bwd.BackwardLaunch`); dQ is added by fp32
-    atomics, so `deterministic` is refused (the descriptor does not list it)."""
+    """(dq, dk, dv) through `AmpereBwd` (see `flash_cute.runtime.launch_bwd.BackwardLaunch`); dQ is
+    added by fp32 atomics, so `deterministic` is refused (the descriptor does not list it)."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     return plan_backward(dout, dlse, q, k, v, out, lse, problem, *lengths, deterministic)(
         dout, dlse, q, k, v, out, lse, *lengths, rng_seed=rng_seed)
@@ -99,4 +99,5 @@ def _bwd_plan(hdim: int, target: str) -> launch_bwd.BackwardPlan:
 
 
 # The pipeline dispatch runs: the descriptor joined to this planner's entry points.
-PIPELINE = Pipeline.of(AMPERE, plan_forward=plan_forward, plan_backward=plan_backward, check_supported=check_supported)
+PIPELINE = Pipeline.of(AMPERE, plan_forward=plan_forward, plan_backward=plan_backward,
+                       check_supported=check_supported)

@@ -93,9 +93,10 @@ class BlackwellFwd:
     | Q ring (PipelineTmaUmma)    | 2      | TMA bytes / MMA commit  | Q_i landed / read        |
     | K ring, V ring              | config | TMA bytes / MMA commit  | block landed / read      |
     | s_full[i] (mbarrier)        | 1      | 1 (tcgen05.commit)      | S_i = Q_i K[j]ᵀ is in TMEM |
-    | p_ready[i] (mbarrier)       | 1      | 128 softmax + 128 correction | P_i written and O_i rescaled: PV_i may run |
+    | p_ready[i] (mbarrier)       | 1      | 128 softmax + 128 correction | P_i written and O_i |
+    |                             |        |                         | rescaled: PV_i may run  |
     | o_full[i] (mbarrier)        | 1      | 1 (tcgen05.commit)      | the tile's last PV_i done |
-    | stats[i] (PipelineAsync)    | 1      | 128 / 128               | softmax i's row factors (then l, m) in smem |
+    | stats[i] (PipelineAsync) | 1 | 128 / 128 | softmax i's row factors (then l, m) in smem |
 
     The MMA warp's order per tile: QK0(0), QK1(0); then per block j: PV0(j-1), QK0(j), PV1(j-1),
     QK1(j); then PV0(n-1), PV1(n-1). PV_i(j-1) is issued before QK_i(j), so P_i can live in
@@ -119,9 +120,10 @@ class BlackwellFwd:
 
     Tiles (`flash_cute.contract.tile_order`): persistent, causal and right windows heaviest first.
     Every role walks the same tiles and the same block count per tile (`block_range` of the
-    256-row tile, a block mask's span over its two Q tiles; each Q tile masks its own rows), so their barrier phases stay in step; a tile
-    with no block skips the MMAs and stores O = 0, LSE = -inf. TMEM is allocated before the
-    roles split and freed after they join, on the kernel's one exit.
+    256-row tile, a block mask's span over its two Q tiles; each Q tile masks its own rows), so
+    their barrier phases stay in step; a tile with no block skips the MMAs and stores O = 0,
+    LSE = -inf. TMEM is allocated before the roles split and freed after they join, on the
+    kernel's one exit.
     """
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,

@@ -62,4 +62,5 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
 
 
 # The pipeline dispatch runs: the descriptor joined to this planner's entry points.
-PIPELINE = Pipeline.of(BLACKWELL, plan_forward=plan_forward, check_supported=check_supported, takes=takes)
+PIPELINE = Pipeline.of(BLACKWELL, plan_forward=plan_forward, check_supported=check_supported,
+                       takes=takes)

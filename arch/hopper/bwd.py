@@ -270,7 +270,8 @@ class HopperBwd:
         mQ, mK, mV, mdO = (assume_aligned_strides(t, vec) for t in (args.q, args.k, args.v,
                                                                       args.dout))
         if cutlass.const_expr(mdK.element_type == self.dtype):
-            # Allocated by `launch_bwd.BackwardLaunch`, compact: 128-bit row stores (`store_dkv_rows`).
+            # Allocated by `launch_bwd.BackwardLaunch`, compact: 128-bit row stores
+            # (`store_dkv_rows`).
             mdK, mdV = (assume_aligned_strides(t, vec) for t in (mdK, mdV))
         layouts = self._smem_layouts()
         sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout = layouts
@@ -426,7 +427,8 @@ class HopperBwd:
                tma_lse: cute.CopyAtom, mLSElog2: cute.Tensor, tma_delta: cute.CopyAtom,
                mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                mdQsem: Optional[cute.Tensor], softmax_scale: Float32, scale_log2: Float32,
-               mod_scale: Float32, window_left: Int32, window_right: Int32, max_seqlen_q: Optional[Int32],
+               mod_scale: Float32, window_left: Int32, window_right: Int32,
+               max_seqlen_q: Optional[Int32],
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,

@@ -73,7 +73,8 @@ def as_vectors(acc: cute.Tensor) -> cute.Tensor:
 def varlen_first_tile(first_row, batch, tile_m: int):
     """Index of sequence `batch`'s first dQaccum tile (varlen), its first row being
     cu_seqlens_q[batch]: the tiles of different sequences never overlap and all lie below
-    `dq_layout.accum_shape`'s total_q // tile_m + batch (tests/test_hopper_bwd_cpu.py checks both)."""
+    `dq_layout.accum_shape`'s total_q // tile_m + batch (tests/test_hopper_bwd_cpu.py checks
+    both)."""
     return first_row // tile_m + batch
 
 

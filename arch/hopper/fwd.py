@@ -121,8 +121,8 @@ class HopperFwd:
     | named barrier | threads | use                                                     |
     |---------------|---------|---------------------------------------------------------|
     | 1, 2 (, 3)    | 256     | ping-pong turns of consumer warpgroup 1, 2 (, 3) (`GemmTurns`) |
-    | 4             | 128 x consumer warpgroups | O's shared tile: free to write, then written (`OutputStore`) |
-    | 5             | 128 x consumer warpgroups | varlen: V rows past seqlen_k zeroed (`clear_v_tail`) |
+    | 4 | 128 x consumer warpgroups | O's shared tile: free to write, then written (`OutputStore`) |
+    | 5 | 128 x consumer warpgroups | varlen: V rows past seqlen_k zeroed (`clear_v_tail`) |
 
     Tiles (`flash_cute.contract.tile_order`): m_block fastest, or for causal and right windows
     heaviest first (m_block descending within L2-sized sections of heads). With ``persistent``
@@ -536,7 +536,8 @@ class HopperFwd:
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         gemms = WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV)
-        coord_mn = acc_to_mn(thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        coord_mn = acc_to_mn(thr_qk.partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n))))
         turns = GemmTurns(self.pingpong, wg, self.num_wg)
         turns.start()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)

@@ -47,7 +47,8 @@ def build_bwd(entry):
                               dkv_fp32=flags.get("dkv_fp32", False), stats_align=16,
                               dq_align=16, semaphores=kernel.deterministic,
                               seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
-                              dropout=kernel.dropout, mods=kernel.mods, dq_accum_cols=(entry.schedule[0] * entry.hdim if kernel.dq_tma
+                              dropout=kernel.dropout, mods=kernel.mods,
+                              dq_accum_cols=(entry.schedule[0] * entry.hdim if kernel.dq_tma
                                              else None))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
                        options=bwd_compile_options(entry.schedule),

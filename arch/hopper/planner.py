@@ -97,8 +97,8 @@ def pages_in_kernel(page_size: int) -> bool:
 def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
              cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
              schedule=None, rng_seed=None):
-    """(dq, dk, dv) through `HopperBwd` (see `flash_cute.runtime.launch_bwd.BackwardLaunch`); `deterministic`
-    makes dQ bitwise reproducible. `schedule` overrides the `config.BwdSchedule` for
+    """(dq, dk, dv) through `HopperBwd` (see `flash_cute.runtime.launch_bwd.BackwardLaunch`);
+    `deterministic` makes dQ bitwise reproducible. `schedule` overrides the `config.BwdSchedule` for
     ablations."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     return plan_backward(dout, dlse, q, k, v, out, lse, problem, *lengths, deterministic,
@@ -142,4 +142,5 @@ def _bwd_plan(hdim: int, hdim_v: int, varlen: bool, short: bool, schedule, targe
 
 
 # The pipeline dispatch runs: the descriptor joined to this planner's entry points.
-PIPELINE = Pipeline.of(HOPPER, plan_forward=plan_forward, plan_backward=plan_backward, check_supported=check_supported)
+PIPELINE = Pipeline.of(HOPPER, plan_forward=plan_forward, plan_backward=plan_backward,
+                       check_supported=check_supported)

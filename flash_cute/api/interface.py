@@ -130,9 +130,10 @@ def flash_attn_func(
     ``page_table`` (keyword-only): k / v are paged caches, as in `flash_attn_varlen_func`
     (every row of each sequence's pages is a key);
     ``block_mask`` (keyword-only, flash-cute's own): a FlexAttention `BlockMask`
-    (`flash_cute.create_block_mask`), with its meaning (`flash_cute.variants.block_mask`). The mods run
-    in the hopper and ampere kernels, forward and backward (`flash_cute.blocks.graph_mods`; examples
-    in `flash_cute.variants.examples`), block masks too (`flash_cute.variants.block_mask.kernel_tiles`).
+    (`flash_cute.create_block_mask`), with its meaning (`flash_cute.variants.block_mask`). The mods
+    run in the hopper and ampere kernels, forward and backward (`flash_cute.blocks.graph_mods`;
+    examples in `flash_cute.variants.examples`), block masks too
+    (`flash_cute.variants.block_mask.kernel_tiles`).
 
     ``dropout_p`` (keyword-only, flash-cute's own; FA4 has none): dropout of the attention
     weights in the kernels, forward and backward, FA2's semantics (kept weights scaled by
@@ -144,9 +145,9 @@ def flash_attn_func(
 
     ``pack_gqa`` (GQA/MQA forward): tile the query heads that share a K/V head together, so
     short query sequences (decode) fill a tile and K/V are read once per group. None lets the
-    pipeline decide (`flash_cute.runtime.launch.packed_heads`); True requires it (NotImplementedError
-    where the pipeline cannot: the ampere pipeline, or a group that does not divide the
-    hopper tile's 128 rows); False never packs. The result is the same either way.
+    pipeline decide (`flash_cute.runtime.launch.packed_heads`); True requires it
+    (NotImplementedError where the pipeline cannot: the ampere pipeline, or a group that does not
+    divide the hopper tile's 128 rows); False never packs. The result is the same either way.
     """
     if (qv is not None or gather_kv_indices is not None or gather_bwd_recompute_p
             or gather_bwd_token_chunk is not None):
@@ -249,8 +250,8 @@ def flash_attn_varlen_func(
     values should lie in [0, span] and be at most max_seqlen. Index contents are not read on
     the host (that needs a device sync) unless `check_inputs` is on; the kernels clamp them to
     the tensors instead, so bad values give meaningless results but no fault
-    (docs/reliability.md). Causal and local masks align bottom-right to the *used* lengths. Query rows
-    past seqused_q[b] get out = 0 and lse = -inf, as a row that sees no key (flash-attn leaves
+    (docs/reliability.md). Causal and local masks align bottom-right to the *used* lengths. Query
+    rows past seqused_q[b] get out = 0 and lse = -inf, as a row that sees no key (flash-attn leaves
     them unwritten, so any value there meets its contract), and dq = 0; keys past seqused_k[b]
     get dk = dv = 0. ``pack_gqa`` as in `flash_attn_func`.
 
@@ -383,8 +384,8 @@ def _variant_key(score_mod, mask_mod, softcap, block_mask=None, alibi_slopes=Non
         key = registry.registered(score_mod, mask_mod, block_mask)
         if key is None:
             raise RuntimeError("score_mod / mask_mod under torch.compile: register them first "
-                               "with flash_cute.variants.mod_graph.register(score_mod, mask_mod) (or "
-                               "make one eager call)")
+                               "with flash_cute.variants.mod_graph.register(score_mod, mask_mod) "
+                               "(or make one eager call)")
         return key
     return _checked_variant_key(score_mod, mask_mod, softcap, block_mask)
 

@@ -14,11 +14,11 @@ tensors, `torch.library.opcheck` and CUDA graphs see one operator per pass:
 One schema serves the padded and the packed (varlen) layouts: the packed one passes
 cu_seqlens. ``bwd`` with ``mod_grads`` also returns the gradients of the score mod's
 learnable captured tensors (`derivative.learnable`: a learnable bias, ALiBi slopes), in that
-order (``dmods``; empty without). ``variant`` is the key of the call's score/mask modifications in a registry (0:
-none), since Python objects cannot be schema arguments. ``dropout_p`` > 0 drops attention
-weights with the keep decisions `flash_cute.reference.rng` derives from ``rng_seed`` (int64 [1], drawn
-by the caller: the operators are functions of their inputs, and the backward redraws the
-forward's decisions from the same seed).
+order (``dmods``; empty without). ``variant`` is the key of the call's score/mask modifications in a
+registry (0: none), since Python objects cannot be schema arguments. ``dropout_p`` > 0 drops
+attention weights with the keep decisions `flash_cute.reference.rng` derives from ``rng_seed``
+(int64 [1], drawn by the caller: the operators are functions of their inputs, and the backward
+redraws the forward's decisions from the same seed).
 """
 
 import torch
@@ -141,8 +141,8 @@ def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *option
     _variant(options[_BWD_VARIANT])
     _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options,
                        _dropout_of(options, _BWD_VARIANT))
-    learned = (derivative.learnable(_variant(options[_BWD_VARIANT])) if plans.mod_grads_asked(options)
-               else ())
+    learned = (derivative.learnable(_variant(options[_BWD_VARIANT]))
+               if plans.mod_grads_asked(options) else ())
     # Contiguous, whatever the inputs' strides, as the kernels' gradients are.
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             [q.new_empty(t.shape, dtype=t.dtype) for t in learned])

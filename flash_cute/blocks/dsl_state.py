@@ -44,6 +44,7 @@ class DslState:
         new = copy.copy(self)
         pos = 0
         for name, count in zip(self._dsl_dynamic_names(), self._dsl_counts):
-            setattr(new, name, cutlass.new_from_mlir_values(getattr(self, name), values[pos : pos + count]))
+            setattr(new, name, cutlass.new_from_mlir_values(getattr(self, name),
+                                                            values[pos : pos + count]))
             pos += count
         return new

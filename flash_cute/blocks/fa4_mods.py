@@ -6,9 +6,9 @@ kv_idx, seqlen_info, aux_tensors) -> score``, ``mask_mod(b_idx, h_idx, q_idx, kv
 seqlen_info, aux_tensors) -> Boolean`` and ``score_mod_bwd(grad, score, b_idx, h_idx, q_idx,
 kv_idx, seqlen_info, aux_tensors) -> grad``. Scores arrive scaled by the softmax scale, indices
 as Int32 vectors (positions inside the sequence; ``seqlen_info.offset_q`` / ``offset_k`` give
-the packed tensor's rows), ``aux_tensors`` as the call's tensors; with ``aux_scalars`` (FA4's run-time scalar captures,
-Int32 or Float32: `scalar_signature`) each mod takes them as one more argument, as in FA4,
-kernel parameters read at each call. Each element is one call on
+the packed tensor's rows), ``aux_tensors`` as the call's tensors; with ``aux_scalars`` (FA4's
+run-time scalar captures, Int32 or Float32: `scalar_signature`) each mod takes them as one more
+argument, as in FA4, kernel parameters read at each call. Each element is one call on
 vectors of one value, so the mods' "vectorized" forms, which assume consecutive key indices
 along a vector, hold too.
 

@@ -50,7 +50,8 @@ def acc_to_operand_a(acc: cute.Tensor) -> cute.Tensor:
 
 def _wgmma_acc_to_a_layout(acc_layout: cute.Layout) -> cute.Layout:
     if cutlass.const_expr(acc_layout.shape[0][2] % 2 != 0):
-        raise ValueError(f"WGMMA P operand needs an even number of n8 groups, got {acc_layout.shape}")
+        raise ValueError(f"WGMMA P operand needs an even number of n8 groups, got "
+                         f"{acc_layout.shape}")
     div = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
     # div: ((2, 2, (2, N/16)), MMA_M, MMA_N)
     return cute.make_layout(

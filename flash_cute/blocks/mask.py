@@ -8,8 +8,9 @@ The block works on any arch's accumulator through two views that the arch builds
 ``acc_mn`` (a thread's scores as rows x cols) and ``coord_mn`` (the (row, col) coordinate of each
 of those elements inside the tile, from an identity tensor partitioned like the accumulator).
 Which tiles need a mask at all comes from `block_range`; this block only does the per-element
-work, which every kernel reaches through the score seam (`flash_cute.blocks.score.Scores`). Model: `flash_cute.reference.attention.attention_mask`. With packed GQA (``pack`` > 1) tile row r
-is query ``(m_block * tile_m + r) // pack`` (see `flash_cute.contract.block_range`).
+work, which every kernel reaches through the score seam (`flash_cute.blocks.score.Scores`). Model:
+`flash_cute.reference.attention.attention_mask`. With packed GQA (``pack`` > 1) tile row r is query
+``(m_block * tile_m + r) // pack`` (see `flash_cute.contract.block_range`).
 """
 
 from typing import Optional

@@ -83,8 +83,8 @@ SOFTCAP = Softcap()
 
 
 class GraphScore(ScoreMod):
-    """The fold of a traced score mod (`flash_cute.blocks.graph_mods`): the mod sees the scaled score,
-    so the scale stays with it (`mod_scale`) and the softmax's exp2 takes log2 e alone."""
+    """The fold of a traced score mod (`flash_cute.blocks.graph_mods`): the mod sees the scaled
+    score, so the scale stays with it (`mod_scale`) and the softmax's exp2 takes log2 e alone."""
 
     value_grad = False
 

@@ -30,12 +30,13 @@ class SeqInfo(DslState):
     a sequence's queries past it count as unused (the grid covers max_seqlen_q rows, rounded
     up to whole tiles; the backward's loops over query blocks follow the sequence).
 
-    `pack` > 1 (packed GQA): Q, O and LSE come as `flash_cute.blocks.layouts.pack_heads` views, whose
-    row mode holds `pack` rows per query; `rows_q` counts them. Lengths stay in queries.
+    `pack` > 1 (packed GQA): Q, O and LSE come as `flash_cute.blocks.layouts.pack_heads` views,
+    whose row mode holds `pack` rows per query; `rows_q` counts them. Lengths stay in queries.
     """
 
     def __init__(self, batch: Int32, extent_q, extent_k,
-                 cu_seqlens_q: Optional[cute.Tensor] = None, cu_seqlens_k: Optional[cute.Tensor] = None,
+                 cu_seqlens_q: Optional[cute.Tensor] = None,
+                 cu_seqlens_k: Optional[cute.Tensor] = None,
                  seqused_q: Optional[cute.Tensor] = None, seqused_k: Optional[cute.Tensor] = None,
                  pack: int = 1, max_seqlen_q=None):
         self.varlen = cu_seqlens_q is not None

@@ -4,8 +4,8 @@ One formula serves the CPU model, the host side and every arch's kernel: it uses
 on non-negative operands (so floor and truncating division agree) and takes `imin`/`imax`, which
 are Python's min/max on the host and `cutlass.min`/`cutlass.max` inside a kernel.
 
-Masks follow `flash_cute.blocks.mask` (bottom-right aligned, ``off = seqlen_k - seqlen_q``). For query
-block `m_block` with in-bounds rows ``[m_lo, m_hi)``:
+Masks follow `flash_cute.blocks.mask` (bottom-right aligned, ``off = seqlen_k - seqlen_q``). For
+query block `m_block` with in-bounds rows ``[m_lo, m_hi)``:
 
 * visited: ``[n_block_min, n_block_max)``, the tightest range holding every visible key;
 * unmasked: ``[n_block_min_no_mask, n_block_max_no_mask)``, blocks whose every key lies inside

@@ -77,8 +77,8 @@ class Pipeline:
     always). `hardware_tested`: it ran on real hardware; a pipeline that has not (compile-
     verified only) stays out of the default order and runs only when named with arch=.
     Decode needs no entry point of its own: `plan_forward` takes `problem.num_splits`
-    (`flash_cute.runtime.splits`), a `page_table` keyword (k / v paged, `flash_cute.runtime.paging`) and,
-    with the `append` capability, an `append` keyword ((k_new, v_new) written into the cache).
+    (`flash_cute.runtime.splits`), a `page_table` keyword (k / v paged, `flash_cute.runtime.paging`)
+    and, with the `append` capability, an `append` keyword ((k_new, v_new) written into the cache).
     """
 
     name: str

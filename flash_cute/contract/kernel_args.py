@@ -3,8 +3,9 @@
 Host code builds one record per launch (`flash_cute.runtime.launch`); a kernel reads the fields it
 uses (``args.q``, ``args.seqused_k``) and ignores the rest, so a new optional field (a page
 table, split outputs, aux tensors) is one line here and a read in the kernels that use it.
-At the TVM-FFI boundary the record is passed field by field (`flash_cute.runtime.jit.launch_kernel`):
-a tuple argument would be converted to an ffi.Array on every call.
+At the TVM-FFI boundary the record is passed field by field
+(`flash_cute.runtime.jit.launch_kernel`): a tuple argument would be converted to an ffi.Array on
+every call.
 
 Each field holds, at run time, a `jit.TensorArg` (a torch tensor and the alignment the kernel
 may assume), a Python float (a Float32 parameter), an int (Int32) or None (an absent optional
@@ -32,7 +33,8 @@ class FwdArgs(NamedTuple):
     cu_seqlens_k: Optional[Any] = None
     seqused_q: Optional[Any] = None
     seqused_k: Optional[Any] = None
-    rng_seed: Optional[Any] = None  # dropout: int32 [2], the Philox key (`flash_cute.reference.rng`)
+    rng_seed: Optional[Any] = None  # dropout: int32 [2], the Philox key
+                                    # (`flash_cute.reference.rng`)
     keep_threshold: Any = 0  # dropout: rng.keep_threshold(p) << 16, as an int32
     dropout_scale: Any = 1.0  # dropout: 1 / (1 - p)
     # Split-KV (`Variant.split_kv`): out and lse are the per-split partials, out fp32
@@ -74,8 +76,8 @@ class FwdArgs(NamedTuple):
 class BwdArgs(NamedTuple):
     """An attention backward main kernel: q/dout like q, k/v like k, dk/dv [.., h, d] (per query
     head; dtype, or fp32 for GQA), lse_log2 and delta like the forward's lse (`bwd_prep`),
-    dq_accum in the layout of the arch's `launch_bwd.BackwardPlan.dq_accum`, dq_semaphores (deterministic only) int32
-    [b, h, ceil(max_seqlen_q / tile_m)]."""
+    dq_accum in the layout of the arch's `launch_bwd.BackwardPlan.dq_accum`, dq_semaphores
+    (deterministic only) int32 [b, h, ceil(max_seqlen_q / tile_m)]."""
     q: Any
     k: Any
     v: Any

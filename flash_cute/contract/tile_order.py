@@ -3,9 +3,9 @@
 A forward kernel's work is ``num_m_blocks x heads x batch`` query tiles. They get numbers 0, 1,
 ... (`TileOrder.coords` maps a number to coordinates) and CTA i of a grid of G takes numbers
 i, i + G, i + 2 G, ... The formulas use only ``+ - * //`` on non-negative operands and
-`imin`/`imax`, so one formula serves the CPU model (`flash_cute.reference.block_models.tile_order`), the host
-and every arch's kernel (``imin=cutlass.min``), like `flash_cute.contract.block_range`. Nothing here
-is arch-specific, and this module imports no CuTe DSL.
+`imin`/`imax`, so one formula serves the CPU model (`flash_cute.reference.block_models.tile_order`),
+the host and every arch's kernel (``imin=cutlass.min``), like `flash_cute.contract.block_range`.
+Nothing here is arch-specific, and this module imports no CuTe DSL.
 
 Order:
 
@@ -22,15 +22,16 @@ Order:
   m_block.
 * The same, persistent (G = min(tiles, SMs)): a static round robin over the LPT order gives CTA
   i the i-th heaviest tile of every wave, 25-80 % over the greedy makespan
-  (`flash_cute.reference.block_models.schedule_makespan`, hdim 128-256). So when CTAs take more than one tile,
-  the tiles are folded: unit u of a pair is its query tiles M-1-u and u (work ~ M+1 blocks for
-  every u), the units run in the section order above (u ascending, pair fastest), and CTA i
+  (`flash_cute.reference.block_models.schedule_makespan`, hdim 128-256). So when CTAs take more than
+  one tile, the tiles are folded: unit u of a pair is its query tiles M-1-u and u (work ~ M+1 blocks
+  for every u), the units run in the section order above (u ascending, pair fastest), and CTA i
   does the heavy then the light tile of units i, i + G, ... (numbers t with
   ``(t // G) % 2`` the half). Numbers past the last unit, and the light half of the middle
   unit of an odd M, are empty: they get m_block = num_m_blocks, past every sequence, and a
   kernel skips them as it skips varlen tiles past their sequence.
 
-The SM count comes from the host (`work_loop.num_sms`). Varlen: `num_m_blocks` comes from max_seqlen_q.
+The SM count comes from the host (`work_loop.num_sms`). Varlen: `num_m_blocks` comes from
+max_seqlen_q.
 """
 
 from typing import NamedTuple

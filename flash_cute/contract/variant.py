@@ -3,15 +3,15 @@
 Every arch kernel takes one `Variant`; run-time values (window sizes, softcap value, scale,
 lengths) stay kernel arguments. `flags()` is the variant's part of a CompileKey. `seqused_q` /
 `seqused_k` are switches because a kernel compiled with those tensors differs from one
-compiled with None in their record fields (their values stay run-time). `pack_gqa` is the number of query heads a
-tile packs into its rows (1: none; see `flash_cute.runtime.launch.packed_heads`). `dropout`: the
-kernel drops attention weights (`flash_cute.blocks.dropout`; p, the seed and the scale are run-time).
-`split_kv`: the forward writes fp32 partial results per key split for `flash_cute.blocks.lse_merge`
-(split-KV; the split count and size are run-time). `page_size` > 0: K and V are a paged cache
-[pages, page_size, heads_kv, d] read through a page table (its rows are compile-time, the
-table and its lengths run-time; seqused_k gives the lengths). `append`: the forward first
-writes new keys and values (k_new / v_new, the last rows of each sequence's seqused_k) into
-the cache it reads (the decode step's in-place append, `flash_attn_with_kvcache`).
+compiled with None in their record fields (their values stay run-time). `pack_gqa` is the number of
+query heads a tile packs into its rows (1: none; see `flash_cute.runtime.launch.packed_heads`).
+`dropout`: the kernel drops attention weights (`flash_cute.blocks.dropout`; p, the seed and the
+scale are run-time). `split_kv`: the forward writes fp32 partial results per key split for
+`flash_cute.blocks.lse_merge` (split-KV; the split count and size are run-time). `page_size` > 0: K
+and V are a paged cache [pages, page_size, heads_kv, d] read through a page table (its rows are
+compile-time, the table and its lengths run-time; seqused_k gives the lengths). `append`: the
+forward first writes new keys and values (k_new / v_new, the last rows of each sequence's seqused_k)
+into the cache it reads (the decode step's in-place append, `flash_attn_with_kvcache`).
 `ex2_per16`: of every 16 scores of a thread's softmax row, how many take the FMA exp2
 instead of MUFU.EX2 (`flash_cute.blocks.exp2_emu`; 0: none). `mods`: the call's traced score and
 mask mods as the kernel compiles them (`flash_cute.contract.mods.KernelMods`; their captured
@@ -96,9 +96,9 @@ def per16_of(fraction: float) -> int:
 
 def ex2_emulation_per16() -> int:
     """The forwards' software-exp2 switch: the share of each softmax row's exponentials that
-    `flash_cute.blocks.exp2_emu` computes with FMAs, from ``FLASH_CUTE_EX2_EMULATION`` (a fraction in
-    sixteenths, e.g. 0.125; unset or 0: none). Read when a call's plan is made (`plans.clear_plans`
-    re-reads it)."""
+    `flash_cute.blocks.exp2_emu` computes with FMAs, from ``FLASH_CUTE_EX2_EMULATION`` (a fraction
+    in sixteenths, e.g. 0.125; unset or 0: none). Read when a call's plan is made
+    (`plans.clear_plans` re-reads it)."""
     text = os.environ.get(EX2_EMULATION_ENV, "").strip()
     if not text:
         return 0

@@ -107,7 +107,8 @@ def _probs(scores, softmax_scale, causal, window_size, softcap, variant=None, ba
     scores = scores * softmax_scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
-    mask = attention_mask(scores.shape[-2], scores.shape[-1], causal, window_size, device=scores.device)
+    mask = attention_mask(scores.shape[-2], scores.shape[-1], causal, window_size,
+                          device=scores.device)
     if variant is not None:
         scores, mask = _apply_mods(variant, scores, mask, batch_index)
     return _softmax_rows(scores, mask)
@@ -207,7 +208,8 @@ def score_attention_ref(
     :func:`attention_ref`; in ``"native"`` mode the scores are taken as given
     (float32) and P and the PV matmul use ``v``'s dtype.
     """
-    if scores.dim() != 3 or v.dim() != 3 or scores.shape[0] != v.shape[0] or scores.shape[2] != v.shape[1]:
+    if (scores.dim() != 3 or v.dim() != 3 or scores.shape[0] != v.shape[0]
+            or scores.shape[2] != v.shape[1]):
         raise ValueError(f"bad shapes: scores {tuple(scores.shape)}, v {tuple(v.shape)}")
     mm_dtype, score_dtype = _mode_dtypes(mode, v.dtype)
     p, lse = _probs(scores.to(score_dtype), softmax_scale, causal, window_size, softcap)
@@ -315,8 +317,8 @@ def attention_ref(
     ``variant``: a `registry.CallMods` (traced score and mask mods), applied to the scaled
     scores (b: the batch entry or sequence; q_idx, kv_idx: positions inside it).
     ``dropout``: (p, rng_seed): the attention weights dropped by the decisions the kernels
-    draw from that seed (`flash_cute.reference.rng`), kept ones scaled by 1 / (1 - p); the LSE is the
-    undropped softmax's.
+    draw from that seed (`flash_cute.reference.rng`), kept ones scaled by 1 / (1 - p); the LSE is
+    the undropped softmax's.
 
     Modes:
 
@@ -489,7 +491,8 @@ def tolerance_check(
     """
     if not (out.shape == out_ref64.shape == out_native.shape):
         raise ValueError(
-            f"shape mismatch: {tuple(out.shape)}, {tuple(out_ref64.shape)}, {tuple(out_native.shape)}"
+            f"shape mismatch: {tuple(out.shape)}, {tuple(out_ref64.shape)}, "
+            f"{tuple(out_native.shape)}"
         )
     ours, ref, native = (t.detach().to(torch.float64) for t in (out, out_ref64, out_native))
     if atol is None:

@@ -209,7 +209,8 @@ def tiled_attention_forward(
     interleaved (packed row r is query r // group of head r % group), as the Hopper forward's
     packed GQA tiles them; `block_range` and the mask then work on packed rows.
     """
-    if q.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    if (q.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0]
+            or q.shape[3] != k.shape[3]):
         raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"nheads {q.shape[2]} must be a multiple of nheads_kv {k.shape[2]}")
@@ -256,7 +257,8 @@ def lse_merge(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> Tuple[torch.Ten
     their O; if all parts are -inf the result is ``O = 0``, ``LSE = -inf``.
     """
     if o_parts.shape[:-1] != lse_parts.shape:
-        raise ValueError(f"o_parts {tuple(o_parts.shape)} does not match lse_parts {tuple(lse_parts.shape)}")
+        raise ValueError(f"o_parts {tuple(o_parts.shape)} does not match lse_parts "
+                         f"{tuple(lse_parts.shape)}")
     lse_max = lse_parts.amax(dim=0)
     # All -inf: shift by 0 so exp(-inf - 0) = 0 rather than exp(NaN).
     lse_max = torch.where(torch.isneginf(lse_max), torch.zeros_like(lse_max), lse_max)

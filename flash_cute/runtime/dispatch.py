@@ -1,8 +1,8 @@
 """Which pipeline runs a problem: chosen by compute capability and capability set.
 
-`PIPELINES` lists every built pipeline's descriptor (`flash_cute.contract.descriptor.Pipeline`), newest
-first; the dispatcher picks, in that order, the first that runs on the device, has been run on
-hardware (`hardware_tested`; or is allowed by ``FLASH_CUTE_ALLOW_UNTESTED``), has every
+`PIPELINES` lists every built pipeline's descriptor (`flash_cute.contract.descriptor.Pipeline`),
+newest first; the dispatcher picks, in that order, the first that runs on the device, has been run
+on hardware (`hardware_tested`; or is allowed by ``FLASH_CUTE_ALLOW_UNTESTED``), has every
 capability the problem needs and takes it (`Pipeline.takes`). ``arch=`` names one instead
 (compile-verified ones included). The backward
 runs in the forward's pipeline when it has one, else in the newest that has a backward and

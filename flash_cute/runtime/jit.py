@@ -209,8 +209,8 @@ class _ArgSpec(NamedTuple):
     align: int
 
     def fake(self):
-        return fake_tensor(_TORCH_TO_DSL[self.dtype], tuple(dynamic_dim() for _ in range(self.rank)),
-                           align=self.align)
+        return fake_tensor(_TORCH_TO_DSL[self.dtype],
+                           tuple(dynamic_dim() for _ in range(self.rank)), align=self.align)
 
 
 def _arg_spec(arg):
@@ -235,8 +235,8 @@ class KernelCall:
     numbers, on the current torch stream. Per-call host work is what decides short calls, so
     everything a configuration fixes is worked out once, here and in `flash_cute.runtime.launch`.
 
-    `args`: an argument record (`flash_cute.contract.kernel_args`) for a kernel whose `__call__` takes
-    one, else a tuple of the arguments before the stream; each value a `TensorArg`, a Python
+    `args`: an argument record (`flash_cute.contract.kernel_args`) for a kernel whose `__call__`
+    takes one, else a tuple of the arguments before the stream; each value a `TensorArg`, a Python
     float (a Float32 parameter), int (Int32) or None. They fix the compiled specs: dtypes,
     ranks and alignments (shapes and strides stay dynamic), which optional tensors are None,
     float against int; `key` must tell those apart. A call passes values in the same order

@@ -240,8 +240,8 @@ class SplitScratch:
 
 
 class GatheredPages:
-    """A paged call for a kernel that reads no pages (`flash_cute.runtime.paging`): each call gathers
-    the pages into dense K/V (packed, with a uniform cu_seqlens_k, when q is) and runs the
+    """A paged call for a kernel that reads no pages (`flash_cute.runtime.paging`): each call
+    gathers the pages into dense K/V (packed, with a uniform cu_seqlens_k, when q is) and runs the
     dense launch."""
 
     def __init__(self, plan_forward, q, k, v, problem, lengths, page_table):

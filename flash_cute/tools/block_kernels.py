@@ -149,7 +149,8 @@ class ScoreAttentionKernel:
         for r in cutlass.range_constexpr(cute.size(acc_o, mode=[0])):
             row = m_block * self.tile_m + coord_mn[r, 0][0]
             for d in cutlass.range_constexpr(self.hdim_v):
-                total = cute.arch.warp_reduction_sum(acc_o[r, d], threads_in_group=self.threads_per_row)
+                total = cute.arch.warp_reduction_sum(acc_o[r, d],
+                                                     threads_in_group=self.threads_per_row)
                 if row < seqlen_q and lane_in_row == d % self.threads_per_row:
                     mO[batch, row, d] = total.to(self.dtype)
             if row < seqlen_q and lane_in_row == 0:

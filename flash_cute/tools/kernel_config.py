@@ -116,8 +116,8 @@ _SPECS = {}
 
 def example_spec(name: str):
     """The `contract.mods.KernelMods` of example `name` (as `variants.examples.by_name` builds
-    it); a name ending in "+blocks" adds the block mask `create_block_mask` makes of its mask mod (the
-    kernels' block sparsity); one ending in "+grads" is a backward's with its float captured
+    it); a name ending in "+blocks" adds the block mask `create_block_mask` makes of its mask mod
+    (the kernels' block sparsity); one ending in "+grads" is a backward's with its float captured
     tensors learnable (their gradients accumulated, `KernelMods.aux_grads`); one starting
     "fa4_" is an FA4-form example's `Fa4Spec` (`flash_cute.blocks.fa4_mod_examples`)."""
     if name.startswith("fa4_"):

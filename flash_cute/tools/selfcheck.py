@@ -41,9 +41,11 @@ def check_score_attention() -> bool:
         native, _ = score_attention_ref(scores, v, 0.3, causal, window, softcap, "native")
         res_o = tolerance_check(out, out_ref, native)
         res_l = tolerance_check(lse, lse_ref, lse_ref.float(), atol=1e-4)
-        name = f"blocks.softmax_rows b{batch} {sq}x{sk} causal={causal} window={window} softcap={softcap}"
+        name = (f"blocks.softmax_rows b{batch} {sq}x{sk} causal={causal} window={window} "
+                f"softcap={softcap}")
         ok &= _report(name, res_o.ok and res_l.ok,
-                      f"O err {res_o.err:.2e} (native {res_o.err_native:.2e}), LSE err {res_l.err:.2e}")
+                      f"O err {res_o.err:.2e} (native {res_o.err_native:.2e}), "
+                      f"LSE err {res_l.err:.2e}")
     return ok
 
 
@@ -58,7 +60,8 @@ def check_lse_merge() -> bool:
     lse_parts[1, ::5] = -math.inf
     out, lse = lse_merge(o_parts, lse_parts, out_dtype=torch.float32)
     out_ref, lse_ref = lse_merge_model(o_parts.double(), lse_parts.double())
-    err = max((out.double() - out_ref).abs().max().item(), (lse.double() - lse_ref).abs().max().item())
+    err = max((out.double() - out_ref).abs().max().item(),
+              (lse.double() - lse_ref).abs().max().item())
     return _report("blocks.lse_merge 3 splits x 777 rows x 128", err < 1e-4, f"max err {err:.2e}")
 
 
@@ -84,7 +87,8 @@ def check_attention() -> bool:
         res_lse = tolerance_check(lse, lse_ref, lse_native, atol=1e-4)
         ok &= _report(f"flash_attn_func GQA 4:1 257x301 d128 causal={causal}",
                       res.ok and res_lse.ok,
-                      f"O err {res.err:.2e} (native {res.err_native:.2e}), LSE err {res_lse.err:.2e}")
+                      f"O err {res.err:.2e} (native {res.err_native:.2e}), "
+                      f"LSE err {res_lse.err:.2e}")
     return ok
 
 

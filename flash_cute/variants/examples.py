@@ -9,8 +9,9 @@ unchanged (`flash_attn_func(..., score_mod=..., mask_mod=...)`, traced by `trace
     out = flash_attn_func(q, k, v, mask_mod=document_mask(doc_ids))
 
 Captured tensors stay run-time kernel arguments (a learnable table is read as it is at each
-call); captured Python numbers become compile-time constants of the kernel. `tools.kernel_config.example_spec`
-gives `inspect`'s registry the kernels' view of each (`contract.mods.KernelMods`).
+call); captured Python numbers become compile-time constants of the kernel.
+`tools.kernel_config.example_spec` gives `inspect`'s registry the kernels' view of each
+(`contract.mods.KernelMods`).
 """
 
 import torch

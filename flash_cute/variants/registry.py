@@ -18,8 +18,8 @@ from flash_cute.variants.tracer import ModGraph, UnsupportedMod, alibi_graph, tr
 
 class CallMods(NamedTuple):
     """A call's modifications: the traced graphs (None where absent) and a block mask's
-    per-block states (`flash_cute.variants.block_mask.block_states`) with its block size; or FA4-form
-    mods (`fa4`: a `fa4_mods.Fa4Spec`) with weak references to the call's aux tensors."""
+    per-block states (`flash_cute.variants.block_mask.block_states`) with its block size; or
+    FA4-form mods (`fa4`: a `fa4_mods.Fa4Spec`) with weak references to the call's aux tensors."""
     score_mod: Optional[ModGraph]
     mask_mod: Optional[ModGraph]
     block_states: Optional[torch.Tensor] = None
@@ -120,7 +120,8 @@ def register_fa4(score_mod: Optional[Callable], mask_mod: Optional[Callable],
     for t in aux:
         if not isinstance(t, torch.Tensor) or t.dtype not in AUX_DTYPES:
             raise UnsupportedMod(f"aux_tensors hold {getattr(t, 'dtype', type(t).__name__)}; "
-                                 f"the kernels read {', '.join(sorted(str(d) for d in AUX_DTYPES))}")
+                                 f"the kernels read "
+                                 f"{', '.join(sorted(str(d) for d in AUX_DTYPES))}")
         sig.append((AUX_DTYPES[t.dtype], t.dim()))
     kinds, values = scalar_signature(aux_scalars)
     ident = ("fa4", score_mod, mask_mod, score_mod_bwd, tuple(id(t) for t in aux), kinds,

@@ -177,7 +177,8 @@ def run_cell(cell: BenchConfig, providers: Sequence[Provider], dtype, timer,
     if cell.direction == "bwd":
         ref_grads = reference_grads(*inputs, cell.causal, reference_provider)
     try:
-        records = [bench_provider(p, cell, inputs, ref, timer, device, ref_grads) for p in providers]
+        records = [bench_provider(p, cell, inputs, ref, timer, device, ref_grads)
+                   for p in providers]
     finally:
         del ref, ref_grads, inputs
         _free(device)
