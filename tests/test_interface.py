@@ -10,6 +10,7 @@ from flash_cute import create_block_mask
 from flash_cute.arch.ampere import planner as ampere_api
 from flash_cute.arch.hopper import planner as hopper_api
 from flash_cute.contract.descriptor import required_capabilities
+from flash_cute.runtime import call as call_pass
 from flash_cute.runtime import dispatch, launch_bwd, launch_fwd, plans
 from flash_cute.runtime.dispatch import AMPERE, HOPPER
 from flash_cute.runtime.launch import variant_of
@@ -255,7 +256,7 @@ def test_num_splits_and_scheduling_hints_reach_validation(capability, monkeypatc
     validation as given; min_seqlen_k and disable_scheduler_metadata are accepted hints."""
     capability(9, 0)
     seen = []
-    monkeypatch.setattr(plans, "validate_attention_inputs",
+    monkeypatch.setattr(call_pass, "validate_attention_inputs",
                         lambda *a, **kw: seen.append(kw) or (_ for _ in ()).throw(ValueError("stop")))
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     for n in (1, 0, 4):
@@ -603,7 +604,7 @@ def test_a_repeated_call_is_validated_once(capability, monkeypatch):
             return q, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
         return launch
 
-    monkeypatch.setattr(plans, "validate_attention_inputs", validate)
+    monkeypatch.setattr(call_pass, "validate_attention_inputs", validate)
     _replace(monkeypatch, HOPPER, plan_forward=plan_forward)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(plans, "on_device", lambda t: contextlib.nullcontext())

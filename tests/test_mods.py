@@ -552,7 +552,7 @@ def test_the_backward_operator_returns_the_learnable_gradients_and_passes_opchec
 
 _PLAN_LEARNABLE = """
 import torch
-from flash_cute.runtime import plans
+from flash_cute.runtime import call
 from flash_cute.variants import kernel_view, registry, tracer
 from flash_cute.runtime.dispatch import pipeline_named
 from flash_cute.runtime.jit import compile_only
@@ -581,8 +581,8 @@ key = registry.register(mod, None)
 q = torch.empty(2, 77, 4, 128, dtype=torch.bfloat16, device="meta")
 k = torch.empty(2, 90, 2, 128, dtype=torch.bfloat16, device="meta")
 base = validate_attention_inputs(q, k, k, causal=True, require_cuda=False)
-fwd_problem = plans._with_mods(base, key, q)
-problem = plans._with_mods(base, key, q, True)
+fwd_problem = call.with_mods(base, key, q)
+problem = call.with_mods(base, key, q, True)
 assert problem.mod_grads and not fwd_problem.mod_grads
 for name in ("hopper", "ampere"):
     pipe = pipeline_named(name)

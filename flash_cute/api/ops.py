@@ -24,7 +24,7 @@ redraws the forward's decisions from the same seed).
 import torch
 
 from flash_cute.reference.attention import attention_ref, attention_ref_backward
-from flash_cute.runtime import paging, plans
+from flash_cute.runtime import call, paging, plans
 from flash_cute.variants import derivative, registry
 
 # Options after the tensors, in the order both schemas take them.
@@ -74,8 +74,8 @@ def _reference_problem(q, k, v, lengths, options, dropout=(0.0, None), splits=(1
     if q.device.type == "cpu" and options[9] is not None:
         raise ValueError(f"arch={options[9]!r} picks a GPU pipeline, but the inputs are on "
                          "the CPU (which runs the reference); pass arch=None or CUDA tensors")
-    return plans.validate_call(q, k, v, lengths, options, require_cuda=False, dropout=dropout,
-                               splits=splits, page_table=page_table)
+    return call.validate_call(q, k, v, lengths, options, require_cuda=False, dropout=dropout,
+                              splits=splits, page_table=page_table)
 
 
 def _reference_kwargs(problem, lengths, key: int, rng_seed) -> dict:

@@ -93,3 +93,19 @@ def select_backward_pipeline(device: torch.device, forward: Pipeline, problem=No
     if takers:
         check_capabilities(takers[0], needed)
     raise NotImplementedError(f"no pipeline has a backward for compute capability {major}.x")
+
+
+def choose_pipelines(device: torch.device, arch: Optional[str], problem, backward: bool = False,
+                     deterministic: bool = False, forward_checks: bool = True) -> tuple:
+    """A call's one dispatch decision: (the forward's pipeline, the backward's or None), each
+    checked against what `problem` needs, its capabilities and then the pipeline's own limits
+    (head dims, shared memory). `forward_checks=False`: a backward call, whose forward ran."""
+    forward = select_pipeline(device, arch, problem)
+    if forward_checks:
+        check_capabilities(forward, required_capabilities(problem))
+        forward.check_supported(problem, device)
+    if not backward:
+        return forward, None
+    bwd = select_backward_pipeline(device, forward, problem, deterministic)
+    bwd.check_supported(problem, device, backward=True)
+    return forward, bwd

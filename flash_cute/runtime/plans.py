@@ -1,15 +1,15 @@
 """The CUDA implementations of the `flash_cute::fwd` / `flash_cute::bwd` operators
 (`flash_cute.api.ops`), and the plan caches that make a repeated call cheap.
 
-A call is validated, dispatched (`flash_cute.runtime.dispatch`: the newest pipeline that runs on the
-device and has what the problem needs, or the one ``arch=`` forces) and planned (the
+A call is validated in one pass (`flash_cute.runtime.call`), dispatched in one decision
+(`flash_cute.runtime.dispatch.choose_pipelines`: the newest pipeline that runs on the device and
+has what the problem needs, or the one ``arch=`` forces, and the backward's) and planned (the
 pipeline's `plan_forward` / `plan_backward`: everything the call's dtypes, shapes, strides
 and options fix) once; a plan cache keyed by those (`_call_key`) then skips straight to
 allocating and launching (host time decides short calls: `bench latency`).
 """
 
 import contextlib
-import dataclasses
 import os
 import threading
 from collections import OrderedDict
@@ -17,20 +17,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from flash_cute.contract.descriptor import APPEND, Pipeline, required_capabilities
-from flash_cute.runtime import paging
+from flash_cute.contract.descriptor import APPEND, Pipeline
+from flash_cute.runtime import call, paging
 from flash_cute.runtime.contents import check_index_contents
-from flash_cute.runtime.dispatch import (
-    check_capabilities,
-    select_backward_pipeline,
-    select_pipeline,
-)
-from flash_cute.runtime.problem import (
-    AttentionProblem,
-    validate_attention_inputs,
-    validate_backward_inputs,
-)
-from flash_cute.variants import derivative, kernel_view, registry
+from flash_cute.runtime.dispatch import choose_pipelines
+from flash_cute.runtime.problem import AttentionProblem
+from flash_cute.variants import derivative, registry
 
 
 class _Plan(NamedTuple):
@@ -140,96 +132,19 @@ def _call_key(tensors: tuple, options: tuple) -> Optional[tuple]:
     return signature, options, types, torch.is_grad_enabled()
 
 
-def validate_call(q, k, v, lengths: tuple, options: tuple, require_cuda: bool = True,
-                  dropout=(0.0, None), splits=(1, None), page_table=None):
-    """The `AttentionProblem` of an operator call (`options`: max_seqlen_q, max_seqlen_k,
-    softmax_scale, causal, window_left, window_right, softcap, pack_gqa, ...; `dropout`:
-    (dropout_p, rng_seed); `splits`: (num_splits, seqlen_k_per_split); `page_table`: k and v
-    are paged caches, validated as the K and V they stand for, `paging.logical`)."""
-    cu_q, cu_k, used_q, used_k = lengths
-    if page_table is not None:
-        k, v, cu_k = _paged_view(q, k, v, lengths, page_table, require_cuda)
-        require_cuda = False   # checked on the real tensors just now
-    max_q, max_k, scale, causal, left, right, softcap, pack_gqa = options[:8]
-    problem = validate_attention_inputs(
-        q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
-        softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q,
-        seqused_k=used_k, max_seqlen_q=max_q, max_seqlen_k=max_k, pack_gqa=pack_gqa,
-        dropout_p=dropout[0], num_splits=splits[0], seqlen_k_per_split=splits[1],
-        require_cuda=require_cuda)
-    if problem.dropout_p > 0:
-        _check_seed(dropout[1], q)
-    return problem
-
-
-def _paged_view(q, k, v, lengths, page_table, require_cuda: bool):
-    """The logical K, V and cu_seqlens_k of a paged call, after the checks of its real
-    tensors."""
-    from flash_cute.runtime.checks import check_devices, check_memory_layout
-
-    cu_q, cu_k, used_q, used_k = lengths
-    if cu_k is not None:
-        raise ValueError("page_table describes each sequence's keys by its pages: pass "
-                         "seqused_k for their lengths, not cu_seqlens_k")
-    batch = q.shape[0] if cu_q is None else cu_q.shape[0] - 1
-    paging.check_paged(k, v, page_table, batch)
-    if require_cuda:
-        check_devices(q=q, k=k, v=v, page_table=page_table, cu_seqlens_q=cu_q,
-                       seqused_q=used_q, seqused_k=used_k)
-    for name, t in (("k", k), ("v", v)):
-        check_memory_layout(name, t)
-    return paging.logical(k, v, page_table, cu_q is not None)
-
-
-def _check_seed(rng_seed, q) -> None:
-    if not (isinstance(rng_seed, torch.Tensor) and rng_seed.dtype == torch.int64
-            and rng_seed.shape == (1,) and rng_seed.device == q.device):
-        got = (f"{rng_seed.dtype} {tuple(rng_seed.shape)} on {rng_seed.device}"
-               if isinstance(rng_seed, torch.Tensor) else type(rng_seed).__name__)
-        raise ValueError(f"dropout_p > 0 needs rng_seed, an int64 [1] tensor on q's device "
-                         f"({q.device}; `flash_cute.reference.rng.draw_seed`), got {got}")
-
-
-def _with_mods(problem, key: int, q, grads: bool = False):
-    """`problem` with the call's mods (registry `key`; 0: none), after the kernels' checks:
-    what their graphs may use (`kernel_view.kernel_mods`) and where their tensors live;
-    `grads`: a backward that also gives the learnable captured tensors' gradients."""
-    if not key:
-        return problem
-    variant = registry.lookup(key)
-    grads = grads and bool(derivative.learnable(variant))
-    aux = kernel_view.kernel_mods(variant, grads)[1]
-    for t in aux:
-        if t.device != q.device:
-            raise ValueError(f"a score_mod / mask_mod captures a tensor on {t.device}; the "
-                             f"kernels read it on q's device ({q.device}): move it there")
-    return dataclasses.replace(problem, mods=variant, mods_key=key, mod_grads=grads)
-
-
 def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
                page_table=None, append=None) -> _Plan:
+    """A forward call's plan, top-down: its one validation pass, its one dispatch decision
+    (the backward's pipeline too, where a gradient is needed: refused now rather than after
+    the forward ran), then the pipeline's launch."""
     deterministic, arch, needs_grad = options[8:11]
-    problem = validate_call(q, k, v, lengths, options, dropout=(options[12], rng_seed),
-                            splits=splits, page_table=page_table)
-    problem = _with_mods(problem, options[11], q)
-    if page_table is not None and needs_grad:
-        raise NotImplementedError("no backward through a page_table: call flash_attn_func / "
-                                  "flash_attn_varlen_func, which gather the pages when "
-                                  "gradients are needed")
-    pipeline = select_pipeline(q.device, arch, problem)
-    check_capabilities(pipeline, required_capabilities(problem))
-    pipeline.check_supported(problem, q.device)
-    bwd_pipeline = None
-    if needs_grad:
-        # Refused now, before the forward runs, rather than in the backward.
-        bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
-        if problem.mods is not None and derivative.learnable(problem.mods):
-            kernel_view.kernel_mods(problem.mods, True)   # what their gradients cannot be
+    problem = call.forward_problem(q, k, v, lengths, options, rng_seed, splits, page_table,
+                                   append)
+    pipeline, bwd_pipeline = choose_pipelines(q.device, arch, problem, backward=needs_grad,
+                                              deterministic=deterministic)
     paged = {} if page_table is None else {"page_table": page_table}
-    if append is not None:
-        _check_append(k, v, lengths, append, problem)
-        if APPEND in pipeline.capabilities:
-            paged["append"] = append
+    if append is not None and APPEND in pipeline.capabilities:
+        paged["append"] = append
     with torch.cuda.device(q.device):
         launch = pipeline.plan_forward(q, k, v, problem, *lengths, **paged)
     if append is not None and APPEND not in pipeline.capabilities:
@@ -237,19 +152,6 @@ def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
 
         launch = AppendFirst(launch)
     return _Plan(problem, pipeline, bwd_pipeline, bool(deterministic), launch)
-
-
-def _check_append(k, v, lengths, append, problem) -> None:
-    if problem.varlen or lengths[3] is None:
-        raise ValueError("an append runs on a padded (or paged) cache with seqused_k, not "
-                         "with cu_seqlens")
-    paging.check_append(k, v, *append, problem.batch, lengths[3])
-
-
-def _backward_pipeline(device, pipeline, problem, deterministic) -> Pipeline:
-    bwd_pipeline = select_backward_pipeline(device, pipeline, problem, deterministic)
-    bwd_pipeline.check_supported(problem, device, backward=True)
-    return bwd_pipeline
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options):
@@ -338,14 +240,10 @@ def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
         launch = None   # which captured tensors require grad changed since it was planned
     if launch is None:
         deterministic, arch = options[8:10]
-        problem = validate_call(q, k, v, lengths, options, dropout=(options[11], rng_seed))
-        problem = _with_mods(problem, options[10], q, mod_grads)
-        if deterministic and problem.mods is not None and problem.mods.block_states is not None:
-            raise NotImplementedError("deterministic=True with a block_mask: the fixed dQ "
-                                      "order assumes every key tile of the mask's range")
-        validate_backward_inputs(dout, q, k, v, out, lse, problem)
-        pipeline = select_pipeline(q.device, arch, problem)
-        bwd_pipeline = _backward_pipeline(q.device, pipeline, problem, deterministic)
+        problem = call.backward_problem(dout, q, k, v, out, lse, lengths, options, rng_seed,
+                                        mod_grads)
+        _, bwd_pipeline = choose_pipelines(q.device, arch, problem, backward=True,
+                                           deterministic=deterministic, forward_checks=False)
         with torch.cuda.device(q.device):
             launch = bwd_pipeline.plan_backward(dout, dlse, q, k, v, out, lse, problem,
                                                 *lengths, bool(deterministic))
