@@ -79,6 +79,17 @@ def test_the_checker_allows_kernels_by_name_only():
     assert rules.violations(imported)
 
 
+def test_the_checker_allows_the_dsl_at_module_level_only_where_the_rules_say():
+    """Blocks import the DSL at module level; the runtime only through the JIT, and the disk
+    cache only inside a function."""
+    assert rules.violations(_planted(flash_cute__blocks__b="import cutlass\n")) == []
+    assert rules.violations(_planted(flash_cute__runtime__jit="import cutlass\n")) == []
+    lazy = "def load():\n    import cutlass\n"
+    assert rules.violations(_planted(flash_cute__runtime__disk_cache=lazy)) == []
+    assert rules.violations(_planted(flash_cute__runtime__disk_cache="import cutlass\n"))
+    assert rules.violations(_planted(flash_cute__runtime__plans=lazy))
+
+
 @pytest.mark.parametrize("source", ["import cutlass\n",
                                     "def f():\n    from cutlass import Int32\n",
                                     "import torch\n"])
