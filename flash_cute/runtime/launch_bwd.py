@@ -9,14 +9,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-# Every launch calls a TVM-FFI function: importing it here, not at the first call, keeps its
-# tens of milliseconds out of that call (a kernel loaded from the disk cache then starts in a
-# few; docs/decisions.md, D-IMPORT).
-import tvm_ffi  # noqa: F401
-
 from flash_cute.contract.kernel_args import BwdArgs, dropout_scalars, score_scalars
 from flash_cute.contract.variant import dtype_name
-from flash_cute.runtime.kernel_ref import KernelRef  # noqa: F401  (planners name kernels by it)
 from flash_cute.runtime.launch import (
     CapturedTensors,
     SparseTiles,
