@@ -81,6 +81,7 @@ def main():
             for _ in range(args.rounds):
                 for name in VARIANTS:
                     override.set(name)
+                    # Bound as defaults: the caches are deleted below, page size by page size.
                     def fn(n=name, q=q, kc=kc, vc=vc, table=table):
                         return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
                                                        block_table=table,
@@ -92,7 +93,7 @@ def main():
             picked = "/".join(str(override.picked.get(n, 1)) for n in VARIANTS)
             print(f"| {b} x {seqlen // 1024}k | {page or 'dense'} | "
                   + " | ".join(f"{r:,.0f}" for r in rates) + f" | {picked} |", flush=True)
-            del kc, vc, table
+            del fn, kc, vc, table
         del q, k, v
         torch.cuda.empty_cache()
 

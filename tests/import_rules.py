@@ -64,13 +64,17 @@ BY_NAME = {"runtime": {"kernels"}, "api": {"kernels"}, "package": {"kernels"}}
 # CuTe DSL (and the CUDA driver bindings it runs on): imported at module level only by the
 # layers that are device code or tooling, and by the JIT, the runtime's one way to it; never,
 # not even inside a function, by the torch-only layers and the rest of the runtime.
-DSL_ROOTS = {"cutlass", "cuda"}
+DSL_ROOTS = {"cutlass", "cuda", "nvidia_cutlass_dsl"}
 DSL_AT_MODULE_LEVEL = {"blocks", "kernels", "tools"}
 DSL_NEVER = {"contract", "variants", "reference", "runtime", "package", "compat"}
 # The JIT, the runtime's one way to the DSL (at module level too), and its disk cache, which
 # loads compiled modules through the DSL's runtime inside its functions.
 JIT = "flash_cute.runtime.jit"
 DSL_LAZY = {JIT, "flash_cute.runtime.disk_cache"}
+# A module named by a computed string (not a literal, nor an f-string with a literal start):
+# the checker cannot see its layer, so only these may (`KernelRef` itself, the aliases).
+DYNAMIC_IMPORT = "<computed>"
+DYNAMIC = {"flash_cute.runtime.kernel_ref", "flash_cute._aliases"}
 # Layers that never import torch: records and device code.
 NO_TORCH = {"contract", "blocks", "kernels"}
 
@@ -143,9 +147,18 @@ def edges(name: str, modules: dict) -> tuple:
         if target in modules and target != name:
             found.append(Edge(target, func, by_name))
 
-    def constant(node):
-        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) \
-            else None
+    def named_module(call):
+        """The module an `import_module` / `__import__` / `KernelRef` call names: a string
+        literal whole, an f-string by its literal start (`f"flash_cute.arch.{n}.x"` names
+        `flash_cute.arch`), or None when it is computed (then `DYNAMIC` says who may)."""
+        node = call.args[0] if call.args else next(
+            (k.value for k in call.keywords if k.arg in ("module", "name")), None)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.JoinedStr) and node.values and \
+                isinstance(node.values[0], ast.Constant):
+            return node.values[0].value.rpartition(".")[0] or None
+        return None
 
     def visit(node, func):
         for child in ast.iter_child_nodes(node):
@@ -159,12 +172,15 @@ def edges(name: str, modules: dict) -> tuple:
                 for a in child.names:
                     sub = f"{target}.{a.name}"
                     add(sub if sub in modules else target, func)
-            elif isinstance(child, ast.Call) and child.args:
+            elif isinstance(child, ast.Call):
                 callee = child.func.attr if isinstance(child.func, ast.Attribute) else \
                     getattr(child.func, "id", None)
-                text = constant(child.args[0])
-                if callee in ("import_module", "KernelRef") and text:
-                    add(text, func, by_name=True)
+                if callee in ("import_module", "KernelRef", "__import__"):
+                    text = named_module(child)
+                    if text:
+                        add(text, func, by_name=True)
+                    else:
+                        outside.append((DYNAMIC_IMPORT, func))
             visit(child, inner)
 
     visit(tree, None)
@@ -220,6 +236,9 @@ def violations(modules: dict) -> list:
             if root in DSL_ROOTS and name != JIT and not (name in DSL_LAZY and func) and (
                     layer in DSL_NEVER or (func is None and layer not in DSL_AT_MODULE_LEVEL)):
                 bad.append(f"{name} [{layer}] imports {root} ({func or 'module level'})")
+            if root == DYNAMIC_IMPORT and name not in DYNAMIC:
+                bad.append(f"{name} [{layer}] imports a computed module name "
+                           f"({func or 'module level'})")
             if root == "torch" and layer in NO_TORCH:
                 bad.append(f"{name} [{layer}] imports torch ({func or 'module level'})")
     for cycle in cycles(g):

@@ -70,6 +70,27 @@ def test_the_checker_finds_a_string_import_of_tooling_from_the_runtime():
                in v for v in bad), bad
 
 
+@pytest.mark.parametrize("call", [
+    "importlib.import_module(f'flash_cute.tools.{n}')",
+    "__import__('flash_cute.tools.registry')",
+    "KernelRef(module='flash_cute.tools.registry', name='X')",
+])
+def test_the_checker_reads_every_form_of_a_module_named_by_a_string(call):
+    """f-strings by their literal start, `__import__`, and the `module=` keyword are edges."""
+    tree = _planted(flash_cute__tools__registry="",
+                    flash_cute__runtime__plans=f"import importlib\ndef f(n):\n    {call}\n")
+    tree.update({"flash_cute.tools": "", "flash_cute.tools.__init__": None})
+    assert any("flash_cute.runtime.plans [runtime] imports flash_cute.tools" in v
+               for v in rules.violations(tree)), call
+
+
+def test_the_checker_refuses_a_computed_module_name_outside_the_allowed_places():
+    source = "import importlib\nM = 'flash_cute.tools.registry'\ndef f():\n" \
+             "    importlib.import_module(M)\n"
+    assert rules.violations(_planted(flash_cute__runtime__plans=source))
+    assert rules.violations(_planted(flash_cute__runtime__kernel_ref=source)) == []
+
+
 def test_the_checker_allows_kernels_by_name_only():
     by_name = _planted(flash_cute__kernels__k="",
                        flash_cute__runtime__launch="REF = KernelRef('flash_cute.kernels.k', 'K')\n")

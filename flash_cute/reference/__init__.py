@@ -1,8 +1,12 @@
 """The reference (torch): float64/float32 attention, the bf16/fp16 baseline of the tolerance
-rule, and plain-PyTorch models of the kernels' blocks.
+rule, and plain-PyTorch models of the kernels' blocks (`reference.block_models`).
 
-`flash_cute.reference.attention_ref` and the other names of `reference.attention` are kept
-here, where users have always imported them."""
+Every public name `reference.attention` defines (`attention_ref`, `attention_ref_backward`,
+`tolerance_check`, `Window`, ...) is kept here too, where users have always imported them."""
 
-from flash_cute.reference.attention import *  # noqa: F401,F403
-from flash_cute.reference.attention import __all__  # noqa: F401
+from flash_cute.reference.attention import *  # noqa: F403
+from flash_cute.reference.attention import (  # noqa: F401  (public, outside its __all__)
+    Window,
+    __all__,
+    attention_ref_backward,
+)
