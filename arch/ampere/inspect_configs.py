@@ -60,7 +60,7 @@ def _fwd_configs():
                            # The software exp2 on 2 and 4 of every 16 scores (`exp2_emu`).
                            ((128, 128), {"causal": True, "ex2_emu": 2}),
                            ((128, 128), {"causal": True, "ex2_emu": 4}),
-                           # Traced mods (`mod_examples`): a bias, a mask, both.
+                           # Traced mods (`variants.examples`): a bias, a mask, both.
                            ((128, 128), {"causal": True, "mods": "alibi"}),
                            # FA4-form mods (`fa4_mod_examples`): a derivative from dual
                            # numbers with a mask mod, an aux tensor and aux scalars.

@@ -260,7 +260,7 @@ class BlackwellFwd:
 
     def _tile_order(self, mQ, mK, max_seqlen_q, cu_seqlens_q) -> TileOrder:
         """(256-row tile, head, batch) numbering; causal and right windows heaviest first, in
-        L2-sized sections of heads (`tile_scheduler`)."""
+        L2-sized sections of heads (`tile_order`)."""
         batch = SeqInfo.num_batches(mQ, cu_seqlens_q)
         section = Int32(1)
         if cutlass.const_expr(self.lpt):

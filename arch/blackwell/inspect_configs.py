@@ -34,7 +34,7 @@ def _fwd_configs():
                            # The exp2 share off, and doubled.
                            ((128, 128), {"causal": True, "ex2_emu": 0}),
                            ((128, 128), {"causal": True, "ex2_emu": 4}),
-                           # Traced and FA4-form mods (`mod_examples`, `fa4_mod_examples`).
+                           # Traced and FA4-form mods (`variants.examples`, `fa4_mod_examples`).
                            ((128, 128), {"causal": True, "mods": "alibi"}),
                            ((128, 128), {"mods": "document"}),
                            ((128, 128), {"varlen": True, "mods": "alibi_document"}),

@@ -190,7 +190,7 @@ class HopperBwd:
     P = dS = 0. K/V rows past seqlen_k are masked to P = 0.
 
     `deterministic`: dQ of a query tile is added by its K/V tiles in increasing order, through
-    an int32 semaphore per (query tile, head, batch) in global memory (`bwd_blocks.dq_turn`).
+    an int32 semaphore per (query tile, head, batch) in global memory (`blocks.bwd.dq_turn`).
 
     Not yet: LSE₂ and Δ by TMA for varlen.
     """
@@ -259,9 +259,9 @@ class HopperBwd:
     @cute.jit
     def __call__(self, args: BwdArgs, stream: cuda.CUstream):
         """`args`: a `kernel_args.BwdArgs` with LSE₂ and Δ rows 16-byte aligned
-        (`launch_bwd.Scratch`: they are TMA-loaded) and, when deterministic, the dQ
+        (`launch_bwd._Scratch`: they are TMA-loaded) and, when deterministic, the dQ
         semaphores. dQaccum, zeroed: with the shared dQ tile (`dq_tma`) the fragment-order
-        tiles of `dq_layout.accum_shape`, else like Q."""
+        tiles of `host_dq_layout.accum_shape`, else like Q."""
         mLSElog2, mDelta, mdQaccum, mdK, mdV = (args.lse_log2, args.delta, args.dq_accum,
                                                 args.dk, args.dv)
         mCuSeqlensQ = args.cu_seqlens_q
@@ -767,7 +767,7 @@ class SmemTiles(DslState):
 
 class DqOrder(DslState):
     """Deterministic dQ for one CTA (K/V tile `n_block` of one head and batch): its turn at
-    each query tile (`bwd_blocks.dq_turn`) and that tile's semaphore."""
+    each query tile (`blocks.bwd.dq_turn`) and that tile's semaphore."""
 
     def __init__(self, cfg: HopperBwd, mdQsem: cute.Tensor, seq: SeqInfo, head, n_block,
                  win_left, win_right):

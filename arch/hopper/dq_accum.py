@@ -73,8 +73,8 @@ def as_vectors(acc: cute.Tensor) -> cute.Tensor:
 def varlen_first_tile(first_row, batch, tile_m: int):
     """Index of sequence `batch`'s first dQaccum tile (varlen), its first row being
     cu_seqlens_q[batch]: the tiles of different sequences never overlap and all lie below
-    `dq_layout.accum_shape`'s total_q // tile_m + batch (tests/test_hopper_bwd_cpu.py checks
-    both)."""
+    `host_dq_layout.accum_shape`'s total_q // tile_m + batch (tests/test_hopper_bwd_cpu.py
+    checks both)."""
     return first_row // tile_m + batch
 
 
@@ -127,7 +127,8 @@ class HopperDqPostprocess:
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32,
                  mCuSeqlensQ: Optional[cute.Tensor], max_seqlen_q: Int32,
                  stream: cuda.CUstream):
-        """mdQaccum as `dq_layout.accum_shape`; mdQ like q; cu_seqlens_q [b + 1] when varlen."""
+        """mdQaccum as `host_dq_layout.accum_shape`; mdQ like q; cu_seqlens_q [b + 1] when
+        varlen."""
         mdQaccum = assume_aligned_strides(mdQaccum, _VEC)
         mdQ = assume_aligned_strides(mdQ, self.vec)
         batch = SeqInfo.num_batches(mdQ, mCuSeqlensQ)

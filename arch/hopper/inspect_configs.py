@@ -31,7 +31,8 @@ def build_fwd(entry):
 
 def build_bwd(entry):
     """Fake padded or varlen tensors with dynamic batch, heads and lengths; the alignments
-    and dQaccum layout `api.backward` promises (TMA-ready 16-byte rows of LSE₂, Δ, dQaccum)."""
+    and dQaccum layout `planner.plan_backward` promises (its `_bwd_plan`: TMA-ready 16-byte
+    rows of LSE₂, Δ, dQaccum)."""
     from flash_cute.runtime.jit import DTYPES
     from flash_cute.tools.fake_args import fake_backward_args
     from flash_cute.tools.kernel_config import CompileSpec, variant_from_flags
@@ -122,7 +123,7 @@ def _fwd_configs():
                            # The software exp2 on 2 and 4 of every 16 scores (`exp2_emu`).
                            ((128, 128), {"causal": True, "ex2_emu": 2}),
                            ((128, 128), {"causal": True, "ex2_emu": 4}),
-                           # Traced mods (`mod_examples`): a bias, a mask, both, packed GQA.
+                           # Traced mods (`variants.examples`): a bias, a mask, both, packed GQA.
                            ((128, 128), {"causal": True, "mods": "alibi"}),
                            # FA4-form mods (`fa4_mod_examples`): a derivative from dual
                            # numbers with a mask mod, an aux tensor and aux scalars.

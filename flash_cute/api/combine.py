@@ -1,7 +1,7 @@
 """`flash_attn_combine`: flash_attn.cute's merge of split-KV partial results, by its signature.
 
-On CUDA it runs the LSE-merge kernel (`flash_cute.blocks.lse_merge`, the one the ampere forward's
-splits use; the hopper forward merges its own)
+On CUDA it runs the LSE-merge kernel (`flash_cute.kernels.lse_merge`, the one the ampere
+forward's splits use; the hopper forward merges its own)
 for fp32 partials of a head dim that is a multiple of 32 (other dtypes are converted to fp32
 first); elsewhere, and for other head dims, the float model it is tested against
 (`flash_cute.reference.block_models.lse_merge`).

@@ -3,8 +3,8 @@
 Forward: after the online softmax has summed the unnormalized P of a block (the row sums
 see every element), the dropped elements of P are zeroed before the PV GEMM, and O is scaled
 by 1 / (1 - p) with 1 / l at the end. Backward: the same decisions, drawn again from the same
-seed, zero dP and the P that dV reads (`bwd_blocks.p_and_ds`); dV is scaled by 1 / (1 - p)
-at the end and dS folds it in: dS = P ∘ (Z ∘ dP / (1 - p) − Δ).
+seed, zero dP and the P that dV reads (`flash_cute.blocks.bwd.p_and_ds`); dV is scaled by
+1 / (1 - p) at the end and dS folds it in: dS = P ∘ (Z ∘ dP / (1 - p) − Δ).
 
 A `Dropout` walks the fragment in Philox groups (one Philox4x32-10 block each) and hands
 every element with its keep decision to a trace-time callback, so the forward and the

@@ -2,7 +2,7 @@
 
 A row's exponentials normally all go to MUFU.EX2 (16 per clock per SM); on Blackwell that
 unit, not the tensor core, bounds the softmax, and FlashAttention-4 computes a share of them
-with FMA-pipe arithmetic instead. The arithmetic, per value (model: `models.exp2_poly`):
+with FMA-pipe arithmetic instead. The arithmetic, per value (model: `block_models.exp2_poly`):
 
 1. clamp x >= -127 (a masked -inf gives 0, and the exponent arithmetic cannot wrap);
 2. j = floor(x): x + 1.5 * 2^23 rounded down leaves j in the sum's low mantissa bits, and

@@ -11,7 +11,7 @@ Three parts, all arch-neutral, on the (rows, cols) view of a thread's scores (`a
   per score whatever the mod.
 * `Scores` (device side): the mod, then the mask (`AttentionMask`) where the block needs it;
   its backward counterpart is `ScoreMod.grad`, the mod's derivative, which the backward
-  blocks apply to dS (`bwd_blocks.p_and_ds`).
+  blocks apply to dS (`flash_cute.blocks.bwd.p_and_ds`).
 * Traced mods (`Variant.mods`, FlexAttention-form score and mask mods): `GRAPH` is their
   `ScoreMod` for the fold, and `tile_scores` binds their graph (`flash_cute.blocks.graph_mods`) to
   a tile's batch entry and head; `Scores` runs it on every visited block, since a mask mod
@@ -140,7 +140,7 @@ def tile_scores(cfg, mod_scale: Float32, mask: AttentionMask, aux=None, batch=No
     """The score seam of one tile: the kernel's score mod and, with traced mods (`cfg.mods`),
     their graph bound to the tile's batch entry and head (packed GQA: its K/V head); with a
     block mask (`KernelMods.sparse`), its tile states (`FwdArgs.block_states`); FA4-form mods
-    (`fa4_mods.Fa4Spec`) get the tile's sequence (`seq`, a `SeqInfo`) as their seqlen_info."""
+    (`contract.mods.Fa4Spec`) get the tile's sequence (`seq`, a `SeqInfo`) as their seqlen_info."""
     mods = sparse = None
     if cutlass.const_expr(isinstance(cfg.mods, Fa4Spec)):
         mods = Fa4Mods(cfg.mods, aux, batch, head,
@@ -211,9 +211,9 @@ class Scores(DslState):
         return self.mods is not None and self.mods.spec.score_grad is not None
 
     def ds_hook(self, coord_mn: cute.Tensor, m_block: Int32, n_block: Int32):
-        """The backward's use of dS before the mod's derivative (`bwd_blocks.p_and_ds`): the
-        gradients of learnable captured tensors (`GraphMods.accumulate_grads`); None
-        without."""
+        """The backward's use of dS before the mod's derivative
+        (`flash_cute.blocks.bwd.p_and_ds`): the gradients of learnable captured tensors
+        (`GraphMods.accumulate_grads`); None without."""
         if not getattr(getattr(self.mods, "spec", None), "aux_grads", ()):
             return None
         return lambda ds_mn: self.mods.accumulate_grads(ds_mn, coord_mn, m_block, n_block)

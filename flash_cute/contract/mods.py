@@ -84,7 +84,7 @@ class Fa4Spec(NamedTuple):
     # aux tensor (int32 [B or 1, H or 1, query blocks, key blocks]).
     block_size: tuple = ()
 
-    # The fields the kernels read of a traced spec (`mod_graph.KernelMods`).
+    # The fields the kernels read of a traced spec (`KernelMods`).
     @property
     def sparse(self) -> bool:
         return bool(self.block_size)

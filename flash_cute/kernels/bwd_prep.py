@@ -32,7 +32,7 @@ class BwdPreprocessKernel:
     O, dO: padded [b, sq, h, dv] or varlen [total_q, h, dv]; LSE, dLSE, Delta, LSElog2: fp32
     padded [b, h, sq] or varlen [h, total_q]. Rows past a sequence's length (seqused_q[b] when
     given) are neither read nor written: the main kernels never read their Delta or LSElog2
-    (`bwd_blocks.row_stats` and `bwd_blocks.tile_row_values` stand in P = 0 for them).
+    (`flash_cute.blocks.bwd.row_stats` and `tile_row_values` stand in P = 0 for them).
     """
 
     num_threads = ROW_THREADS

@@ -1,8 +1,12 @@
-"""Host-side launch plumbing shared by every pipeline's `api.py`: support checks, the cases
-that need no kernel, and the launches of a call configuration, worked out once and kept by
-the plan cache (`flash_cute.api.interface`): `ForwardLaunch` (one kernel) and `BackwardLaunch`
-(preprocess, main kernel, dQ), each building its kernel's argument record
-(`flash_cute.contract.kernel_args`) once and then passing the fields straight to TVM-FFI."""
+"""Host-side launch plumbing shared by every pipeline's `planner.py`: a problem's kernel
+switches (`variant_of`), support checks, the cases that need no kernel, `packed_heads`,
+restriding, the captured tensors of mods (`CapturedTensors`) and block masks' tiles
+(`SparseTiles`), the dropout seed's argument, and `KernelRef` (kept here for the planners).
+The launches of a call configuration, worked out once and kept by the plan caches
+(`flash_cute.runtime.plans`), are `launch_fwd.ForwardLaunch` (one kernel) and
+`launch_bwd.BackwardLaunch` (preprocess, main kernel, dQ), each building its kernel's argument
+record (`flash_cute.contract.kernel_args`) once and then passing the fields straight to
+TVM-FFI."""
 
 
 import torch
@@ -132,7 +136,7 @@ def apply(t, how):
 class CapturedTensors:
     """The tensors a call's traced mods capture (`problem.mods`), as the records' aux fields:
     the same tensor objects every call (a learnable bias updated in place is read as it is
-    then), made kernel-ready (`mod_graph.aux_for_kernel`) at each call."""
+    then), made kernel-ready (`kernel_view.aux_for_kernel`) at each call."""
 
     def __init__(self, problem, device):
         from flash_cute.contract.kernel_args import AUX_FIELDS, SCALAR_FIELDS

@@ -114,12 +114,12 @@ class AttentionProblem:
     # pipeline decides what runs (`flash_cute.runtime.splits.plan_splits`).
     num_splits: int = 1
     seqlen_k_per_split: int | None = None
-    # The call's traced score / mask mods and block mask (`flash_cute.variants.mod_graph.CallMods`),
+    # The call's traced score / mask mods and block mask (`flash_cute.variants.registry.CallMods`),
     # compared and hashed by their registry key (plans are cached by problem).
     mods: object = field(default=None, compare=False)
     mods_key: int = 0
     # A backward that also accumulates the gradients of the score mod's learnable captured
-    # tensors (`mod_graph.learnable`).
+    # tensors (`derivative.learnable`).
     mod_grads: bool = False
 
     @property

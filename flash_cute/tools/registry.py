@@ -114,7 +114,7 @@ def build_exp2_emulated(entry):
 
 
 def build_graph_mods(entry):
-    """``blocks.graph_mods`` of a documented mod (`mod_examples`) over fake [b, h, q, k]
+    """``blocks.graph_mods`` of a documented mod (`variants.examples`) over fake [b, h, q, k]
     float32 scores."""
     from cutlass import Float32
 

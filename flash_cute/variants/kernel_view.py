@@ -25,7 +25,7 @@ AUX_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
 
 def kernel_mods(variant: "CallMods", grads: bool = False) -> tuple:  # noqa: F821
     """(`KernelMods`, the captured tensors in its aux order) of a registered `CallMods` (FA4-form
-    mods: their `fa4_mods.Fa4Spec` and the call's aux tensors); `grads`: a backward's, with the
+    mods: their `contract.mods.Fa4Spec` and the call's aux tensors); `grads`: a backward's, with the
     derivatives of the learnable loads (`derivative.learnable_loads`); raises `UnsupportedMod`
     for what the kernels cannot run (too many captured tensors, a dtype outside `AUX_DTYPES`,
     `pow` with an exponent that is not a constant, a learnable load whose derivative reads the

@@ -19,7 +19,8 @@ from flash_cute.variants.tracer import ModGraph, UnsupportedMod, alibi_graph, tr
 class CallMods(NamedTuple):
     """A call's modifications: the traced graphs (None where absent) and a block mask's
     per-block states (`flash_cute.variants.block_mask.block_states`) with its block size; or
-    FA4-form mods (`fa4`: a `fa4_mods.Fa4Spec`) with weak references to the call's aux tensors."""
+    FA4-form mods (`fa4`: a `contract.mods.Fa4Spec`) with weak references to the call's aux
+    tensors."""
     score_mod: Optional[ModGraph]
     mask_mod: Optional[ModGraph]
     block_states: Optional[torch.Tensor] = None
