@@ -12,6 +12,7 @@ from flash_cute.api.interface import check_inputs, flash_attn_func, flash_attn_v
 from flash_cute.api.kvcache import flash_attn_with_kvcache
 from flash_cute.reference.attention import attention_ref
 from flash_cute.runtime.plans import clear_plans
+from flash_cute.runtime.status import CacheOverflowError, check_status
 from flash_cute.variants.block_mask import create_block_mask
 from flash_cute.variants.registry import register as register_mods
 from flash_cute.variants.tracer import UnsupportedMod
@@ -19,6 +20,7 @@ from flash_cute.variants.tracer import UnsupportedMod
 _aliases.install()
 
 __version__ = "0.1.0"
-__all__ = ["UnsupportedMod", "attention_ref", "check_inputs", "clear_plans",
-           "create_block_mask", "flash_attn_combine", "flash_attn_func",
-           "flash_attn_varlen_func", "flash_attn_with_kvcache", "register_mods"]
+__all__ = ["CacheOverflowError", "UnsupportedMod", "attention_ref", "check_inputs",
+           "check_status", "clear_plans", "create_block_mask", "flash_attn_combine",
+           "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+           "register_mods"]

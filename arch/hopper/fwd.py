@@ -483,9 +483,12 @@ class HopperFwd:
             cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
             if cutlass.const_expr(self.append):
+                # The raw seqused_k (the append's end, which may pass the cache: those
+                # rows are dropped); seq.seqlen_k is it clamped, the rows read.
                 append_rows(*append_tensors, tiles.page_table, self.page_size, seq.batch,
-                            head_kv, seq.seqlen_k, rng.n_block_min * self.tile_n,
-                            rng.n_block_max * self.tile_n, cute.arch.lane_idx(), 32)
+                            head_kv, tiles.used_k[seq.batch], tiles.seqlen_k,
+                            rng.n_block_min * self.tile_n, rng.n_block_max * self.tile_n,
+                            cute.arch.lane_idx(), 32)
                 cute.arch.sync_warp()
             if cutlass.const_expr(self.page_size > 0):
                 kv = self.produce_paged(tma_k, tma_v, mK, mV, sK, sV, pipes, tiles, seq,

@@ -16,7 +16,8 @@ import torch
 from flash_cute.api import ops  # noqa: F401 - registers torch.ops.flash_cute
 from flash_cute.reference.rng import draw_seed
 from flash_cute.runtime import paging, plans  # noqa: F401 - ops registers torch.ops.flash_cute
-from flash_cute.runtime.checks import check_dropout_p, normalize_mask, real
+from flash_cute.runtime.cache_contents import check_page_entries, host_copies
+from flash_cute.runtime.checks import check_dropout_p, is_fake, normalize_mask, real
 from flash_cute.runtime.plans import check_inputs, clear_plans  # noqa: F401 - public here
 from flash_cute.runtime.problem import check_splits, validate_attention_inputs
 from flash_cute.variants import derivative, registry
@@ -275,7 +276,7 @@ def flash_attn_varlen_func(
         if cu_seqlens_k is not None:
             raise ValueError("page_table describes each sequence's keys by its pages: pass "
                              "seqused_k for their lengths, not cu_seqlens_k")
-        k, v, page_table = _paged(k, v, page_table, cu_seqlens_q, q)
+        k, v, page_table = _paged(k, v, page_table, cu_seqlens_q, q, seqused_k=seqused_k)
         if max_seqlen_k is None:
             max_seqlen_k = k.shape[1] if page_table is None else page_table.shape[1] * k.shape[1]
     q_padded = None
@@ -312,16 +313,30 @@ def _pages_in_kernel(q, k, v) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def _paged(k_cache, v_cache, page_table, cu_seqlens_q, q, gather: bool = False):
+def _paged(k_cache, v_cache, page_table, cu_seqlens_q, q, gather: bool = False,
+           seqused_k=None):
     """(k, v, page_table for the operator): the cache and its table as they are, or the
     padded keys and values the table names (`paging.gather`) and None (always so with
-    `gather`)."""
+    `gather`). A gathered table's used entries are checked here (`check_page_entries`): on
+    the CPU always, on CUDA with the content check on (the operator checks the others)."""
     batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
     paging.check_paged(k_cache, v_cache, page_table, batch)
     if not gather and _pages_in_kernel(q, k_cache, v_cache):
         return k_cache, v_cache, page_table
+    if _reads_contents(page_table, seqused_k):
+        table, used = host_copies(page_table, seqused_k)
+        check_page_entries("page_table", table, *k_cache.shape[:2], used, "seqused_k")
     k, v = paging.gather(k_cache, v_cache, page_table)
     return k, v, None
+
+
+def _reads_contents(*tensors) -> bool:
+    """Whether a call's index tensors are read on the host: CPU tensors always, CUDA ones
+    with `check_inputs(True)`, never a trace's."""
+    given = [t for t in tensors if t is not None]
+    if torch.compiler.is_compiling() or any(map(is_fake, given)):
+        return False
+    return plans.content_check_on() or all(t.device.type == "cpu" for t in given)
 
 
 # Uniform cu_seqlens [0, s, 2s, ..., bs] by (batch, seqlen, device): a padded side of a mixed

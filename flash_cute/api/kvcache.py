@@ -32,7 +32,9 @@ from typing import Optional, Union
 import torch
 
 from flash_cute.api.interface import _eager, attend_and_append, flash_attn_varlen_func
-from flash_cute.runtime import paging
+from flash_cute.runtime import paging, plans, status
+from flash_cute.runtime.cache_contents import check_cache_contents
+from flash_cute.runtime.checks import is_fake
 
 # Whether the attention kernel itself writes the appended k / v into the cache where it can
 # (`_kernel_appends`); off, torch operations write them first (tests compare the two).
@@ -63,6 +65,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if paged:
         attend["page_table"] = block_table
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    new = 0 if k is None else k.shape[1]
+    local = causal or tuple(window_size) not in ((-1, -1), (None, None))
+    _check_contents(q, k_cache, cache_seqlens, new, capacity, local, rotary_cos,
+                    cache_batch_idx, cache_leftpad, block_table)
     if in_place and k is None and rotary_cos is None:
         # Nothing to write: the cache is the keys (through its pages), its used rows
         # seqused_k (clamped to the cache by the kernel), with no per-call work on them.
@@ -72,37 +78,38 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                           **attend)
         return (out, lse) if return_softmax_lse else out
     seqlens = _lengths(cache_seqlens, batch, k_cache, paged, q.device)
-    new = 0 if k is None else k.shape[1]
-    positions = None
     if k is not None:
-        positions = seqlens[:, None] + torch.arange(new, device=q.device)
         if rotary_cos is not None:
+            positions = seqlens[:, None] + torch.arange(new, device=q.device)
             k = _rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+        # Rows that do not fit are dropped by either writer below; counted here.
+        status.count_dropped(seqlens, new, capacity)
     if rotary_cos is not None:
-        local = causal or tuple(window_size) != (-1, -1)
         offsets = torch.arange(seqlen_q, device=q.device) if local else \
             torch.zeros(seqlen_q, dtype=torch.long, device=q.device)
         q = _rotate(q, rotary_cos, rotary_sin, seqlens[:, None] + offsets, rotary_interleaved)
-    used = (seqlens + new).clamp(0, capacity).to(torch.int32)
     if in_place and k is not None and _kernel_appends(q, k_cache, v_cache, k, v, window_size,
                                                       alibi_slopes):
+        # The kernel takes the unclamped end of each append: it writes the rows of
+        # [cache_seqlens, end) inside the cache and reads the first min(end, capacity).
         out, lse = attend_and_append(
             q, k_cache, v_cache, k.to(k_cache.dtype).contiguous(),
-            v.to(v_cache.dtype).contiguous(), used, block_table, softmax_scale, causal,
-            attend["softcap"], num_splits, return_softmax_lse)
+            v.to(v_cache.dtype).contiguous(), (seqlens + new).to(torch.int32), block_table,
+            softmax_scale, causal, attend["softcap"], num_splits, return_softmax_lse)
         return (out, lse) if return_softmax_lse else out
     rows = _row_index(batch, k_cache, block_table, cache_batch_idx, q.device)  # [b, capacity]
     if k is not None:
-        paging.write_rows(k_cache, v_cache, k, v, rows, positions)
+        paging.write_rows(k_cache, v_cache, k, v, rows, seqlens)
     if in_place:
+        used = (seqlens + new).clamp(0, capacity).to(torch.int32)
         out, lse = flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=used, **attend)
         return (out, lse) if return_softmax_lse else out
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     start = (torch.zeros_like(seqlens) if cache_leftpad is None else cache_leftpad.long())
-    used = (seqlens + new - start).clamp(min=0)
+    used = ((seqlens + new).clamp(0, capacity) - start).clamp(min=0)
     # Rows leftpad[b] + t of each batch entry, gathered into a padded [b, capacity] view.
     cols = (start[:, None] + torch.arange(rows.shape[1], device=q.device)).clamp(
-        max=rows.shape[1] - 1)
+        0, rows.shape[1] - 1)
     picked = rows.gather(1, cols).flatten()
     keys = k_flat.index_select(0, picked).view(batch, rows.shape[1], *k_cache.shape[2:])
     values = v_flat.index_select(0, picked).view(batch, rows.shape[1], *v_cache.shape[2:])
@@ -110,6 +117,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = flash_attn_varlen_func(
         q, keys, values, seqused_k=used.clamp(max=rows.shape[1]).to(torch.int32), **attend)
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_contents(q, k_cache, cache_seqlens, new, capacity, local, rotary_cos, batch_idx,
+                    leftpad, block_table) -> None:
+    """The call's index contents (`cache_contents.check_cache_contents`), before anything is
+    written: on CPU tensors always, on CUDA ones with `check_inputs(True)` (a device sync),
+    never while torch.compile traces. An int cache_seqlens is known on the host: checked
+    always (with no tensor read)."""
+    batch = q.shape[0]
+    if cache_seqlens is None:
+        cache_seqlens = 0 if block_table is not None else capacity
+    tensors = [t for t in (cache_seqlens, batch_idx, leftpad, block_table)
+               if isinstance(t, torch.Tensor)]
+    read = not torch.compiler.is_compiling() and (
+        q.device.type == "cpu" or plans.content_check_on()) and not any(map(is_fake, tensors))
+    if not read:
+        if isinstance(cache_seqlens, torch.Tensor) or torch.compiler.is_compiling():
+            return
+        # Only what the host knows: the int length, the rotary table's length.
+        batch_idx = leftpad = block_table = None
+    check_cache_contents(
+        cache_seqlens, new, capacity, batch=batch, seqlen_q=q.shape[1], local=local,
+        block_table=block_table, num_pages=k_cache.shape[0], page_size=k_cache.shape[1],
+        batch_idx=batch_idx, cache_batch=k_cache.shape[0], leftpad=leftpad,
+        rotary_rows=None if rotary_cos is None else rotary_cos.shape[0])
 
 
 # (batch, length, device) -> the int32 seqused_k of an int cache_seqlens (or None: full).

@@ -1,17 +1,20 @@
 """Block: the decode step's in-place append, inside the attention kernel.
 
-Sequence b's new keys and values (k_new / v_new [b, s_new, hk, d]) are the last s_new of its
-seqused_k[b] used rows: rows ``seqlen_k - s_new .. seqlen_k - 1`` of the cache (dense
-[b, capacity, hk, d], or paged [pages, page_size, hk, d] through the page table). A tile that
-is about to read K/V keys [lo, hi) first writes the new rows inside that range itself, so no
-other CTA's write has to be waited for: CTAs that read the same rows (other query tiles or
-heads of one K/V head) each write the same bytes, and each reads only after its own write.
-Writes go through the generic proxy and TMA reads through the async proxy, hence the
-``fence.proxy.async.global`` between them.
+Sequence b's new keys and values (k_new / v_new [b, s_new, hk, d]) go to positions
+``end - s_new .. end - 1`` of the cache (dense [b, capacity, hk, d], or paged
+[pages, page_size, hk, d] through the page table), where ``end`` is seqused_k[b] as the
+caller passed it: the kernel reads the first min(end, capacity) rows, and a new row whose
+position lies outside [0, capacity) is dropped, never written over a cached row (the caller
+counts those, `flash_cute.runtime.status`). A tile that is about to read K/V keys
+[lo, hi) first writes the new rows inside that range itself, so no other CTA's write has to
+be waited for: CTAs that read the same rows (other query tiles or heads of one K/V head) each
+write the same bytes, and each reads only after its own write. Writes go through the generic
+proxy and TMA reads through the async proxy, hence the ``fence.proxy.async.global`` between
+them.
 
-Every index is clamped: rows before 0 are skipped, rows past the cache cannot occur (seqlen_k
-is clamped to the cache by `SeqInfo`) and page indices are clamped into the table and the
-cache, so no content of seqused_k or the page table writes outside the tensors.
+Every index is bounded: rows before 0 or past the capacity are skipped and page indices are
+clamped into the table and the cache, so no content of seqused_k or the page table writes
+outside the tensors.
 """
 
 import cutlass
@@ -25,14 +28,16 @@ CHUNK = 8
 @cute.jit
 def append_rows(cache_k: cute.Tensor, cache_v: cute.Tensor, k_new: cute.Tensor,
                 v_new: cute.Tensor, page_table, page_size: cutlass.Constexpr, batch: Int32,
-                head_kv: Int32, seqlen_k: Int32, key_lo: Int32, key_hi: Int32, thread: Int32,
-                threads: cutlass.Constexpr):
+                head_kv: Int32, end: Int32, capacity: Int32, key_lo: Int32, key_hi: Int32,
+                thread: Int32, threads: cutlass.Constexpr):
     """Write the new rows of sequence `batch`, K/V head `head_kv`, that fall in keys
-    [key_lo, key_hi), by `threads` threads (this one is `thread`), 16 bytes per copy; then
-    fence them for TMA reads. `page_size` 0: the cache is dense [b, capacity, hk, d]."""
-    start = seqlen_k - k_new.shape[1]
+    [key_lo, key_hi) and in the cache's `capacity` rows, by `threads` threads (this one is
+    `thread`), 16 bytes per copy; then fence them for TMA reads. `end`: the position after
+    the last new row, unclamped. `page_size` 0: the cache is dense [b, capacity, hk, d]."""
+    start = end - k_new.shape[1]
     lo = cutlass.max(cutlass.max(start, key_lo), Int32(0))
-    rows = cutlass.max(cutlass.min(seqlen_k, key_hi) - lo, Int32(0))
+    hi = cutlass.min(cutlass.min(end, key_hi), capacity)
+    rows = cutlass.max(hi - lo, Int32(0))
     _copy_rows(cache_k, k_new, page_table, page_size, batch, head_kv, start, lo, rows, thread,
                threads)
     _copy_rows(cache_v, v_new, page_table, page_size, batch, head_kv, start, lo, rows, thread,

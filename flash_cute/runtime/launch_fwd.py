@@ -266,7 +266,7 @@ class GatheredPages:
 class AppendFirst:
     """An append (`ForwardLaunch`'s `append`) for a launch whose kernel writes none: torch
     operations write k_new / v_new into the cache at rows seqused_k[b] - s_new .. of each
-    sequence (`paging.write_rows`, indices clamped into the cache), then the launch runs."""
+    sequence (`paging.write_rows`: rows outside the cache are dropped), then the launch runs."""
 
     def __init__(self, launch):
         self.launch = launch
@@ -277,9 +277,7 @@ class AppendFirst:
 
         k_new, v_new = append
         rows = paging.cache_rows(k, page_table, k_new.shape[0])
-        positions = (seqused_k[:, None].long() - k_new.shape[1]
-                     + torch.arange(k_new.shape[1], device=k.device))
-        paging.write_rows(k, v, k_new, v_new, rows, positions)
+        paging.write_rows(k, v, k_new, v_new, rows, seqused_k.long() - k_new.shape[1])
         paged = {} if page_table is None else {"page_table": page_table}
         return self.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                            rng_seed=rng_seed, **paged)

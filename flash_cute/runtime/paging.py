@@ -85,9 +85,27 @@ def cache_rows(k_cache, page_table, batch: int) -> torch.Tensor:
             + torch.arange(capacity, device=k_cache.device))
 
 
-def write_rows(k_cache, v_cache, k_new, v_new, rows, positions) -> None:
-    """k_new / v_new [batch, s_new, ..] into the caches at `positions` [batch, s_new] of each
-    sequence (rows: `cache_rows`), in place; positions clamped into the rows."""
-    target = rows.gather(1, positions.clamp(0, rows.shape[1] - 1).long()).flatten()
-    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
-        cache.flatten(0, 1).index_copy_(0, target, new.flatten(0, 1).to(cache.dtype))
+def write_rows(k_cache, v_cache, k_new, v_new, rows, start) -> None:
+    """k_new / v_new [batch, s_new, ..] into the caches at positions ``start[b] + i`` of each
+    sequence (rows: `cache_rows`, [batch, capacity]), in place. A row whose position lies
+    outside [0, capacity) is dropped (`flash_cute.runtime.status` counts it), without a
+    sync: it is sent to its position clamped into the cache, carrying the value that row
+    holds once the append is done (the new row written there, else its cached value), so
+    every target of repeated indices receives the same bytes and no cached row changes."""
+    batch, new = k_new.shape[:2]
+    capacity = rows.shape[1]
+    if new == 0 or capacity == 0:
+        return
+    start = start.long()[:, None]
+    slot = (start + torch.arange(new, device=rows.device)).clamp(0, capacity - 1)
+    target = rows.gather(1, slot).flatten()
+    source = slot - start                        # the new row that lands on `slot`, if any
+    lands = ((source >= 0) & (source < new)).flatten()
+    picks = (torch.arange(batch, device=rows.device)[:, None] * new
+             + source.clamp(0, new - 1)).flatten()
+    for cache, fresh in ((k_cache, k_new), (v_cache, v_new)):
+        flat = cache.flatten(0, 1)
+        value = torch.where(lands.view(-1, *[1] * (flat.dim() - 1)),
+                            fresh.flatten(0, 1).to(cache.dtype).index_select(0, picks),
+                            flat.index_select(0, target))
+        flat.index_copy_(0, target, value)

@@ -19,6 +19,7 @@ import torch
 
 from flash_cute.contract.descriptor import APPEND, Pipeline
 from flash_cute.runtime import call, paging
+from flash_cute.runtime.cache_contents import check_page_entries, host_copies
 from flash_cute.runtime.contents import check_index_contents
 from flash_cute.runtime.dispatch import choose_pipelines
 from flash_cute.runtime.problem import AttentionProblem
@@ -90,6 +91,11 @@ def check_inputs(on: bool = True) -> bool:
     give meaningless values. Returns the previous setting."""
     previous, _CHECK_INPUTS[0] = _CHECK_INPUTS[0], bool(on)
     return previous
+
+
+def content_check_on() -> bool:
+    """Whether the content check (`check_inputs`) is on."""
+    return _CHECK_INPUTS[0]
 
 
 def clear_plans() -> None:
@@ -183,20 +189,17 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options)
 
 
 def _check_contents(q, k, v, lengths, problem, page_table) -> None:
-    """`check_index_contents` of a call (a paged one against the K its table stands for,
-    and its page indices inside the cache)."""
+    """`check_index_contents` of a call (a paged one against the K its table stands for),
+    and the page table's entries that the sequences use inside the cache; the index tensors
+    read to the host in one transfer."""
+    table, *lengths = host_copies(page_table, *lengths)
     cu_q, cu_k, used_q, used_k = lengths
     if page_table is not None:
-        bad = (page_table < 0) | (page_table >= k.shape[0])
-        if bool(bad.any()):
-            b, i = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"page_table[{b}, {i}] = {int(page_table[b, i])} is not a page of "
-                             f"the cache (it has {k.shape[0]})")
         k, _, cu_k = paging.logical(k, v, page_table, cu_q is not None)
-        if cu_k is not None:
-            cu_k = cu_k.to(q.device)
     check_index_contents(q, k, cu_q, cu_k, used_q, used_k, problem.max_seqlen_q,
                          problem.max_seqlen_k)
+    if page_table is not None:
+        check_page_entries("page_table", table, v.shape[0], v.shape[1], used_k)
 
 
 def fwd_splits(options: tuple) -> tuple:
