@@ -200,6 +200,13 @@ def test_softcap_goes_inside_the_mod_and_the_key_stays():
     assert registry.register(alibi, None) == key   # the same function keeps its key
 
 
+def test_alibi_slopes_with_softcap_is_refused_as_a_score_mod_is():
+    """ALiBi runs as a score mod, which the kernels take instead of their softcap."""
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="softcap with alibi_slopes"):
+        flash_cute.flash_attn_func(q, q, q, alibi_slopes=torch.rand(2), softcap=5.0)
+
+
 def _kernel_spec(score_mod=None, mask_mod=None):
     return kernel_view.kernel_mods(registry.lookup(registry.register(score_mod, mask_mod)))
 

@@ -392,6 +392,11 @@ def _variant_key(score_mod, mask_mod, softcap, block_mask=None, alibi_slopes=Non
         return _fa4_key(score_mod, mask_mod, softcap, block_mask, alibi_slopes, score_mod_bwd,
                         aux_tensors, forms, aux_scalars)
     if alibi_slopes is not None:
+        if softcap:
+            # ALiBi is a score mod in the kernels, which then take no softcap of their own.
+            raise ValueError("softcap with alibi_slopes: the two do not combine here; write "
+                             "both in one score_mod (cap * torch.tanh(score / cap) minus the "
+                             "bias)")
         return _alibi_key(alibi_slopes, score_mod, mask_mod, block_mask, batch, heads)
     if torch.compiler.is_compiling():
         # A trace cannot trace the tracer: the mods must have been registered already (a

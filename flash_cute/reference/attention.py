@@ -235,8 +235,11 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k):
         raise ValueError(f"nheads {nheads} must be a multiple of nheads_kv {nheads_kv}")
     if varlen:
         for name, cu, total in (("q", cu_seqlens_q, q.shape[0]), ("k", cu_seqlens_k, k.shape[0])):
-            if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != total:
-                raise ValueError(f"cu_seqlens_{name} must be 1-D prefix sums from 0 to {total}")
+            # Rows past cu_seqlens[-1] belong to no sequence (as in the kernels): queries
+            # there get O = 0 and LSE = -inf, keys there are never read.
+            if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) > total:
+                raise ValueError(f"cu_seqlens_{name} must be 1-D prefix sums from 0 to at "
+                                 f"most {total}")
             if bool((cu[1:] < cu[:-1]).any()):
                 raise ValueError(f"cu_seqlens_{name} must be non-decreasing")
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
@@ -283,6 +286,12 @@ def _attention_used(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, a
                                     batch_index=[b])
         outs += [out[0], out.new_zeros(pad, *out.shape[2:])]
         lses += [lse[0], lse.new_full((lse.shape[1], pad), -math.inf)]
+    tail = q.shape[0] - int(cu_seqlens_q[-1])
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs.append(torch.zeros(tail, q.shape[1], v.shape[-1], dtype=outs[0].dtype if outs else
+                            q.dtype, device=q.device))
+    lses.append(torch.full((q.shape[1], tail), -math.inf, dtype=lses[0].dtype if lses else
+                           dtype, device=q.device))
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
@@ -406,9 +415,11 @@ def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, sof
     capped = softcap * torch.tanh(raw / softcap) if softcap > 0 else raw
     mask = attention_mask(raw.shape[-2], raw.shape[-1], causal, window_size, device=raw.device)
     batch_index = list(range(q.shape[0])) if batch_index is None else batch_index
+    scores = capped
     if variant is not None:
-        capped, mask = _apply_mods(variant, capped, mask, batch_index)
-    p, _ = _softmax_rows(capped, mask)
+        # The mods take the capped scores; the softcap's derivative is at its own output.
+        scores, mask = _apply_mods(variant, capped, mask, batch_index)
+    p, _ = _softmax_rows(scores, mask)
     p_dropped = _dropped(p, dropout, batch_index)
     out = torch.einsum("bhqk,bkhd->bqhd", p_dropped, vv)
     delta = (dout * out).sum(-1).transpose(1, 2)  # [b, h, sq]
@@ -421,10 +432,10 @@ def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, sof
     if aux_grads and variant is not None and variant.score_mod is not None:
         from flash_cute.variants.derivative import accumulate_load_grads
 
-        accumulate_load_grads(variant.score_mod, {"score": raw, **_mod_grids(raw, batch_index)},
-                              ds, aux_grads)
+        accumulate_load_grads(variant.score_mod,
+                              {"score": capped, **_mod_grids(raw, batch_index)}, ds, aux_grads)
     if variant is not None and variant.score_mod is not None:
-        ds = ds * _mod_derivative(variant.score_mod, raw, batch_index)
+        ds = ds * _mod_derivative(variant.score_mod, capped, batch_index)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * softmax_scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * softmax_scale
     dv = torch.einsum("bhqk,bqhd->bkhd", p_dropped, dout)
