@@ -180,8 +180,27 @@ def test_write_rows_drops_what_does_not_fit_and_never_touches_a_cached_row(seqle
     _, k, v = _new(3)
     start = _seqlens(*seqlens)
     want_k, want_v = _written_out(kc, start, k), _written_out(vc, start, v)
-    paging.write_rows(kc, vc, k, v, paging.cache_rows(kc, None, B), start.long())
+    fits = paging.append_fits(start, 3, kc.shape[1])
+    paging.write_rows(kc, vc, k, v, paging.cache_rows(kc, None, B), start, fits)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_write_rows_drops_rows_through_a_page_entry_outside_the_cache():
+    """A bad entry's rows are not written into the page its clamped index names (another
+    sequence's), and no other row changes."""
+    pk, pv = _paged()
+    _, k, v = _new(3)
+    table = _table([[0, 1], [2, 12], [9, -4]])      # 12 and -4 are no pages of 10
+    start = _seqlens(2, 3, 2)
+    fits = paging.append_fits(start, 3, 8, table, 10, PAGE)
+    assert fits.tolist() == [[True] * 3, [True, False, False], [True, True, False]]
+    before = pk.clone()
+    paging.write_rows(pk, pv, k, v, paging.cache_rows(pk, table, B), start, fits)
+    want = before.clone()
+    want[0, 2:4], want[1, 0] = k[0, :2], k[0, 2]
+    want[2, 3] = k[1, 0]
+    want[9, 2:4] = k[2, :2]
+    assert torch.equal(pk, want)
 
 
 def test_append_first_drops_rows_past_a_paged_cache():
@@ -223,11 +242,11 @@ def test_an_append_past_the_cache_under_torch_compile_drops_and_counts():
 
 
 def test_status_counts_rows_outside_both_ends():
-    start = torch.tensor([-2, 5, 0, 7])
-    assert status.dropped_rows(start, 3, 8).tolist() == [2, 0, 0, 2]
+    fits = paging.append_fits(torch.tensor([-2, 5, 0, 7]), 3, 8)
+    assert (~fits).sum(1).tolist() == [2, 0, 0, 2]
     status.check_status(raise_error=False)
-    status.count_dropped(start, 3, 8)
-    status.count_dropped(start, 0, 8)
+    status.count_dropped(fits)
+    status.count_dropped(fits[:, :0])
     assert status.check_status(raise_error=False) == 4
 
 
@@ -289,3 +308,30 @@ def test_the_content_check_on_cuda_raises_before_the_kernel_writes():
     finally:
         flash_cute.check_inputs(previous)
     assert torch.equal(kc, before)
+
+
+@pytest.mark.gpu
+@_gpu()
+def test_the_kernel_append_drops_rows_through_a_page_entry_outside_the_cache():
+    """A written page's table entry past the cache: its rows are dropped and counted, no
+    page changes but the valid rows' (the clamped index would name the last page)."""
+    dev = "cuda"
+    pages, page, d = 8, 64, 128
+    g = torch.Generator(device=dev).manual_seed(6)
+    kc, vc = (torch.randn(pages, page, 2, d, device=dev, generator=g).bfloat16()
+              for _ in range(2))
+    table = torch.tensor([[0, 1], [2, pages + 3]], dtype=torch.int32, device=dev)
+    q = torch.randn(2, 1, 8, d, device=dev, generator=g).bfloat16()
+    k, v = (torch.randn(2, 3, 2, d, device=dev, generator=g).bfloat16() for _ in range(2))
+    seqlens = torch.tensor([10, 63], dtype=torch.int32, device=dev)   # seq 1: rows 63, 64, 65
+    before_k, before_v = kc.clone(), vc.clone()
+    status.check_status(dev, raise_error=False)
+    flash_cute.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                       block_table=table, causal=True)
+    torch.cuda.synchronize()
+    for cache, before, new in ((kc, before_k, k), (vc, before_v, v)):
+        want = before.clone()
+        want[0, 10:13] = new[0]
+        want[2, 63] = new[1, 0]
+        assert torch.equal(cache, want)
+    assert status.check_status(dev, raise_error=False) == 2

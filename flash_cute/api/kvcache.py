@@ -78,12 +78,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                           **attend)
         return (out, lse) if return_softmax_lse else out
     seqlens = _lengths(cache_seqlens, batch, k_cache, paged, q.device)
+    fits = None
     if k is not None:
         if rotary_cos is not None:
             positions = seqlens[:, None] + torch.arange(new, device=q.device)
             k = _rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
         # Rows that do not fit are dropped by either writer below; counted here.
-        status.count_dropped(seqlens, new, capacity)
+        entry_ok = None if cache_batch_idx is None else \
+            (cache_batch_idx >= 0) & (cache_batch_idx < k_cache.shape[0])
+        fits = paging.append_fits(seqlens, new, capacity, block_table, *k_cache.shape[:2],
+                                  entry_ok=entry_ok)
+        status.count_dropped(fits)
     if rotary_cos is not None:
         offsets = torch.arange(seqlen_q, device=q.device) if local else \
             torch.zeros(seqlen_q, dtype=torch.long, device=q.device)
@@ -99,7 +104,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return (out, lse) if return_softmax_lse else out
     rows = _row_index(batch, k_cache, block_table, cache_batch_idx, q.device)  # [b, capacity]
     if k is not None:
-        paging.write_rows(k_cache, v_cache, k, v, rows, seqlens)
+        paging.write_rows(k_cache, v_cache, k, v, rows, seqlens, fits)
     if in_place:
         used = (seqlens + new).clamp(0, capacity).to(torch.int32)
         out, lse = flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=used, **attend)

@@ -12,9 +12,10 @@ write the same bytes, and each reads only after its own write. Writes go through
 proxy and TMA reads through the async proxy, hence the ``fence.proxy.async.global`` between
 them.
 
-Every index is bounded: rows before 0 or past the capacity are skipped and page indices are
-clamped into the table and the cache, so no content of seqused_k or the page table writes
-outside the tensors.
+Every index is bounded: rows before 0 or past the capacity are skipped, a row whose page
+table entry is not a page of the cache is skipped, and page indices are clamped into the
+table and the cache for the reads, so no content of seqused_k or the page table writes
+outside the tensors or over another sequence's rows.
 """
 
 import cutlass
@@ -58,7 +59,15 @@ def _copy_rows(cache: cute.Tensor, new: cute.Tensor, page_table, page_size: cutl
         src = cute.local_tile(new[batch, row - start, head_kv, None], (CHUNK,), (col,))
         dst = cute.local_tile(_cache_row(cache, page_table, page_size, batch, row, head_kv),
                               (CHUNK,), (col,))
-        dst.store(src.load())
+        if cutlass.const_expr(page_size > 0):
+            # A row whose table entry is not a page of the cache is dropped, not written
+            # into the page its clamped index names (another sequence's).
+            page = page_table[batch, cutlass.min(row // page_size, page_table.shape[1] - 1)]
+            if page >= Int32(0):
+                if page < cache.shape[0]:
+                    dst.store(src.load())
+        else:
+            dst.store(src.load())
 
 
 @cute.jit

@@ -277,7 +277,10 @@ class AppendFirst:
 
         k_new, v_new = append
         rows = paging.cache_rows(k, page_table, k_new.shape[0])
-        paging.write_rows(k, v, k_new, v_new, rows, seqused_k.long() - k_new.shape[1])
+        start = seqused_k.long() - k_new.shape[1]
+        capacity = rows.shape[1]
+        fits = paging.append_fits(start, k_new.shape[1], capacity, page_table, *k.shape[:2])
+        paging.write_rows(k, v, k_new, v_new, rows, start, fits)
         paged = {} if page_table is None else {"page_table": page_table}
         return self.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                            rng_seed=rng_seed, **paged)

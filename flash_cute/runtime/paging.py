@@ -5,7 +5,8 @@ A paged cache is k / v [num_pages, page_size, heads_kv, d] with a page table int
 [batch, max_pages]: sequence b's key j is row ``j % page_size`` of page
 ``page_table[b, j // page_size]``, so its keys are the max_pages * page_size rows of its
 pages in order (seqused_k[b] of them used). Page indices are clamped into the cache here and
-in the kernels: whatever the table holds, nothing outside the cache is read.
+in the kernels: whatever the table holds, nothing outside the cache is read, and an append
+writes no row through an entry that is not a page of the cache (`append_fits`).
 """
 
 import torch
@@ -85,27 +86,47 @@ def cache_rows(k_cache, page_table, batch: int) -> torch.Tensor:
             + torch.arange(capacity, device=k_cache.device))
 
 
-def write_rows(k_cache, v_cache, k_new, v_new, rows, start) -> None:
+def append_fits(start, new: int, capacity: int, page_table=None, num_pages: int = 0,
+                page_size: int = 0, entry_ok=None) -> torch.Tensor:
+    """bool [batch, new]: whether each row of an append at positions ``start[b] + i`` is
+    written: its position lies in [0, capacity) and, paged, its page entry is a page of the
+    cache (`entry_ok` [batch]: the dense cache entry it goes to exists). No sync."""
+    start = start.long()[:, None]
+    pos = start + torch.arange(new, device=start.device)
+    fits = (pos >= 0) & (pos < capacity)
+    if page_table is not None:
+        slot = (pos.clamp(0, max(capacity - 1, 0)) // page_size).clamp(
+            max=page_table.shape[1] - 1)
+        page = page_table.long().gather(1, slot)
+        fits &= (page >= 0) & (page < num_pages)
+    if entry_ok is not None:
+        fits &= entry_ok[:, None]
+    return fits
+
+
+def write_rows(k_cache, v_cache, k_new, v_new, rows, start, fits) -> None:
     """k_new / v_new [batch, s_new, ..] into the caches at positions ``start[b] + i`` of each
-    sequence (rows: `cache_rows`, [batch, capacity]), in place. A row whose position lies
-    outside [0, capacity) is dropped (`flash_cute.runtime.status` counts it), without a
-    sync: it is sent to its position clamped into the cache, carrying the value that row
-    holds once the append is done (the new row written there, else its cached value), so
-    every target of repeated indices receives the same bytes and no cached row changes."""
+    sequence (rows: `cache_rows`, [batch, capacity]), in place, where `fits`
+    (`append_fits`) says so. The other rows are dropped without a sync: each is sent to
+    the call's first written row, carrying the value that row gets (or, when no row is
+    written, to a row with its own value), so repeated targets receive identical bytes and
+    no cached row changes."""
     batch, new = k_new.shape[:2]
     capacity = rows.shape[1]
     if new == 0 or capacity == 0:
         return
-    start = start.long()[:, None]
-    slot = (start + torch.arange(new, device=rows.device)).clamp(0, capacity - 1)
+    slot = (start.long()[:, None] + torch.arange(new, device=rows.device)).clamp(
+        0, capacity - 1)
     target = rows.gather(1, slot).flatten()
-    source = slot - start                        # the new row that lands on `slot`, if any
-    lands = ((source >= 0) & (source < new)).flatten()
-    picks = (torch.arange(batch, device=rows.device)[:, None] * new
-             + source.clamp(0, new - 1)).flatten()
+    fits = fits.flatten()
+    # The first written row (0 if none), as a 1-element index: no host read, also traced.
+    first = fits.int().argmax().view(1)
+    first_fits = fits.index_select(0, first)
+    target = torch.where(fits, target, target.index_select(0, first))
     for cache, fresh in ((k_cache, k_new), (v_cache, v_new)):
         flat = cache.flatten(0, 1)
-        value = torch.where(lands.view(-1, *[1] * (flat.dim() - 1)),
-                            fresh.flatten(0, 1).to(cache.dtype).index_select(0, picks),
-                            flat.index_select(0, target))
-        flat.index_copy_(0, target, value)
+        value = fresh.flatten(0, 1).to(cache.dtype)
+        lead = (-1,) + (1,) * (flat.dim() - 1)
+        anchor = torch.where(first_fits.view(lead), value.index_select(0, first),
+                             flat.index_select(0, target.index_select(0, first)))
+        flat.index_copy_(0, target, torch.where(fits.view(lead), value, anchor))

@@ -1,8 +1,9 @@
 """The dropped-rows status word: how many appended K/V rows did not fit their cache.
 
 An append (`flash_attn_with_kvcache` with k / v) writes sequence b's new rows at positions
-``cache_seqlens[b] ...``; rows whose position falls outside ``[0, capacity)`` are dropped, in
-the torch path and in the kernel, never written over a cached row. Reading `cache_seqlens`
+``cache_seqlens[b] ...``; rows whose position falls outside ``[0, capacity)``, or whose
+block_table entry (cache_batch_idx entry) is not one of the cache, are dropped, in the torch
+path and in the kernel, never written over a cached row. Reading `cache_seqlens`
 on the host to refuse such a call would cost a device sync per decode step and break CUDA
 graph capture, so each append instead adds its dropped rows to a per-device int64 counter
 with one torch operation (no sync, captured by CUDA graphs, traced by torch.compile).
@@ -39,18 +40,11 @@ def counter(device: torch.device) -> torch.Tensor:
     return found
 
 
-def dropped_rows(start: torch.Tensor, new: int, capacity: int) -> torch.Tensor:
-    """Per sequence, the rows of an append of `new` rows at positions start[b] ... that fall
-    outside [0, capacity) (int64 [b]; no sync)."""
-    start = start.long()
-    written = (start + new).clamp(0, capacity) - start.clamp(0, capacity)
-    return new - written
-
-
-def count_dropped(start: torch.Tensor, new: int, capacity: int) -> None:
-    """Add an append's dropped rows to its device's counter (one in-place add, no sync)."""
-    if new > 0:
-        counter(start.device).add_(dropped_rows(start, new, capacity).sum())
+def count_dropped(fits: torch.Tensor) -> None:
+    """Add an append's dropped rows (False entries of `fits`, `paging.append_fits`) to its
+    device's counter: one in-place add, no sync."""
+    if fits.numel():
+        counter(fits.device).add_((~fits).sum())
 
 
 def check_status(device=None, *, raise_error: bool = True) -> int:
@@ -69,6 +63,7 @@ def check_status(device=None, *, raise_error: bool = True) -> int:
     if dropped and raise_error:
         raise CacheOverflowError(
             f"{dropped} appended K/V row(s) did not fit their cache (cache_seqlens + new "
-            f"tokens past its capacity, or a negative cache_seqlens) and were dropped; the "
-            f"cached rows are unchanged. flash_cute.check_inputs(True) names the sequence")
+            f"tokens past its capacity, a negative cache_seqlens, or a block_table / "
+            f"cache_batch_idx entry outside the cache) and were dropped; the cached rows "
+            f"are unchanged. flash_cute.check_inputs(True) names the sequence")
     return dropped
