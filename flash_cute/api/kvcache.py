@@ -22,10 +22,13 @@ CUDA-graph safe). Without cache_batch_idx or cache_leftpad the cache is read in 
 or through block_table (`flash_attn_varlen_func`'s page_table), its used rows seqused_k;
 those two still gather the used rows with torch operations first. ``num_splits`` is
 split-KV's (default 0: the heuristic, as in flash_attn 2; `flash_cute.runtime.splits`).
-Index contents are clamped into the cache and page table (never read or written outside
-them); with `flash_cute.check_inputs(True)` their values are checked instead. alibi_slopes
-runs where flash-cute's mods run (CPU tensors for now).
-"""
+Index contents are checked before anything is written on CPU tensors, and on CUDA ones with
+`flash_cute.check_inputs(True)` (`flash_cute.runtime.cache_contents`). Otherwise they are
+clamped into the cache and page table (never read or written outside them), and an appended
+row that does not fit (its position outside the capacity, its page or cache entry not one of
+the cache) is dropped, never written over a cached row, and counted in the status word that
+`flash_cute.check_status()` reads (docs/reliability.md). alibi_slopes runs where
+flash-cute's mods run (CPU tensors for now)."""
 
 from typing import Optional, Union
 

@@ -81,14 +81,18 @@ _CHECK_INPUTS = [os.environ.get("FLASH_CUTE_CHECK_INPUTS", "0") not in ("", "0")
 
 
 def check_inputs(on: bool = True) -> bool:
-    """Check the *contents* of every call's cu_seqlens and seqused (non-decreasing from 0,
-    ending inside the tensor; seqused within each sequence's span; max_seqlen covering the
-    longest sequence), raising ValueError that names the tensor and the entry. Off by default
-    (also `FLASH_CUTE_CHECK_INPUTS=1`): it reads them to the host, one device sync per call,
-    which breaks CUDA graph capture and stalls the launch queue. Turn it on while developing
-    a serving or packing path, or to find which batch feeds bad indices; with it off, bad
-    contents never make a kernel touch memory outside its tensors (`flash_cute.blocks.seqlen`), but
-    give meaningless values. Returns the previous setting."""
+    """Check the *contents* of every call's index tensors, raising ValueError that names the
+    tensor, the entry and its valid range before anything is written: cu_seqlens (from 0,
+    non-decreasing, inside the tensor), seqused (within each sequence's span), max_seqlen
+    (covering the longest sequence), page_table / block_table (the entries a sequence uses
+    are pages of the cache), and `flash_attn_with_kvcache`'s cache_seqlens, appends,
+    cache_batch_idx, cache_leftpad and rotary positions (`flash_cute.runtime.cache_contents`).
+    Off by default for CUDA tensors (also `FLASH_CUTE_CHECK_INPUTS=1`): it reads them to the
+    host, one device sync per call, which breaks CUDA graph capture and stalls the launch
+    queue; CPU tensors are checked always. With it off, bad contents never make a kernel
+    touch memory outside its tensors (`flash_cute.blocks.seqlen`) and an append that does not
+    fit is dropped and counted (`flash_cute.check_status`), but results are meaningless
+    (docs/reliability.md). Returns the previous setting."""
     previous, _CHECK_INPUTS[0] = _CHECK_INPUTS[0], bool(on)
     return previous
 
