@@ -1,6 +1,10 @@
 """Host time of one decode call (1 x 8k, whose GPU time is a fraction of its host time, so a
 loop of calls measures the host), then by function (cProfile): where the host time of
 `flash_attn_with_kvcache` and `flash_attn_varlen_func` goes.
+The appending calls (one new row into a 1 x 8k cache, the kernel's append) run with the
+dropped-rows count and without it (`status.count_dropped` and `paging.append_fits` replaced
+by no-ops for that call only), interleaved: the difference is the host time the status word
+adds to a decode step.
 Usage: python bench/decode_host.py [--calls 300] [--rounds 5] [--top 25]"""
 
 import argparse
@@ -12,6 +16,7 @@ import torch
 
 from flash_cute import flash_attn_varlen_func
 from flash_cute.api.kvcache import flash_attn_with_kvcache
+from flash_cute.runtime import paging, status
 
 
 def main():
@@ -29,6 +34,22 @@ def main():
         "varlen_split": lambda: flash_attn_varlen_func(q, k, v, seqused_k=lens, num_splits=0),
         "varlen_nosplit": lambda: flash_attn_varlen_func(q, k, v, seqused_k=lens),
     }
+    cache_k, cache_v = torch.zeros_like(k), torch.zeros_like(v)
+    k_new, v_new = (torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+    before = torch.full((1,), 8191, dtype=torch.int32, device="cuda")
+
+    def append():
+        return flash_attn_with_kvcache(q, cache_k, cache_v, k_new, v_new, cache_seqlens=before)
+
+    def append_uncounted():
+        saved = status.count_dropped, paging.append_fits
+        status.count_dropped, paging.append_fits = (lambda fits: None), (lambda *a, **k: None)
+        try:
+            return append()
+        finally:
+            status.count_dropped, paging.append_fits = saved
+    calls.update(append_counted=append, append_uncounted=append_uncounted)
     for fn in calls.values():
         fn()
     torch.cuda.synchronize()
