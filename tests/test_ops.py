@@ -248,3 +248,44 @@ def test_forward_through_a_page_table_on_cpu(varlen):
                                       1, None, table)
     with pytest.raises(NotImplementedError, match="page_table"):
         out.float().sum().backward()
+
+
+@pytest.mark.parametrize("gqa,dlse", [(False, False), (True, True)])
+def test_the_backward_takes_p_and_delta_from_the_saved_out_and_lse(gqa, dlse):
+    """A ring's local backward: out and lse come from a forward over more keys than the
+    local ones. The float64 reference backward and the CPU operator both take P = exp(S·scale
+    − lse) and Δ from them, so the local keys' dK, dV are the full attention's, and dQ
+    sums over the key shards."""
+    torch.manual_seed(3)
+    heads_kv = 1 if gqa else 2
+    q = torch.randn(2, 7, 2, 16, dtype=torch.float64)
+    k, v = (torch.randn(2, 19, heads_kv, 16, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(2, 7, 2, 16, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, mode="float64", softcap=4.0)
+    dl = torch.randn_like(lse) if dlse else None
+    loss = (out * dout).sum() + ((lse * dl).sum() if dlse else 0)
+    want = torch.autograd.grad(loss, leaves)
+    shards = (slice(0, 9), slice(9, 19))
+    dq = 0
+    for part in shards:
+        got = attention_ref_backward(q, k[:, part], v[:, part], dout, dl, softcap=4.0,
+                                     dtype=torch.float64, out=out.detach(), lse=lse.detach())
+        dq = dq + got[0]
+        torch.testing.assert_close(got[1], want[1][:, part], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got[2], want[2][:, part], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dq, want[0], rtol=1e-10, atol=1e-10)
+    # The CPU operator, in bf16, against its own backward over all the keys.
+    qb, kb, vb, db = (t.bfloat16() for t in (q, k, v, dout))
+    opts = _options(softcap=4.0)
+    out_b, lse_b = torch.ops.flash_cute.fwd(qb, kb, vb, None, None, None, None, *opts, False, 0)
+    dl_b = None if dl is None else dl.float()
+    full = torch.ops.flash_cute.bwd(db, dl_b, qb, kb, vb, out_b, lse_b, None, None, None,
+                                    None, *opts, 0)
+    for part in shards:
+        local = torch.ops.flash_cute.bwd(db, dl_b, qb, kb[:, part].contiguous(),
+                                         vb[:, part].contiguous(), out_b, lse_b, None, None,
+                                         None, None, *opts, 0)
+        for g_local, g_full in zip(local[1:3], full[1:3]):
+            torch.testing.assert_close(g_local.float(), g_full[:, part].float(), rtol=0,
+                                       atol=1e-2)

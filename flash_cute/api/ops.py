@@ -113,7 +113,10 @@ def _bwd_cpu(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options
     kwargs = _reference_kwargs(problem, lengths, options[_BWD_VARIANT], dropout[1])
     learned = derivative.learnable(kwargs["variant"]) if plans.mod_grads_asked(options) else ()
     grads = {id(t): torch.zeros(t.shape, dtype=torch.float32) for t in learned}
-    dq, dk, dv = attention_ref_backward(q, k, v, dout, dlse, aux_grads=grads, **kwargs)
+    # P and Δ from the forward's out and lse, as the kernels take them (a ring's local
+    # backward sees only its keys, normalized over all of them).
+    dq, dk, dv = attention_ref_backward(q, k, v, dout, dlse, aux_grads=grads, out=out,
+                                        lse=lse, **kwargs)
     return (*(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v))),
             [grads[id(t)].to(t.dtype) for t in learned])
 

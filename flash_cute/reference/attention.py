@@ -374,6 +374,8 @@ def attention_ref_backward(
     variant=None,
     dropout=None,
     aux_grads: Optional[dict] = None,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`attention_ref` by the written-out formulas (no autograd), in
     `dtype`, for the same arguments plus the incoming gradients of out and (optionally) lse:
@@ -383,31 +385,44 @@ def attention_ref_backward(
     operator's kernel under a dispatch mode), and checks the kernels' formula against
     autograd of the forward. `aux_grads` ({id(tensor): zeroed tensor of its shape}): the
     gradients of a score mod's learnable captured tensors (`derivative.learnable`) are added
-    there."""
+    there. `out` and `lse` (given together): the forward's, which the backward then takes
+    as the kernels do, P = exp(S·scale − lse) and Δ = rowsum(dO ∘ out) − dLSE, instead of
+    recomputing them from these keys; with a forward over more keys than `k` (a ring's other
+    ranks'), the result is these keys' share of the gradients."""
     varlen = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if (out is None) != (lse is None):
+        raise ValueError("out and lse are given together (the forward's saved state) or not")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     args = (softmax_scale, causal, window_size, softcap, variant, dropout, aux_grads)
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     dlse = None if dlse is None else dlse.to(dtype)
+    saved = None if out is None else (out.to(dtype), lse.to(dtype))
     if not varlen and seqused_q is None and seqused_k is None:
-        return _backward_dense(q, k, v, dout, dlse, *args)
+        return _backward_dense(q, k, v, dout, dlse, *args, saved=saved)
     if not varlen:
         batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
         flat = [t.flatten(0, 1) for t in (q, k, v, dout)]
-        dlse_flat = None if dlse is None else dlse.transpose(0, 1).flatten(1, 2)
-        grads = _backward_used(*flat, dlse_flat, _uniform_cu(batch, sq), _uniform_cu(batch, sk),
-                               seqused_q, seqused_k, args)
+
+        def rows(t):   # [b, h, sq] -> [h, b * sq]
+            return None if t is None else t.transpose(0, 1).flatten(1, 2)
+        flat_saved = None if saved is None else (saved[0].flatten(0, 1), rows(saved[1]))
+        grads = _backward_used(*flat, rows(dlse), _uniform_cu(batch, sq),
+                               _uniform_cu(batch, sk), seqused_q, seqused_k, args,
+                               saved=flat_saved)
         return tuple(g.unflatten(0, (batch, n)) for g, n in zip(grads, (sq, sk, sk)))
     return _backward_used(q, k, v, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                          seqused_k, args)
+                          seqused_k, args, saved=saved)
 
 
 def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, softcap,
-                    variant=None, dropout=None, aux_grads=None, batch_index=None):
+                    variant=None, dropout=None, aux_grads=None, batch_index=None, saved=None):
     """The backward of `_attention_dense` ([b, s, h, d]; dlse [b, h, sq] or None); a score
     mod's derivative comes from its graph (`derivative.score_derivative`). With dropout,
-    P̃ = Z ∘ P / (1 - p): dV = P̃ᵀ dO, dP = Z ∘ (dO Vᵀ) / (1 - p), dS = P ∘ (dP − Δ)."""
+    P̃ = Z ∘ P / (1 - p): dV = P̃ᵀ dO, dP = Z ∘ (dO Vᵀ) / (1 - p), dS = P ∘ (dP − Δ).
+    `saved` (out [b, sq, h, dv], lse [b, h, sq]): the forward's, as the kernels take them:
+    P = exp(S − lse) and Δ = rowsum(dO ∘ out), so that keys the forward saw beyond these
+    (another rank's, in a ring) count in P's normalization."""
     hk = k.shape[2]
     group = q.shape[2] // hk
     kk, vv = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
@@ -419,9 +434,13 @@ def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, sof
     if variant is not None:
         # The mods take the capped scores; the softcap's derivative is at its own output.
         scores, mask = _apply_mods(variant, capped, mask, batch_index)
-    p, _ = _softmax_rows(scores, mask)
+    if saved is None:
+        p, _ = _softmax_rows(scores, mask)
+    else:
+        p = _probs_from_lse(scores, mask, saved[1].to(scores.dtype))
     p_dropped = _dropped(p, dropout, batch_index)
-    out = torch.einsum("bhqk,bkhd->bqhd", p_dropped, vv)
+    out = torch.einsum("bhqk,bkhd->bqhd", p_dropped, vv) if saved is None else \
+        saved[0].to(dout.dtype)
     delta = (dout * out).sum(-1).transpose(1, 2)  # [b, h, sq]
     if dlse is not None:
         delta = delta - dlse
@@ -442,6 +461,15 @@ def _backward_dense(q, k, v, dout, dlse, softmax_scale, causal, window_size, sof
     return dq, dk.unflatten(2, (hk, group)).sum(3), dv.unflatten(2, (hk, group)).sum(3)
 
 
+def _probs_from_lse(scores, mask, lse):
+    """P = exp(S − lse) where the mask keeps a score (0 elsewhere, and on rows whose lse is
+    −inf: they saw no key)."""
+    finite = torch.isfinite(lse)[..., None]
+    shifted = scores - torch.where(finite, lse[..., None], torch.zeros_like(lse[..., None]))
+    return torch.where(mask & finite, torch.exp(shifted.masked_fill(~mask, 0.0)),
+                       torch.zeros((), dtype=scores.dtype, device=scores.device))
+
+
 def _mod_derivative(graph, raw, batch_index):
     """d(score_mod)/d(score) at the scaled scores `raw` [b, h, sq, sk]."""
     from flash_cute.variants.derivative import score_derivative
@@ -454,14 +482,15 @@ def _mod_derivative(graph, raw, batch_index):
 
 
 def _backward_used(q, k, v, dout, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                   args):
-    """The backward of `_attention_used` (packed layout; dlse [h, total_q] or None): rows
-    outside the used part of each span get zero gradients."""
+                   args, saved=None):
+    """The backward of `_attention_used` (packed layout; dlse and saved's lse [h, total_q]
+    or None): rows outside the used part of each span get zero gradients."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for b, sq, sk, _ in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         seq_dlse = None if dlse is None else dlse[None, :, sq]
+        seq_saved = None if saved is None else (saved[0][None, sq], saved[1][None, :, sq])
         grads = _backward_dense(q[None, sq], k[None, sk], v[None, sk], dout[None, sq], seq_dlse,
-                                *args, batch_index=[b])
+                                *args, batch_index=[b], saved=seq_saved)
         dq[sq], dk[sk], dv[sk] = (g[0] for g in grads)
     return dq, dk, dv
 
