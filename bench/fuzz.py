@@ -2,6 +2,7 @@
 
     python bench/fuzz.py [--configs 500] [--seed 0] [--arch hopper] [--workers 1]
                          [--minutes 0] [--json FILE]
+    python bench/fuzz.py --index-contents 200 [--seed 0]   (bench/fuzz_index.py)
 
 Each config is drawn from every axis the pipeline supports: dtype, head dims (hdim_v < hdim
 too), GQA ratios, padded or varlen layout (empty sequences included), seqused, odd and tiny
@@ -12,6 +13,8 @@ in the input dtype), with an absolute floor scaled to each reference's magnitude
 gradients whose reference is exactly zero (sk = 1 gives dK = 0) do not turn rounding into a
 miss. A miss or an exception is printed with its config; the summary counts them per axis.
 A CUDA error stops the run (the context is lost). New features add their axes here.
+`--index-contents N` runs the fuzz of bad index contents instead (`bench/fuzz_index.py`: the
+content check off, the cache against its model, the dropped-rows status word).
 """
 
 import argparse
@@ -210,7 +213,13 @@ def main() -> int:
                    help="stop starting configs after this long (0: no limit)")
     p.add_argument("--only", default="", help="comma-separated config indices to rerun")
     p.add_argument("--json", default=None)
+    p.add_argument("--index-contents", type=int, default=0,
+                   help="run N cases of bench/fuzz_index.py (bad index contents) instead")
     args = p.parse_args()
+    if args.index_contents:
+        cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "fuzz_index.py"),
+               "--cases", str(args.index_contents), "--seed", str(args.seed)]
+        return subprocess.call(cmd + (["--json", args.json] if args.json else []))
     args.only = {int(i) for i in args.only.split(",") if i}
     start = time.time()
     if args.shard:

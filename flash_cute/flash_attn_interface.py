@@ -23,7 +23,10 @@ from flash_cute.api.kvcache import flash_attn_with_kvcache  # noqa: F401 - FA2's
 
 def _refuse(block_table=None) -> None:
     if block_table is not None:
-        raise NotImplementedError("block_table: paged KV is not built in flash-cute yet")
+        raise NotImplementedError(
+            "block_table in flash_attn 2's varlen function (its paged form, with cu_seqlens_k) "
+            "is not taken here: use flash_attn_with_kvcache(block_table=...) or "
+            "flash_cute.flash_attn_varlen_func(page_table=..., seqused_k=...)")
 
 
 def _common(dropout_p, softmax_scale, causal, window_size, softcap, deterministic) -> dict:
