@@ -1,0 +1,79 @@
+"""Sequence layouts of a ring: which global positions each of `world` ranks holds.
+
+* **contiguous**: rank r holds positions [r·L/w, (r+1)·L/w). Under a causal mask the last
+  rank attends to every earlier position and the first to its own block only.
+* **striped** (Striped Attention): position t goes to rank t mod w, so every rank holds a
+  comb over the whole sequence and each ring step's block is close to a triangle.
+* **zigzag** (Llama 3's head-tail pairing): the sequence is cut into 2w chunks and rank r
+  holds chunks r and 2w − 1 − r, one from each end, so the causal work evens out.
+
+Positions are global token indices: the masks, mods, dropout and sink of a sharded call see
+them, so a sharded call computes what the unsharded one does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = ("contiguous", "striped", "zigzag")
+
+
+def shard_multiple(layout: str, world: int) -> int:
+    """The multiple a sequence length must be of for `layout` over `world` ranks."""
+    _check_layout(layout, world)
+    return 2 * world if layout == "zigzag" else world
+
+
+def positions(seqlen: int, layout: str, world: int, rank: int) -> torch.Tensor:
+    """int64 [seqlen / world]: the global positions rank `rank` holds, in its local order
+    (increasing). ValueError when `seqlen` is not a multiple of `shard_multiple`."""
+    multiple = shard_multiple(layout, world)
+    if seqlen % multiple:
+        raise ValueError(f"a sequence of {seqlen} tokens does not shard over {world} ranks in "
+                         f"the {layout} layout: its length must be a multiple of {multiple} "
+                         f"(pad it to {-(-seqlen // multiple) * multiple})")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in [0, {world})")
+    local = seqlen // world
+    if layout == "contiguous":
+        return torch.arange(rank * local, (rank + 1) * local)
+    if layout == "striped":
+        return torch.arange(rank, seqlen, world)
+    chunk = local // 2
+    head = torch.arange(rank * chunk, (rank + 1) * chunk)
+    tail_start = (2 * world - 1 - rank) * chunk
+    return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
+
+
+def shard(x: torch.Tensor, layout: str, world: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Rank `rank`'s shard of `x` along its sequence dim `dim` (a copy)."""
+    return x.index_select(dim, positions(x.shape[dim], layout, world, rank).to(x.device))
+
+
+def unshard_parts(parts, layout: str, dim: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's shard (`parts[r]`: rank r's), in global order."""
+    world = len(parts)
+    local = parts[0].shape[dim]
+    seqlen = local * world
+    full = torch.cat(list(parts), dim=dim)
+    order = torch.cat([positions(seqlen, layout, world, r) for r in range(world)])
+    # full's row i holds global position order[i]: invert the permutation.
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(seqlen)
+    return full.index_select(dim, inverse.to(full.device))
+
+
+def causal_work(seqlen: int, layout: str, world: int) -> list[float]:
+    """Per rank, the causal score elements its queries compute over the whole sequence:
+    pairs (q, k) with k < q count 1, the diagonal k = q counts 1/2 (the triangle's share of
+    a diagonal block, as the kernels' diagonal tiles do about half the work). Exact, from the
+    positions: rank r's work is the sum over its positions t of t + 1/2."""
+    return [float((positions(seqlen, layout, world, r).double() + 0.5).sum())
+            for r in range(world)]
+
+
+def _check_layout(layout: str, world: int) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")

@@ -1,0 +1,69 @@
+"""The ring's sequence layouts and its cost model (no process group needed)."""
+
+import pytest
+import torch
+
+from flash_cute.parallel import (
+    LAYOUTS,
+    causal_work,
+    min_block_tokens,
+    positions,
+    shard,
+    unshard_parts,
+)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_the_shards_partition_the_sequence_and_unshard_inverts_shard(layout, world):
+    seqlen = 2 * world * 5
+    held = torch.cat([positions(seqlen, layout, world, r) for r in range(world)])
+    assert sorted(held.tolist()) == list(range(seqlen))
+    x = torch.randn(2, seqlen, 3, 4)
+    parts = [shard(x, layout, world, r) for r in range(world)]
+    assert all(p.shape == (2, seqlen // world, 3, 4) for p in parts)
+    assert torch.equal(unshard_parts(parts, layout), x)
+
+
+def test_the_layouts_place_tokens_as_documented():
+    assert positions(8, "contiguous", 2, 1).tolist() == [4, 5, 6, 7]
+    assert positions(8, "striped", 2, 1).tolist() == [1, 3, 5, 7]
+    assert positions(8, "zigzag", 2, 0).tolist() == [0, 1, 6, 7]
+    assert positions(8, "zigzag", 2, 1).tolist() == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("layout,seqlen,world,multiple", [
+    ("contiguous", 10, 4, 4), ("striped", 9, 2, 2), ("zigzag", 12, 4, 8)])
+def test_a_length_that_does_not_shard_names_the_multiple(layout, seqlen, world, multiple):
+    with pytest.raises(ValueError, match=f"multiple of {multiple}"):
+        positions(seqlen, layout, world, 0)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8, 16])
+def test_causal_work_per_rank(world):
+    """Contiguous: max / min = 2w − 1 exactly (the diagonal counted half); zigzag: equal;
+    striped: max − min within one local block's work (B² for B = L / w tokens, when
+    B ≥ w − 1)."""
+    seqlen = 2 * world * 16
+    block = seqlen // world
+    work = causal_work(seqlen, "contiguous", world)
+    assert max(work) / min(work) == 2 * world - 1
+    for layout in ("zigzag", "striped"):
+        work = causal_work(seqlen, layout, world)
+        assert max(work) - min(work) <= block * block, layout
+    assert max(causal_work(seqlen, "zigzag", world)) == min(causal_work(seqlen, "zigzag",
+                                                                        world))
+    assert sum(causal_work(seqlen, "striped", world)) == seqlen * seqlen / 2
+
+
+def test_min_block_tokens_is_the_documented_bound():
+    """L ≥ F·H_kv·bytes / (2·H_q·BW): the H100's NVLink (450 GB/s a direction) at 700
+    TFLOP/s with 8 query heads per K/V head needs about 194 tokens per shard."""
+    fwd = min_block_tokens(450, 700, 64, 8)
+    assert fwd == pytest.approx(700e12 * 8 * 2 / (2 * 64 * 450e9))
+    assert round(fwd) == 194
+    assert min_block_tokens(450, 700, 64, 8, causal=True) == pytest.approx(2 * fwd)
+    assert min_block_tokens(450, 700, 64, 8, direction="bwd") > fwd
+    assert min_block_tokens(50, 700, 64, 8) == pytest.approx(9 * fwd)
+    with pytest.raises(ValueError, match="direction"):
+        min_block_tokens(450, 700, 64, 8, direction="up")
