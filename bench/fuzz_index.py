@@ -91,7 +91,10 @@ def run_case(case: dict) -> list:
         capacity = case["slots"] * page
     else:
         capacity = case["slots"] * page
-        kc, vc = randn(b + 1, capacity, hk, d), randn(b + 1, capacity, hk, d)
+        # A spare entry only where cache_batch_idx picks the entries: a dense cache has one
+        # per sequence.
+        entries_n = b + 1 if case["layout"] == "batch_idx" else b
+        kc, vc = randn(entries_n, capacity, hk, d), randn(entries_n, capacity, hk, d)
         if case["layout"] == "batch_idx":
             entries = torch.randperm(b + 1, generator=gen, device="cuda")[:b].int()
     seqlens = torch.randint(0, max(capacity - new, 0) + 1, (b,), generator=gen,

@@ -118,6 +118,11 @@ def _kvcache(draw, spec):
                 rotary=draw(st.sampled_from(["none", "none", "interleaved", "halves"])),
                 alibi=draw(st.integers(0, 4)) == 0, int_seqlens=draw(st.integers(0, 5)) == 0,
                 lse=draw(st.booleans()))
+    room = spec["slots"] * spec["page"] if spec["layout"] == "paged" else spec["capacity"]
+    if spec["new"] > room:
+        # An append longer than the whole cache is a read: the corruptions below are drawn
+        # for the call that runs.
+        spec["new"] = 0
     names = ["seqlens_negative", "append_past" if spec["new"] else "read_past"]
     if spec["layout"] == "paged":
         names += ["block_entry_past", "block_entry_negative"]
@@ -504,8 +509,7 @@ def _run_kvcache(spec, gen):
     h, hk = _heads(spec)
     b, d, new, sq = spec["b"], spec["d"], spec["new"], spec["sq"]
     kc, vc, capacity, table, entries, seqlens = _kv_setup(spec, gen, dtype, h, hk)
-    if new > capacity:
-        new = 0
+    assert new <= capacity, "the draw keeps appends within the cache"
     q = _randn(gen, b, sq, h, d, dtype=dtype)
     k_new, v_new = (_randn(gen, b, new, hk, d, dtype=dtype) for _ in range(2))
     leftpad = None

@@ -47,6 +47,22 @@ def test_shrunk_examples_stay_fixed(name):
     fuzz_calls.run(dict(REGRESSIONS[name]))
 
 
+def test_drawn_appends_fit_the_cache_so_their_corruptions_apply():
+    """A kvcache draw whose append was longer than the cache ran as a read, so a corruption
+    drawn for a write (a repeated cache_batch_idx) was legal and not refused: the slow run
+    found it (b=2, new=2, capacity=1, batch_idx_repeat). The draw now makes such a call a
+    read before it draws the corruption; checked on draws alone, which are cheap."""
+    @given(spec=fuzz_calls.specs())
+    def draw(spec):
+        if spec["kind"] == "kvcache":
+            room = spec["slots"] * spec["page"] if spec["layout"] == "paged" else \
+                spec["capacity"]
+            assert spec["new"] <= room, spec
+            if spec["corrupt"] in ("batch_idx_repeat", "shared_write_page", "append_past"):
+                assert spec["new"] > 0, spec
+    settings(max_examples=3000, **_SETTINGS)(draw)()
+
+
 def _draws(counts):
     @given(spec=fuzz_calls.specs())
     def call(spec):

@@ -256,11 +256,12 @@ def _gpu():
 
 @pytest.mark.gpu
 @_gpu()
-@pytest.mark.parametrize("paged", [False, True])
-def test_the_kernel_append_drops_rows_past_the_cache_and_counts_them(paged):
+@pytest.mark.parametrize("paged,splits", [(False, 0), (True, 0), (False, 3), (True, 1)])
+def test_the_kernel_append_drops_rows_past_the_cache_and_counts_them(paged, splits):
     """The kernel path (`attend_and_append`, check off): rows past the capacity are dropped,
     every cached row is bitwise unchanged, the rows that fit are written, the status word
-    counts, and the output is attention over the first min(end, capacity) rows."""
+    counts each dropped row once (the kernel counts, one tile per sequence, whatever the
+    splits and heads), and the output is attention over the first min(end, capacity) rows."""
     from flash_cute.api import kvcache
 
     dev = "cuda"
@@ -284,7 +285,8 @@ def test_the_kernel_append_drops_rows_past_the_cache_and_counts_them(paged):
     want_v = _written_out(logical(vc).cpu(), seqlens.cpu(), v.cpu())
     assert kvcache.APPEND_IN_KERNEL and kvcache._kernel_appends(q, kc, vc, k, v, (-1, -1), None)
     out = flash_cute.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
-                                             block_table=table, causal=True)
+                                             block_table=table, causal=True,
+                                             num_splits=splits)
     torch.cuda.synchronize()
     assert torch.equal(logical(kc).cpu(), want_k) and torch.equal(logical(vc).cpu(), want_v)
     assert status.check_status(dev, raise_error=False) == 2 + 4 + 0
@@ -334,4 +336,28 @@ def test_the_kernel_append_drops_rows_through_a_page_entry_outside_the_cache():
         want[0, 10:13] = new[0]
         want[2, 63] = new[1, 0]
         assert torch.equal(cache, want)
+    assert status.check_status(dev, raise_error=False) == 2
+
+
+@pytest.mark.gpu
+@_gpu()
+def test_a_kernel_that_does_not_append_has_its_torch_append_counted():
+    """`attend_and_append` on a pipeline whose kernel writes no rows (ampere): the torch write
+    first (`AppendFirst`) drops and counts the rows past the cache."""
+    from flash_cute.api.interface import attend_and_append
+
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(7)
+    kc, vc = (torch.randn(2, 64, 2, 64, device=dev, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(2, 1, 4, 64, device=dev, generator=g).bfloat16()
+    k, v = (torch.randn(2, 3, 2, 64, device=dev, generator=g).bfloat16() for _ in range(2))
+    end = torch.tensor([66, 10], dtype=torch.int32, device=dev)   # seq 0: rows 63, 64, 65
+    before = kc.clone()
+    status.check_status(dev, raise_error=False)
+    attend_and_append(q, kc, vc, k, v, end, causal=True, arch="ampere")
+    torch.cuda.synchronize()
+    want = before.clone()
+    want[0, 63] = k[0, 0]
+    want[1, 7:10] = k[1]
+    assert torch.equal(kc, want)
     assert status.check_status(dev, raise_error=False) == 2

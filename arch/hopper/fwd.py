@@ -38,7 +38,7 @@ from flash_cute.arch.sm90plus.tma import (
 )
 from flash_cute.blocks.dropout import Dropout
 from flash_cute.blocks.dsl_state import DslState
-from flash_cute.blocks.kv_append import append_rows
+from flash_cute.blocks.kv_append import append_rows, count_dropped
 from flash_cute.blocks.layouts import (
     acc_to_mn,
     acc_to_operand_a,
@@ -284,12 +284,13 @@ class HopperFwd:
                  preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
 
     def _append_tensors(self, mK, mV, args: FwdArgs):
-        """(cache K, cache V, k_new, v_new) as global tensors for `kv_append` (None without
-        the append)."""
+        """(cache K, cache V, k_new, v_new, the dropped-rows counter) as global tensors for
+        `kv_append` (None without the append)."""
         if cutlass.const_expr(not self.append):
             return None
         vec = 128 // self.dtype.width
-        return (mK, mV) + tuple(assume_aligned_strides(t, vec) for t in (args.k_new, args.v_new))
+        return (mK, mV) + tuple(assume_aligned_strides(t, vec) for t in (args.k_new, args.v_new)) \
+            + (args.append_dropped,)
 
     def _q_o_lse(self, mQ, mO, mLSE, sQ_layout, sO_layout):
         """Q's TMA atom and coordinates; O's TMA store atom and coordinates (None and the
@@ -485,10 +486,17 @@ class HopperFwd:
             if cutlass.const_expr(self.append):
                 # The raw seqused_k (the append's end, which may pass the cache: those
                 # rows are dropped); seq.seqlen_k is it clamped, the rows read.
-                append_rows(*append_tensors, tiles.page_table, self.page_size, seq.batch,
-                            head_kv, tiles.used_k[seq.batch], tiles.seqlen_k,
+                cache_k, cache_v, k_new, v_new, dropped = append_tensors
+                end = tiles.used_k[seq.batch]
+                append_rows(cache_k, cache_v, k_new, v_new, tiles.page_table, self.page_size,
+                            seq.batch, head_kv, end, tiles.seqlen_k,
                             rng.n_block_min * self.tile_n, rng.n_block_max * self.tile_n,
                             cute.arch.lane_idx(), 32)
+                if m_block == 0 and head == 0 and split == 0:
+                    # The sequence's first tile (every sequence has one) counts its drops.
+                    count_dropped(dropped, k_new.shape[1], tiles.page_table, self.page_size,
+                                  cache_k.shape[0], seq.batch, end, tiles.seqlen_k,
+                                  cute.arch.lane_idx(), 32)
                 cute.arch.sync_warp()
             if cutlass.const_expr(self.page_size > 0):
                 kv = self.produce_paged(tma_k, tma_v, mK, mV, sK, sV, pipes, tiles, seq,

@@ -81,23 +81,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                           **attend)
         return (out, lse) if return_softmax_lse else out
     seqlens = _lengths(cache_seqlens, batch, k_cache, paged, q.device)
+    in_kernel = in_place and k is not None and _kernel_appends(q, k_cache, v_cache, k, v,
+                                                               window_size, alibi_slopes)
     fits = None
     if k is not None:
         if rotary_cos is not None:
             positions = seqlens[:, None] + torch.arange(new, device=q.device)
             k = _rotate(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
-        # Rows that do not fit are dropped by either writer below; counted here.
-        entry_ok = None if cache_batch_idx is None else \
-            (cache_batch_idx >= 0) & (cache_batch_idx < k_cache.shape[0])
-        fits = paging.append_fits(seqlens, new, capacity, block_table, *k_cache.shape[:2],
-                                  entry_ok=entry_ok)
-        status.count_dropped(fits)
+        if not in_kernel:
+            # Rows that do not fit are dropped by the torch write below, and counted here;
+            # the kernel counts its own (`ForwardLaunch`, `AppendFirst`).
+            entry_ok = None if cache_batch_idx is None else \
+                (cache_batch_idx >= 0) & (cache_batch_idx < k_cache.shape[0])
+            fits = paging.append_fits(seqlens, new, capacity, block_table,
+                                      *k_cache.shape[:2], entry_ok=entry_ok)
+            status.count_dropped(fits)
     if rotary_cos is not None:
         offsets = torch.arange(seqlen_q, device=q.device) if local else \
             torch.zeros(seqlen_q, dtype=torch.long, device=q.device)
         q = _rotate(q, rotary_cos, rotary_sin, seqlens[:, None] + offsets, rotary_interleaved)
-    if in_place and k is not None and _kernel_appends(q, k_cache, v_cache, k, v, window_size,
-                                                      alibi_slopes):
+    if in_kernel:
         # The kernel takes the unclamped end of each append: it writes the rows of
         # [cache_seqlens, end) inside the cache and reads the first min(end, capacity).
         out, lse = attend_and_append(

@@ -4,13 +4,14 @@ Sequence b's new keys and values (k_new / v_new [b, s_new, hk, d]) go to positio
 ``end - s_new .. end - 1`` of the cache (dense [b, capacity, hk, d], or paged
 [pages, page_size, hk, d] through the page table), where ``end`` is seqused_k[b] as the
 caller passed it: the kernel reads the first min(end, capacity) rows, and a new row whose
-position lies outside [0, capacity) is dropped, never written over a cached row (the caller
-counts those, `flash_cute.runtime.status`). A tile that is about to read K/V keys
-[lo, hi) first writes the new rows inside that range itself, so no other CTA's write has to
-be waited for: CTAs that read the same rows (other query tiles or heads of one K/V head) each
-write the same bytes, and each reads only after its own write. Writes go through the generic
-proxy and TMA reads through the async proxy, hence the ``fence.proxy.async.global`` between
-them.
+position lies outside [0, capacity) is dropped, never written over a cached row. One tile
+per sequence counts the dropped rows into the device's counter (`count_dropped`,
+`flash_cute.runtime.status`), so the host adds no operation per call. A tile that is about
+to read K/V keys [lo, hi) first writes the new rows inside that range itself, so no other
+CTA's write has to be waited for: CTAs that read the same rows (other query tiles or heads of
+one K/V head) each write the same bytes, and each reads only after its own write. Writes go
+through the generic proxy and TMA reads through the async proxy, hence the
+``fence.proxy.async.global`` between them.
 
 Every index is bounded: rows before 0 or past the capacity are skipped, a row whose page
 table entry is not a page of the cache is skipped, and page indices are clamped into the
@@ -44,6 +45,34 @@ def append_rows(cache_k: cute.Tensor, cache_v: cute.Tensor, k_new: cute.Tensor,
     _copy_rows(cache_v, v_new, page_table, page_size, batch, head_kv, start, lo, rows, thread,
                threads)
     cute.arch.fence_proxy("async.global")
+
+
+@cute.jit
+def count_dropped(dropped: cute.Tensor, s_new: Int32, page_table, page_size: cutlass.Constexpr,
+                  num_pages: Int32, batch: Int32, end: Int32, capacity: Int32, thread: Int32,
+                  threads: cutlass.Constexpr):
+    """Add to `dropped` (int64 [1]) the new rows of sequence `batch` that `append_rows` drops:
+    positions outside [0, capacity) and, paged, rows whose page entry is not a page of the
+    cache. Called by one tile per sequence (every tile drops the same rows); one relaxed
+    atomic per dropped row, none when all fit."""
+    start = end - s_new
+    for i in cutlass.range(thread, s_new, threads, unroll=1):
+        row = start + i
+        outside = Int32(0)
+        if row < Int32(0):
+            outside = Int32(1)
+        if row >= capacity:
+            outside = Int32(1)
+        if cutlass.const_expr(page_size > 0):
+            slot = cutlass.min(cutlass.max(row, Int32(0)) // page_size, page_table.shape[1] - 1)
+            page = page_table[batch, slot]
+            if page < Int32(0):
+                outside = Int32(1)
+            if page >= num_pages:
+                outside = Int32(1)
+        if outside == Int32(1):
+            cute.arch.red(dropped.iterator, cutlass.Int64(1), op="add", dtype=cutlass.Uint64,
+                          sem="relaxed", scope="gpu")
 
 
 @cute.jit

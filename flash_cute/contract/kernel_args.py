@@ -49,6 +49,9 @@ class FwdArgs(NamedTuple):
     # seqused_k[b] - 1 of sequence b before they are read.
     k_new: Optional[Any] = None
     v_new: Optional[Any] = None
+    # With the append: int64 [1], the device's dropped-rows counter; the kernel adds the new
+    # rows it drops (outside the cache, or through a page entry that is not one of its pages).
+    append_dropped: Optional[Any] = None
     # Traced mods (`Variant.mods`): the tensors they capture, contiguous, in `KernelMods.aux`
     # order (`kernel_view.MAX_AUX` slots; unused ones None).
     aux0: Optional[Any] = None

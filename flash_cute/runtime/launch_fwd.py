@@ -9,6 +9,7 @@ import torch
 
 from flash_cute.contract.kernel_args import FwdArgs, dropout_scalars, score_scalars
 from flash_cute.contract.variant import dtype_name, ex2_emulation_per16
+from flash_cute.runtime import status
 from flash_cute.runtime.launch import (
     CapturedTensors,
     SparseTiles,
@@ -39,7 +40,8 @@ class ForwardLaunch:
     read through it (an int32 [batch, max_pages] tensor of a first call; each call passes its
     own), for a kernel class that pages. `append`: (k_new, v_new) of a first call, contiguous
     [batch, s_new, heads_kv, d]: the kernel writes them into k / v first (`kv_append`), for a
-    kernel class that appends. `ex2_per16`: the pipeline's software-exp2 share (None: the
+    kernel class that appends, and that adds the rows it drops to `status.counter`.
+    `ex2_per16`: the pipeline's software-exp2 share (None: the
     FLASH_CUTE_EX2_EMULATION switch, off when unset)."""
 
     def __init__(self, name: str, make_kernel, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
@@ -63,6 +65,9 @@ class ForwardLaunch:
         self.no_work = has_no_work(q, k, problem)
         self.call = self.merge = self.scratch = None
         self.splits = splits
+        # The appending kernel counts the rows it drops into the device's counter itself:
+        # no torch operation per call (`flash_cute.runtime.status`).
+        self.dropped = None if append is None else status.counter(q.device)
         if self.no_work and append is not None:
             raise ValueError("an append needs a launch that runs (a query row and a key)")
         if self.no_work:
@@ -119,6 +124,8 @@ class ForwardLaunch:
                        page_table=tensor_arg(page_table, 4),
                        k_new=None if append is None else TensorArg(append[0]),
                        v_new=None if append is None else TensorArg(append[1]),
+                       append_dropped=None if self.dropped is None else
+                       TensorArg(self.dropped, 8),
                        **self.aux.fields(), **self.sparse.fields(), **merged)
         self.call = KernelCall(key, lambda: make_kernel(DTYPES[dtype], problem.hdim,
                                                         problem.hdim_v, variant,
@@ -176,6 +183,7 @@ class ForwardLaunch:
         self.call(q, k, v, o_parts, lse_parts, *self.scalars, cu_seqlens_q, cu_seqlens_k,
                   seqused_q, seqused_k, seed_words(rng_seed, self.dropout),
                   *self.dropout_scalars, *self.split_scalars, page_table, *append,
+                  self.dropped if append[0] is not None else None,
                   *self.aux.values(), *self.sparse.tensors, *self.aux.scalar_values, *merged)
         if self.merge is not None:
             self.merge(o_parts, lse_parts, out, lse)
@@ -280,6 +288,7 @@ class AppendFirst:
         start = seqused_k.long() - k_new.shape[1]
         capacity = rows.shape[1]
         fits = paging.append_fits(start, k_new.shape[1], capacity, page_table, *k.shape[:2])
+        status.count_dropped(fits)
         paging.write_rows(k, v, k_new, v_new, rows, start, fits)
         paged = {} if page_table is None else {"page_table": page_table}
         return self.launch(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,

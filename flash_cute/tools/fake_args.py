@@ -5,7 +5,7 @@ extents are (batch, lengths), compact with the alignment the kernels assume."""
 from typing import Optional
 
 import cutlass
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 
 from flash_cute.contract.kernel_args import AUX_ALIGN, SCALAR_FIELDS, BwdArgs, FwdArgs, aux_fields
 from flash_cute.runtime.jit import dynamic_dim, fake_tensor
@@ -78,11 +78,11 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
     if paged:
         rows_k, cu = (dynamic_dim(), dynamic_dim()), (cu[0], None)
         table = fake_tensor(Int32, (dynamic_dim(), dynamic_dim()), align=4)
-    new = (None, None)
+    new = (None, None, None)
     if append:
         rows_new = (dynamic_dim(), dynamic_dim())
         new = (fake_tensor(dtype, rows_new + (heads_kv, hdim)),
-               fake_tensor(dtype, rows_new + (heads_kv, hdim_v)))
+               fake_tensor(dtype, rows_new + (heads_kv, hdim_v)), fake_tensor(Int64, (1,), align=8))
     return FwdArgs(
         q=fake_tensor(dtype, rows_q + (heads, hdim)),
         k=fake_tensor(dtype, rows_k + (heads_kv, hdim)),
@@ -92,6 +92,7 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
         max_seqlen_q=Int32(1), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], seqused_q=used_q,
         seqused_k=used_k, **_fake_dropout(dropout), num_splits=Int32(1),
         blocks_per_split=Int32(0), page_table=table, k_new=new[0], v_new=new[1],
+        append_dropped=new[2],
         **fake_aux(mods), **(_fake_merged(dtype, rows_q, heads, hdim_v, lse_shape)
                              if merged else {}))
 
