@@ -2,9 +2,10 @@
 loop of calls measures the host), then by function (cProfile): where the host time of
 `flash_attn_with_kvcache` and `flash_attn_varlen_func` goes.
 The appending calls (one new row into a 1 x 8k cache, the kernel's append) run with the
-dropped-rows count and without it (`status.count_dropped` and `paging.append_fits` replaced
-by no-ops for that call only), interleaved: the difference is the host time the status word
-adds to a decode step.
+torch writers' dropped-rows count and without it (`status.count_dropped` and
+`paging.append_fits` replaced by no-ops for that call only), interleaved. The kernel counts
+its own drops (`blocks.kv_append.count_dropped`), so on its path the two should match: a
+difference is host time the status word adds to a decode step.
 Usage: python bench/decode_host.py [--calls 300] [--rounds 5] [--top 25]"""
 
 import argparse
