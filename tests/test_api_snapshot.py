@@ -13,7 +13,8 @@ from pathlib import Path
 
 SNAPSHOT = Path(__file__).with_name("api_snapshot.json")
 MODULES = ("flash_cute", "flash_cute.flash_attn_interface", "flash_cute.integrations.sdpa",
-           "flash_cute.integrations.transformers")
+           "flash_cute.integrations.transformers", "flash_cute.parallel",
+           "flash_cute.parallel.ring_flash_attn")
 
 
 def _signatures(module) -> dict:

@@ -289,3 +289,40 @@ def test_the_backward_takes_p_and_delta_from_the_saved_out_and_lse(gqa, dlse):
         for g_local, g_full in zip(local[1:3], full[1:3]):
             torch.testing.assert_close(g_local.float(), g_full[:, part].float(), rtol=0,
                                        atol=1e-2)
+
+
+def test_float32_partials_and_gradients_for_a_ring():
+    """`partial_out` gives O in float32 (the reference's float32 result, not rounded to
+    bf16) and `grads_fp32` float32 dQ, dK, dV, on the CPU operator, the fake (so a ring
+    traces) and through opcheck; without them the outputs keep the input dtype."""
+    q, k, v = (_randn(1, 9, 2, 16) for _ in range(3))
+    opts = _options(causal=True)
+    tail = (False, 0, 0.0, None, 1, None, None)
+    out16, _ = torch.ops.flash_cute.fwd(q, k, v, None, None, None, None, *opts, *tail)
+    out32, lse = torch.ops.flash_cute.fwd(q, k, v, None, None, None, None, *opts, *tail, True)
+    ref = attention_ref(q, k, v, causal=True, mode="float32")[0]
+    assert out16.dtype == q.dtype and out32.dtype == torch.float32
+    assert torch.equal(out32, ref.float()) and not torch.equal(out32, out16.float())
+    dout = torch.randn_like(out16)
+    grads = torch.ops.flash_cute.bwd(dout, None, q, k, v, out16, lse, None, None, None, None,
+                                     *opts, 0, 0.0, None, False, True)
+    assert all(g.dtype == torch.float32 for g in grads[:3])
+    narrow = torch.ops.flash_cute.bwd(dout, None, q, k, v, out16, lse, None, None, None, None,
+                                      *opts, 0)
+    assert all(g.dtype == q.dtype for g in narrow[:3])
+    assert all(torch.equal(a.to(q.dtype), b) for a, b in zip(grads[:3], narrow[:3]))
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fake_out, _ = torch.ops.flash_cute.fwd(fq, fk, fv, None, None, None, None, *opts,
+                                               *tail, True)
+        fake_grads = torch.ops.flash_cute.bwd(mode.from_tensor(dout), None, fq, fk, fv,
+                                              mode.from_tensor(out16), mode.from_tensor(lse),
+                                              None, None, None, None, *opts, 0, 0.0, None,
+                                              False, True)
+    assert fake_out.dtype == torch.float32
+    assert all(g.dtype == torch.float32 for g in fake_grads[:3])
+    torch.library.opcheck(torch.ops.flash_cute.fwd.default,
+                          (q, k, v, None, None, None, None, *opts, *tail, True))
+    torch.library.opcheck(torch.ops.flash_cute.bwd.default,
+                          (dout, None, q, k, v, out16, lse, None, None, None, None, *opts, 0,
+                           0.0, None, False, True))

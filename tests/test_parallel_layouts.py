@@ -8,9 +8,9 @@ from flash_cute.parallel import (
     causal_work,
     min_block_tokens,
     positions,
-    shard,
     unshard_parts,
 )
+from flash_cute.parallel.layouts import shard
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

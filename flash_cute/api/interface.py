@@ -542,7 +542,7 @@ def _attention(q, k, v, lengths: tuple, max_seqlen_q, max_seqlen_k, softmax_scal
         return out, lse
     if append is not None:
         out, lse = plans.forward(q, k, v, *lengths, *options, False, variant, dropout_p,
-                                 rng_seed, *splits, page_table, *append)
+                                 rng_seed, *splits, page_table, False, *append)
         return out, (lse if return_lse else None)
     fwd = plans.forward if _eager(q, k, v) else torch.ops.flash_cute.fwd
     out, lse = fwd(q, k, v, *lengths, *options, False, variant, dropout_p, rng_seed, *splits,
@@ -579,12 +579,14 @@ def fold_sink(out, lse, sink, varlen: bool) -> tuple:
     O · exp(LSE − LSE'). A row that sees no key gets O' = 0 and LSE' = sink, as in FA4.
     Torch operations, so autograd gives d(sink) = −Σ_rows exp(sink − LSE') · (Δ − dLSE') and
     carries dO and dLSE into the attention's backward (docs/decisions.md, D-SINK)."""
-    s = sink.float()
+    # float32 at least (float64 where the LSE is: a context-parallel float64 check).
+    dtype = torch.promote_types(lse.dtype, torch.float32)
+    s = sink.to(dtype)
     s = s[:, None] if varlen else s[None, :, None]
-    merged = torch.logaddexp(lse, s)
-    weight = torch.where(lse == float("-inf"), torch.zeros_like(lse), torch.exp(lse - merged))
+    merged = torch.logaddexp(lse.to(dtype), s)
+    weight = torch.where(lse == float("-inf"), torch.zeros_like(merged), torch.exp(lse - merged))
     weight = weight.transpose(0, 1) if varlen else weight.transpose(1, 2)
-    return (out.float() * weight[..., None]).to(out.dtype), merged
+    return (out.to(dtype) * weight[..., None]).to(out.dtype), merged
 
 
 def attend_and_append(q, k_cache, v_cache, k_new, v_new, seqused_k, page_table=None,

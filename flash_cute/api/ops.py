@@ -36,12 +36,12 @@ _LENGTHS = "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_q, Tenso
 _LIB = torch.library.Library("flash_cute", "DEF")
 _LIB.define(f"fwd(Tensor q, Tensor k, Tensor v, {_LENGTHS}, {_OPTIONS}, bool needs_grad, "
             f"int variant, float dropout_p=0.0, Tensor? rng_seed=None, int num_splits=1, "
-            f"int? seqlen_k_per_split=None, Tensor? page_table=None) -> (Tensor out, "
-            f"Tensor lse)")
+            f"int? seqlen_k_per_split=None, Tensor? page_table=None, "
+            f"bool partial_out=False) -> (Tensor out, Tensor lse)")
 _LIB.define(f"bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, "
             f"Tensor lse, {_LENGTHS}, {_OPTIONS}, int variant, float dropout_p=0.0, "
-            f"Tensor? rng_seed=None, bool mod_grads=False) -> (Tensor dq, Tensor dk, Tensor dv, "
-            f"Tensor[] dmods)")
+            f"Tensor? rng_seed=None, bool mod_grads=False, bool grads_fp32=False) -> "
+            f"(Tensor dq, Tensor dk, Tensor dv, Tensor[] dmods)")
 
 # Positions in the options after the tensors: (the 10 _OPTIONS, [needs_grad,] variant,
 # dropout_p, rng_seed).
@@ -66,6 +66,16 @@ def _variant(key: int):
 def _page_table(options: tuple):
     """A forward call's page table (after seqlen_k_per_split), or None."""
     return options[16] if len(options) > 16 else None
+
+
+def _partial_out(options: tuple) -> bool:
+    """Whether a forward call asks for O in float32 (a partial, to be merged by its LSE)."""
+    return len(options) > 17 and bool(options[17])
+
+
+def _grads_fp32(options: tuple) -> bool:
+    """Whether a backward call asks for float32 dQ, dK, dV (accumulators of a ring)."""
+    return len(options) > 14 and bool(options[14])
 
 
 def _reference_problem(q, k, v, lengths, options, dropout=(0.0, None), splits=(1, None),
@@ -103,7 +113,8 @@ def _fwd_cpu(q, k, v, cu_q, cu_k, used_q, used_k, *options):
     out, lse = attention_ref(q, k, v, mode="float32",
                              **_reference_kwargs(problem, lengths, options[_FWD_VARIANT],
                                                  dropout[1]))
-    return out.to(q.dtype).contiguous(), lse.float().contiguous()
+    out = out.float() if _partial_out(options) else out.to(q.dtype)
+    return out.contiguous(), lse.float().contiguous()
 
 
 def _bwd_cpu(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options):
@@ -117,7 +128,9 @@ def _bwd_cpu(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *options
     # backward sees only its keys, normalized over all of them).
     dq, dk, dv = attention_ref_backward(q, k, v, dout, dlse, aux_grads=grads, out=out,
                                         lse=lse, **kwargs)
-    return (*(g.to(t.dtype).contiguous() for g, t in ((dq, q), (dk, k), (dv, v))),
+    wide = _grads_fp32(options)
+    return (*((g.float() if wide else g.to(t.dtype)).contiguous()
+              for g, t in ((dq, q), (dk, k), (dv, v))),
             [grads[id(t)].to(t.dtype) for t in learned])
 
 
@@ -131,7 +144,8 @@ def _fwd_fake(q, k, v, cu_q, cu_k, used_q, used_k, *options):
     problem = _reference_problem(q, k, v, (cu_q, cu_k, used_q, used_k), options,
                                  _dropout_of(options, _FWD_VARIANT), plans.fwd_splits(options),
                                  _page_table(options))
-    out = q.new_empty((*q.shape[:-1], problem.hdim_v))
+    out = q.new_empty((*q.shape[:-1], problem.hdim_v),
+                      dtype=torch.float32 if _partial_out(options) else q.dtype)
     if cu_q is not None:
         lse = q.new_empty((problem.nheads, q.shape[0]), dtype=torch.float32)
     else:
@@ -147,7 +161,9 @@ def _bwd_fake(dout, dlse, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *option
     learned = (derivative.learnable(_variant(options[_BWD_VARIANT]))
                if plans.mod_grads_asked(options) else ())
     # Contiguous, whatever the inputs' strides, as the kernels' gradients are.
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+    wide = {"dtype": torch.float32} if _grads_fp32(options) else {}
+    return (q.new_empty(q.shape, **wide), k.new_empty(k.shape, **wide),
+            v.new_empty(v.shape, **wide),
             [q.new_empty(t.shape, dtype=t.dtype) for t in learned])
 
 
@@ -171,7 +187,7 @@ def _fwd_backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv, _ = torch.ops.flash_cute.bwd(dout, dlse, q, k, v, out, lse, *lengths,
                                              *ctx.options, rng_seed)
-    return (dq, dk, dv) + (None,) * 21
+    return (dq, dk, dv) + (None,) * 22
 
 
 torch.library.register_autograd("flash_cute::fwd", _fwd_backward,

@@ -171,9 +171,13 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options)
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     splits = fwd_splits(options)
     page_table = options[16] if len(options) > 16 else None
+    if len(options) > 17 and options[17]:
+        raise NotImplementedError("partial_out (float32 O for a ring's merge) runs on the CPU "
+                                  "operator only: the CUDA kernels' partial outputs are not "
+                                  "exposed yet")
     # (k_new, v_new): written into the cache by the call (`interface.attend_and_append`,
     # eager calls only: the operator's schema has no such argument).
-    append = tuple(options[17:19]) if len(options) > 17 else None
+    append = tuple(options[18:20]) if len(options) > 18 else None
     options, rng_seed = split_seed(options, 13)
     key = _call_key((q, k, v, rng_seed, page_table) + lengths + (append or ()),
                     options + splits)
@@ -236,6 +240,9 @@ def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
              *options):
     """`flash_cute::bwd` on CUDA tensors: ``(dq, dk, dv, dmods)``."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    if len(options) > _MOD_GRADS + 1 and options[_MOD_GRADS + 1]:
+        raise NotImplementedError("grads_fp32 (a ring's float32 accumulators) runs on the CPU "
+                                  "operator only: the CUDA kernels' are not exposed yet")
     mod_grads = mod_grads_asked(options)
     options, rng_seed = split_seed(options[:_MOD_GRADS], 12)
     options += (mod_grads,)

@@ -1,0 +1,270 @@
+"""The local attention of a ring step: one rank's queries against one K/V block, at the
+global positions both hold, returning a partial (O, LSE) to be merged with the other
+blocks' by their LSE, and the partial gradients of the backward.
+
+A ring step's mask is a band in global positions (causal: k ≤ q; a window: q − left ≤ k ≤
+q + right), and both sides of a step are runs of positions with one stride (contiguous and
+zigzag: stride 1, in one or two runs; striped: stride w). `band_call` turns each pair of
+runs into a call of the ordinary operators: a band in local indices j − i ∈ [lo, hi] is the
+operators' bottom-right-aligned window once the rows or columns that the band leaves empty
+are trimmed, so no kernel needs a diagonal offset argument (docs/decisions.md, D-CP-BANDS).
+
+Two implementations, one interface (`forward`, `backward`, `partial_dtype`):
+
+* `Float64Local`: exact, dense float64 at explicit positions; score and mask mods
+  (FlexAttention's form) see global positions. What the tests run inside the ring.
+* `OperatorLocal`: `torch.ops.flash_cute.fwd` / `bwd` on each pair of runs, asking for
+  float32 partial outputs (`partial_out`) and float32 gradients (`grads_fp32`), so nothing
+  is rounded to 16 bits between ring steps. The CPU operator has both; the CUDA kernels'
+  are not exposed yet (the operators say so).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What every ring step shares: the softmax scale, the band in global positions
+    (`left` / `right`: None unbounded; causal is right = 0), the softcap, and the
+    FlexAttention-form mods (score_mod(score, b, h, q_idx, kv_idx), mask_mod(b, h, q_idx,
+    kv_idx)), called with global positions and global heads (`head_offset`: the first
+    query head this rank holds, under Ulysses)."""
+    softmax_scale: float
+    left: Optional[int] = None
+    right: Optional[int] = None
+    softcap: float = 0.0
+    score_mod: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
+    head_offset: int = 0
+
+
+def spec_of(head_dim: int, softmax_scale=None, causal=False, window_size=(-1, -1),
+            softcap=0.0, score_mod=None, mask_mod=None) -> Spec:
+    """A `Spec` from `flash_attn_func`'s arguments (window sides < 0: unbounded)."""
+    left, right = (None if w is None or w < 0 else int(w) for w in window_size)
+    if causal:
+        right = 0
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    return Spec(float(scale), left, right, float(softcap), score_mod, mask_mod)
+
+
+def _band_mask(q_pos, k_pos, spec: Spec):
+    """bool [sq, sk]: the band of `spec` at these global positions."""
+    diff = k_pos[None, :] - q_pos[:, None]
+    visible = torch.ones(diff.shape, dtype=torch.bool, device=diff.device)
+    if spec.left is not None:
+        visible &= diff >= -spec.left
+    if spec.right is not None:
+        visible &= diff <= spec.right
+    return visible
+
+
+class Float64Local:
+    """The exact local attention: float64, dense, at explicit positions."""
+
+    partial_dtype = torch.float64
+
+    def _scores(self, q, k, q_pos, k_pos, spec: Spec):
+        """(scores [b, h, sq, sk] after scale, softcap and score mod; mask [b|1, h|1, sq, sk])."""
+        group = q.shape[2] // k.shape[2]
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2))
+        s = s * spec.softmax_scale
+        if spec.softcap > 0:
+            s = spec.softcap * torch.tanh(s / spec.softcap)
+        mask = _band_mask(q_pos, k_pos, spec)[None, None]
+        b, h = s.shape[:2]
+        grids = (torch.arange(b, device=s.device)[:, None, None, None],
+                 torch.arange(h, device=s.device)[None, :, None, None] + spec.head_offset,
+                 q_pos.to(s.device)[None, None, :, None], k_pos.to(s.device)[None, None, None, :])
+        if spec.score_mod is not None:
+            s = torch.broadcast_to(spec.score_mod(s, *grids), s.shape)
+        if spec.mask_mod is not None:
+            mask = mask & torch.broadcast_to(spec.mask_mod(*grids), s.shape).bool()
+        return s, mask
+
+    def forward(self, q, k, v, q_pos, k_pos, spec: Spec):
+        """(O float64 [b, sq, h, dv], LSE float64 [b, h, sq]); a row with no visible key:
+        O = 0, LSE = −inf."""
+        q, k, v = (t.double() for t in (q, k, v))
+        s, mask = self._scores(q, k, q_pos, k_pos, spec)
+        s = s.masked_fill(~mask, -math.inf)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+        group = q.shape[2] // k.shape[2]
+        out = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(group, dim=2))
+        return out, lse
+
+    def backward(self, dout, delta, q, k, v, lse, q_pos, k_pos, spec: Spec):
+        """(dQ, dK, dV) float64 of this block's share, with P = exp(S − lse) from the whole
+        row's `lse` and `delta` = rowsum(dO ∘ O) − dLSE [b, h, sq] of the merged output (as
+        the kernels take them)."""
+        dout = dout.double()
+        q, k, v = (t.detach().double() for t in (q, k, v))
+        group = q.shape[2] // k.shape[2]
+        with torch.enable_grad():
+            q.requires_grad_(True)
+            k.requires_grad_(True)
+            s, mask = self._scores(q, k, q_pos, k_pos, spec)
+            finite = mask & torch.isfinite(lse)[..., None]
+            safe_lse = torch.where(torch.isinf(lse), 0.0, lse)[..., None]
+            p = torch.where(finite, torch.exp(s.detach() - safe_lse), 0.0)
+            v_rep = v.repeat_interleave(group, dim=2)
+            dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+            dp = torch.einsum("bqhd,bkhd->bhqk", dout, v_rep)
+            ds = p * (dp - delta[..., None])
+            dq, dk = torch.autograd.grad(s, (q, k), ds)
+        b, sk, hk = k.shape[:3]
+        dv = dv.view(b, sk, hk, group, -1).sum(3)
+        return dq, dk, dv
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run of global positions: local rows [start, start + length) hold positions
+    first + stride · i."""
+    start: int
+    length: int
+    first: int
+    stride: int
+
+
+def runs_of(pos: torch.Tensor) -> list:
+    """`pos` (increasing) as maximal runs of one stride; the ring's layouts give one run
+    (contiguous, striped) or two (zigzag)."""
+    values = pos.tolist()
+    if len(values) <= 1:
+        return [Run(0, len(values), values[0] if values else 0, 1)]
+    runs, start = [], 0
+    stride = values[1] - values[0]
+    for i in range(2, len(values) + 1):
+        if i == len(values) or values[i] - values[i - 1] != stride:
+            runs.append(Run(start, i - start, values[start], stride))
+            if i < len(values):
+                start = i
+                stride = values[i + 1] - values[i] if i + 1 < len(values) else 1
+    return runs
+
+
+@dataclass(frozen=True)
+class BandCall:
+    """One operator call for a pair of runs: query rows [q0, q1) against key rows
+    [k0, k1) of the runs' tensors, with the operators' window (left, right; None
+    unbounded) in their bottom-right alignment. `None` from `band_call`: no pair visible."""
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    left: Optional[int]
+    right: Optional[int]
+
+
+def band_call(qr: Run, kr: Run, spec: Spec) -> Optional[BandCall]:
+    """The operator call that computes the band of `spec` between two runs of one stride t:
+    with positions a + t·i and c + t·j, q − left ≤ k ≤ q + right is j − i ∈ [lo, hi], lo =
+    ceil((−left − (c − a)) / t), hi = floor((right − (c − a)) / t). The operators' window
+    is j − i ∈ [D − L, D + R] with D = sk − sq: when D > hi the last D − hi key rows are
+    seen by no query and are dropped, when D < lo the last lo − D query rows see no key
+    and are dropped (O = 0, LSE = −inf); then R = hi − D, L = D − lo."""
+    if qr.stride != kr.stride and min(qr.length, kr.length) > 1:
+        raise ValueError("a ring step's query and key runs must share their stride")
+    t = qr.stride if qr.length > 1 else kr.stride
+    n, m, shift = qr.length, kr.length, kr.first - qr.first
+    lo = None if spec.left is None else -((spec.left + shift) // t)    # ceil((-left-shift)/t)
+    hi = None if spec.right is None else (spec.right - shift) // t
+    if (lo is not None and lo > m - 1) or (hi is not None and hi < -(n - 1)) or \
+            (lo is not None and hi is not None and lo > hi):
+        return None
+    if lo is not None and lo <= -(n - 1):
+        lo = None           # the band's left edge lies outside the block
+    if hi is not None and hi >= m - 1:
+        hi = None
+    d = m - n
+    if hi is not None and d > hi:
+        m, d = m - (d - hi), hi
+    if lo is not None and d < lo:
+        n, d = n - (lo - d), lo
+    if n <= 0 or m <= 0:
+        return None
+    return BandCall(qr.start, qr.start + n, kr.start, kr.start + m,
+                    None if lo is None else d - lo, None if hi is None else hi - d)
+
+
+class OperatorLocal:
+    """The library's operators inside the ring, one call per visible pair of runs, the
+    pairs of one query run merged by their LSE, in float32. Mods: not yet (Float64Local
+    runs them)."""
+
+    partial_dtype = torch.float32
+
+    def _check(self, q, spec: Spec):
+        if spec.score_mod is not None or spec.mask_mod is not None:
+            raise NotImplementedError("score and mask mods inside the ring run with the "
+                                      "float64 local attention (Float64Local) for now")
+
+    def _options(self, spec: Spec, call: BandCall):
+        window = tuple(-1 if w is None else w for w in (call.left, call.right))
+        return (None, None, spec.softmax_scale, False, *window, spec.softcap, None, False, None)
+
+    def forward(self, q, k, v, q_pos, k_pos, spec: Spec):
+        self._check(q, spec)
+        b, sq, h = q.shape[:3]
+        out = torch.zeros(b, sq, h, v.shape[3], dtype=torch.float32)
+        lse = torch.full((b, h, sq), -math.inf, dtype=torch.float32)
+        for qr in runs_of(q_pos):
+            for kr in runs_of(k_pos):
+                call = band_call(qr, kr, spec)
+                if call is None:
+                    continue
+                o, l_ = torch.ops.flash_cute.fwd(
+                    q[:, call.q0:call.q1], k[:, call.k0:call.k1], v[:, call.k0:call.k1],
+                    None, None, None, None, *self._options(spec, call), False, 0, 0.0, None,
+                    1, None, None, True)
+                rows = slice(call.q0, call.q1)
+                out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
+        return out, lse
+
+    def backward(self, dout, delta, q, k, v, lse, q_pos, k_pos, spec: Spec):
+        self._check(q, spec)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                      for t in (q, k, v))
+        # The operator takes Δ as rowsum(dO ∘ O) − dLSE: an O of one column holding Δ and
+        # dO of ones there give it (dO itself is what P·dV needs, so it goes in dout).
+        for qr in runs_of(q_pos):
+            for kr in runs_of(k_pos):
+                call = band_call(qr, kr, spec)
+                if call is None:
+                    continue
+                rows, cols = slice(call.q0, call.q1), slice(call.k0, call.k1)
+                out_eq, dlse = _delta_as_out(dout[:, rows], delta[:, :, rows])
+                g = torch.ops.flash_cute.bwd(
+                    dout[:, rows], dlse, q[:, rows], k[:, cols], v[:, cols], out_eq,
+                    lse[:, :, rows].float().contiguous(), None, None, None, None,
+                    *self._options(spec, call), 0, 0.0, None, False, True)
+                dq[:, rows] += g[0]
+                dk[:, cols] += g[1]
+                dv[:, cols] += g[2]
+        return dq, dk, dv
+
+
+def _delta_as_out(dout, delta):
+    """(out, dlse) such that the operator's rowsum(dO ∘ out) − dlse equals `delta`: out =
+    0 and dlse = −delta (the operator reads out only through that sum)."""
+    return torch.zeros_like(dout), (-delta).float().contiguous()
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Two partial softmaxes merged by their LSE (out [b, s, h, d], lse [b, h, s]), in the
+    dtype of `out_a`; rows that saw no key in either stay O = 0, LSE = −inf."""
+    lse = torch.logaddexp(lse_a, lse_b.to(lse_a.dtype))
+    safe = torch.where(torch.isinf(lse), 0.0, lse)
+    wa = torch.where(torch.isinf(lse_a), 0.0, torch.exp(lse_a - safe)).transpose(1, 2)
+    wb = torch.where(torch.isinf(lse_b), 0.0, torch.exp(lse_b.to(lse_a.dtype) - safe))
+    wb = wb.transpose(1, 2)
+    out = out_a * wa[..., None] + out_b.to(out_a.dtype) * wb[..., None]
+    return out, lse

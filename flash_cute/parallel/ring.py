@@ -1,0 +1,180 @@
+"""Ring attention: each rank holds a shard of the sequence (`layouts`); K/V blocks travel
+round the ring and each rank merges its queries' partial results over every block by their
+LSE, in the local attention's partial dtype (float32 or float64), never rounded to 16 bits
+between steps.
+
+Forward, w steps: at step s the rank holds the block of rank (r − s) mod w, posts its send
+to rank r + 1 and the receive of the next block, runs the local attention over the block it
+holds (skipped when the mask leaves it empty), merges, then waits for the exchange.
+Backward, w steps: dQ accumulates on the rank; each block's dK / dV accumulators travel
+with it and gain each rank's share, and one last exchange brings them home. P and Δ come
+from the merged output and LSE (`local.Float64Local.backward`), as the kernels take them.
+GQA sends the K/V heads only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash_cute.parallel import comm, layouts
+from flash_cute.parallel.local import (
+    OperatorLocal,
+    Spec,
+    band_call,
+    merge,
+    runs_of,
+    spec_of,
+)
+
+LAYOUT_CODES = {name: i + 1 for i, name in enumerate(layouts.LAYOUTS)}
+
+
+def default_local(q):
+    """The local attention a call gets without `local=`: the operators."""
+    return OperatorLocal()
+
+
+def _visible(q_pos, k_pos, spec: Spec) -> bool:
+    """Whether the band leaves any (query, key) pair of this block visible (a mask mod can
+    only hide more)."""
+    return any(band_call(qr, kr, spec) is not None
+               for qr in runs_of(q_pos) for kr in runs_of(k_pos))
+
+
+def ring_forward(q, k, v, spec: Spec, layout: str, group, local):
+    """The ring's forward: (O, LSE) of this rank's rows in the local attention's partial
+    dtype. Keeps nothing: a call without gradients (inference) runs this alone."""
+    ring = comm.Ring(group)
+    seqlen = q.shape[1] * ring.world
+    q_pos = layouts.positions(seqlen, layout, ring.world, ring.rank)
+    pd = local.partial_dtype
+    b, sq, h = q.shape[:3]
+    out = torch.zeros(b, sq, h, v.shape[3], dtype=pd, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=pd, device=q.device)
+    block = (k, v)
+    for step in range(ring.world):
+        pending = ring.start(block) if step < ring.world - 1 else None
+        src = (ring.rank - step) % ring.world
+        k_pos = layouts.positions(seqlen, layout, ring.world, src)
+        if _visible(q_pos, k_pos, spec):
+            o, l_ = local.forward(q, *block, q_pos, k_pos, spec)
+            out, lse = merge(out, lse, o, l_)
+        if pending is not None:
+            block = tuple(comm.Ring.finish(pending))
+    return out, lse
+
+
+class _RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, layout, group, local):
+        out, lse = ring_forward(q, k, v, spec, layout, group, local)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.layout, ctx.group, ctx.local = spec, layout, group, local
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        spec, local = ctx.spec, ctx.local
+        ring = comm.Ring(ctx.group)
+        seqlen = q.shape[1] * ring.world
+        q_pos = layouts.positions(seqlen, ctx.layout, ring.world, ring.rank)
+        pd = local.partial_dtype
+        delta = (dout.to(pd) * out).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            delta = delta - dlse.to(pd)
+        dq = torch.zeros(q.shape, dtype=pd, device=q.device)
+        block = (k, v)
+        acc = (torch.zeros(k.shape, dtype=pd, device=k.device),
+               torch.zeros(v.shape, dtype=pd, device=v.device))
+        for step in range(ring.world):
+            last = step == ring.world - 1
+            pending = None if last else ring.start(block)
+            src = (ring.rank - step) % ring.world
+            k_pos = layouts.positions(seqlen, ctx.layout, ring.world, src)
+            if _visible(q_pos, k_pos, spec):
+                dq_s, dk_s, dv_s = local.backward(dout, delta, q, *block, lse, q_pos, k_pos,
+                                                  spec)
+                dq += dq_s
+                acc = (acc[0] + dk_s, acc[1] + dv_s)
+            # The accumulators follow their block: after w sends they are home.
+            acc = tuple(comm.Ring.finish(ring.start(acc)))
+            if pending is not None:
+                block = tuple(comm.Ring.finish(pending))
+        return (dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None)
+
+
+def header(kind: int, q, k, v, layout: str, spec: Spec, world: int, sink) -> dict:
+    """The fields every rank of a call must agree on (`comm.agree`)."""
+    return dict(kind=kind, batch=q.shape[0], seqlen_local=q.shape[1], heads=q.shape[2],
+                heads_kv=k.shape[2], head_dim=q.shape[3], head_dim_v=v.shape[3],
+                dtype=comm.DTYPE_CODES.get(q.dtype, 99), layout=LAYOUT_CODES.get(layout, 99),
+                causal=int(spec.right == 0 and spec.left is None),
+                window_left=-1 if spec.left is None else spec.left,
+                window_right=-1 if spec.right is None else spec.right,
+                softcap_micro=round(spec.softcap * 1e6), world=world,
+                mods=int(spec.score_mod is not None) + 2 * int(spec.mask_mod is not None),
+                sink=int(sink is not None))
+
+
+def local_refusal(q, k, v, layout: str, world: int, heads_divisor: int = 1):
+    """This rank's reason to refuse the call (a string), found without communicating, or
+    None. Raised by `comm.agree` after every rank has joined the header exchange."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "q, k and v must be tensors"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return (f"q, k, v must be [batch, seqlen_local, heads, head_dim], got "
+                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        return (f"q, k, v shards must share batch and seqlen_local, k and v their heads, q and "
+                f"k their head_dim: got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        return f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} K/V heads"
+    if layout not in layouts.LAYOUTS:
+        return f"layout must be one of {layouts.LAYOUTS}, got {layout!r}"
+    multiple = layouts.shard_multiple(layout, world) // world
+    if q.shape[1] % multiple:
+        return (f"the {layout} layout needs every rank's shard to be a multiple of {multiple} "
+                f"tokens (the sequence a multiple of {multiple * world}), got a shard of "
+                f"{q.shape[1]}: pad the sequence")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        return f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    return None
+
+
+def ring_attention(q, k, v, group=None, layout: str = "contiguous", causal: bool = False,
+                   window_size=(-1, -1), softcap: float = 0.0, softmax_scale=None,
+                   learnable_sink=None, score_mod=None, mask_mod=None, dropout_p: float = 0.0,
+                   return_lse: bool = False, mesh_dim=None, local=None):
+    """Attention over a sequence sharded across the ranks of `group` (a ProcessGroup, a
+    DeviceMesh and `mesh_dim`, or None for the default group) in `layout` ("contiguous",
+    "striped", "zigzag"; `shard` makes the shards). q [b, s_local, h, d], k / v [b, s_local,
+    hk, d]: this rank's shard. Masks, the window, the softcap, the mods (FlexAttention's
+    form) and the sink see global positions, so the result is the rows of unsharded
+    attention that this rank holds. Differentiable. `local`: the local attention
+    (`flash_cute.parallel.local`; default the operators). Returns out (and the LSE
+    [b, h, s_local] with `return_lse`)."""
+    group = comm.resolve_group(group, mesh_dim)
+    world = torch.distributed.get_world_size(group)
+    error = local_refusal(q, k, v, layout, world)
+    if error is None and dropout_p:
+        error = "dropout inside the ring is not built yet: pass dropout_p=0"
+    spec = spec_of(q.shape[-1] if error is None else 1, softmax_scale, causal, window_size,
+                   softcap, score_mod, mask_mod)
+    comm.agree(group, header(1, q, k, v, layout, spec, world, learnable_sink)
+               if error is None else {}, error)
+    local = local or default_local(q)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = _RingAttention.apply(q, k, v, spec, layout, group, local)
+    else:
+        # Inference: the forward alone, nothing saved.
+        out, lse = ring_forward(q, k, v, spec, layout, group, local)
+        out = out.to(q.dtype)
+    if learnable_sink is not None:
+        from flash_cute.api.interface import fold_sink
+        out, lse = fold_sink(out, lse, learnable_sink, False)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["ring_attention"]

@@ -1,0 +1,334 @@
+"""Context parallelism over gloo process groups (`flash_cute.parallel`): ring attention in
+each layout, Ulysses and the hybrid on a 2 x 2 mesh, forward and backward, against the
+test's own float64 attention over the whole sequence (dense, autograd), each rank checking
+the rows, dK and dV it holds. One spawn per world size runs every case; the full matrix is
+`slow`. Bad input raises on every rank and no rank hangs (`ranks.run` kills ranks that
+outlive its timeout, and fails)."""
+
+import itertools
+import math
+
+import pytest
+import ranks
+import torch
+
+LAYOUTS = ("contiguous", "striped", "zigzag")
+
+
+def rel_bias(score, b, h, q_idx, kv_idx):
+    """A score mod that reads global positions and the head."""
+    return score + 0.03 * (q_idx - kv_idx).abs() * (h + 1) / 4
+
+
+def documents(b, h, q_idx, kv_idx):
+    """A mask mod of documents of 12 tokens."""
+    return (q_idx // 12) == (kv_idx // 12)
+
+
+MODS = {"none": (None, None), "bias": (rel_bias, None), "documents": (None, documents)}
+
+
+def model(q, k, v, causal=False, window=(-1, -1), softcap=0.0, score_mod=None, mask_mod=None,
+          sink=None):
+    """Attention over the whole sequence, float64, torch autograd: (out, lse)."""
+    b, n, h, d = q.shape
+    k, v = (t.repeat_interleave(h // k.shape[2], dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    grids = (torch.arange(b)[:, None, None, None], torch.arange(h)[None, :, None, None],
+             i[None, None], j[None, None])
+    if score_mod is not None:
+        s = score_mod(s, *grids)
+    keep = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window[0] >= 0:
+        keep &= j >= i - window[0]
+    if window[1] >= 0:
+        keep &= j <= i + window[1]
+    keep = keep[None, None]
+    if mask_mod is not None:
+        keep = keep & mask_mod(*grids)
+    s = s.masked_fill(~keep, -math.inf)
+    if sink is not None:
+        s = torch.cat([s, sink.double()[None, :, None, None].expand(b, h, n, 1)], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])[..., :n]
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def _inputs(case, seqlen, dtype=torch.float64):
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    h, hk, d = case.get("heads", 4), case.get("heads_kv", 2), 8
+    q = torch.randn(2, seqlen, h, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, seqlen, hk, d, generator=g, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(2, seqlen, h, d, generator=g, dtype=torch.float64)
+    sink = torch.randn(h, generator=g, dtype=torch.float64) if case.get("sink") else None
+    return [t.to(dtype) for t in (q, k, v, dout)], sink
+
+
+def _positions(case, seqlen, rank, world):
+    from flash_cute.parallel import hybrid_positions, positions
+
+    if case["kind"] == "hybrid":
+        return hybrid_positions(seqlen, case["layout"], world // 2, 2, rank // 2, rank % 2)
+    return positions(seqlen, case.get("layout", "contiguous"), world, rank)
+
+
+def _call(case, q, k, v, sink, local, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flash_cute import parallel
+
+    score_mod, mask_mod = MODS[case.get("mods", "none")]
+    kw = dict(layout=case.get("layout", "contiguous"), causal=case.get("causal", False),
+              window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0),
+              learnable_sink=sink, score_mod=score_mod, mask_mod=mask_mod, return_lse=True,
+              local=local)
+    if case["kind"] == "ring":
+        return parallel.ring_attention(q, k, v, **kw)
+    if case["kind"] == "ulysses":
+        return parallel.ulysses_attention(q, k, v, **kw)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("ring", "ulysses"))
+    assert dist.get_world_size() == world
+    return parallel.hybrid_attention(q, k, v, mesh, **kw)
+
+
+def _float64_cases(rank, world, cases):
+    """Each case on this rank: out, LSE, dQ, dK, dV of its rows against the model's."""
+    from flash_cute.parallel import Float64Local
+
+    worst = {}
+    for case in cases:
+        seqlen = 24 if world == 2 else 48
+        (q, k, v, dout), sink = _inputs(case, seqlen)
+        score_mod, mask_mod = MODS[case.get("mods", "none")]
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        sink_ref = None if sink is None else sink.clone().requires_grad_(True)
+        out_ref, lse_ref = model(*leaves, case.get("causal", False), case.get("window", (-1, -1)),
+                                 case.get("softcap", 0.0), score_mod, mask_mod, sink_ref)
+        (out_ref * dout).sum().backward()
+        pos = _positions(case, seqlen, rank, world)
+        mine = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
+        sink_mine = None if sink is None else sink.clone().requires_grad_(True)
+        out, lse = _call(case, *mine, sink_mine, Float64Local(), world)
+        (out * dout[:, pos]).sum().backward()
+        pairs = [("out", out, out_ref[:, pos]), ("lse", lse, lse_ref[:, :, pos])]
+        pairs += [(name, got.grad, want.grad[:, pos])
+                  for name, got, want in zip(("dq", "dk", "dv"), mine, leaves)]
+        if sink is not None:
+            # Every rank's sink gradient is its rows' share: their sum is the model's.
+            import torch.distributed as dist
+            total = sink_mine.grad.clone()
+            dist.all_reduce(total)
+            pairs.append(("dsink", total, sink_ref.grad))
+        for name, got, want in pairs:
+            finite = torch.isfinite(want)
+            assert torch.equal(torch.isfinite(got), finite), (case, name)
+            err = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+            assert err < 1e-9, (case, name, err)
+            worst[name] = max(worst.get(name, 0.0), err)
+    return worst
+
+
+def _cases(world, full: bool):
+    cases = []
+    for layout, causal in itertools.product(LAYOUTS, (False, True)):
+        cases.append(dict(kind="ring", layout=layout, causal=causal))
+    cases += [dict(kind="ring", layout="zigzag", causal=True, window=(5, 0)),
+              dict(kind="ring", layout="striped", window=(7, 3), softcap=3.0),
+              dict(kind="ring", layout="contiguous", causal=True, mods="bias", sink=True),
+              dict(kind="ring", layout="striped", mods="documents", heads_kv=1),
+              dict(kind="ulysses", causal=True, sink=True, heads=8, heads_kv=4),
+              dict(kind="ulysses", layout="zigzag", window=(6, 2), mods="bias", heads=4,
+                   heads_kv=4)]
+    if world == 4:
+        cases += [dict(kind="hybrid", layout="zigzag", causal=True),
+                  dict(kind="hybrid", layout="striped", mods="bias", softcap=2.0)]
+    if full:
+        for kind, layout, causal, window, softcap, mods in itertools.product(
+                ("ring",), LAYOUTS, (False, True), ((-1, -1), (4, 1)), (0.0, 2.5),
+                ("none", "bias", "documents")):
+            cases.append(dict(kind=kind, layout=layout, causal=causal, window=window,
+                              softcap=softcap, mods=mods, seed=len(cases)))
+    return cases
+
+
+def _all_cases(rank, world, full):
+    worst = _float64_cases(rank, world, _cases(world, full))
+    worst.update(_operator_cases(rank, world))
+    if world == 2:
+        worst["drop-in names"] = _drop_in(rank, world)   # one spawn for both
+    return worst
+
+
+def _operator_cases(rank, world):
+    """The CPU operator inside the ring (bf16 inputs, float32 partials) against the
+    single-process operator (`flash_attn_func`) by the FlashAttention rule."""
+    import flash_cute
+    from flash_cute.parallel import positions, ring_attention
+    from flash_cute.reference.attention import tolerance_check
+
+    results = {}
+    for layout, causal, window in (("zigzag", True, (-1, -1)), ("striped", False, (6, 2)),
+                                   ("contiguous", True, (9, 0))):
+        seqlen = 8 * world
+        (q, k, v, dout), _ = _inputs({"seed": 3}, seqlen, torch.bfloat16)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        single = flash_cute.flash_attn_func(*leaves, causal=causal, window_size=window)
+        single = single[0] if isinstance(single, tuple) else single
+        (single.float() * dout.float()).sum().backward()
+        exact = [t.double().requires_grad_(True) for t in (q, k, v)]
+        out64, _ = model(*exact, causal, window)
+        (out64 * dout.double()).sum().backward()
+        pos = positions(seqlen, layout, world, rank)
+        mine = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
+        out = ring_attention(*mine, layout=layout, causal=causal, window_size=window)
+        (out.float() * dout[:, pos].float()).sum().backward()
+        with torch.no_grad():   # inference: the forward alone, nothing saved
+            assert torch.equal(ring_attention(*mine, layout=layout, causal=causal,
+                                              window_size=window), out.detach())
+        checks = [("out", out, out64[:, pos], single[:, pos])]
+        checks += [(n, got.grad, ref.grad[:, pos], nat.grad[:, pos])
+                   for n, got, ref, nat in zip(("dq", "dk", "dv"), mine, exact, leaves)]
+        for name, got, ref, native in checks:
+            res = tolerance_check(got, ref, native)
+            assert res.ok, (layout, causal, window, name, res)
+            results[f"op {name}"] = max(results.get(f"op {name}", 0.0), res.err)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_ulysses_and_hybrid_match_whole_sequence_attention(world):
+    """The float64 cases, the CPU operator in the ring, and (w = 2) ring-flash-attention's
+    names: one spawn per world size."""
+    worst = ranks.run(world, _all_cases, False, timeout=120)
+    assert all(w for w in worst), worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_full_ring_matrix_matches_whole_sequence_attention(world):
+    ranks.run(world, _all_cases, True, timeout=600)
+
+
+def _bad_call(rank, world, case):
+    """One bad call; returns normally only if this rank did not raise."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flash_cute import parallel
+
+    seqlen_local, heads_kv, dtype, layout = 4, 2, torch.float64, "contiguous"
+    if case == "odd zigzag shard":
+        seqlen_local, layout = 3, "zigzag"
+    if case == "shapes differ" and rank == 1:
+        seqlen_local = 6
+    if case == "dtypes differ" and rank == world - 1:
+        dtype = torch.float32
+    if case == "layouts differ" and rank == 0:
+        layout = "striped"
+    if case == "one rank's tensors are malformed" and rank == 1:
+        heads_kv = 3
+    q = torch.randn(1, seqlen_local, 4, 8, dtype=dtype)
+    k = v = torch.randn(1, seqlen_local, heads_kv, 8, dtype=dtype)
+    local = parallel.Float64Local()
+    if case == "ulysses degree above the K/V heads":
+        return parallel.ulysses_attention(q, k[:, :, :1], v[:, :, :1], local=local)
+    if case == "hybrid, one rank refuses":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+        if rank == 3:
+            q = q[:, :3]
+        return parallel.hybrid_attention(q, k, v, mesh, local=local)
+    return parallel.ring_attention(q, k, v, layout=layout, local=local)
+
+
+BAD = {  # case: (world, what every rank's error says, what the refusing rank's says)
+    "odd zigzag shard": (2, "multiple of 2 tokens", None),
+    "ulysses degree above the K/V heads": (2, "Ulysses degree of 2", None),
+    "shapes differ": (2, "disagree on ['seqlen_local']", None),
+    "dtypes differ": (2, "disagree on ['dtype']", None),
+    "layouts differ": (2, "disagree on ['layout']", None),
+    "one rank's tensors are malformed": (2, "rank(s) [1]", "not a multiple of 3 K/V heads"),
+    "hybrid, one rank refuses": (4, "rank(s) [", "share batch and seqlen_local"),
+}
+
+
+def _bad_calls(rank, world, cases):
+    """Each bad call in turn on this rank: its error's first line, or None if it returned.
+    After a refusal every rank has left the same collectives, so the next call can run."""
+    found = {}
+    for case in cases:
+        try:
+            _bad_call(rank, world, case)
+            found[case] = None
+        except ValueError as e:
+            found[case] = str(e).splitlines()[0]
+    return found
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_input_raises_on_every_rank_without_a_hang(world):
+    cases = [case for case, (w, _, _) in BAD.items() if w == world]
+    results = ranks.run(world, _bad_calls, cases, timeout=60)
+    for rank, found in enumerate(results):
+        for case in cases:
+            _, every, refusing = BAD[case]
+            message = found[case]
+            assert message is not None, (case, rank, "returned")
+            assert every in message or (refusing is not None and refusing in message), \
+                (case, rank, message)
+
+
+def test_sixteen_bit_partials_fail_the_rule_as_the_ring_grows_and_float32_ones_do_not():
+    """One process, no group: the ring simulated over w = 2 ... 32 (contiguous shards, V
+    centred on 1, as activations are not on 0). The 16-bit ring's error grows with w and
+    fails the FlashAttention rule at some w <= 32; the float32 ring passes at every w, that
+    one included. docs/parallel.md has the table (`bench/ring_precision.py`)."""
+    from flash_cute.parallel.precision import simulate_ring
+    from flash_cute.reference.attention import attention_ref, tolerance_check
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2304, 1, 64, generator=g) for _ in range(3))
+    q, k, v = q.bfloat16(), k.bfloat16(), (v + 1.0).bfloat16()
+    ref = attention_ref(q, k, v, mode="float64")[0]
+    native = attention_ref(q, k, v, mode="native")[0]
+    errors, first_fail = [], None
+    for w in (2, 4, 8, 16, 32):
+        r16, r32 = (tolerance_check(simulate_ring(q, k, v, w, dt).bfloat16(), ref, native)
+                    for dt in (torch.bfloat16, torch.float32))
+        assert r32.ok, (w, r32)
+        errors.append((r16.err, r32.err))
+        if not r16.ok and first_fail is None:
+            first_fail = w
+    assert first_fail is not None, errors
+    assert all(a[0] < b[0] for a, b in zip(errors, errors[1:])), errors     # grows with w
+    assert max(e[1] for e in errors) < errors[0][0], errors   # float32 below bf16 at w = 2
+
+
+def _drop_in(rank, world):
+    """ring-flash-attention's names against `ring_attention` (the operators inside): the
+    same output, the packed forms equal the unpacked one, the LSE returned as theirs."""
+    from flash_cute.parallel import positions, ring_attention
+    from flash_cute.parallel import ring_flash_attn as rfa
+
+    for name, layout in (("ring", "contiguous"), ("zigzag_ring", "zigzag"),
+                         ("stripe", "striped")):
+        (q, k, v, _), _ = _inputs({"seed": 5, "heads_kv": 4}, 8 * world, torch.bfloat16)
+        pos = positions(8 * world, layout, world, rank)
+        q, k, v = (t[:, pos] for t in (q, k, v))
+        want = ring_attention(q, k, v, layout=layout, causal=True)
+        func = getattr(rfa, f"{name}_flash_attn_func")
+        assert torch.equal(func(q, k, v, causal=True), want)
+        out, lse, none = func(q, k, v, causal=True, return_attn_probs=True)
+        assert torch.equal(out, want) and lse.shape == (2, 4, 8) and none is None
+        kv = torch.stack([k, v], dim=2)
+        assert torch.equal(getattr(rfa, f"{name}_flash_attn_kvpacked_func")(q, kv, causal=True),
+                           want)
+        qkv = torch.stack([q, k, v], dim=2)
+        assert torch.equal(getattr(rfa, f"{name}_flash_attn_qkvpacked_func")(qkv, causal=True),
+                           want)
+    return True
