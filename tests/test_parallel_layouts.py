@@ -1,5 +1,7 @@
 """The ring's sequence layouts and its cost model (no process group needed)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -67,3 +69,42 @@ def test_min_block_tokens_is_the_documented_bound():
     assert min_block_tokens(50, 700, 64, 8) == pytest.approx(9 * fwd)
     with pytest.raises(ValueError, match="direction"):
         min_block_tokens(450, 700, 64, 8, direction="up")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_band_calls_cover_exactly_the_band_of_every_ring_step(layout, world):
+    """`local.band_calls`: the operator windows of a ring step (after trimming) mark exactly
+    the (query, key) pairs the band leaves visible in global positions, for every pair of
+    ranks, padded and packed, causal, windows of several widths and no mask; no pair twice."""
+    from flash_cute.parallel.local import Spec, band_calls
+    from flash_cute.parallel.ring import Shards
+
+    bands = [(None, None), (None, 0), (0, 0), (3, 0), (2, 5), (None, 4), (7, None)]
+    for shards in (Shards(layout, world, 8 * world),
+                   Shards(layout, world, cu_seqlens=[0, 2 * world, 8 * world, 12 * world])):
+        for left, right in bands:
+            spec = Spec(1.0, left, right)
+            for r, s in itertools.product(range(world), repeat=2):
+                qr, kr = shards.rows(r), shards.rows(s)
+                diff = kr.pos[None, :] - qr.pos[:, None]
+                want = torch.ones(diff.shape, dtype=torch.bool)
+                if left is not None:
+                    want &= diff >= -left
+                if right is not None:
+                    want &= diff <= right
+                if qr.doc is not None:
+                    want &= qr.doc[:, None] == kr.doc[None, :]
+                got = torch.zeros(diff.shape, dtype=torch.int64)
+                for c in band_calls(qr, kr, spec):
+                    n, m = c.q1 - c.q0, c.k1 - c.k0
+                    i = torch.arange(n)[:, None]
+                    j = torch.arange(m)[None, :]
+                    window = torch.ones(n, m, dtype=torch.bool)
+                    if c.left is not None:
+                        window &= j >= i + m - n - c.left
+                    if c.right is not None:
+                        window &= j <= i + m - n + c.right
+                    got[c.q0:c.q1, c.k0:c.k1] += window.long()
+                assert got.max() <= 1, (layout, world, left, right, r, s)
+                assert torch.equal(got.bool(), want), (layout, world, left, right, r, s)

@@ -29,8 +29,20 @@ MODS = {"none": (None, None), "bias": (rel_bias, None), "documents": (None, docu
 
 
 def model(q, k, v, causal=False, window=(-1, -1), softcap=0.0, score_mod=None, mask_mod=None,
-          sink=None):
-    """Attention over the whole sequence, float64, torch autograd: (out, lse)."""
+          sink=None, cu_seqlens=None):
+    """Attention over the whole sequence, float64, torch autograd: (out, lse). Packed
+    documents (`cu_seqlens`; q [t, h, d]): each document on its own, the mods' b its index;
+    out [t, h, d], lse [h, t]."""
+    if cu_seqlens is not None:
+        parts = [_model_one(q[None, s:e], k[None, s:e], v[None, s:e], causal, window, softcap,
+                            score_mod, mask_mod, sink, doc)
+                 for doc, (s, e) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:]))]
+        return (torch.cat([o[0] for o, _ in parts]), torch.cat([lse[0] for _, lse in parts],
+                                                               dim=-1))
+    return _model_one(q, k, v, causal, window, softcap, score_mod, mask_mod, sink, None)
+
+
+def _model_one(q, k, v, causal, window, softcap, score_mod, mask_mod, sink, doc):
     b, n, h, d = q.shape
     k, v = (t.repeat_interleave(h // k.shape[2], dim=2) for t in (k, v))
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
@@ -38,8 +50,8 @@ def model(q, k, v, causal=False, window=(-1, -1), softcap=0.0, score_mod=None, m
         s = softcap * torch.tanh(s / softcap)
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
-    grids = (torch.arange(b)[:, None, None, None], torch.arange(h)[None, :, None, None],
-             i[None, None], j[None, None])
+    batch = torch.arange(b)[:, None, None, None] if doc is None else torch.tensor(doc)
+    grids = (batch, torch.arange(h)[None, :, None, None], i[None, None], j[None, None])
     if score_mod is not None:
         s = score_mod(s, *grids)
     keep = torch.ones(n, n, dtype=torch.bool)
@@ -63,16 +75,27 @@ def model(q, k, v, causal=False, window=(-1, -1), softcap=0.0, score_mod=None, m
 def _inputs(case, seqlen, dtype=torch.float64):
     g = torch.Generator().manual_seed(case.get("seed", 0))
     h, hk, d = case.get("heads", 4), case.get("heads_kv", 2), 8
-    q = torch.randn(2, seqlen, h, d, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(2, seqlen, hk, d, generator=g, dtype=torch.float64) for _ in range(2))
-    dout = torch.randn(2, seqlen, h, d, generator=g, dtype=torch.float64)
+    lead = () if case.get("docs") else (2,)      # packed documents: [t, h, d]
+    q = torch.randn(*lead, seqlen, h, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(*lead, seqlen, hk, d, generator=g, dtype=torch.float64)
+            for _ in range(2))
+    dout = torch.randn(*lead, seqlen, h, d, generator=g, dtype=torch.float64)
     sink = torch.randn(h, generator=g, dtype=torch.float64) if case.get("sink") else None
     return [t.to(dtype) for t in (q, k, v, dout)], sink
 
 
+def _cu(case, world):
+    """Global offsets of the case's documents (lengths in units of 2w)."""
+    lengths = [2 * world * n for n in case["docs"]]
+    return torch.tensor([0] + lengths).cumsum(0).tolist()
+
+
 def _positions(case, seqlen, rank, world):
     from flash_cute.parallel import hybrid_positions, positions
+    from flash_cute.parallel.layouts import varlen_rows
 
+    if case.get("docs"):
+        return varlen_rows(_cu(case, world), case["layout"], world, rank)[0]
     if case["kind"] == "hybrid":
         return hybrid_positions(seqlen, case["layout"], world // 2, 2, rank // 2, rank % 2)
     return positions(seqlen, case.get("layout", "contiguous"), world, rank)
@@ -90,7 +113,9 @@ def _call(case, q, k, v, sink, local, world):
               learnable_sink=sink, score_mod=score_mod, mask_mod=mask_mod, return_lse=True,
               local=local)
     if case["kind"] == "ring":
-        return parallel.ring_attention(q, k, v, **kw)
+        cu = torch.tensor(_cu(case, world)) if case.get("docs") else None
+        return parallel.ring_attention(q, k, v, mode=case.get("mode", "ring"), cu_seqlens=cu,
+                                       **kw)
     if case["kind"] == "ulysses":
         return parallel.ulysses_attention(q, k, v, **kw)
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("ring", "ulysses"))
@@ -104,21 +129,25 @@ def _float64_cases(rank, world, cases):
 
     worst = {}
     for case in cases:
-        seqlen = 24 if world == 2 else 48
+        packed = bool(case.get("docs"))
+        seqlen = _cu(case, world)[-1] if packed else 24 if world == 2 else 48
         (q, k, v, dout), sink = _inputs(case, seqlen)
         score_mod, mask_mod = MODS[case.get("mods", "none")]
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         sink_ref = None if sink is None else sink.clone().requires_grad_(True)
         out_ref, lse_ref = model(*leaves, case.get("causal", False), case.get("window", (-1, -1)),
-                                 case.get("softcap", 0.0), score_mod, mask_mod, sink_ref)
+                                 case.get("softcap", 0.0), score_mod, mask_mod, sink_ref,
+                                 _cu(case, world) if packed else None)
         (out_ref * dout).sum().backward()
         pos = _positions(case, seqlen, rank, world)
-        mine = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
+        # The sequence dim: 0 packed ([t, h, d]), 1 padded; the LSE's: last.
+        take = (lambda t: t[pos]) if packed else (lambda t: t[:, pos])
+        mine = [take(t).clone().requires_grad_(True) for t in (q, k, v)]
         sink_mine = None if sink is None else sink.clone().requires_grad_(True)
         out, lse = _call(case, *mine, sink_mine, Float64Local(), world)
-        (out * dout[:, pos]).sum().backward()
-        pairs = [("out", out, out_ref[:, pos]), ("lse", lse, lse_ref[:, :, pos])]
-        pairs += [(name, got.grad, want.grad[:, pos])
+        (out * take(dout)).sum().backward()
+        pairs = [("out", out, take(out_ref)), ("lse", lse, lse_ref[..., pos])]
+        pairs += [(name, got.grad, take(want.grad))
                   for name, got, want in zip(("dq", "dk", "dv"), mine, leaves)]
         if sink is not None:
             # Every rank's sink gradient is its rows' share: their sum is the model's.
@@ -146,6 +175,13 @@ def _cases(world, full: bool):
               dict(kind="ulysses", causal=True, sink=True, heads=8, heads_kv=4),
               dict(kind="ulysses", layout="zigzag", window=(6, 2), mods="bias", heads=4,
                    heads_kv=4)]
+    # Packed documents (lengths in units of 2w tokens), each sharded on its own, and the
+    # all-gather mode.
+    cases += [dict(kind="ring", layout="zigzag", causal=True, docs=[1, 3, 2]),
+              dict(kind="ring", layout="striped", window=(5, 1), mods="bias", docs=[2, 1],
+                   sink=True),
+              dict(kind="ring", layout="contiguous", causal=True, docs=[1, 2], mode="allgather"),
+              dict(kind="ring", layout="striped", causal=True, mode="allgather", softcap=2.0)]
     if world == 4:
         cases += [dict(kind="hybrid", layout="zigzag", causal=True),
                   dict(kind="hybrid", layout="striped", mods="bias", softcap=2.0)]
@@ -163,6 +199,7 @@ def _all_cases(rank, world, full):
     worst.update(_operator_cases(rank, world))
     if world == 2:
         worst["drop-in names"] = _drop_in(rank, world)   # one spawn for both
+    worst["shard and unshard"] = _sharding(rank, world)
     return worst
 
 
@@ -307,6 +344,26 @@ def test_sixteen_bit_partials_fail_the_rule_as_the_ring_grows_and_float32_ones_d
     assert first_fail is not None, errors
     assert all(a[0] < b[0] for a, b in zip(errors, errors[1:])), errors     # grows with w
     assert max(e[1] for e in errors) < errors[0][0], errors   # float32 below bf16 at w = 2
+
+
+def _sharding(rank, world):
+    """`shard` gives this rank the rows `positions` / `varlen_rows` name, and `unshard`
+    puts every rank's shard back in order, padded and packed, in each layout."""
+    from flash_cute.parallel import shard, unshard
+    from flash_cute.parallel.layouts import varlen_rows
+
+    x = torch.arange(2 * 8 * world * 3, dtype=torch.float64).view(2, 8 * world, 3)
+    cu = [0, 2 * world, 8 * world]
+    for layout in LAYOUTS:
+        mine = shard(x, layout)
+        assert torch.equal(mine, x[:, _positions({"kind": "ring", "layout": layout},
+                                                 8 * world, rank, world)])
+        assert torch.equal(unshard(mine, layout), x)
+        packed = x[0]
+        mine = shard(packed, layout, dim=0, cu_seqlens=cu)
+        assert torch.equal(mine, packed[varlen_rows(cu, layout, world, rank)[0]])
+        assert torch.equal(unshard(mine, layout, dim=0, cu_seqlens=cu), packed)
+    return True
 
 
 def _drop_in(rank, world):

@@ -21,7 +21,7 @@ DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.floa
 
 HEADER_FIELDS = ("kind", "batch", "seqlen_local", "heads", "heads_kv", "head_dim",
                  "head_dim_v", "dtype", "layout", "causal", "window_left", "window_right",
-                 "softcap_micro", "world", "mods", "sink")
+                 "softcap_micro", "world", "mods", "sink", "docs", "cu_check")
 
 
 def resolve_group(group=None, mesh_dim=None):

@@ -77,3 +77,28 @@ def _check_layout(layout: str, world: int) -> None:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive int, got {world!r}")
+
+
+def varlen_rows(cu_seqlens, layout: str, world: int, rank: int):
+    """Packed documents (global `cu_seqlens`, [docs + 1]) sharded document by document: each
+    document is split over the ranks in `layout` as a sequence of its own would be (zigzag:
+    every rank holds a head and a tail chunk of every document, so causal work balances per
+    document). Returns int64 tensors (rows: the packed rows rank `rank` holds, in its local
+    order; docs: each row's document; pos: each row's position inside its document).
+    ValueError naming the document when a length is not a multiple of `shard_multiple`."""
+    cu = [int(c) for c in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist")
+                           else cu_seqlens)]
+    multiple = shard_multiple(layout, world)
+    rows, docs, pos = [], [], []
+    for d, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        if (end - start) % multiple:
+            padded = -(-(end - start) // multiple) * multiple
+            raise ValueError(f"document {d} has {end - start} tokens: in the {layout} layout "
+                             f"over {world} ranks every document's length must be a multiple "
+                             f"of {multiple} (pad it to {padded})")
+        p = positions(end - start, layout, world, rank)
+        rows.append(p + start)
+        docs.append(torch.full_like(p, d))
+        pos.append(p)
+    empty = torch.zeros(0, dtype=torch.long)
+    return tuple(torch.cat(t) if t else empty for t in (rows, docs, pos))

@@ -23,9 +23,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
+
+
+class Rows(NamedTuple):
+    """Where a tensor's rows sit: `pos`, each row's position in its sequence (int64
+    [rows]); `doc`, each row's document for packed documents (None: a padded batch, whose
+    sequences are the batch entries)."""
+    pos: torch.Tensor
+    doc: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -54,14 +62,16 @@ def spec_of(head_dim: int, softmax_scale=None, causal=False, window_size=(-1, -1
     return Spec(float(scale), left, right, float(softcap), score_mod, mask_mod)
 
 
-def _band_mask(q_pos, k_pos, spec: Spec):
-    """bool [sq, sk]: the band of `spec` at these global positions."""
-    diff = k_pos[None, :] - q_pos[:, None]
+def _band_mask(qr: Rows, kr: Rows, spec: Spec):
+    """bool [sq, sk]: the band of `spec` at these global positions, inside one document."""
+    diff = kr.pos[None, :] - qr.pos[:, None]
     visible = torch.ones(diff.shape, dtype=torch.bool, device=diff.device)
     if spec.left is not None:
         visible &= diff >= -spec.left
     if spec.right is not None:
         visible &= diff <= spec.right
+    if qr.doc is not None:
+        visible &= qr.doc[:, None] == kr.doc[None, :]
     return visible
 
 
@@ -70,29 +80,32 @@ class Float64Local:
 
     partial_dtype = torch.float64
 
-    def _scores(self, q, k, q_pos, k_pos, spec: Spec):
-        """(scores [b, h, sq, sk] after scale, softcap and score mod; mask [b|1, h|1, sq, sk])."""
+    def _scores(self, q, k, qr: Rows, kr: Rows, spec: Spec):
+        """(scores [b, h, sq, sk] after scale, softcap and score mod; mask [b|1, h|1, sq, sk]).
+        The mods' b is the batch entry, or for packed documents the query's document."""
         group = q.shape[2] // k.shape[2]
         s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2))
         s = s * spec.softmax_scale
         if spec.softcap > 0:
             s = spec.softcap * torch.tanh(s / spec.softcap)
-        mask = _band_mask(q_pos, k_pos, spec)[None, None]
+        mask = _band_mask(qr, kr, spec)[None, None]
         b, h = s.shape[:2]
-        grids = (torch.arange(b, device=s.device)[:, None, None, None],
-                 torch.arange(h, device=s.device)[None, :, None, None] + spec.head_offset,
-                 q_pos.to(s.device)[None, None, :, None], k_pos.to(s.device)[None, None, None, :])
+        batch = torch.arange(b, device=s.device)[:, None, None, None] if qr.doc is None else \
+            qr.doc.to(s.device)[None, None, :, None]
+        grids = (batch, torch.arange(h, device=s.device)[None, :, None, None] + spec.head_offset,
+                 qr.pos.to(s.device)[None, None, :, None],
+                 kr.pos.to(s.device)[None, None, None, :])
         if spec.score_mod is not None:
             s = torch.broadcast_to(spec.score_mod(s, *grids), s.shape)
         if spec.mask_mod is not None:
             mask = mask & torch.broadcast_to(spec.mask_mod(*grids), s.shape).bool()
         return s, mask
 
-    def forward(self, q, k, v, q_pos, k_pos, spec: Spec):
+    def forward(self, q, k, v, qr: Rows, kr: Rows, spec: Spec):
         """(O float64 [b, sq, h, dv], LSE float64 [b, h, sq]); a row with no visible key:
         O = 0, LSE = −inf."""
         q, k, v = (t.double() for t in (q, k, v))
-        s, mask = self._scores(q, k, q_pos, k_pos, spec)
+        s, mask = self._scores(q, k, qr, kr, spec)
         s = s.masked_fill(~mask, -math.inf)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
@@ -100,7 +113,7 @@ class Float64Local:
         out = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(group, dim=2))
         return out, lse
 
-    def backward(self, dout, delta, q, k, v, lse, q_pos, k_pos, spec: Spec):
+    def backward(self, dout, delta, q, k, v, lse, qr: Rows, kr: Rows, spec: Spec):
         """(dQ, dK, dV) float64 of this block's share, with P = exp(S − lse) from the whole
         row's `lse` and `delta` = rowsum(dO ∘ O) − dLSE [b, h, sq] of the merged output (as
         the kernels take them)."""
@@ -110,7 +123,7 @@ class Float64Local:
         with torch.enable_grad():
             q.requires_grad_(True)
             k.requires_grad_(True)
-            s, mask = self._scores(q, k, q_pos, k_pos, spec)
+            s, mask = self._scores(q, k, qr, kr, spec)
             finite = mask & torch.isfinite(lse)[..., None]
             safe_lse = torch.where(torch.isinf(lse), 0.0, lse)[..., None]
             p = torch.where(finite, torch.exp(s.detach() - safe_lse), 0.0)
@@ -124,31 +137,82 @@ class Float64Local:
         return dq, dk, dv
 
 
+class LocalAttention(torch.autograd.Function):
+    """A local attention (`local.forward` / `backward`) as an autograd function."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, spec, local):
+        out, lse = local.forward(q, k, v, q_pos, k_pos, spec)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pos, ctx.spec, ctx.local = (q_pos, k_pos), spec, local
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        pd = ctx.local.partial_dtype
+        delta = (dout.to(pd) * out).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            delta = delta - dlse.to(pd)
+        dq, dk, dv = ctx.local.backward(dout, delta, q, k, v, lse, *ctx.pos, ctx.spec)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
 @dataclass(frozen=True)
 class Run:
-    """A run of global positions: local rows [start, start + length) hold positions
-    first + stride · i."""
+    """A run of positions of one document (`doc`, −1 in a padded batch): local rows
+    [start, start + length) hold positions first + stride · i."""
     start: int
     length: int
     first: int
     stride: int
+    doc: int = -1
 
 
-def runs_of(pos: torch.Tensor) -> list:
-    """`pos` (increasing) as maximal runs of one stride; the ring's layouts give one run
-    (contiguous, striped) or two (zigzag)."""
-    values = pos.tolist()
-    if len(values) <= 1:
-        return [Run(0, len(values), values[0] if values else 0, 1)]
+def runs_of(rows: Rows) -> list:
+    """The rows as maximal runs of one stride inside one document; the ring's layouts give
+    one run (contiguous, striped) or two (zigzag) per document."""
+    values = rows.pos.tolist()
+    docs = [-1] * len(values) if rows.doc is None else rows.doc.tolist()
     runs, start = [], 0
-    stride = values[1] - values[0]
-    for i in range(2, len(values) + 1):
-        if i == len(values) or values[i] - values[i - 1] != stride:
-            runs.append(Run(start, i - start, values[start], stride))
-            if i < len(values):
-                start = i
-                stride = values[i + 1] - values[i] if i + 1 < len(values) else 1
+    while start < len(values):
+        end = start + 1
+        stride = values[end] - values[start] if end < len(values) and docs[end] == docs[start] \
+            else 1
+        while end < len(values) and docs[end] == docs[start] and \
+                values[end] - values[end - 1] == stride:
+            end += 1
+        runs.append(Run(start, end - start, values[start], stride, docs[start]))
+        start = end
     return runs
+
+
+def band_calls(qr: Rows, kr: Rows, spec: Spec) -> list:
+    """The operator calls of a block: one per pair of runs of one document that the band
+    leaves visible."""
+    calls = []
+    for a in runs_of(qr):
+        for b in runs_of(kr):
+            if a.doc != b.doc:
+                continue
+            for a1, b1 in _common_stride(a, b):
+                call = band_call(a1, b1, spec)
+                if call is not None:
+                    calls.append(call)
+    return calls
+
+
+def _common_stride(a: Run, b: Run) -> list:
+    """Pairs of runs with one stride covering a x b: the pair itself, or, where the strides
+    differ (short zigzag chunks: positions 0 and 3 read as one run of stride 3), the shorter
+    run cut into single rows, which take any stride."""
+    if a.stride == b.stride or min(a.length, b.length) == 1:
+        return [(a, b)]
+    if a.length <= b.length:
+        return [(Run(a.start + i, 1, a.first + i * a.stride, b.stride, a.doc), b)
+                for i in range(a.length)]
+    return [(a, Run(b.start + j, 1, b.first + j * b.stride, a.stride, b.doc))
+            for j in range(b.length)]
 
 
 @dataclass(frozen=True)
@@ -211,44 +275,36 @@ class OperatorLocal:
         window = tuple(-1 if w is None else w for w in (call.left, call.right))
         return (None, None, spec.softmax_scale, False, *window, spec.softcap, None, False, None)
 
-    def forward(self, q, k, v, q_pos, k_pos, spec: Spec):
+    def forward(self, q, k, v, qr: Rows, kr: Rows, spec: Spec):
         self._check(q, spec)
         b, sq, h = q.shape[:3]
-        out = torch.zeros(b, sq, h, v.shape[3], dtype=torch.float32)
-        lse = torch.full((b, h, sq), -math.inf, dtype=torch.float32)
-        for qr in runs_of(q_pos):
-            for kr in runs_of(k_pos):
-                call = band_call(qr, kr, spec)
-                if call is None:
-                    continue
-                o, l_ = torch.ops.flash_cute.fwd(
-                    q[:, call.q0:call.q1], k[:, call.k0:call.k1], v[:, call.k0:call.k1],
-                    None, None, None, None, *self._options(spec, call), False, 0, 0.0, None,
-                    1, None, None, True)
-                rows = slice(call.q0, call.q1)
-                out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
+        out = torch.zeros(b, sq, h, v.shape[3], dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, sq), -math.inf, dtype=torch.float32, device=q.device)
+        for call in band_calls(qr, kr, spec):
+            o, l_ = torch.ops.flash_cute.fwd(
+                q[:, call.q0:call.q1], k[:, call.k0:call.k1], v[:, call.k0:call.k1],
+                None, None, None, None, *self._options(spec, call), False, 0, 0.0, None,
+                1, None, None, True)
+            rows = slice(call.q0, call.q1)
+            out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
         return out, lse
 
-    def backward(self, dout, delta, q, k, v, lse, q_pos, k_pos, spec: Spec):
+    def backward(self, dout, delta, q, k, v, lse, qr: Rows, kr: Rows, spec: Spec):
         self._check(q, spec)
         dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device)
                       for t in (q, k, v))
         # The operator takes Δ as rowsum(dO ∘ O) − dLSE: an O of one column holding Δ and
         # dO of ones there give it (dO itself is what P·dV needs, so it goes in dout).
-        for qr in runs_of(q_pos):
-            for kr in runs_of(k_pos):
-                call = band_call(qr, kr, spec)
-                if call is None:
-                    continue
-                rows, cols = slice(call.q0, call.q1), slice(call.k0, call.k1)
-                out_eq, dlse = _delta_as_out(dout[:, rows], delta[:, :, rows])
-                g = torch.ops.flash_cute.bwd(
-                    dout[:, rows], dlse, q[:, rows], k[:, cols], v[:, cols], out_eq,
-                    lse[:, :, rows].float().contiguous(), None, None, None, None,
-                    *self._options(spec, call), 0, 0.0, None, False, True)
-                dq[:, rows] += g[0]
-                dk[:, cols] += g[1]
-                dv[:, cols] += g[2]
+        for call in band_calls(qr, kr, spec):
+            rows, cols = slice(call.q0, call.q1), slice(call.k0, call.k1)
+            out_eq, dlse = _delta_as_out(dout[:, rows], delta[:, :, rows])
+            g = torch.ops.flash_cute.bwd(
+                dout[:, rows], dlse, q[:, rows], k[:, cols], v[:, cols], out_eq,
+                lse[:, :, rows].float().contiguous(), None, None, None, None,
+                *self._options(spec, call), 0, 0.0, None, False, True)
+            dq[:, rows] += g[0]
+            dk[:, cols] += g[1]
+            dv[:, cols] += g[2]
         return dq, dk, dv
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from flash_cute.parallel import layouts
-from flash_cute.parallel.local import Float64Local, merge, spec_of
+from flash_cute.parallel.local import Float64Local, Rows, merge, spec_of
 
 
 def simulate_ring(q, k, v, world: int, partial_dtype: torch.dtype, causal: bool = False):
@@ -27,7 +27,8 @@ def simulate_ring(q, k, v, world: int, partial_dtype: torch.dtype, causal: bool 
         for step in range(world):
             src = (rank - step) % world
             k_pos = layouts.positions(seqlen, "contiguous", world, src)
-            o, l_ = exact.forward(q[:, q_pos], k[:, k_pos], v[:, k_pos], q_pos, k_pos, spec)
+            o, l_ = exact.forward(q[:, q_pos], k[:, k_pos], v[:, k_pos], Rows(q_pos),
+                                  Rows(k_pos), spec)
             o, l_ = o.to(partial_dtype), l_.float()
             if out is None:
                 out, lse = o, l_

@@ -18,11 +18,12 @@ import torch
 
 from flash_cute.parallel import comm, layouts
 from flash_cute.parallel.local import (
+    LocalAttention,
     OperatorLocal,
+    Rows,
     Spec,
-    band_call,
+    band_calls,
     merge,
-    runs_of,
     spec_of,
 )
 
@@ -34,19 +35,39 @@ def default_local(q):
     return OperatorLocal()
 
 
-def _visible(q_pos, k_pos, spec: Spec) -> bool:
+class Shards:
+    """Which rows each rank of a call holds: `layout` over `world` ranks of a padded
+    sequence (`seqlen`) or, with `cu_seqlens`, of packed documents sharded one by one."""
+
+    def __init__(self, layout: str, world: int, seqlen: int = 0, cu_seqlens=None):
+        self.layout, self.world, self.seqlen = layout, world, seqlen
+        self.cu = None if cu_seqlens is None else [int(c) for c in cu_seqlens]
+
+    def rows(self, rank: int) -> Rows:
+        if self.cu is None:
+            return Rows(layouts.positions(self.seqlen, self.layout, self.world, rank))
+        _, doc, pos = layouts.varlen_rows(self.cu, self.layout, self.world, rank)
+        return Rows(pos, doc)
+
+
+def concat_rows(parts) -> Rows:
+    """Rows of tensors concatenated along their sequence dim."""
+    docs = [p.doc for p in parts]
+    return Rows(torch.cat([p.pos for p in parts]),
+                None if docs[0] is None else torch.cat(docs))
+
+
+def _visible(qr: Rows, kr: Rows, spec: Spec) -> bool:
     """Whether the band leaves any (query, key) pair of this block visible (a mask mod can
     only hide more)."""
-    return any(band_call(qr, kr, spec) is not None
-               for qr in runs_of(q_pos) for kr in runs_of(k_pos))
+    return bool(band_calls(qr, kr, spec))
 
 
-def ring_forward(q, k, v, spec: Spec, layout: str, group, local):
+def ring_forward(q, k, v, spec: Spec, shards: Shards, group, local):
     """The ring's forward: (O, LSE) of this rank's rows in the local attention's partial
     dtype. Keeps nothing: a call without gradients (inference) runs this alone."""
     ring = comm.Ring(group)
-    seqlen = q.shape[1] * ring.world
-    q_pos = layouts.positions(seqlen, layout, ring.world, ring.rank)
+    q_pos = shards.rows(ring.rank)
     pd = local.partial_dtype
     b, sq, h = q.shape[:3]
     out = torch.zeros(b, sq, h, v.shape[3], dtype=pd, device=q.device)
@@ -54,8 +75,7 @@ def ring_forward(q, k, v, spec: Spec, layout: str, group, local):
     block = (k, v)
     for step in range(ring.world):
         pending = ring.start(block) if step < ring.world - 1 else None
-        src = (ring.rank - step) % ring.world
-        k_pos = layouts.positions(seqlen, layout, ring.world, src)
+        k_pos = shards.rows((ring.rank - step) % ring.world)
         if _visible(q_pos, k_pos, spec):
             o, l_ = local.forward(q, *block, q_pos, k_pos, spec)
             out, lse = merge(out, lse, o, l_)
@@ -67,10 +87,10 @@ def ring_forward(q, k, v, spec: Spec, layout: str, group, local):
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, layout, group, local):
-        out, lse = ring_forward(q, k, v, spec, layout, group, local)
+    def forward(ctx, q, k, v, spec, shards, group, local):
+        out, lse = ring_forward(q, k, v, spec, shards, group, local)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.layout, ctx.group, ctx.local = spec, layout, group, local
+        ctx.spec, ctx.shards, ctx.group, ctx.local = spec, shards, group, local
         return out.to(q.dtype), lse
 
     @staticmethod
@@ -78,8 +98,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         spec, local = ctx.spec, ctx.local
         ring = comm.Ring(ctx.group)
-        seqlen = q.shape[1] * ring.world
-        q_pos = layouts.positions(seqlen, ctx.layout, ring.world, ring.rank)
+        q_pos = ctx.shards.rows(ring.rank)
         pd = local.partial_dtype
         delta = (dout.to(pd) * out).sum(-1).transpose(1, 2)
         if dlse is not None:
@@ -91,8 +110,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.world):
             last = step == ring.world - 1
             pending = None if last else ring.start(block)
-            src = (ring.rank - step) % ring.world
-            k_pos = layouts.positions(seqlen, ctx.layout, ring.world, src)
+            k_pos = ctx.shards.rows((ring.rank - step) % ring.world)
             if _visible(q_pos, k_pos, spec):
                 dq_s, dk_s, dv_s = local.backward(dout, delta, q, *block, lse, q_pos, k_pos,
                                                   spec)
@@ -143,37 +161,92 @@ def local_refusal(q, k, v, layout: str, world: int, heads_divisor: int = 1):
     return None
 
 
+def _packed_refusal(q, cu_seqlens, layout: str, world: int):
+    """This rank's reason to refuse packed documents, or None."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or \
+            cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
+        return "cu_seqlens must be a 1-D int32/int64 tensor of the documents' global offsets"
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        return f"cu_seqlens must start at 0 and not decrease, got {cu}"
+    if cu[-1] != q.shape[0] * world:
+        return (f"cu_seqlens ends at {cu[-1]} tokens, but {world} ranks of {q.shape[0]} "
+                f"packed rows hold {q.shape[0] * world}")
+    try:
+        layouts.varlen_rows(cu, layout, world, 0)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _cu_check(cu_seqlens) -> dict:
+    """Header fields that tell two ranks' cu_seqlens apart."""
+    if cu_seqlens is None:
+        return {}
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    return {"docs": len(cu), "cu_check": sum((i + 1) * c for i, c in enumerate(cu)) % (1 << 62)}
+
+
+def _allgather_attention(q, k, v, spec: Spec, shards: Shards, group, local):
+    """Llama 3's context parallelism: every rank gathers all K/V (an all-gather whose
+    backward sums each rank's dK / dV shares back to their owners) and attends with its
+    queries at their positions: one exchange per call instead of w − 1 ring steps."""
+    from torch.distributed.nn.functional import all_gather
+
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    k_all, v_all = (torch.cat(all_gather(t.contiguous(), group=group), dim=1) for t in (k, v))
+    k_rows = concat_rows([shards.rows(r) for r in range(world)])
+    return LocalAttention.apply(q, k_all, v_all, shards.rows(rank), k_rows, spec, local)
+
+
 def ring_attention(q, k, v, group=None, layout: str = "contiguous", causal: bool = False,
                    window_size=(-1, -1), softcap: float = 0.0, softmax_scale=None,
                    learnable_sink=None, score_mod=None, mask_mod=None, dropout_p: float = 0.0,
-                   return_lse: bool = False, mesh_dim=None, local=None):
+                   return_lse: bool = False, mesh_dim=None, local=None, cu_seqlens=None,
+                   mode: str = "ring"):
     """Attention over a sequence sharded across the ranks of `group` (a ProcessGroup, a
     DeviceMesh and `mesh_dim`, or None for the default group) in `layout` ("contiguous",
     "striped", "zigzag"; `shard` makes the shards). q [b, s_local, h, d], k / v [b, s_local,
-    hk, d]: this rank's shard. Masks, the window, the softcap, the mods (FlexAttention's
-    form) and the sink see global positions, so the result is the rows of unsharded
-    attention that this rank holds. Differentiable. `local`: the local attention
-    (`flash_cute.parallel.local`; default the operators). Returns out (and the LSE
-    [b, h, s_local] with `return_lse`)."""
+    hk, d]: this rank's shard; or packed documents, q [t_local, h, d] with `cu_seqlens` the
+    documents' global offsets, each document sharded on its own (`layouts.varlen_rows`).
+    Masks, the window, the softcap, the mods (FlexAttention's form; b is the document when
+    packed) and the sink see global positions, so the result is the rows of unsharded
+    attention that this rank holds. Differentiable. `mode`: "ring" (K/V blocks travel round
+    the ring) or "allgather" (Llama 3's: all K/V gathered on every rank). `local`: the
+    local attention (`flash_cute.parallel.local`; default the operators). Returns out (and
+    the LSE, [b, h, s_local] or [h, t_local], with `return_lse`)."""
     group = comm.resolve_group(group, mesh_dim)
     world = torch.distributed.get_world_size(group)
-    error = local_refusal(q, k, v, layout, world)
+    packed = cu_seqlens is not None
+    q4, k4, v4 = (t.unsqueeze(0) if packed and isinstance(t, torch.Tensor) else t
+                  for t in (q, k, v))
+    error = local_refusal(q4, k4, v4, "contiguous" if packed else layout, 1 if packed else world)
+    if error is None and packed:
+        error = _packed_refusal(q, cu_seqlens, layout, world)
+    if error is None and mode not in ("ring", "allgather"):
+        error = f"mode must be 'ring' or 'allgather', got {mode!r}"
     if error is None and dropout_p:
         error = "dropout inside the ring is not built yet: pass dropout_p=0"
     spec = spec_of(q.shape[-1] if error is None else 1, softmax_scale, causal, window_size,
                    softcap, score_mod, mask_mod)
-    comm.agree(group, header(1, q, k, v, layout, spec, world, learnable_sink)
-               if error is None else {}, error)
+    head = header(1 if mode == "ring" else 4, q4, k4, v4, layout, spec, world,
+                  learnable_sink) if error is None else {}
+    comm.agree(group, {**head, **(_cu_check(cu_seqlens) if error is None else {})}, error)
+    shards = Shards(layout, world, q4.shape[1] * world, cu_seqlens if packed else None)
     local = local or default_local(q)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = _RingAttention.apply(q, k, v, spec, layout, group, local)
+    if mode == "allgather":
+        out, lse = _allgather_attention(q4, k4, v4, spec, shards, group, local)
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = _RingAttention.apply(q4, k4, v4, spec, shards, group, local)
     else:
         # Inference: the forward alone, nothing saved.
-        out, lse = ring_forward(q, k, v, spec, layout, group, local)
+        out, lse = ring_forward(q4, k4, v4, spec, shards, group, local)
         out = out.to(q.dtype)
     if learnable_sink is not None:
         from flash_cute.api.interface import fold_sink
         out, lse = fold_sink(out, lse, learnable_sink, False)
+    if packed:
+        out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
 
 

@@ -17,29 +17,15 @@ import torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 
 from flash_cute.parallel import comm, layouts
-from flash_cute.parallel.local import spec_of
-from flash_cute.parallel.ring import _RingAttention, default_local, header, local_refusal
-
-
-class _LocalAttention(torch.autograd.Function):
-    """A local attention (`local.forward` / `backward`) as an autograd function."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, spec, local):
-        out, lse = local.forward(q, k, v, q_pos, k_pos, spec)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pos, ctx.spec, ctx.local = (q_pos, k_pos), spec, local
-        return out.to(q.dtype), lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        pd = ctx.local.partial_dtype
-        delta = (dout.to(pd) * out).sum(-1).transpose(1, 2)
-        if dlse is not None:
-            delta = delta - dlse.to(pd)
-        dq, dk, dv = ctx.local.backward(dout, delta, q, k, v, lse, *ctx.pos, ctx.spec)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+from flash_cute.parallel.local import LocalAttention, spec_of
+from flash_cute.parallel.ring import (
+    Shards,
+    _RingAttention,
+    concat_rows,
+    default_local,
+    header,
+    local_refusal,
+)
 
 
 def _seq_to_heads(x, group, world: int):
@@ -82,7 +68,7 @@ def _ulysses(q, k, v, group, world: int, rank: int, positions, spec, sink, local
     sink on this rank's heads, and the all-to-all back: (out, lse) of this rank's rows."""
     qh, kh, vh = (_seq_to_heads(t, group, world) for t in (q, k, v))
     spec = dataclasses.replace(spec, head_offset=rank * qh.shape[2])
-    out, lse = _LocalAttention.apply(qh, kh, vh, positions, positions, spec, local)
+    out, lse = LocalAttention.apply(qh, kh, vh, positions, positions, spec, local)
     if sink is not None:
         from flash_cute.api.interface import fold_sink
         heads = q.shape[2] // world
@@ -104,8 +90,8 @@ def ulysses_attention(q, k, v, group=None, layout: str = "contiguous", causal: b
                    softcap, score_mod, mask_mod)
     comm.agree(group, header(2, q, k, v, layout, spec, world, learnable_sink)
                if error is None else {}, error)
-    seqlen = q.shape[1] * world
-    positions = torch.cat([layouts.positions(seqlen, layout, world, r) for r in range(world)])
+    shards = Shards(layout, world, q.shape[1] * world)
+    positions = concat_rows([shards.rows(r) for r in range(world)])
     out, lse = _ulysses(q, k, v, group, world, rank, positions, spec, learnable_sink,
                         local or default_local(q))
     return (out, lse) if return_lse else out
@@ -135,7 +121,8 @@ def hybrid_attention(q, k, v, mesh, ring_dim="ring", ulysses_dim="ulysses",
     local = local or default_local(q)
     qh, kh, vh = (_seq_to_heads(t, uly_group, uly_world) for t in (q, k, v))
     spec = dataclasses.replace(spec, head_offset=dist.get_rank(uly_group) * qh.shape[2])
-    out, lse = _RingAttention.apply(qh, kh, vh, spec, layout, ring_group, local)
+    shards = Shards(layout, ring_world, qh.shape[1] * ring_world)
+    out, lse = _RingAttention.apply(qh, kh, vh, spec, shards, ring_group, local)
     if learnable_sink is not None:
         from flash_cute.api.interface import fold_sink
         heads = q.shape[2] // uly_world
