@@ -29,20 +29,20 @@ MODS = {"none": (None, None), "bias": (rel_bias, None), "documents": (None, docu
 
 
 def model(q, k, v, causal=False, window=(-1, -1), softcap=0.0, score_mod=None, mask_mod=None,
-          sink=None, cu_seqlens=None):
+          sink=None, cu_seqlens=None, dropout=None):
     """Attention over the whole sequence, float64, torch autograd: (out, lse). Packed
     documents (`cu_seqlens`; q [t, h, d]): each document on its own, the mods' b its index;
     out [t, h, d], lse [h, t]."""
     if cu_seqlens is not None:
         parts = [_model_one(q[None, s:e], k[None, s:e], v[None, s:e], causal, window, softcap,
-                            score_mod, mask_mod, sink, doc)
+                            score_mod, mask_mod, sink, doc, dropout)
                  for doc, (s, e) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:]))]
         return (torch.cat([o[0] for o, _ in parts]), torch.cat([lse[0] for _, lse in parts],
                                                                dim=-1))
-    return _model_one(q, k, v, causal, window, softcap, score_mod, mask_mod, sink, None)
+    return _model_one(q, k, v, causal, window, softcap, score_mod, mask_mod, sink, None, dropout)
 
 
-def _model_one(q, k, v, causal, window, softcap, score_mod, mask_mod, sink, doc):
+def _model_one(q, k, v, causal, window, softcap, score_mod, mask_mod, sink, doc, dropout):
     b, n, h, d = q.shape
     k, v = (t.repeat_interleave(h // k.shape[2], dim=2) for t in (k, v))
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
@@ -69,6 +69,13 @@ def _model_one(q, k, v, causal, window, softcap, score_mod, mask_mod, sink, doc)
         s = torch.cat([s, sink.double()[None, :, None, None].expand(b, h, n, 1)], dim=-1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])[..., :n]
+    if dropout is not None:
+        # The library's Philox stream (its spec) at (b · h + head, q, k) of the whole sequence.
+        from flash_cute.reference.rng import keep_threshold, random16
+
+        prob, seed = dropout
+        bits = random16(torch.tensor([seed]), batch * h + grids[1], i[None, None], j[None, None])
+        p = torch.where(bits < keep_threshold(prob), p / (1 - prob), 0.0)
     return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
@@ -111,7 +118,8 @@ def _call(case, q, k, v, sink, local, world):
     kw = dict(layout=case.get("layout", "contiguous"), causal=case.get("causal", False),
               window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0),
               learnable_sink=sink, score_mod=score_mod, mask_mod=mask_mod, return_lse=True,
-              local=local)
+              local=local, dropout_p=case.get("dropout", 0.0),
+              dropout_seed=1234 + dist.get_rank())
     if case["kind"] == "ring":
         cu = torch.tensor(_cu(case, world)) if case.get("docs") else None
         return parallel.ring_attention(q, k, v, mode=case.get("mode", "ring"), cu_seqlens=cu,
@@ -135,9 +143,11 @@ def _float64_cases(rank, world, cases):
         score_mod, mask_mod = MODS[case.get("mods", "none")]
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         sink_ref = None if sink is None else sink.clone().requires_grad_(True)
+        # Each rank passes its own dropout seed: the call uses rank 0's (1234).
+        dropout = (case["dropout"], 1234) if case.get("dropout") else None
         out_ref, lse_ref = model(*leaves, case.get("causal", False), case.get("window", (-1, -1)),
                                  case.get("softcap", 0.0), score_mod, mask_mod, sink_ref,
-                                 _cu(case, world) if packed else None)
+                                 _cu(case, world) if packed else None, dropout)
         (out_ref * dout).sum().backward()
         pos = _positions(case, seqlen, rank, world)
         # The sequence dim: 0 packed ([t, h, d]), 1 padded; the LSE's: last.
@@ -177,13 +187,17 @@ def _cases(world, full: bool):
                    heads_kv=4)]
     # Packed documents (lengths in units of 2w tokens), each sharded on its own, and the
     # all-gather mode.
+    # Dropout at global coordinates: ring, packed, Ulysses (global heads).
+    cases += [dict(kind="ring", layout="zigzag", causal=True, dropout=0.25),
+              dict(kind="ring", layout="striped", docs=[2, 1], dropout=0.3, mods="bias"),
+              dict(kind="ulysses", causal=True, dropout=0.2, heads=4, heads_kv=4)]
     cases += [dict(kind="ring", layout="zigzag", causal=True, docs=[1, 3, 2]),
               dict(kind="ring", layout="striped", window=(5, 1), mods="bias", docs=[2, 1],
                    sink=True),
               dict(kind="ring", layout="contiguous", causal=True, docs=[1, 2], mode="allgather"),
               dict(kind="ring", layout="striped", causal=True, mode="allgather", softcap=2.0)]
     if world == 4:
-        cases += [dict(kind="hybrid", layout="zigzag", causal=True),
+        cases += [dict(kind="hybrid", layout="zigzag", causal=True, dropout=0.2),
                   dict(kind="hybrid", layout="striped", mods="bias", softcap=2.0)]
     if full:
         for kind, layout, causal, window, softcap, mods in itertools.product(

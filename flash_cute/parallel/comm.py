@@ -12,7 +12,7 @@ hang: a rank that saw a new shape would join a collective that the others skip.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,21 @@ DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.floa
 
 HEADER_FIELDS = ("kind", "batch", "seqlen_local", "heads", "heads_kv", "head_dim",
                  "head_dim_v", "dtype", "layout", "causal", "window_left", "window_right",
-                 "softcap_micro", "world", "mods", "sink", "docs", "cu_check")
+                 "softcap_micro", "world", "mods", "sink", "docs", "cu_check", "dropout_micro",
+                 "seed")
+# Carried, not compared: every rank adopts rank 0's (`Agreement.seed`).
+_SHARED = ("seed",)
+
+
+class Agreement(NamedTuple):
+    """What `agree` found: the error (None when all agree) and every rank's header."""
+    error: Optional[str]
+    rows: list
+
+    @property
+    def seed(self) -> int:
+        """Rank 0's dropout seed: the one every rank of the call uses."""
+        return self.rows[0][HEADER_FIELDS.index("seed")]
 
 
 def resolve_group(group=None, mesh_dim=None):
@@ -47,11 +61,11 @@ def comm_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(group, header: dict, error: Optional[str], raise_now: bool = True) -> Optional[str]:
+def agree(group, header: dict, error: Optional[str], raise_now: bool = True) -> Agreement:
     """Every rank of `group` joins one all-gather of its header and its local refusal
     (`error`, or None); then every rank raises if any rank refused or any header differs,
     naming the ranks and the fields. With `raise_now` False the error is returned instead
-    (None when all agree), for a caller that first passes it through a second group."""
+    (`Agreement.error`), for a caller that first passes it through a second group."""
     values = [int(header.get(name, 0)) for name in HEADER_FIELDS] + [int(error is not None)]
     mine = torch.tensor(values, dtype=torch.int64, device=comm_device(group))
     world = dist.get_world_size(group)
@@ -61,7 +75,7 @@ def agree(group, header: dict, error: Optional[str], raise_now: bool = True) -> 
     found = error if error is not None else _disagreement(rows)
     if found is not None and raise_now:
         raise ValueError(found)
-    return found
+    return Agreement(found, rows)
 
 
 def _disagreement(rows) -> Optional[str]:
@@ -70,7 +84,7 @@ def _disagreement(rows) -> Optional[str]:
         return (f"rank(s) {refused} of this call's group refused their input (each raised "
                 f"why); no rank ran the attention")
     differing = [name for i, name in enumerate(HEADER_FIELDS)
-                 if len({row[i] for row in rows}) > 1]
+                 if name not in _SHARED and len({row[i] for row in rows}) > 1]
     if not differing:
         return None
     detail = "; ".join(f"{name}: " + ", ".join(f"rank {r} {row[HEADER_FIELDS.index(name)]}"

@@ -50,6 +50,12 @@ class Spec:
     score_mod: Optional[Callable] = None
     mask_mod: Optional[Callable] = None
     head_offset: int = 0
+    # Dropout: the keep decisions of `flash_cute.reference.rng` at global (batch or
+    # document, head, query, key) coordinates, from one seed every rank shares; `heads`:
+    # the call's query heads (b · heads + h numbers a head's stream).
+    dropout_p: float = 0.0
+    seed: int = 0
+    heads: int = 0
 
 
 def spec_of(head_dim: int, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -99,16 +105,30 @@ class Float64Local:
             s = torch.broadcast_to(spec.score_mod(s, *grids), s.shape)
         if spec.mask_mod is not None:
             mask = mask & torch.broadcast_to(spec.mask_mod(*grids), s.shape).bool()
-        return s, mask
+        return s, mask, grids
+
+    def _dropped(self, p, grids, spec: Spec):
+        """P with dropout's decisions at global coordinates applied, kept values scaled by
+        1 / (1 − p_drop); P itself without dropout."""
+        if not spec.dropout_p:
+            return p
+        from flash_cute.reference.rng import keep_threshold, random16
+
+        batch, head, q_idx, kv_idx = grids
+        bits = random16(torch.tensor([spec.seed]), (batch * spec.heads + head).cpu(),
+                        q_idx.cpu(), kv_idx.cpu()).to(p.device)
+        keep = bits < keep_threshold(spec.dropout_p)
+        return torch.where(keep, p / (1.0 - spec.dropout_p), 0.0)
 
     def forward(self, q, k, v, qr: Rows, kr: Rows, spec: Spec):
         """(O float64 [b, sq, h, dv], LSE float64 [b, h, sq]); a row with no visible key:
         O = 0, LSE = −inf."""
         q, k, v = (t.double() for t in (q, k, v))
-        s, mask = self._scores(q, k, qr, kr, spec)
+        s, mask, grids = self._scores(q, k, qr, kr, spec)
         s = s.masked_fill(~mask, -math.inf)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+        p = self._dropped(p, grids, spec)
         group = q.shape[2] // k.shape[2]
         out = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(group, dim=2))
         return out, lse
@@ -123,14 +143,17 @@ class Float64Local:
         with torch.enable_grad():
             q.requires_grad_(True)
             k.requires_grad_(True)
-            s, mask = self._scores(q, k, qr, kr, spec)
+            s, mask, grids = self._scores(q, k, qr, kr, spec)
             finite = mask & torch.isfinite(lse)[..., None]
             safe_lse = torch.where(torch.isinf(lse), 0.0, lse)[..., None]
             p = torch.where(finite, torch.exp(s.detach() - safe_lse), 0.0)
+            # With dropout: dV = (P∘Z)ᵀ dO and dS = P ∘ (dO Vᵀ ∘ Z − Δ), Z the scaled keeps.
+            pz = self._dropped(p, grids, spec)
             v_rep = v.repeat_interleave(group, dim=2)
-            dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+            dv = torch.einsum("bhqk,bqhd->bkhd", pz, dout)
             dp = torch.einsum("bqhd,bkhd->bhqk", dout, v_rep)
-            ds = p * (dp - delta[..., None])
+            zp = self._dropped(torch.ones_like(p), grids, spec) if spec.dropout_p else 1.0
+            ds = p * (dp * zp - delta[..., None])
             dq, dk = torch.autograd.grad(s, (q, k), ds)
         b, sk, hk = k.shape[:3]
         dv = dv.view(b, sk, hk, group, -1).sum(3)
@@ -267,9 +290,11 @@ class OperatorLocal:
     partial_dtype = torch.float32
 
     def _check(self, q, spec: Spec):
-        if spec.score_mod is not None or spec.mask_mod is not None:
-            raise NotImplementedError("score and mask mods inside the ring run with the "
-                                      "float64 local attention (Float64Local) for now")
+        if spec.score_mod is not None or spec.mask_mod is not None or spec.dropout_p:
+            raise NotImplementedError("score and mask mods and dropout inside the ring run "
+                                      "with the float64 local attention (Float64Local) for "
+                                      "now: the operators draw dropout and call mods at "
+                                      "positions local to each call")
 
     def _options(self, spec: Spec, call: BandCall):
         window = tuple(-1 if w is None else w for w in (call.left, call.right))

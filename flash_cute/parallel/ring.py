@@ -14,6 +14,8 @@ GQA sends the K/V heads only.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from flash_cute.parallel import comm, layouts
@@ -133,7 +135,8 @@ def header(kind: int, q, k, v, layout: str, spec: Spec, world: int, sink) -> dic
                 window_right=-1 if spec.right is None else spec.right,
                 softcap_micro=round(spec.softcap * 1e6), world=world,
                 mods=int(spec.score_mod is not None) + 2 * int(spec.mask_mod is not None),
-                sink=int(sink is not None))
+                sink=int(sink is not None), dropout_micro=round(spec.dropout_p * 1e6),
+                seed=spec.seed)
 
 
 def local_refusal(q, k, v, layout: str, world: int, heads_divisor: int = 1):
@@ -159,6 +162,24 @@ def local_refusal(q, k, v, layout: str, world: int, heads_divisor: int = 1):
     if q.dtype != k.dtype or k.dtype != v.dtype:
         return f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     return None
+
+
+def dropout_refusal(dropout_p):
+    """The reason to refuse `dropout_p`, or None."""
+    if not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        return f"dropout_p must be a float in [0, 1), got {dropout_p!r}"
+    return None
+
+
+def with_dropout(spec: Spec, dropout_p, seed, q) -> Spec:
+    """`spec` with dropout: its probability, this rank's seed (`seed`, or one drawn from
+    torch's generator; the call then uses rank 0's) and the call's query heads."""
+    if not dropout_p:
+        return spec
+    if seed is None:
+        seed = int(torch.randint(0, 1 << 62, (1,)))
+    return dataclasses.replace(spec, dropout_p=float(dropout_p), seed=int(seed),
+                               heads=q.shape[2] if isinstance(q, torch.Tensor) else 0)
 
 
 def _packed_refusal(q, cu_seqlens, layout: str, world: int):
@@ -203,7 +224,7 @@ def ring_attention(q, k, v, group=None, layout: str = "contiguous", causal: bool
                    window_size=(-1, -1), softcap: float = 0.0, softmax_scale=None,
                    learnable_sink=None, score_mod=None, mask_mod=None, dropout_p: float = 0.0,
                    return_lse: bool = False, mesh_dim=None, local=None, cu_seqlens=None,
-                   mode: str = "ring"):
+                   mode: str = "ring", dropout_seed=None):
     """Attention over a sequence sharded across the ranks of `group` (a ProcessGroup, a
     DeviceMesh and `mesh_dim`, or None for the default group) in `layout` ("contiguous",
     "striped", "zigzag"; `shard` makes the shards). q [b, s_local, h, d], k / v [b, s_local,
@@ -211,7 +232,9 @@ def ring_attention(q, k, v, group=None, layout: str = "contiguous", causal: bool
     documents' global offsets, each document sharded on its own (`layouts.varlen_rows`).
     Masks, the window, the softcap, the mods (FlexAttention's form; b is the document when
     packed) and the sink see global positions, so the result is the rows of unsharded
-    attention that this rank holds. Differentiable. `mode`: "ring" (K/V blocks travel round
+    attention that this rank holds. Dropout draws its decisions at global coordinates from
+    one seed (rank 0's `dropout_seed`, or one it draws), as the single-process call with
+    that seed does. Differentiable. `mode`: "ring" (K/V blocks travel round
     the ring) or "allgather" (Llama 3's: all K/V gathered on every rank). `local`: the
     local attention (`flash_cute.parallel.local`; default the operators). Returns out (and
     the LSE, [b, h, s_local] or [h, t_local], with `return_lse`)."""
@@ -223,15 +246,18 @@ def ring_attention(q, k, v, group=None, layout: str = "contiguous", causal: bool
     error = local_refusal(q4, k4, v4, "contiguous" if packed else layout, 1 if packed else world)
     if error is None and packed:
         error = _packed_refusal(q, cu_seqlens, layout, world)
+    if error is None:
+        error = dropout_refusal(dropout_p)
     if error is None and mode not in ("ring", "allgather"):
         error = f"mode must be 'ring' or 'allgather', got {mode!r}"
-    if error is None and dropout_p:
-        error = "dropout inside the ring is not built yet: pass dropout_p=0"
     spec = spec_of(q.shape[-1] if error is None else 1, softmax_scale, causal, window_size,
                    softcap, score_mod, mask_mod)
+    spec = with_dropout(spec, dropout_p, dropout_seed, q4)
     head = header(1 if mode == "ring" else 4, q4, k4, v4, layout, spec, world,
                   learnable_sink) if error is None else {}
-    comm.agree(group, {**head, **(_cu_check(cu_seqlens) if error is None else {})}, error)
+    agreed = comm.agree(group, {**head, **(_cu_check(cu_seqlens) if error is None else {})},
+                        error)
+    spec = dataclasses.replace(spec, seed=agreed.seed)
     shards = Shards(layout, world, q4.shape[1] * world, cu_seqlens if packed else None)
     local = local or default_local(q)
     if mode == "allgather":

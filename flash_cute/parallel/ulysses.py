@@ -23,8 +23,10 @@ from flash_cute.parallel.ring import (
     _RingAttention,
     concat_rows,
     default_local,
+    dropout_refusal,
     header,
     local_refusal,
+    with_dropout,
 )
 
 
@@ -79,17 +81,20 @@ def _ulysses(q, k, v, group, world: int, rank: int, positions, spec, sink, local
 def ulysses_attention(q, k, v, group=None, layout: str = "contiguous", causal: bool = False,
                       window_size=(-1, -1), softcap: float = 0.0, softmax_scale=None,
                       learnable_sink=None, score_mod=None, mask_mod=None,
-                      return_lse: bool = False, mesh_dim=None, local=None):
+                      dropout_p: float = 0.0, return_lse: bool = False, mesh_dim=None,
+                      local=None, dropout_seed=None):
     """Attention over a sequence sharded in `layout` across the ranks of `group`, by two
     all-to-alls (DeepSpeed-Ulysses). Arguments and result as `ring.ring_attention`'s; the
     group's size must divide the K/V heads."""
     group = comm.resolve_group(group, mesh_dim)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    error = ulysses_refusal(q, k, v, layout, world)
+    error = ulysses_refusal(q, k, v, layout, world) or dropout_refusal(dropout_p)
     spec = spec_of(q.shape[-1] if error is None else 1, softmax_scale, causal, window_size,
                    softcap, score_mod, mask_mod)
-    comm.agree(group, header(2, q, k, v, layout, spec, world, learnable_sink)
-               if error is None else {}, error)
+    spec = with_dropout(spec, dropout_p, dropout_seed, q)
+    agreed = comm.agree(group, header(2, q, k, v, layout, spec, world, learnable_sink)
+                        if error is None else {}, error)
+    spec = dataclasses.replace(spec, seed=agreed.seed)
     shards = Shards(layout, world, q.shape[1] * world)
     positions = concat_rows([shards.rows(r) for r in range(world)])
     out, lse = _ulysses(q, k, v, group, world, rank, positions, spec, learnable_sink,
@@ -100,7 +105,8 @@ def ulysses_attention(q, k, v, group=None, layout: str = "contiguous", causal: b
 def hybrid_attention(q, k, v, mesh, ring_dim="ring", ulysses_dim="ulysses",
                      layout: str = "contiguous", causal: bool = False, window_size=(-1, -1),
                      softcap: float = 0.0, softmax_scale=None, learnable_sink=None,
-                     score_mod=None, mask_mod=None, return_lse: bool = False, local=None):
+                     score_mod=None, mask_mod=None, dropout_p: float = 0.0,
+                     return_lse: bool = False, local=None, dropout_seed=None):
     """Ulysses inside each group of `mesh`'s `ulysses_dim`, the ring (in `layout`) across
     `ring_dim`: a 2-D DeviceMesh. Rank (r, u) holds sub-shard u of ring shard r
     (`hybrid_shard`). The Ulysses degree must divide the K/V heads."""
@@ -109,15 +115,20 @@ def hybrid_attention(q, k, v, mesh, ring_dim="ring", ulysses_dim="ulysses",
     ring_world, uly_world = dist.get_world_size(ring_group), dist.get_world_size(uly_group)
     error = ulysses_refusal(q, k, v, "contiguous", uly_world)
     if error is None:
-        error = local_refusal(q, k, v, layout, ring_world * uly_world)
+        error = local_refusal(q, k, v, layout, ring_world * uly_world) or \
+            dropout_refusal(dropout_p)
     spec = spec_of(q.shape[-1] if error is None else 1, softmax_scale, causal, window_size,
                    softcap, score_mod, mask_mod)
+    spec = with_dropout(spec, dropout_p, dropout_seed, q)
     head = header(3, q, k, v, layout, spec, ring_world * uly_world, learnable_sink) \
         if error is None else {}
-    # Two exchanges that every rank joins: the second carries the first's verdict across the
-    # other dim, so a refusal anywhere reaches every rank of the mesh.
-    found = comm.agree(uly_group, head, error, raise_now=False)
-    comm.agree(ring_group, head, found, raise_now=True)
+    # Two exchanges that every rank joins: the second carries the first's verdict (and its
+    # seed) across the other dim, so a refusal anywhere reaches every rank of the mesh.
+    first = comm.agree(uly_group, head, error, raise_now=False)
+    if head:
+        head = {**head, "seed": first.seed}
+    second = comm.agree(ring_group, head, first.error, raise_now=True)
+    spec = dataclasses.replace(spec, seed=second.seed)
     local = local or default_local(q)
     qh, kh, vh = (_seq_to_heads(t, uly_group, uly_world) for t in (q, k, v))
     spec = dataclasses.replace(spec, head_offset=dist.get_rank(uly_group) * qh.shape[2])
