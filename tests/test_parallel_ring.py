@@ -385,6 +385,7 @@ def _drop_in(rank, world):
     same output, the packed forms equal the unpacked one, the LSE returned as theirs."""
     from flash_cute.parallel import positions, ring_attention
     from flash_cute.parallel import ring_flash_attn as rfa
+    from flash_cute.parallel.layouts import varlen_rows
 
     for name, layout in (("ring", "contiguous"), ("zigzag_ring", "zigzag"),
                          ("stripe", "striped")):
@@ -402,4 +403,45 @@ def _drop_in(rank, world):
         qkv = torch.stack([q, k, v], dim=2)
         assert torch.equal(getattr(rfa, f"{name}_flash_attn_qkvpacked_func")(qkv, causal=True),
                            want)
+        # The varlen forms: cu_seqlens this rank's offsets (every document split evenly).
+        cu = torch.tensor([0, 4 * world, 12 * world])
+        (q, k, v, _), _ = _inputs({"seed": 6, "heads_kv": 4, "docs": [1]}, 12 * world,
+                                  torch.bfloat16)
+        rows = varlen_rows(cu, layout, world, rank)[0]
+        q, k, v = (t[rows] for t in (q, k, v))
+        want = ring_attention(q, k, v, layout=layout, causal=True, cu_seqlens=cu)
+        local_cu = (cu // world).int()
+        got = getattr(rfa, f"{name}_flash_attn_varlen_func")(q, k, v, local_cu, 8, causal=True)
+        assert torch.equal(got, want)
+        qkv = torch.stack([q, k, v], dim=1)
+        assert torch.equal(getattr(rfa, f"{name}_flash_attn_varlen_qkvpacked_func")(
+            qkv, local_cu, 8, causal=True), want)
+    _llama3(rank, world)
     return True
+
+
+def _llama3(rank, world):
+    """`llama3_flash_attn_varlen_func`: the packed stream split contiguously, a document
+    crossing the ranks' boundary; out, dQ, dK, dV of this rank's rows against the
+    single-process FA2-form varlen call (the same CPU operator)."""
+    from flash_cute import flash_attn_interface as fa2
+    from flash_cute.parallel import ring_flash_attn as rfa
+
+    total = 8 * world
+    cu = torch.tensor([0, 5, total - 3, total], dtype=torch.int32)
+    (q, k, v, dout), _ = _inputs({"seed": 7, "heads_kv": 2, "docs": [1]}, total,
+                                 torch.bfloat16)
+    for causal in (True, False):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        want = fa2.flash_attn_varlen_func(*leaves, cu, cu, 13, 13, causal=causal)
+        (want.float() * dout.float()).sum().backward()
+        rows = slice(rank * 8, (rank + 1) * 8)
+        mine = [t[rows].clone().requires_grad_(True) for t in (q, k, v)]
+        prepared = rfa.llama3_flash_attn_prepare_cu_seqlens(cu, causal, rank, world)
+        out = rfa.llama3_flash_attn_varlen_func(*mine, *prepared[:4], 1, prepared[4],
+                                                causal=causal)
+        (out.float() * dout[rows].float()).sum().backward()
+        for got, ref in [(out, want[rows])] + [(m.grad, leaf.grad[rows])
+                                               for m, leaf in zip(mine, leaves)]:
+            scale = ref.float().abs().max().item()
+            assert (got.float() - ref.float()).abs().max().item() <= 2e-2 * scale, causal
