@@ -225,24 +225,28 @@ def _operator_cases(rank, world):
     from flash_cute.reference.attention import tolerance_check
 
     results = {}
-    for layout, causal, window in (("zigzag", True, (-1, -1)), ("striped", False, (6, 2)),
-                                   ("contiguous", True, (9, 0))):
+    for layout, causal, window, mods in (("zigzag", True, (-1, -1), "none"),
+                                         ("striped", False, (6, 2), "none"),
+                                         ("contiguous", True, (9, 0), "none"),
+                                         ("striped", True, (-1, -1), "bias"),
+                                         ("zigzag", False, (-1, -1), "documents")):
         seqlen = 8 * world
+        score_mod, mask_mod = MODS[mods]
+        kw = dict(causal=causal, window_size=window, score_mod=score_mod, mask_mod=mask_mod)
         (q, k, v, dout), _ = _inputs({"seed": 3}, seqlen, torch.bfloat16)
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        single = flash_cute.flash_attn_func(*leaves, causal=causal, window_size=window)
+        single = flash_cute.flash_attn_func(*leaves, **kw)
         single = single[0] if isinstance(single, tuple) else single
         (single.float() * dout.float()).sum().backward()
         exact = [t.double().requires_grad_(True) for t in (q, k, v)]
-        out64, _ = model(*exact, causal, window)
+        out64, _ = model(*exact, causal, window, score_mod=score_mod, mask_mod=mask_mod)
         (out64 * dout.double()).sum().backward()
         pos = positions(seqlen, layout, world, rank)
         mine = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
-        out = ring_attention(*mine, layout=layout, causal=causal, window_size=window)
+        out = ring_attention(*mine, layout=layout, **kw)
         (out.float() * dout[:, pos].float()).sum().backward()
         with torch.no_grad():   # inference: the forward alone, nothing saved
-            assert torch.equal(ring_attention(*mine, layout=layout, causal=causal,
-                                              window_size=window), out.detach())
+            assert torch.equal(ring_attention(*mine, layout=layout, **kw), out.detach())
         checks = [("out", out, out64[:, pos], single[:, pos])]
         checks += [(n, got.grad, ref.grad[:, pos], nat.grad[:, pos])
                    for n, got, ref, nat in zip(("dq", "dk", "dv"), mine, exact, leaves)]

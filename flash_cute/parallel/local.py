@@ -21,6 +21,7 @@ Two implementations, one interface (`forward`, `backward`, `partial_dtype`):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
@@ -249,6 +250,12 @@ class BandCall:
     k1: int
     left: Optional[int]
     right: Optional[int]
+    # Global coordinates of the call's row 0 and its stride, for mods: position of query
+    # row i = q_first + stride · i (keys alike); the document (−1 padded).
+    q_first: int = 0
+    k_first: int = 0
+    stride: int = 1
+    doc: int = -1
 
 
 def band_call(qr: Run, kr: Run, spec: Spec) -> Optional[BandCall]:
@@ -279,7 +286,8 @@ def band_call(qr: Run, kr: Run, spec: Spec) -> Optional[BandCall]:
     if n <= 0 or m <= 0:
         return None
     return BandCall(qr.start, qr.start + n, kr.start, kr.start + m,
-                    None if lo is None else d - lo, None if hi is None else hi - d)
+                    None if lo is None else d - lo, None if hi is None else hi - d,
+                    qr.first, kr.first, t, qr.doc)
 
 
 class OperatorLocal:
@@ -290,15 +298,23 @@ class OperatorLocal:
     partial_dtype = torch.float32
 
     def _check(self, q, spec: Spec):
-        if spec.score_mod is not None or spec.mask_mod is not None or spec.dropout_p:
-            raise NotImplementedError("score and mask mods and dropout inside the ring run "
-                                      "with the float64 local attention (Float64Local) for "
-                                      "now: the operators draw dropout and call mods at "
-                                      "positions local to each call")
+        if spec.dropout_p:
+            raise NotImplementedError("dropout inside the ring runs with the float64 local "
+                                      "attention (Float64Local) for now: the operators draw "
+                                      "their decisions at positions local to each call")
 
     def _options(self, spec: Spec, call: BandCall):
         window = tuple(-1 if w is None else w for w in (call.left, call.right))
         return (None, None, spec.softmax_scale, False, *window, spec.softcap, None, False, None)
+
+    def _variant(self, spec: Spec, call: BandCall) -> int:
+        """The registry key of the call's mods at global coordinates (0 without mods)."""
+        if spec.score_mod is None and spec.mask_mod is None:
+            return 0
+        mods = global_mods(spec.score_mod, spec.mask_mod)
+        mods.offsets.copy_(torch.tensor([call.q_first, call.k_first, call.stride,
+                                         spec.head_offset, max(call.doc, 0)]))
+        return mods.key
 
     def forward(self, q, k, v, qr: Rows, kr: Rows, spec: Spec):
         self._check(q, spec)
@@ -308,8 +324,8 @@ class OperatorLocal:
         for call in band_calls(qr, kr, spec):
             o, l_ = torch.ops.flash_cute.fwd(
                 q[:, call.q0:call.q1], k[:, call.k0:call.k1], v[:, call.k0:call.k1],
-                None, None, None, None, *self._options(spec, call), False, 0, 0.0, None,
-                1, None, None, True)
+                None, None, None, None, *self._options(spec, call), False,
+                self._variant(spec, call), 0.0, None, 1, None, None, True)
             rows = slice(call.q0, call.q1)
             out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
         return out, lse
@@ -326,11 +342,43 @@ class OperatorLocal:
             g = torch.ops.flash_cute.bwd(
                 dout[:, rows], dlse, q[:, rows], k[:, cols], v[:, cols], out_eq,
                 lse[:, :, rows].float().contiguous(), None, None, None, None,
-                *self._options(spec, call), 0, 0.0, None, False, True)
+                *self._options(spec, call), self._variant(spec, call), 0.0, None, False, True)
             dq[:, rows] += g[0]
             dk[:, cols] += g[1]
             dv[:, cols] += g[2]
         return dq, dk, dv
+
+
+class GlobalMods:
+    """A user's FlexAttention-form mods called at global coordinates from inside an operator
+    call: one wrapper per mod pair, registered once, its offsets a captured int64 tensor
+    (query row 0's position, key row 0's, the stride, the head offset, the document) that
+    each call sets before it runs, so the traced graph and its key stay the same."""
+
+    def __init__(self, score_mod, mask_mod):
+        from flash_cute.variants import registry
+
+        self.offsets = offsets = torch.zeros(5, dtype=torch.int64)
+
+        def where(b, h, q_idx, kv_idx):
+            # The tracer reads captured tensors through index expressions only.
+            at = lambda n: offsets[q_idx * 0 + n]  # noqa: E731
+            return b + at(4), h + at(3), at(0) + at(2) * q_idx, at(1) + at(2) * kv_idx
+
+        def score(s, b, h, q_idx, kv_idx):
+            return score_mod(s, *where(b, h, q_idx, kv_idx))
+
+        def mask(b, h, q_idx, kv_idx):
+            return mask_mod(*where(b, h, q_idx, kv_idx))
+
+        self.key = registry.register(None if score_mod is None else score,
+                                     None if mask_mod is None else mask)
+
+
+@functools.lru_cache(maxsize=64)
+def global_mods(score_mod, mask_mod) -> GlobalMods:
+    """The `GlobalMods` of a mod pair (one per pair, kept: its registry entry lives as long)."""
+    return GlobalMods(score_mod, mask_mod)
 
 
 def _delta_as_out(dout, delta):
