@@ -94,6 +94,18 @@ def _disagreement(rows) -> Optional[str]:
             f"must pass the same shapes, dtype and options")
 
 
+def staged(group) -> bool:
+    """Whether tensors of `group`'s collectives go through host memory: gloo sends CPU
+    tensors only, so CUDA tensors (ranks sharing one GPU, whose NCCL refuses two ranks) are
+    copied to the host and back."""
+    return dist.get_backend(group) == "gloo" and torch.cuda.is_available()
+
+
+def to_host(t: torch.Tensor, group) -> torch.Tensor:
+    """`t` as `group`'s collectives take it (a differentiable copy to the host when staged)."""
+    return t.cpu() if t.is_cuda and staged(group) else t
+
+
 class Ring:
     """The neighbour exchange of a ring over `group`: each rank sends to rank + 1 and
     receives from rank − 1, every message posted at once (`batch_isend_irecv`) and waited
@@ -110,16 +122,17 @@ class Ring:
     def start(self, tensors):
         """Send `tensors` on and post receives of their like; returns the pending exchange
         (`finish` gives the received tensors)."""
-        sent = [t.contiguous() for t in tensors]
+        devices = [t.device for t in tensors]
+        sent = [to_host(t, self.group).contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
         # The sent tensors stay referenced until the exchange is waited for.
-        return dist.batch_isend_irecv(ops), received, sent
+        return dist.batch_isend_irecv(ops), received, sent, devices
 
     @staticmethod
     def finish(pending):
-        requests, received, _ = pending
+        requests, received, _, devices = pending
         for request in requests:
             request.wait()
-        return received
+        return [r.to(d) for r, d in zip(received, devices)]

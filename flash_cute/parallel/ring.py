@@ -215,7 +215,8 @@ def _allgather_attention(q, k, v, spec: Spec, shards: Shards, group, local):
     from torch.distributed.nn.functional import all_gather
 
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    k_all, v_all = (torch.cat(all_gather(t.contiguous(), group=group), dim=1) for t in (k, v))
+    k_all, v_all = (torch.cat(all_gather(comm.to_host(t, group).contiguous(), group=group),
+                              dim=1).to(t.device) for t in (k, v))
     k_rows = concat_rows([shards.rows(r) for r in range(world)])
     return LocalAttention.apply(q, k_all, v_all, shards.rows(rank), k_rows, spec, local)
 

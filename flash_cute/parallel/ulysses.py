@@ -35,7 +35,8 @@ def _seq_to_heads(x, group, world: int):
     heads over the ranks' shards, in rank order."""
     b, s, h, d = x.shape
     send = x.reshape(b, s, world, h // world, d).permute(2, 1, 0, 3, 4).contiguous()
-    got = all_to_all_single(torch.empty_like(send), send, group=group)
+    send = comm.to_host(send, group)
+    got = all_to_all_single(torch.empty_like(send), send, group=group).to(x.device)
     return got.permute(2, 0, 1, 3, 4).reshape(b, world * s, h // world, d)
 
 
@@ -44,8 +45,9 @@ def _heads_to_seq(x, group, world: int):
     d]."""
     b, total, hw, d = x.shape
     s = total // world
-    send = x.reshape(b, world, s, hw, d).permute(1, 2, 0, 3, 4).contiguous()
-    got = all_to_all_single(torch.empty_like(send), send, group=group)
+    send = comm.to_host(x.reshape(b, world, s, hw, d).permute(1, 2, 0, 3, 4).contiguous(),
+                        group)
+    got = all_to_all_single(torch.empty_like(send), send, group=group).to(x.device)
     return got.permute(2, 1, 0, 3, 4).reshape(b, s, world * hw, d)
 
 
