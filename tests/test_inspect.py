@@ -135,24 +135,95 @@ def representative(tmp_path_factory):
 
 
 def test_main_job_tells_the_story_per_target(representative):
-    """One forward kernel per target, compared in at most 100 columns, each pipeline's own
-    instructions (mma.sync and cp.async on sm80 code, WGMMA and TMA on sm90a), a PNG, and the
-    way to the full registry."""
+    """Each target's own pipeline, forward and (where it exists) backward, compared in at most
+    100 columns: mma.sync and cp.async on sm_80, WGMMA and TMA on sm_90a, tcgen05 and tensor
+    memory on sm_100a (the blackwell forward, not the ampere kernel compiled for it); the
+    declared roles and residency; a PNG; the way to the full registry."""
     text, png, entries = representative
-    assert {e["target"] for e in entries} == set(TARGETS)
-    by_target = {e["target"]: e for e in entries}
-    for target in ("sm_80", "sm_100a"):
-        ops = by_target[target]["sass"]
+    by = {(e["kernel"], e["target"]): e for e in entries}
+    assert {("ampere.fwd", "sm_80"), ("ampere.bwd", "sm_80"), ("hopper.fwd", "sm_90a"),
+            ("hopper.bwd", "sm_90a"), ("blackwell.fwd", "sm_100a")} <= set(by)
+    for kernel in ("ampere.fwd", "ampere.bwd"):
+        ops = by[(kernel, "sm_80")]["sass"]
         assert ops.get("HMMA", 0) > 0 and ops.get("LDGSTS", 0) > 0 and ops.get("HGMMA", 0) == 0
-    hopper = by_target["sm_90a"]["sass"]
-    assert hopper.get("HGMMA", 0) > 0 and hopper.get("UTMALDG", 0) > 0
-    assert by_target["sm_90a"]["registers_per_role"] == {"producer": 24, "consumer": 240}
+    for kernel in ("hopper.fwd", "hopper.bwd"):
+        ops = by[(kernel, "sm_90a")]["sass"]
+        assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0
+    blackwell = by[("blackwell.fwd", "sm_100a")]["sass"]
+    assert blackwell.get("UTCHMMA", 0) > 0 and blackwell.get("LDTM", 0) > 0
+    assert by[("hopper.fwd", "sm_90a")]["registers_per_role"] == {"producer": 24,
+                                                                   "consumer": 240}
     assert all(e["sass"].get("MUFU.EX2", 0) > 0 for e in entries)
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 100
-    assert any(line.startswith("MMA") and "HGMMA" in line and "HMMA" in line for line in lines)
+    pipelines = next(line for line in lines if line.startswith("pipeline"))
+    assert "blackwell.fwd (sm_100a)" in pipelines and "ampere.fwd (sm_100a)" not in text
+    assert any(line.startswith("MMA") and "HGMMA" in line and "HMMA" in line
+               and "UTCHMMA" in line for line in lines)
+    residency = next(line for line in lines if line.startswith("residency"))
+    assert "S:T P:T O:T" in residency and "S:R P:R" in residency
+    assert any("backward" in line for line in lines)
     assert "inspect --all" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _check_pipelines(configs):
+    from pathlib import Path
+
+    from flash_cute.contract.pipeline import from_dict
+    from flash_cute.tools.pipelines import check
+    from flash_cute.tools.xcompile import cross_compile
+
+    checked = 0
+    for e in cross_compile(configs):
+        if e["kernel"].endswith((".fwd", ".bwd")) and "." not in e["kernel"].split(".", 1)[1]:
+            assert "pipeline" in e, (e["kernel"], e["target"])
+            problems = check(from_dict(e["pipeline"]), Path(e["artifacts"]["sass"]).read_text())
+            assert not problems, (e["kernel"], e["target"], e["config"], problems)
+            checked += 1
+    return checked
+
+
+def test_the_declared_pipelines_agree_with_the_sass_of_the_representative_kernels():
+    """setmaxnreg budgets, their count against the warpgroups, no setmaxnreg where all warps
+    are one role, TMEM allocated where TMEM buffers are declared
+    (`flash_cute.tools.pipelines.check`)."""
+    from flash_cute.tools.inspection import representative_configs
+
+    assert _check_pipelines(representative_configs(TARGETS)) >= 5
+
+
+@pytest.mark.slow
+def test_the_declared_pipelines_agree_with_the_sass_of_every_registered_config():
+    configs = [c for c in CONFIGS if c.kernel in ("ampere.fwd", "ampere.bwd", "hopper.fwd",
+                                                  "hopper.bwd", "blackwell.fwd")]
+    assert _check_pipelines(configs) >= len(configs)
+
+
+def test_the_pipeline_check_catches_a_wrong_declaration():
+    """Planted disagreements: a wrong budget, a missing USETMAXREG, TMEM declared but not
+    allocated, two roles without setmaxnreg."""
+    from dataclasses import replace
+
+    from flash_cute.contract.pipeline import Buffer, Pipeline, Role
+    from flash_cute.tools.pipelines import check
+
+    sass = ("/*0520*/ USETMAXREG.DEALLOC.CTAPOOL 0x18 ;\n"
+            "/*24e0*/ USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;\n")
+    roles = (Role("producer", (0, 1, 2, 3), "loads", 24, 0),
+             Role("consumer", (4, 5, 6, 7), "math", 240, 1))
+    good = Pipeline("k", "sm_90a", roles, (Buffer("S", "RMEM", 1, "consumer", "consumer", "-"),))
+    assert check(good, sass) == []
+    assert check(replace(good, roles=(roles[0], replace(roles[1], registers=232))), sass)
+    assert check(good, sass.splitlines()[0])
+    assert check(replace(good, buffers=(Buffer("S", "TMEM", 1, "consumer", "consumer", "-"),)),
+                 sass)
+    plain = replace(good, roles=tuple(replace(r, registers=None, warpgroup=None)
+                                      for r in roles))
+    assert check(plain, "") and not check(replace(plain, roles=(
+        Role("consumer", tuple(range(8)), "everything"),)), "")
+    with pytest.raises(ValueError, match="two budgets"):
+        Pipeline("k", "sm_90a", (roles[0], replace(roles[1], warpgroup=0)), ())
 
 
 def test_a_second_cross_compile_is_served_from_the_disk_cache(tmp_path, monkeypatch):

@@ -62,6 +62,11 @@ class AmpereBwd:
     load and get no dQ atomics or dK/dV stores.
     """
 
+    def pipeline(self):
+        """This kernel's pipeline as data (`flash_cute.contract.pipeline`)."""
+        from .pipelines import backward
+        return backward(self)
+
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), schedule: Optional[tuple] = None,
                  deterministic: bool = False):

@@ -59,6 +59,11 @@ class AmpereFwd:
     from registers into its split's partials, for `lse_merge`.
     """
 
+    def pipeline(self):
+        """This kernel's pipeline as data (`flash_cute.contract.pipeline`)."""
+        from .pipelines import forward
+        return forward(self)
+
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), schedule: Optional[tuple] = None):
         self.dtype = dtype

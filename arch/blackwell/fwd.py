@@ -126,6 +126,11 @@ class BlackwellFwd:
     kernel's one exit.
     """
 
+    def pipeline(self):
+        """This kernel's pipeline as data (`flash_cute.contract.pipeline`)."""
+        from .pipelines import forward
+        return forward(self)
+
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), schedule: Optional[tuple] = None):
         self.dtype = dtype

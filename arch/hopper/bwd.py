@@ -195,6 +195,12 @@ class HopperBwd:
     Not yet: LSE₂ and Δ by TMA for varlen.
     """
 
+    def pipeline(self):
+        """This kernel's pipeline as data (`flash_cute.contract.pipeline`)."""
+        from .pipelines import backward
+        return backward(self, BWD_PRODUCER_REGISTERS, BWD_CONSUMER_REGISTERS,
+                        BWD_CONSUMER_WARPGROUPS)
+
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), schedule: Optional[tuple] = None,
                  deterministic: bool = False):

@@ -174,6 +174,11 @@ class HopperFwd:
     # Split-KV partials are merged by the kernel itself (`merge_if_last`), not after it.
     merges_splits = True
 
+    def pipeline(self):
+        """This kernel's pipeline as data (`flash_cute.contract.pipeline`)."""
+        from .pipelines import forward
+        return forward(self)
+
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), schedule: Optional[tuple] = None):
         self.dtype = dtype

@@ -18,10 +18,15 @@ from collections import Counter
 
 from flash_cute.tools.registry import TARGETS, registered_configs
 
-# The representative kernel of each target: the forward the dispatcher runs there (sm100 runs
-# the ampere pipeline until the blackwell one exists), bf16, hdim 128, causal.
-REPRESENTATIVE = {"sm_80": "ampere.fwd", "sm_90a": "hopper.fwd", "sm_100a": "ampere.fwd"}
+# The representative kernels of each target: its own pipeline's forward and, where it exists,
+# backward, bf16, hdim 128, causal (the blackwell forward with its default software exp2
+# share, compile-verified only).
+REPRESENTATIVE = {"sm_80": ("ampere.fwd", "ampere.bwd"), "sm_90a": ("hopper.fwd", "hopper.bwd"),
+                  "sm_100a": ("blackwell.fwd",)}
 _REPRESENTATIVE_FLAGS = {"causal": True, "local": False, "softcap": False, "varlen": False}
+_REPRESENTATIVE_NUMBERS = {"blackwell.fwd": {"ex2_emu": 2}}
+# Per-target limits the resources are shown against: registers a thread, shared memory a CTA.
+LIMITS = {"sm_80": (255, 163 * 1024), "sm_90a": (255, 227 * 1024), "sm_100a": (255, 227 * 1024)}
 # Opcode families by what they say about a pipeline: its MMA, its data movement, its softmax.
 _FAMILIES = (("MMA", ("HMMA", "HGMMA", "UTCHMMA", "UTCQMMA")),
              ("async copy", ("LDGSTS", "UTMALDG", "UBLKCP", "UTMASTG")),
@@ -49,7 +54,7 @@ def add_arguments(parser):
 
 def _public(entry: dict) -> dict:
     keys = ("kernel", "target", "config", "registers", "smem_bytes", "spill_bytes", "sass",
-            "registers_per_role", "artifacts", "error")
+            "registers_per_role", "pipeline", "artifacts", "error")
     return {k: entry[k] for k in keys if k in entry}
 
 
@@ -123,21 +128,56 @@ def _by_name(sass: dict, names) -> list:
 
 
 def _roles(entry: dict) -> str:
-    roles = entry.get("registers_per_role")
-    if not roles:
-        return f"{entry['registers']} (all warps)"
-    return " / ".join(f"{name} {regs}" for name, regs in roles.items())
+    """The declared warp roles, short: idle ones left out, repeats counted (``cons×2``)."""
+    pipe = entry.get("pipeline")
+    if pipe is None:
+        return "-"
+    names = [r["name"][:4] for r in pipe["roles"] if r["name"] != "idle"]
+    out = []
+    for name in dict.fromkeys(names):
+        count = names.count(name)
+        out.append(name if count == 1 else f"{name}×{count}")
+    return " ".join(out)
+
+
+def _registers(entry: dict) -> str:
+    """setmaxnreg budgets per warpgroup (declared), or the launch count every warp keeps."""
+    pipe = entry.get("pipeline")
+    budgets = {} if pipe is None else {r["warpgroup"]: r["registers"] for r in pipe["roles"]
+                                       if r["registers"] is not None}
+    if not budgets:
+        return f"{entry['registers']}, no setmaxnreg"
+    return "/".join(str(budgets[wg]) for wg in sorted(budgets))
+
+
+def _budgets(entry: dict) -> list:
+    """The declared setmaxnreg budgets of an entry (empty without setmaxnreg)."""
+    pipe = entry.get("pipeline") or {"roles": []}
+    return [r["registers"] for r in pipe["roles"] if r["registers"] is not None]
+
+
+def _residency(entry: dict, tensors=("S", "P", "O")) -> str:
+    pipe = entry.get("pipeline")
+    if pipe is None:
+        return "-"
+    from flash_cute.contract.pipeline import from_dict
+
+    places = from_dict(pipe).residency()
+    return " ".join(f"{t}:{''.join(m[:1] for m in places[t])}" for t in tensors if t in places)
 
 
 def comparison(entries: list) -> str:
-    """The story of the representative kernels: one column per target, at most 100 columns."""
+    """The story of the representative kernels: one column per kernel, at most 100 columns."""
     cols = [e for e in entries if "error" not in e]
     rows = [("pipeline", [f"{e['kernel']} ({e['target']})" for e in cols]),
-            ("registers per role", [_roles(e) for e in cols]),
+            ("warp roles", [_roles(e) for e in cols]),
+            ("regs / warpgroup", [_registers(e) for e in cols]),
+            ("residency", [_residency(e, ("S", "P", "O") if e["kernel"].endswith(".fwd")
+                                      else ("S", "P", "dS", "dQ")) for e in cols]),
             ("shared memory", [f"{e['smem_bytes'] / 1024:.0f} KiB" for e in cols]),
             ("spills", [f"{e['spill_bytes']} B" for e in cols])]
     for family, names in _FAMILIES:
-        rows.append((family, [", ".join(f"{name} {n}" for name, n in _by_name(e["sass"], names)
+        rows.append((family, [" ".join(f"{name} {n}" for name, n in _by_name(e["sass"], names)
                                         if n) or "-" for e in cols]))
     rows.append(("exp2 in software", [f"{e['config']['ex2_emu']}/16" if e["config"].get("ex2_emu")
                                       else "off" for e in cols]))
@@ -163,22 +203,29 @@ def plot(entries: list, path: str) -> bool:
         return False
     cols = [e for e in entries if "error" not in e]
     families = [f for f, _ in _FAMILIES]
-    fig, (ax_ops, ax_res) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_ops, ax_res) = plt.subplots(1, 2, figsize=(12, 4.2))
     width = 0.8 / max(len(cols), 1)
     for i, e in enumerate(cols):
         counts = _family_counts(e["sass"])
+        total = max(sum(e["sass"].values()), 1)
+        label = f"{e['kernel']} ({e['target']})"
         xs = [j + i * width for j in range(len(families))]
-        ax_ops.bar(xs, [counts[f] for f in families], width, label=e["target"])
+        ax_ops.bar(xs, [100.0 * counts[f] / total for f in families], width, label=label)
+        regs, smem = LIMITS.get(e["target"], (255, 227 * 1024))
         ax_res.bar([j + i * width for j in range(2)],
-                   [e["registers"], e["smem_bytes"] / 1024], width, label=e["target"])
+                   [100.0 * max(_budgets(e) or [e["registers"]]) / regs,
+                    100.0 * e["smem_bytes"] / smem], width, label=label)
     ax_ops.set_xticks([j + 0.4 - width / 2 for j in range(len(families))], families)
-    ax_ops.set_yscale("symlog")
-    ax_ops.set_title("SASS instructions by family (static count)")
-    ax_res.set_xticks([0.4 - width / 2, 1.4 - width / 2], ["registers / thread", "smem KiB"])
-    ax_res.set_title("resources")
-    for ax in (ax_ops, ax_res):
-        ax.legend()
-    fig.suptitle("flash-cute: the forward kernel of each target (bf16, hdim 128, causal)")
+    ax_ops.set_ylabel("% of the kernel's SASS instructions")
+    ax_ops.set_title("instruction mix (static)")
+    ax_res.set_xticks([0.4 - width / 2, 1.4 - width / 2],
+                      ["registers of the largest role / 255", "shared memory / the CTA limit"])
+    ax_res.set_ylabel("% of the target's limit")
+    ax_res.set_ylim(0, 100)
+    ax_res.set_title("resources against each target's limits")
+    ax_ops.legend(fontsize=7)
+    fig.suptitle("flash-cute: each pipeline's kernels (bf16, hdim 128, causal; "
+                 "blackwell compile-verified only)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -189,14 +236,15 @@ def representative_configs(targets) -> list:
     """The registry entries of `REPRESENTATIVE` for `targets`."""
     out = []
     for target in targets:
-        kernel = REPRESENTATIVE.get(target)
-        found = [c for c in registered_configs(kernel=kernel, target=target)
-                 if c.dtype == "bf16" and c.hdim == 128 and c.hdim_v == 128
-                 and c.flag_dict == {**{k: False for k in c.flag_dict},
-                                     **{k: v for k, v in _REPRESENTATIVE_FLAGS.items()
-                                        if k in c.flag_dict}}]
-        if found and found[0] not in out:
-            out.append(found[0])
+        for kernel in REPRESENTATIVE.get(target, ()):
+            numbers = _REPRESENTATIVE_NUMBERS.get(kernel, {})
+            found = [c for c in registered_configs(kernel=kernel, target=target)
+                     if c.dtype == "bf16" and c.hdim == 128 and c.hdim_v == 128
+                     and c.flag_dict == {**{k: False for k in c.flag_dict},
+                                         **{k: v for k, v in _REPRESENTATIVE_FLAGS.items()
+                                            if k in c.flag_dict}, **numbers}]
+            if found and found[0] not in out:
+                out.append(found[0])
     return out
 
 
@@ -263,6 +311,9 @@ def run(args) -> int:
     with bar:
         entries = [_public(e) for e in cross_compile(configs, targets, out_dir=args.keep,
                                                      jobs=args.jobs, progress=advance)]
+    if story:
+        # A config compiles for every target it lists: keep each target's own pipeline.
+        entries = [e for e in entries if e["kernel"] in REPRESENTATIVE.get(e["target"], ())]
     if not args.keep:
         for e in entries:
             e.pop("artifacts", None)
@@ -270,9 +321,14 @@ def run(args) -> int:
         print(json.dumps(entries, indent=1))
     elif story:
         order = {t: i for i, t in enumerate(targets)}
-        entries.sort(key=lambda e: order[e["target"]])
-        print("One forward kernel per SM target (bf16, hdim 128, causal), cross-compiled here:")
-        print(comparison(entries))
+        entries.sort(key=lambda e: (order[e["target"]], e["kernel"].endswith(".bwd")))
+        for direction, title in ((".fwd", "forward"), (".bwd", "backward")):
+            chosen = [e for e in entries if e["kernel"].endswith(direction)]
+            if chosen:
+                print(f"Each pipeline's {title} (bf16, hdim 128, causal"
+                      f"{'; blackwell: compile-verified only' if direction == '.fwd' else ''}):")
+                print(comparison(chosen))
+        print("residency: R registers, S shared memory, T tensor memory, G global memory")
         if args.plot and plot(entries, args.plot):
             print(f"plot: {args.plot}")
         elif args.plot:

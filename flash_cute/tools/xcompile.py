@@ -226,6 +226,9 @@ def _compile_one(index: int, target: str, out: Path) -> dict:
               "config": entry.config_dict()}
     result.update(art.summary(spec.dynamic_smem_bytes))
     result.update(spec.extra)
+    describe = getattr(spec.fn, "pipeline", None)
+    if describe is not None:
+        result["pipeline"] = describe().to_dict()
     store = ResultStore.default(target)
     if store is not None:
         store.store(result_key(entry, target), result, paths)
