@@ -668,3 +668,45 @@ def test_software_exp2_takes_its_share_off_mufu(inspected, kernel, target):
     assert ffma[1] - ffma[0] == 3 * drop2 and ffma[2] - ffma[0] == 3 * drop4, ffma
     assert two["spill_bytes"] == four["spill_bytes"] == 0
     assert two["config"]["ex2_emulation_fraction"] == 0.125
+
+
+def test_the_report_shows_each_pipelines_roles_residency_and_primitives(tmp_path):
+    """`inspect --report DIR`: one HTML page with the PNGs embedded and beside it; per
+    pipeline its declared roles, its residency (S, P, O in tensor memory on blackwell only)
+    and the primitives its SASS contains (WGMMA on hopper, tcgen05 on blackwell, mma.sync
+    on ampere), and what changed from the previous generation."""
+    import re
+
+    proc = subprocess.run([sys.executable, "-m", "flash_cute", "inspect", "--report",
+                           str(tmp_path), "--plot", ""], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    page = (tmp_path / "report.html").read_text()
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert len(pngs) == 5 and page.count("data:image/png;base64,") == 5
+    sections = dict(re.findall(r"<h2 id='([a-z.]+)'>(.*?)(?=<h2 |</body>)", page, re.S))
+    assert set(sections) == {"ampere.fwd", "ampere.bwd", "hopper.fwd", "hopper.bwd",
+                             "blackwell.fwd"}
+
+    def count(section, primitive):
+        found = re.search(rf"<td>{re.escape(primitive)}</td><td>(\d+)</td>", section)
+        return int(found.group(1))
+
+    def resident(section, tensor):
+        row = re.search(rf"<tr><td>{tensor}</td>((?:<td>x?</td>)+)</tr>", section).group(1)
+        return [m for m, cell in zip(("GMEM", "SMEM", "TMEM", "RMEM"),
+                                     re.findall(r"<td>(x?)</td>", row)) if cell]
+
+    for name in ("softmax 0", "correction", "MMA", "load"):
+        assert f"<td>{name}</td>" in sections["blackwell.fwd"]
+    assert "<td>producer</td>" in sections["hopper.fwd"]
+    assert "<td>all warps</td>" in sections["ampere.fwd"]
+    assert resident(sections["blackwell.fwd"], "S") == ["TMEM"]
+    assert resident(sections["hopper.fwd"], "S") == ["RMEM"]
+    assert count(sections["blackwell.fwd"], "tcgen05 MMA") > 0
+    assert count(sections["blackwell.fwd"], "TMEM allocation") > 0
+    assert count(sections["hopper.fwd"], "WGMMA") > 0
+    assert count(sections["hopper.fwd"], "tcgen05 MMA") == 0
+    assert count(sections["ampere.fwd"], "mma.sync") > 0
+    assert "what changed from hopper.fwd" in sections["blackwell.fwd"]
+    assert "S moves from RMEM to TMEM" in sections["blackwell.fwd"]

@@ -21,10 +21,10 @@ def forward(kernel) -> Pipeline:
              Role("MMA", (12,), "issues every tcgen05 MMA; allocates and frees TMEM", rest, 3),
              Role("load", (13,), "TMA of Q0, Q1, then K[n], V[n]", rest, 3),
              Role("idle", (14, 15), "the MMA and load warps' warpgroup mates", rest, 3))
-    ring = "mbarrier ring: TMA bytes full / tcgen05.commit empty"
-    buffers = (Buffer("Q", "SMEM", 2, "TMA", "MMA", ring),
-               Buffer("K", "SMEM", kernel.k_stages, "TMA", "MMA", ring),
-               Buffer("V", "SMEM", kernel.v_stages, "TMA", "MMA", ring),
+    ring = "TMA; mbarrier ring: bytes full / tcgen05.commit empty"
+    buffers = (Buffer("Q", "SMEM", 2, "load", "MMA", ring),
+               Buffer("K", "SMEM", kernel.k_stages, "load", "MMA", ring),
+               Buffer("V", "SMEM", kernel.v_stages, "load", "MMA", ring),
                Buffer("S", "TMEM", 2, "MMA", "softmax 0", "s_full: tcgen05.commit"),
                Buffer("P", "TMEM", 2, "softmax 0", "MMA", "p_ready: softmax + correction"),
                Buffer("O", "TMEM", 2, "MMA", "correction", "o_full: tcgen05.commit"),

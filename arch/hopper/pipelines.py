@@ -18,16 +18,16 @@ def forward(kernel) -> Pipeline:
         roles.append(Role("consumer", tuple(range(4 * wg, 4 * wg + 4)),
                           f"{rows}: S = Q Kᵀ (WGMMA), mask, online softmax, O += P V, epilogue",
                           kernel.consumer_registers, wg))
-    ring = "mbarrier ring: TMA bytes full / consumer release empty"
-    buffers = [Buffer("Q", "SMEM", 1, "TMA", "consumer", ring),
-               Buffer("K", "SMEM", kernel.kv_stages, "TMA", "consumer", ring),
-               Buffer("V", "SMEM", kernel.kv_stages, "TMA", "consumer", ring),
+    ring = "TMA; mbarrier ring: bytes full / consumer release empty"
+    buffers = [Buffer("Q", "SMEM", 1, "producer", "consumer", ring),
+               Buffer("K", "SMEM", kernel.kv_stages, "producer", "consumer", ring),
+               Buffer("V", "SMEM", kernel.kv_stages, "producer", "consumer", ring),
                Buffer("S", "RMEM", 1, "consumer", "consumer", "WGMMA wait_group"),
                Buffer("P", "RMEM", 1, "consumer", "consumer", "registers: S's accumulator "
                       "becomes PV's A operand"),
                Buffer("O", "RMEM", 1, "consumer", "consumer", "WGMMA accumulator")]
     if kernel.o_tile != "none":
-        buffers.append(Buffer("O", "SMEM", 1, "consumer", "TMA", "named barrier: O's tile "
+        buffers.append(Buffer("O", "SMEM", 1, "consumer", "global", "named barrier: O's tile "
                               "written, then TMA store"))
     buffers.append(Buffer("LSE", "RMEM", 1, "consumer", "global", "row stores"))
     return Pipeline("hopper.fwd", "sm_90a", tuple(roles), tuple(buffers), _RULE)
@@ -46,12 +46,12 @@ def backward(kernel, producer_registers: int, consumer_registers: int,
         roles.append(Role("consumer", tuple(range(4 * wg, 4 * wg + 4)),
                           "S, dP (WGMMA), P, dS, dV += Pᵀ dO, dK += dSᵀ Q, dQ = dS K",
                           consumer_registers, wg))
-    ring = "mbarrier ring: TMA bytes full / consumer release empty"
-    buffers = [Buffer("K", "SMEM", 1, "TMA", "consumer", ring),
-               Buffer("V", "SMEM", 1, "TMA", "consumer", ring),
-               Buffer("Q", "SMEM", kernel.q_stages, "TMA", "consumer", ring),
-               Buffer("LSE", "SMEM", kernel.q_stages, "TMA", "consumer", ring),
-               Buffer("dO", "SMEM", kernel.do_stages, "TMA", "consumer", ring),
+    ring = "TMA; mbarrier ring: bytes full / consumer release empty"
+    buffers = [Buffer("K", "SMEM", 1, "producer", "consumer", ring),
+               Buffer("V", "SMEM", 1, "producer", "consumer", ring),
+               Buffer("Q", "SMEM", kernel.q_stages, "producer", "consumer", ring),
+               Buffer("LSE", "SMEM", kernel.q_stages, "producer", "consumer", ring),
+               Buffer("dO", "SMEM", kernel.do_stages, "producer", "consumer", ring),
                Buffer("S", "RMEM", 1, "consumer", "consumer", "WGMMA wait_group"),
                Buffer("P", "SMEM", kernel.pds_stages, "consumer", "consumer",
                       "named barrier, async-proxy fence (dV's operand)"),

@@ -50,6 +50,9 @@ def add_arguments(parser):
                         help="where the comparison's plot goes (default: %(default)s; "
                              "'' for none)")
     parser.add_argument("--jobs", type=int, default=None, help="compile workers (one per target)")
+    parser.add_argument("--report", default=None, metavar="DIR",
+                        help="write the pipelines' comparison as DIR/report.html (PNGs "
+                             "embedded, and beside it)")
 
 
 def _public(entry: dict) -> dict:
@@ -305,7 +308,7 @@ def run(args) -> int:
         print("no SASS without nvdisasm: pip install 'nvidia-cuda-nvdisasm>=13.4' (in the "
               "project's [dev] extra)", file=sys.stderr)
         return 2
-    story = not (args.kernel or args.all or args.json)
+    story = not (args.kernel or args.all or args.json) or bool(args.report)
     total = sum(len(set(c.targets) & set(targets)) for c in configs)
     bar, advance = _progress(total)
     with bar:
@@ -314,6 +317,10 @@ def run(args) -> int:
     if story:
         # A config compiles for every target it lists: keep each target's own pipeline.
         entries = [e for e in entries if e["kernel"] in REPRESENTATIVE.get(e["target"], ())]
+    if args.report:
+        from flash_cute.tools.report import write
+
+        print(f"report: {write(entries, args.report)}")
     if not args.keep:
         for e in entries:
             e.pop("artifacts", None)
