@@ -171,17 +171,38 @@ def _check_pipelines(configs):
     from pathlib import Path
 
     from flash_cute.contract.pipeline import from_dict
-    from flash_cute.tools.pipelines import check
+    from flash_cute.tools.pipelines import check, sass_facts
     from flash_cute.tools.xcompile import cross_compile
 
     checked = 0
     for e in cross_compile(configs):
         if e["kernel"].endswith((".fwd", ".bwd")) and "." not in e["kernel"].split(".", 1)[1]:
             assert "pipeline" in e, (e["kernel"], e["target"])
-            problems = check(from_dict(e["pipeline"]), Path(e["artifacts"]["sass"]).read_text())
+            sass = Path(e["artifacts"]["sass"]).read_text()
+            problems = check(from_dict(e["pipeline"]), sass)
             assert not problems, (e["kernel"], e["target"], e["config"], problems)
+            # No kernel reads the global timer unless compiled to record its timeline.
+            assert not sass_facts(sass)["global_timer"], (e["kernel"], e["config"])
             checked += 1
     return checked
+
+
+def test_the_kernel_docstrings_show_their_declared_budgets():
+    """Each kernel class's role table (its docstring) shows the setmaxnreg budgets its
+    declared pipeline has, for the representative configs: the docstring and the data agree."""
+    from flash_cute.arch.blackwell.fwd import BlackwellFwd
+    from flash_cute.arch.hopper.bwd import HopperBwd
+    from flash_cute.arch.hopper.fwd import HopperFwd
+    from flash_cute.tools.inspection import representative_configs
+
+    classes = {"hopper.fwd": HopperFwd, "hopper.bwd": HopperBwd, "blackwell.fwd": BlackwellFwd}
+    for entry in representative_configs(TARGETS):
+        if entry.kernel not in classes:
+            continue
+        kernel = entry.builder(entry).fn
+        table = classes[entry.kernel].__doc__.split("\n\n")[1]
+        for role in kernel.pipeline().roles:
+            assert f" {role.registers}" in table, (entry.kernel, role)
 
 
 def test_the_declared_pipelines_agree_with_the_sass_of_the_representative_kernels():
