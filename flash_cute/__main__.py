@@ -1,5 +1,5 @@
-"""`python -m flash_cute [inspect|bench [latency|decode]|check|cache]` (also the `flash-cute`
-command).
+"""`python -m flash_cute [inspect|bench [latency|decode]|check|cache|profile]` (also the
+`flash-cute` command).
 
 With no sub-command: on a CUDA machine, `check` (a quick correctness check against the
 float64 reference and a short benchmark with a plot); without a GPU, `inspect` (one forward
@@ -14,7 +14,7 @@ def _parser():
     parser = argparse.ArgumentParser(prog="python -m flash_cute", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
-    from flash_cute.tools import cache_cli, inspection, selfcheck
+    from flash_cute.tools import cache_cli, inspection, profile, selfcheck
     from flash_cute.tools.bench import cli as bench
 
     inspection.add_arguments(sub.add_parser("inspect", help="cross-compile kernels, report SASS"))
@@ -22,6 +22,8 @@ def _parser():
     selfcheck.add_arguments(sub.add_parser("check",
                                            help="correctness check + short benchmark (GPU)"))
     cache_cli.add_arguments(sub.add_parser("cache", help="the persistent JIT cache"))
+    profile.add_arguments(sub.add_parser("profile",
+                                         help="the hopper forward's measured timeline (GPU)"))
     return parser
 
 
@@ -52,6 +54,10 @@ def main(argv=None) -> int:
         from flash_cute.tools import cache_cli
 
         return cache_cli.run(args)
+    if args.command == "profile":
+        from flash_cute.tools import profile
+
+        return profile.run(args)
     from flash_cute.tools import selfcheck
 
     return selfcheck.run(args)

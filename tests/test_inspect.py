@@ -181,8 +181,9 @@ def _check_pipelines(configs):
             sass = Path(e["artifacts"]["sass"]).read_text()
             problems = check(from_dict(e["pipeline"]), sass)
             assert not problems, (e["kernel"], e["target"], e["config"], problems)
-            # No kernel reads the global timer unless compiled to record its timeline.
-            assert not sass_facts(sass)["global_timer"], (e["kernel"], e["config"])
+            # A kernel reads the global timer exactly when compiled to record its timeline.
+            assert sass_facts(sass)["global_timer"] == bool(e["config"].get("timeline")), \
+                (e["kernel"], e["config"])
             checked += 1
     return checked
 
@@ -731,3 +732,27 @@ def test_the_report_shows_each_pipelines_roles_residency_and_primitives(tmp_path
     assert count(sections["ampere.fwd"], "mma.sync") > 0
     assert "what changed from hopper.fwd" in sections["blackwell.fwd"]
     assert "S moves from RMEM to TMEM" in sections["blackwell.fwd"]
+
+
+def test_the_timeline_switch_reads_the_global_timer_and_spills_nothing():
+    """The hopper forward compiled with its timeline switch (causal and not) records with the
+    global timer (SR_GLOBALTIMERLO in its SASS: opcode counts cannot show it), keeps its
+    register budgets and spills nothing; the same configs without it read no timer."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from flash_cute.tools.pipelines import sass_facts
+    from flash_cute.tools.xcompile import cross_compile
+
+    timed = [c for c in CONFIGS if c.kernel == "hopper.fwd" and c.flag_dict.get("timeline")]
+    assert len(timed) == 2
+    plain = [replace(c, flags=tuple((k, v) for k, v in c.flags if k != "timeline"))
+             for c in timed]
+    assert all(c in CONFIGS for c in plain)
+    for e in cross_compile(timed + plain):
+        sass = Path(e["artifacts"]["sass"]).read_text()
+        on = bool(e["config"].get("timeline"))
+        assert sass_facts(sass)["global_timer"] == on, e["config"]
+        if on:
+            assert "SR_GLOBALTIMERLO" in sass and e["spill_bytes"] == 0, e["config"]
+            assert e["registers_per_role"] == {"producer": 24, "consumer": 240}

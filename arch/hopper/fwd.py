@@ -59,6 +59,7 @@ from flash_cute.blocks.score import (
 )
 from flash_cute.blocks.seqlen import SeqInfo
 from flash_cute.blocks.softmax import OnlineSoftmax, rescale_o
+from flash_cute.blocks.timeline import Timeline
 from flash_cute.blocks.work_loop import for_each_tile, num_sms
 from flash_cute.contract.block_range import block_range, block_runs, narrow, split_range
 from flash_cute.contract.kernel_args import FwdArgs
@@ -283,7 +284,8 @@ class HopperFwd:
             sO_layout, args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
             args.num_splits, args.blocks_per_split, args.page_table,
             self._append_tensors(mK, mV, args), aux_tensors(self, args),
-            block_mask_tensors(self, args), merged, mma_qk, mma_pv, SharedStorage, tx_bytes,
+            block_mask_tensors(self, args), merged, args.timeline, mma_qk, mma_pv, SharedStorage,
+            tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=self.ctas_per_sm,
                  preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
@@ -414,8 +416,8 @@ class HopperFwd:
                mSeed: Optional[cute.Tensor], keep_threshold: Int32, dropout_scale: Float32,
                nheads: Int32, num_splits: Int32, blocks_per_split: Int32,
                mPageTable: Optional[cute.Tensor], append_tensors, aux, block_mask, merged,
-               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, SharedStorage: cutlass.Constexpr,
-               tx_bytes: cutlass.Constexpr):
+               mTimeline: Optional[cute.Tensor], mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr, tx_bytes: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v):
@@ -444,14 +446,15 @@ class HopperFwd:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
                 self.produce(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles,
-                             append_tensors)
+                             append_tensors, mTimeline)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             tidx = cute.arch.thread_idx()[0] - 128
             out = OutputStore(self, mma_pv, tidx, tma_o, sO, mO, mLSE,
                               warp_idx == _O_STORE_WARP, self._arrivals(merged, storage, tidx))
             self.consume(mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
-                         mod_scale, (mSeed, keep_threshold, dropout_scale, nheads), aux)
+                         mod_scale, (mSeed, keep_threshold, dropout_scale, nheads), aux,
+                         mTimeline)
 
     def _arrivals(self, merged, storage, tidx: Int32):
         """Split-KV: (merged O, merged LSE, the tile counts' `SplitArrivals`); else None."""
@@ -464,17 +467,17 @@ class HopperFwd:
 
     @cute.jit
     def produce(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles,
-                append_tensors):
+                append_tensors, mTimeline=None):
         """Warp 0 of the producer warpgroup, all 32 lanes, over this CTA's tiles."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         step = functools.partial(self.produce_tile, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV,
-                                 pipes, tiles, append_tensors)
+                                 pipes, tiles, append_tensors, mTimeline)
         for_each_tile(tiles, self.persistent, step, (q_state, kv))
 
     @cute.jit
     def produce_tile(self, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles,
-                     append_tensors, tile: Int32, q_state, kv):
+                     append_tensors, mTimeline, tile: Int32, q_state, kv):
         """TMA of one tile's Q and K/V blocks: `producer_acquire` elects the lane that arms the
         barrier, and the TMA copy elects its own issuing lane. The Q acquire waits until the
         consumers released the last tile's Q (see `OutputStore` for when that is). With the
@@ -508,13 +511,13 @@ class HopperFwd:
                                         head_kv, rng, kv)
             else:
                 kv = self.produce_dense(tma_k, tma_v, mK, mV, sK, sV, pipes, seq, head_kv,
-                                        rng, kv)
+                                        rng, kv, self._trace(mTimeline, tile, rng))
         # Returned so the caller's tile loop rebinds them (the DSL carries plain locals only).
         return q_state, kv
 
     @cute.jit
     def produce_dense(self, tma_k, tma_v, tK, tV, sK, sV, pipes, seq: SeqInfo, head_kv: Int32,
-                      rng, kv):
+                      rng, kv, trace=None):
         """The tile's K/V blocks, right to left, one TMA each."""
         _, pipe_k, pipe_v = pipes
         gK = cute.local_tile(seq.k_view(tK, head_kv), (self.tile_n, self.hdim), (None, 0))
@@ -527,6 +530,7 @@ class HopperFwd:
             pipe_k.producer_acquire(kv)
             cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(kv))
+            self._mark(trace, "load_issued", n_block)
             pipe_v.producer_acquire(kv)
             cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(kv))
@@ -544,7 +548,7 @@ class HopperFwd:
 
     @cute.jit
     def consume(self, mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
-                mod_scale, dropout_args, aux):
+                mod_scale, dropout_args, aux, mTimeline=None):
         """One consumer warpgroup's 64 rows of each of this CTA's tiles (thread index relative
         to the first consumer, so the tiled MMAs place warpgroup 1 on rows 0..63, warpgroup 2
         on rows 64..127 and so on). Ping-pong turns start once and run on across tiles: every
@@ -559,14 +563,14 @@ class HopperFwd:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         step = functools.partial(self.consume_tile, gemms, coord_mn, turns, pipes, tiles, out,
-                                 scale_log2, mod_scale, dropout_args, aux)
+                                 scale_log2, mod_scale, dropout_args, aux, mTimeline)
         for_each_tile(tiles, self.persistent, step, (q_state, kv))
         turns.finish()
         out.drain()
 
     @cute.jit
     def consume_tile(self, gemms, coord_mn, turns, pipes, tiles, out, scale_log2, mod_scale,
-                     dropout_args, aux, tile: Int32, q_state, kv):
+                     dropout_args, aux, mTimeline, tile: Int32, q_state, kv):
         """One tile: main loop, softmax finalize, epilogue. Returns the Q and K/V states for
         the next tile."""
         pipe_q = pipes[0]
@@ -585,20 +589,35 @@ class HopperFwd:
             # Q is waited for even when no block is visited: its TMA must land before the
             # consumers release it (and before the CTA exits).
             pipe_q.consumer_wait(q_state)
+            trace = self._trace(mTimeline, tile, rng)
             if cutlass.const_expr(self.intra_wg_overlap):
-                kv = self.mainloop_overlapped(gemms, scores, turns, pipes, acc_o, rng, kv)
+                kv = self.mainloop_overlapped(gemms, scores, turns, pipes, acc_o, rng, kv, trace)
             else:
-                kv = self.mainloop_serial(gemms, scores, turns, pipes, acc_o, rng, kv)
+                kv = self.mainloop_serial(gemms, scores, turns, pipes, acc_o, rng, kv, trace)
             if cutlass.const_expr(self.o_tile != "q"):
                 # The last QKᵀ has landed: the producer may load the next tile's Q now.
                 pipe_q.consumer_release(q_state)
+            self._mark(trace, "epilogue_start", Int32(-1))
             o_scale, lse = softmax.finalize(Float32(1.0) if drop is None else drop.scale)
             rescale_o(acc_to_mn(acc_o), o_scale)
             out.store(acc_o, lse, seq, head, m_block, pipe_q, q_state, split)
+            self._mark(trace, "epilogue_end", Int32(-1))
             if cutlass.const_expr(self.split_kv):
                 out.merge_if_last(tiles, seq, head, m_block)
             q_state.advance()
         return q_state, kv
+
+    def _trace(self, mTimeline, tile: Int32, rng) -> Optional[Timeline]:
+        """This warp's timeline recorder for the tile (None without `timeline`)."""
+        if cutlass.const_expr(not self.timeline):
+            return None
+        return Timeline.for_tile(mTimeline, tile, rng.n_block_max - 1)
+
+    @staticmethod
+    def _mark(trace, event: str, block: Int32):
+        """A phase boundary on the timeline (nothing without `timeline`)."""
+        if cutlass.const_expr(trace is not None):
+            trace.record(event, block)
 
     def tile_dropout(self, dropout_args, seq: SeqInfo, head: Int32) -> Optional[Dropout]:
         """The tile's `Dropout` (None without): its (batch entry, query head) draws."""
@@ -625,7 +644,7 @@ class HopperFwd:
                             FwdBarrier.V_TAIL.value)
 
     @cute.jit
-    def mainloop_serial(self, gemms, scores, turns, pipes, acc_o, rng, kv):
+    def mainloop_serial(self, gemms, scores, turns, pipes, acc_o, rng, kv, trace=None):
         """Per block: S = Q Kᵀ, wait, softmax, O += P V, wait (the tensor cores idle during
         this warpgroup's softmax unless the other warpgroup fills them: `pingpong`).
         Returns the K/V state of the next tile's first block."""
@@ -635,25 +654,34 @@ class HopperFwd:
         if rng.n_block_max > rng.n_block_min:
             self.clear_v_tail(gemms.sV, pipe_v, kv, rng.n_block_max - 1, scores.mask.seqlen_k)
         for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
+            n_block = rng.n_block_max - 1 - i
+            self._mark(trace, "wait_start", n_block)
             pipe_k.consumer_wait(kv)
+            self._mark(trace, "wait_end", n_block)
             turns.begin()
             gemms.qk(acc_s, kv.index)
             turns.end()
+            self._mark(trace, "qk_issued", n_block)
             warpgroup.wait_group(0)
+            self._mark(trace, "qk_done", n_block)
             pipe_k.consumer_release(kv)
-            rescale_o(acc_to_mn(acc_o), scores.to_p(acc_s, rng.n_block_max - 1 - i, False, None))
+            self._mark(trace, "softmax_start", n_block)
+            rescale_o(acc_to_mn(acc_o), scores.to_p(acc_s, n_block, False, None))
             convert_pairs(acc_s, r_p)
+            self._mark(trace, "softmax_end", n_block)
             pipe_v.consumer_wait(kv)
             turns.begin()
             gemms.pv(r_p, acc_o, kv.index)
             turns.end()
+            self._mark(trace, "pv_issued", n_block)
             warpgroup.wait_group(0)
+            self._mark(trace, "pv_done", n_block)
             pipe_v.consumer_release(kv)
             kv.advance()
         return kv
 
     @cute.jit
-    def mainloop_overlapped(self, gemms, scores, turns, pipes, acc_o, rng, k_state):
+    def mainloop_overlapped(self, gemms, scores, turns, pipes, acc_o, rng, k_state, trace=None):
         """FA3's intra-warpgroup overlap: S[n-1] = Q K[n-1]ᵀ and O += P[n] V[n] are issued
         together, so the softmax of block n-1 runs while the PV WGMMA of block n is in flight;
         O is rescaled once that PV has landed (without ping-pong: once the next S is issued,
@@ -667,14 +695,20 @@ class HopperFwd:
         if n_max > rng.n_block_min:
             # Before the first S, while few registers are live (after it, ptxas spills).
             self.clear_v_tail(gemms.sV, pipe_v, k_state, n_max - 1, scores.mask.seqlen_k)
+            self._mark(trace, "wait_start", n_max - 1)
             pipe_k.consumer_wait(k_state)
+            self._mark(trace, "wait_end", n_max - 1)
             turns.begin()
             gemms.qk(acc_s, k_state.index)
             turns.end()
+            self._mark(trace, "qk_issued", n_max - 1)
             warpgroup.wait_group(0)
+            self._mark(trace, "qk_done", n_max - 1)
             pipe_k.consumer_release(k_state)
+            self._mark(trace, "softmax_start", n_max - 1)
             scores.to_p(acc_s, n_max - 1, True, True)
             convert_pairs(acc_s, r_p)
+            self._mark(trace, "softmax_end", n_max - 1)
             v_state = k_state.clone()
             k_state.advance()
             prev_scale = None
@@ -684,7 +718,7 @@ class HopperFwd:
                                                    Float32)
                 prev_scale.fill(1.0)
             step = OverlappedStep(gemms, scores, turns, pipe_k, pipe_v, acc_s, r_p, acc_o,
-                                  prev_scale)
+                                  prev_scale, trace)
             k_state, v_state = self.overlapped_blocks(step, rng, k_state, v_state)
             if cutlass.const_expr(prev_scale is not None):
                 rescale_o(acc_to_mn(acc_o), prev_scale)
@@ -692,7 +726,9 @@ class HopperFwd:
             turns.begin()
             gemms.pv(r_p, acc_o, v_state.index)
             turns.end()
+            self._mark(trace, "pv_issued", rng.n_block_min)
             warpgroup.wait_group(0)
+            self._mark(trace, "pv_done", rng.n_block_min)
             pipe_v.consumer_release(v_state)
         # K runs one block ahead of V: after the last PV, k_state is the next free stage.
         return k_state
@@ -1057,31 +1093,43 @@ class OverlappedStep(DslState):
     back for it."""
 
     def __init__(self, gemms, scores, turns, pipe_k, pipe_v, acc_s, r_p, acc_o,
-                 prev_scale=None):
+                 prev_scale=None, trace=None):
         self.gemms, self.scores, self.turns = gemms, scores, turns
         self.pipe_k, self.pipe_v = pipe_k, pipe_v
         self.acc_s, self.r_p, self.acc_o = acc_s, r_p, acc_o
         self.prev_scale = prev_scale
+        self.trace = trace
 
     @cute.jit
     def run(self, k_state, v_state, n_block: Int32, masked: cutlass.Constexpr,
             drain: cutlass.Constexpr = False):
         state = self.scores.scores.tile_state(self.scores.m_block, n_block)
+        mark = functools.partial(HopperFwd._mark, self.trace)
+        mark("wait_start", n_block)
         self.pipe_k.consumer_wait(k_state)
+        mark("wait_end", n_block)
         self.turns.begin()
         self.gemms.qk(self.acc_s, k_state.index)
+        mark("qk_issued", n_block)
         if cutlass.const_expr(self.prev_scale is not None):
             rescale_o(acc_to_mn(self.acc_o), self.prev_scale)
         self.pipe_v.consumer_wait(v_state)
         self.gemms.pv(self.r_p, self.acc_o, v_state.index)
         self.turns.end()
+        mark("pv_issued", n_block + 1)
         # Groups complete in issue order: one left in flight means S has landed. `drain`
         # waits for the PV too (see `HopperFwd.overlapped_blocks`).
         warpgroup.wait_group(0 if drain else 1)
+        mark("qk_done", n_block)
+        if cutlass.const_expr(drain):
+            mark("pv_done", n_block + 1)
         self.pipe_k.consumer_release(k_state)
+        mark("softmax_start", n_block)
         row_scale = self.scores.to_p(self.acc_s, n_block, False, masked, state)
+        mark("softmax_end", n_block)
         if cutlass.const_expr(not drain):
             warpgroup.wait_group(0)
+            mark("pv_done", n_block + 1)
         self.pipe_v.consumer_release(v_state)
         if cutlass.const_expr(self.prev_scale is None):
             rescale_o(acc_to_mn(self.acc_o), row_scale)

@@ -120,6 +120,10 @@ def _fwd_configs():
                            ((128, 128), {"causal": True, "seqused_k": True, "split_kv": True,
                                          "pack_gqa": 4, "page": 16, "append": True}),
                            ((256, 256), {"causal": True, "split_kv": True}),
+                           # The measured timeline (`timeline`): records at the warp roles'
+                           # phase boundaries, causal and not.
+                           ((128, 128), {"causal": True, "timeline": True}),
+                           ((128, 128), {"timeline": True}),
                            # The software exp2 on 2 and 4 of every 16 scores (`exp2_emu`).
                            ((128, 128), {"causal": True, "ex2_emu": 2}),
                            ((128, 128), {"causal": True, "ex2_emu": 4}),

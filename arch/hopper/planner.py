@@ -52,11 +52,12 @@ def forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=
 
 def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, schedule=None,
-                 page_table=None, append=None) -> launch_fwd.ForwardLaunch:
+                 page_table=None, append=None, timeline=None) -> launch_fwd.ForwardLaunch:
     """The `launch_fwd.ForwardLaunch` of `forward`'s call configuration. `page_table`: k / v
     are paged caches, read by the kernel (`paged`) where their page size allows, else
     gathered first (`launch_fwd.GatheredPages`). `append`: (k_new, v_new) written into the
-    cache by the kernel (`kv_append`), or by torch first where the pages are gathered."""
+    cache by the kernel (`kv_append`), or by torch first where the pages are gathered.
+    `timeline`: the measured timeline's record buffer (`python -m flash_cute profile`)."""
     from flash_cute.runtime.jit import current_target
 
     target = current_target()
@@ -85,7 +86,7 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
                                 cu_seqlens_k, seqused_q, seqused_k, chosen, COMPILE_OPTIONS,
                                 target, prepare=tma_ready, pack_gqa=pack, splits=splits,
                                 page_table=page_table, append=append,
-                                merge_in_kernel=True)
+                                merge_in_kernel=True, timeline=timeline)
 
 
 def pages_in_kernel(page_size: int) -> bool:

@@ -120,6 +120,7 @@ def set_kernel_switches(kernel, variant) -> None:
     kernel.append = variant.append
     kernel.ex2_per16 = variant.ex2_per16
     kernel.mods = variant.mods
+    kernel.timeline = getattr(variant, "timeline", False)
 
 
 def aux_tensors(cfg, args):

@@ -74,6 +74,9 @@ class FwdArgs(NamedTuple):
     merged_out: Optional[Any] = None
     merged_lse: Optional[Any] = None
     split_counts: Optional[Any] = None
+    # The measured timeline (`Variant.timeline`): int64 [ctas, warps, SLOTS, 3] records of the
+    # first `ctas` CTAs' first tiles (`flash_cute.contract.timeline`).
+    timeline: Optional[Any] = None
 
 
 class BwdArgs(NamedTuple):

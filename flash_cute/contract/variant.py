@@ -50,6 +50,8 @@ class Variant:
     append: bool = False
     ex2_per16: int = 0
     mods: Any = None
+    # Record the warp roles' phase boundaries (`contract.timeline`) for a sample of CTAs.
+    timeline: bool = False
 
     def __post_init__(self):
         # Causal is the window (left, 0): a right window on top of it means nothing.
@@ -70,6 +72,7 @@ class Variant:
         flags += (("page", self.page_size),) if self.page_size else ()
         flags += (("append", True),) if self.append else ()
         flags += (("ex2_emu", self.ex2_per16),) if self.ex2_per16 else ()
+        flags += (("timeline", True),) if self.timeline else ()
         return flags + ((("mods", self.mods.key()),) if self.mods is not None else ())
 
 

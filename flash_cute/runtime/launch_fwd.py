@@ -3,6 +3,7 @@ cache (`ForwardLaunch`): output shapes and fills, no-work cases, the argument re
 kernels' `KernelCall`s; with what a decode forward adds: split scratch (`SplitScratch`), paged
 K/V gathered first (`GatheredPages`) and the append written first (`AppendFirst`)."""
 
+import dataclasses
 import math
 
 import torch
@@ -48,7 +49,7 @@ class ForwardLaunch:
                  seqused_q, seqused_k, schedule: tuple, options: str, target: str,
                  prepare=None, pack_gqa: int = 1, splits=None, page_table=None, append=None,
                  ex2_per16=None, tile=None, q_tiles_per_cta: int = 1,
-                 merge_in_kernel: bool = False):
+                 merge_in_kernel: bool = False, timeline=None):
         from flash_cute.runtime.jit import DTYPES, CompileKey, KernelCall, TensorArg, tensor_arg
 
         check_seqused(problem, seqused_q, seqused_k)
@@ -68,6 +69,9 @@ class ForwardLaunch:
         # The appending kernel counts the rows it drops into the device's counter itself:
         # no torch operation per call (`flash_cute.runtime.status`).
         self.dropped = None if append is None else status.counter(q.device)
+        # The measured timeline's record buffer (`contract.timeline`; `python -m flash_cute
+        # profile`): a kernel compiled with `Variant.timeline` writes into it.
+        self.timeline = timeline
         if self.no_work and append is not None:
             raise ValueError("an append needs a launch that runs (a query row and a key)")
         if self.no_work:
@@ -92,6 +96,8 @@ class ForwardLaunch:
                                        append=append is not None,
                                        ex2_per16=ex2_emulation_per16() if ex2_per16 is None
                                        else ex2_per16)
+        if timeline is not None:
+            variant = dataclasses.replace(variant, timeline=True)
         dtype = dtype_name(q.dtype)
         key = CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(schedule),
                          variant.flags())
@@ -126,7 +132,8 @@ class ForwardLaunch:
                        v_new=None if append is None else TensorArg(append[1]),
                        append_dropped=None if self.dropped is None else
                        TensorArg(self.dropped, 8),
-                       **self.aux.fields(), **self.sparse.fields(), **merged)
+                       **self.aux.fields(), **self.sparse.fields(), **merged,
+                       timeline=None if timeline is None else TensorArg(timeline, 8))
         self.call = KernelCall(key, lambda: make_kernel(DTYPES[dtype], problem.hdim,
                                                         problem.hdim_v, variant,
                                                         schedule=tuple(schedule)),
@@ -184,7 +191,8 @@ class ForwardLaunch:
                   seqused_q, seqused_k, seed_words(rng_seed, self.dropout),
                   *self.dropout_scalars, *self.split_scalars, page_table, *append,
                   self.dropped if append[0] is not None else None,
-                  *self.aux.values(), *self.sparse.tensors, *self.aux.scalar_values, *merged)
+                  *self.aux.values(), *self.sparse.tensors, *self.aux.scalar_values, *merged,
+                  self.timeline)
         if self.merge is not None:
             self.merge(o_parts, lse_parts, out, lse)
         return out, lse

@@ -8,6 +8,7 @@ import cutlass
 from cutlass import Float32, Int32, Int64
 
 from flash_cute.contract.kernel_args import AUX_ALIGN, SCALAR_FIELDS, BwdArgs, FwdArgs, aux_fields
+from flash_cute.contract.timeline import FIELDS, SLOTS
 from flash_cute.runtime.jit import dynamic_dim, fake_tensor
 
 
@@ -64,7 +65,8 @@ def _fake_scalars() -> dict:
 def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
                       seqused=(False, False), dropout: bool = False,
                       split_kv: bool = False, paged: bool = False,
-                      append: bool = False, mods=None, merged: bool = False) -> FwdArgs:
+                      append: bool = False, mods=None, merged: bool = False,
+                      timeline: bool = False) -> FwdArgs:
     """A forward record of fake tensors with dynamic batch, heads and lengths, padded or
     varlen, for cross-compiling; `seqused`: (seqused_q, seqused_k) given; `dropout`: with
     the seed tensor; `split_kv`: out and lse as fp32 partials with a leading split mode;
@@ -94,7 +96,9 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
         blocks_per_split=Int32(0), page_table=table, k_new=new[0], v_new=new[1],
         append_dropped=new[2],
         **fake_aux(mods), **(_fake_merged(dtype, rows_q, heads, hdim_v, lse_shape)
-                             if merged else {}))
+                             if merged else {}),
+        timeline=(fake_tensor(Int64, (dynamic_dim(), dynamic_dim(), SLOTS, FIELDS), align=8)
+                  if timeline else None))
 
 
 def _fake_merged(dtype, rows_q, heads, hdim_v, lse_shape) -> dict:

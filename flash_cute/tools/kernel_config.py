@@ -81,7 +81,8 @@ def forward_spec(kernel, options: str, extra: Optional[dict] = None) -> "Compile
                              split_kv=kernel.split_kv, paged=kernel.page_size > 0,
                              append=getattr(kernel, "append", False),
                              mods=getattr(kernel, "mods", None),
-                             merged=kernel.split_kv and getattr(kernel, "merges_splits", False))
+                             merged=kernel.split_kv and getattr(kernel, "merges_splits", False),
+                             timeline=getattr(kernel, "timeline", False))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=options,
                        extra=extra or {})
 
@@ -108,6 +109,7 @@ def variant_from_flags(flags: dict) -> Variant:
                    pack_gqa=flags.get("pack_gqa", 1), dropout=flags.get("dropout", False),
                    split_kv=flags.get("split_kv", False), page_size=flags.get("page", 0),
                    append=flags.get("append", False), ex2_per16=flags.get("ex2_emu", 0),
+                   timeline=flags.get("timeline", False),
                    mods=None if flags.get("mods") is None else example_spec(flags["mods"]))
 
 
