@@ -63,6 +63,7 @@ from flash_cute.blocks.score import (
     tile_scores,
 )
 from flash_cute.blocks.seqlen import SeqInfo
+from flash_cute.blocks.timeline import Timeline
 from flash_cute.contract.block_range import m_block_range, narrow_pair
 from flash_cute.contract.kernel_args import BwdArgs
 from flash_cute.contract.variant import Variant
@@ -320,7 +321,8 @@ class HopperBwd:
             args.cu_seqlens_k,
             args.seqused_q, args.seqused_k, *layouts, *mmas,
             args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
-            aux_tensors(self, args), block_mask_tensors(self, args), SharedStorage, tx_bytes,
+            aux_tensors(self, args), block_mask_tensors(self, args), args.timeline, SharedStorage,
+            tx_bytes,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def _row_stats_atom(self, t: cute.Tensor):
@@ -443,7 +445,7 @@ class HopperBwd:
                mma_sdp: cute.TiledMma, mma_dk: cute.TiledMma, mma_dv: cute.TiledMma,
                mma_dq: cute.TiledMma, mSeed: Optional[cute.Tensor], keep_threshold: Int32,
                dropout_scale: Float32, nheads: Int32, aux, block_mask,
-               SharedStorage: cutlass.Constexpr,
+               mTimeline: Optional[cute.Tensor], SharedStorage: cutlass.Constexpr,
                tx_bytes: cutlass.Constexpr):
         layouts = (sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout)
         mmas = (mma_sdp, mma_dk, mma_dv, mma_dq)
@@ -480,12 +482,13 @@ class HopperBwd:
             order = None
             if cutlass.const_expr(self.deterministic):
                 order = DqOrder(self, mdQsem, seq, head, n_block, win_left, win_right)
+            trace = self._trace(mTimeline, n_block, head, batch, m_min)
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(BWD_PRODUCER_REGISTERS)
                 if warp_idx == 0:
                     self.produce((tma_q, tma_do, tma_k, tma_v, tma_lse, tma_delta),
                                  (mQ, mdO, mK, mV, mLSElog2, mDelta), smem, pipes, seq, head,
-                                 head_kv, n_block, m_min, m_max)
+                                 head_kv, n_block, m_min, m_max, trace)
                 if cutlass.const_expr(self.dq_tma):
                     if warp_idx == _DQ_WRITER_WARP:
                         self.write_dq(mdQaccum, smem, seq, head, order, m_min, m_max)
@@ -495,10 +498,20 @@ class HopperBwd:
                 step = BwdStep(self, tidx, seq, mmas, smem, (mLSElog2, mDelta), mdQaccum, head,
                                scale_log2, mod_scale, win_left, win_right, order,
                                self.cta_dropout((mSeed, keep_threshold, dropout_scale, nheads),
-                                                seq, head), aux, states)
+                                                seq, head), aux, states, trace)
                 self.consume(step, smem, pipes, m_min, m_max, n_block)
+                mark(trace, "epilogue_start", Int32(-1))
                 self.store_dkv(step, mmas, tidx, seq, smem, mdK, mdV, head, n_block,
                                softmax_scale)
+                mark(trace, "epilogue_end", Int32(-1))
+
+    def _trace(self, mTimeline, n_block: Int32, head: Int32, batch: Int32, m_min: Int32):
+        """This warp's timeline recorder (None without `timeline`): the first CTAs of head 0
+        of batch entry 0 record; a "block" is a query tile, visited left to right."""
+        if cutlass.const_expr(not self.timeline):
+            return None
+        on = (n_block < mTimeline.shape[0]) & (head == 0) & (batch == 0)
+        return Timeline.of_warp(mTimeline, on, m_min, descending=False)
 
     def cta_dropout(self, dropout_args, seq: SeqInfo, head: Int32) -> Optional[Dropout]:
         """This CTA's `Dropout` (None without): its (batch entry, query head) draws, in the
@@ -570,7 +583,8 @@ class HopperBwd:
                             s_tile, g, kv_rows)
 
     @cute.jit
-    def produce(self, atoms, tensors, smem, pipes, seq, head, head_kv, n_block, m_min, m_max):
+    def produce(self, atoms, tensors, smem, pipes, seq, head, head_kv, n_block, m_min, m_max,
+                trace=None):
         """Warp 0, all 32 lanes: `producer_acquire` elects the lane that arms the barrier, the
         TMA copy elects its own issuing lane. K and V are loaded even when no query tile sees
         this block, so the consumers' one wait is unconditional."""
@@ -606,6 +620,7 @@ class HopperBwd:
                 self.load_q_do(atoms, tiles, pipe_q, pipe_do, q_state, q_state, m_block)
             else:
                 self.load_q_do(atoms, tiles, pipe_q, pipe_do, q_state, do_state, m_block)
+            mark(trace, "load_issued", m_block)
             q_state.advance()
             if cutlass.const_expr(do_state is not None):
                 do_state.advance()
@@ -802,8 +817,9 @@ class BwdStep(DslState):
 
     def __init__(self, cfg: HopperBwd, tidx, seq, mmas, smem: SmemTiles, stats, mdQaccum, head,
                  scale_log2, mod_scale, win_left, win_right, order, dropout=None, aux=None,
-                 block_states=None):
+                 block_states=None, trace=None):
         self.cfg, self.seq, self.tidx, self.order = cfg, seq, tidx, order
+        self.trace = trace
         self.dropout = dropout
         self.scale_log2 = scale_log2
         self.win_left, self.win_right = win_left, win_right
@@ -976,7 +992,9 @@ class BwdStep(DslState):
         for dO[m], issue dP = dO Vᵀ (with swap_sdp Sᵀ = K Qᵀ and dPᵀ = V dOᵀ). Neither is
         waited for; returns their accumulators."""
         q_stage, do_stage = q_state.index, do_state.index
+        mark(self.trace, "wait_start", m_block)
         pipe_q.consumer_wait(q_state)
+        mark(self.trace, "wait_end", m_block)
         self.clear_q_tail(pipe_do, q_state, do_state, m_block)
         acc_s = self.new_acc_s()
         if cutlass.const_expr(self.cfg.swap_sdp):
@@ -989,6 +1007,7 @@ class BwdStep(DslState):
             gemm(self.mma_sdp, acc_dp, self.tdPrV, self.tdPrdO, 0, do_stage, False)
         else:
             gemm(self.mma_sdp, acc_dp, self.tdPrdO, self.tdPrV, do_stage, 0, False)
+        mark(self.trace, "qk_issued", m_block)
         return acc_s, acc_dp
 
     @cute.jit
@@ -1006,6 +1025,8 @@ class BwdStep(DslState):
         if cutlass.const_expr(cfg.pds_stages == 1):
             self.pds_barrier.arrive_and_wait()
         warpgroup.wait_group(0 if cutlass.const_expr(cfg.fused_p_ds) else 1)
+        mark(self.trace, "qk_done", m_block)
+        mark(self.trace, "softmax_start", m_block)
         self.mask_scores(s_qk, m_block, n_block, g_qk, tile_state)
         # A thread holds 16 (at 80 rows 20, at 128 rows 32) queries' columns here, not 2 rows:
         # LSE₂ and Δ are each read just before their use, so that both are never live at once.
@@ -1035,6 +1056,7 @@ class BwdStep(DslState):
             warpgroup.wait_group(1)  # dP; dV still runs
             ds_from_probs(s_qk, dp_qk, self.row_values(m_block, stage, False))
             r_ds = self.store_ds(acc_dp, pds)
+        mark(self.trace, "softmax_end", m_block)
         cute.arch.fence_view_async_shared()
         self.pds_barrier.arrive_and_wait()
         acc_dq = self.new_acc_dq()
@@ -1043,6 +1065,7 @@ class BwdStep(DslState):
         else:
             gemm(self.mma_dq, acc_dq, self.tdQrdS, self.tdQrKt, pds, 0, False)
         gemm_rs(self.mma_dk, self.acc_dk, acc_to_operand_a(r_ds), self.tdKrQt, stage)
+        mark(self.trace, "pv_issued", m_block)
         self.finish_dq(pipe_q, pipe_do, state, do_state, acc_dq, m_block)
 
     @cute.jit
@@ -1073,6 +1096,8 @@ class BwdStep(DslState):
         # A score mod's derivative (softcap's) reads S, which P overwrites: S and dP are both
         # waited for.
         warpgroup.wait_group(0 if cutlass.const_expr(cfg.fused_p_ds) else 1)
+        mark(self.trace, "qk_done", m_block)
+        mark(self.trace, "softmax_start", m_block)
         self.mask_scores(s_mn, m_block, n_block, g_mn, tile_state)
         if cutlass.const_expr(cfg.fused_p_ds):
             self.p_ds(s_mn, dp_mn, (lse, delta), m_block, n_block, g_mn)
@@ -1091,6 +1116,7 @@ class BwdStep(DslState):
             warpgroup.wait_group(1)  # dP; dV still runs
             ds_from_probs(s_mn, dp_mn, delta)
         self.to_smem(acc_dp, self.tdSsdS, pds)
+        mark(self.trace, "softmax_end", m_block)
         cute.arch.fence_view_async_shared()
         self.pds_barrier.arrive_and_wait()
         self.dq_and_dk(pipe_q, pipe_do, q_state, do_state, pds, m_block)
@@ -1105,6 +1131,7 @@ class BwdStep(DslState):
             gemm(self.mma_dk, self.acc_dk, self.tdKrQt, self.tdKrdSt, q_state.index, pds, True)
         else:
             gemm(self.mma_dk, self.acc_dk, self.tdKrdSt, self.tdKrQt, pds, q_state.index, True)
+        mark(self.trace, "pv_issued", m_block)
         self.finish_dq(pipe_q, pipe_do, q_state, do_state, acc_dq, m_block)
 
     @cute.jit
@@ -1119,6 +1146,7 @@ class BwdStep(DslState):
         else:
             self.dq_atomic(acc_dq, m_block)
         warpgroup.wait_group(0)
+        mark(self.trace, "pv_done", m_block)
         pipe_q.consumer_release(q_state)
 
     @cute.jit
@@ -1265,6 +1293,12 @@ def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cut
     for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
         cute.gemm(atom, acc, tA[None, None, k], b[None, None, k], acc)
     warpgroup.commit_group()
+
+
+def mark(trace, event: str, block: Int32):
+    """A phase boundary on the timeline (nothing without `timeline`)."""
+    if cutlass.const_expr(trace is not None):
+        trace.record(event, block)
 
 
 def registers_per_role() -> dict:

@@ -49,6 +49,7 @@ def build_bwd(entry):
                               dq_align=16, semaphores=kernel.deterministic,
                               seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
                               dropout=kernel.dropout, mods=kernel.mods,
+                              timeline=kernel.timeline,
                               dq_accum_cols=(entry.schedule[0] * entry.hdim if kernel.dq_tma
                                              else None))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
@@ -211,6 +212,9 @@ def _bwd_configs():
                            ((128, 128), {"local": True, "softcap": True}),
                            ((128, 128), {"causal": True, "varlen": True}),
                            ((128, 128), {"dkv_fp32": True}), ((64, 64), {"fp16": True}),
+                           # The measured timeline (`timeline`), causal and not.
+                           ((128, 128), {"causal": True, "timeline": True}),
+                           ((128, 128), {"timeline": True}),
                            ((192, 192), {}), ((192, 128), {"causal": True}), ((256, 256), {}),
                            ((128, 128), {"causal": True, "deterministic": True}),
                            ((128, 128), {"local": True, "varlen": True, "deterministic": True}),

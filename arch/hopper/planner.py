@@ -108,8 +108,9 @@ def backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlen
 
 def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_seqlens_q=None,
                   cu_seqlens_k=None, seqused_q=None, seqused_k=None, deterministic: bool = False,
-                  schedule=None) -> launch_bwd.BackwardLaunch:
-    """The `launch_bwd.BackwardLaunch` of `backward`'s call configuration."""
+                  schedule=None, timeline=None) -> launch_bwd.BackwardLaunch:
+    """The `launch_bwd.BackwardLaunch` of `backward`'s call configuration (`timeline`: the
+    measured timeline's record buffer, `python -m flash_cute profile --backward`)."""
     from flash_cute.runtime.jit import current_target
 
     target = current_target()
@@ -122,7 +123,8 @@ def plan_backward(dout, dlse, q, k, v, out, lse, problem: AttentionProblem, cu_s
                      None if schedule is None else tuple(schedule), target,
                      problem.dropout_p > 0, problem.mods is not None)
     return launch_bwd.BackwardLaunch(plan, dout, dlse, q, k, v, out, lse, problem, cu_seqlens_q,
-                                 cu_seqlens_k, seqused_q, seqused_k, deterministic)
+                                 cu_seqlens_k, seqused_q, seqused_k, deterministic,
+                                 timeline=timeline)
 
 
 @functools.lru_cache(maxsize=None)

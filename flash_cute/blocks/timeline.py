@@ -21,19 +21,27 @@ BLOCKS = (SLOTS - len(EVENTS)) // len(EVENTS)
 
 class Timeline(DslState):
     """One warp's recorder for one tile: `on` for a sampled CTA's first tile; `first`: the
-    index of the tile's first block visited (blocks run right to left, so block n is the
-    (first − n)-th visited)."""
+    index of the tile's first block visited, `descending` whether blocks are visited right to
+    left (the forward's K/V blocks; the backward's query tiles run left to right)."""
 
-    def __init__(self, buffer: cute.Tensor, warp: Int32, on, first: Int32):
+    def __init__(self, buffer: cute.Tensor, warp: Int32, on, first: Int32,
+                 descending: bool = True):
         self.buffer, self.warp, self.on, self.first = buffer, warp, on, first
+        self.descending = descending
 
     @staticmethod
-    def for_tile(buffer, tile: Int32, first_block: Int32):
-        """The recorder of this warp for tile number `tile` of the CTA."""
+    def of_warp(buffer: cute.Tensor, on, first: Int32, descending: bool = True):
+        """This warp's recorder in `buffer` [ctas, warps, SLOTS, 3], recording where `on`."""
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        return Timeline(buffer, warp, on, first, descending)
+
+    @staticmethod
+    def for_tile(buffer, tile: Int32, first_block: Int32, descending: bool = True):
+        """The recorder of this warp for tile number `tile` of the CTA: the first tile of
+        the first CTAs records."""
         bid = cute.arch.block_idx()[0]
         on = (tile == bid) & (bid < buffer.shape[0])
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        return Timeline(buffer, warp, on, first_block)
+        return Timeline.of_warp(buffer, on, first_block, descending)
 
     @cute.jit
     def record(self, event: cutlass.Constexpr, block: Int32):
@@ -42,7 +50,7 @@ class Timeline(DslState):
             if cute.arch.lane_idx() == 0:
                 slot = Int32(BLOCKS * len(EVENTS) + EVENT[event])
                 if block >= Int32(0):
-                    order = self.first - block
+                    order = self.first - block if self.descending else block - self.first
                     slot = order * len(EVENTS) + EVENT[event]
                     if order >= Int32(BLOCKS):
                         slot = Int32(-1)

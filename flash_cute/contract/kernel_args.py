@@ -118,6 +118,9 @@ class BwdArgs(NamedTuple):
     scalar1: Optional[Any] = None
     scalar2: Optional[Any] = None
     scalar3: Optional[Any] = None
+    # The measured timeline (`Variant.timeline`): as `FwdArgs.timeline`, a block being a
+    # query tile.
+    timeline: Optional[Any] = None
 
 
 AUX_FIELDS = ("aux0", "aux1", "aux2", "aux3")

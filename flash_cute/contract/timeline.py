@@ -11,11 +11,13 @@ each sampled CTA's warps write their own records in order (lane 0), until SLOTS 
 EVENTS = ("load_issued", "wait_start", "wait_end", "qk_issued", "qk_done", "softmax_start",
           "softmax_end", "pv_issued", "pv_done", "epilogue_start", "epilogue_end")
 EVENT = {name: i for i, name in enumerate(EVENTS)}
-# Intervals drawn and measured: (name, start event, end event).
-PHASES = (("waiting for K/V", "wait_start", "wait_end"), ("S = Q Kᵀ", "qk_issued", "qk_done"),
-          ("softmax", "softmax_start", "softmax_end"), ("O += P V", "pv_issued", "pv_done"),
+# Intervals drawn and measured: (name, start event, end event). The forward's "scores GEMM"
+# is S = Q Kᵀ and its "output GEMM" O += P V; the backward's are S and dP, then dV, dK, dQ;
+# its "softmax" is P and dS; its "waiting" is for Q and dO (a block is then a query tile).
+PHASES = (("waiting", "wait_start", "wait_end"), ("scores GEMM", "qk_issued", "qk_done"),
+          ("softmax", "softmax_start", "softmax_end"), ("output GEMM", "pv_issued", "pv_done"),
           ("epilogue", "epilogue_start", "epilogue_end"))
-GEMMS = ("S = Q Kᵀ", "O += P V")
+GEMMS = ("scores GEMM", "output GEMM")
 SLOTS = 512
 FIELDS = 3
 

@@ -3,6 +3,7 @@ needs of the shared sequence (`BackwardPlan`: preprocess, main kernel, dQ finish
 the fp32 scratch (dQaccum, Δ, LSE·log2 e from one allocation), the dQ accumulators' layouts
 (`RowDqAccum`) and the deterministic semaphores (`BackwardLaunch`)."""
 
+import dataclasses
 import functools
 import math
 from typing import Callable, NamedTuple, Optional
@@ -82,17 +83,19 @@ class BackwardLaunch:
 
     def __init__(self, plan: BackwardPlan, dout, dlse, q, k, v, out, lse, problem,
                  cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, timeline=None):
         from flash_cute.runtime.bwd_prep import Preprocess
         from flash_cute.runtime.jit import KernelCall, TensorArg, tensor_arg
 
         check_seqused(problem, seqused_q, seqused_k)
         self.no_work = has_no_work(q, k, problem)
         self.aux = CapturedTensors(problem, q.device)
+        # The measured timeline's record buffer (`python -m flash_cute profile --backward`).
+        self.timeline = timeline
         if self.no_work:
             return
         deterministic = bool(deterministic)
-        setup = _backward_setup(plan, problem, q.dtype, deterministic)
+        setup = _backward_setup(plan, problem, q.dtype, deterministic, timeline is not None)
         self.device, self.setup = q.device, setup
         self.scratch = _Scratch(plan.dq_accum.shape(q, problem), lse, plan.row_stats_align)
         dq_accum, delta, lse_log2 = self.scratch.alloc()
@@ -125,7 +128,8 @@ class BackwardLaunch:
                        seqused_q=tensor_arg(seqused_q, 4), seqused_k=tensor_arg(seqused_k, 4),
                        dq_semaphores=tensor_arg(sem, 4),
                        rng_seed=seed_spec(q.device, self.dropout), **drop,
-                       **self.aux.fields(), **self.sparse.fields())
+                       **self.aux.fields(), **self.sparse.fields(),
+                       timeline=None if timeline is None else TensorArg(timeline, 8))
         self.scalars = tuple(setup.scalars.values())
         self.main = KernelCall(setup.key, setup.make_kernel, args, plan.options)
         self.finish = plan.dq_accum.finisher(dq_accum, q, problem, cu_seqlens_q, plan.target)
@@ -159,7 +163,7 @@ class BackwardLaunch:
                   dq_accum, dk, dv, *self.scalars, cu_seqlens_q, cu_seqlens_k, seqused_q,
                   seqused_k, self._alloc_sem(), seed_words(rng_seed, self.dropout),
                   *self.dropout_scalars, *self.aux.values(grads), *self.sparse.tensors,
-                  *self.aux.scalar_values)
+                  *self.aux.scalar_values, self.timeline)
         if mod_grads is not None:
             mod_grads += self.aux.gradients(grads)
         dq = self.finish(dq_accum, cu_seqlens_q)
@@ -214,7 +218,8 @@ class _BackwardSetup(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_setup(plan: BackwardPlan, problem, dtype, deterministic: bool):
+def _backward_setup(plan: BackwardPlan, problem, dtype, deterministic: bool,
+                    timeline: bool = False):
     """What `BackwardLaunch` works out from its configuration alone: the main kernel's compile
     key and factory, its scalar fields (softmax scale, softcap, window, max_seqlen_k), and
     dK/dV's dtype (fp32 per query head for GQA, summed afterwards), alignment and
@@ -222,15 +227,19 @@ def _backward_setup(plan: BackwardPlan, problem, dtype, deterministic: bool):
     from flash_cute.runtime.jit import DTYPES
 
     group = problem.qheads_per_kvhead
-    variant = variant_of(problem)
+    variant = dataclasses.replace(variant_of(problem), timeline=timeline)
     dname = dtype_name(dtype)
 
     def make_kernel():
         return plan.kernel_cls(DTYPES[dname], problem.hdim, problem.hdim_v, variant,
                                schedule=plan.schedule, deterministic=deterministic)
 
+    key = backward_compile_key(plan.name, plan.target, dname, problem, plan.schedule,
+                               deterministic)
+    if timeline:
+        key = dataclasses.replace(key, flags=key.flags + (("timeline", True),))
     return _BackwardSetup(
-        backward_compile_key(plan.name, plan.target, dname, problem, plan.schedule, deterministic),
+        key,
         make_kernel, {**score_scalars(problem), "max_seqlen_k": int(problem.max_seqlen_k),
                       "max_seqlen_q": int(problem.max_seqlen_q)},
         torch.float32 if group > 1 else dtype, 16 if group == 1 else 4,

@@ -111,7 +111,7 @@ def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(
                        dkv_fp32: bool = False, stats_align: int = 4, dq_align: int = 4,
                        dq_accum_cols: Optional[int] = None,
                        semaphores: bool = False, dropout: bool = False,
-                       mods=None) -> BwdArgs:
+                       mods=None, timeline: bool = False) -> BwdArgs:
     """A backward record of fake tensors, as `fake_forward_args`. The alignments are those the
     arch's launch promises (`launch_bwd.BackwardPlan`); `dq_accum_cols`: dQaccum as [.., h, cols]
     fragment-order tiles (`arch.hopper.dq_accum`) instead of laid out like q; `semaphores`:
@@ -135,4 +135,6 @@ def fake_backward_args(dtype, hdim: int, hdim_v: int, varlen: bool, *, seqused=(
         dv=fake_tensor(dkv_dtype, rows_k + (h, hdim_v), align=dkv_align), **_fake_scalars(),
         max_seqlen_k=Int32(1), max_seqlen_q=Int32(1), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
         seqused_q=used_q,
-        seqused_k=used_k, dq_semaphores=sem, **_fake_dropout(dropout), **fake_aux(mods))
+        seqused_k=used_k, dq_semaphores=sem, **_fake_dropout(dropout), **fake_aux(mods),
+        timeline=(fake_tensor(Int64, (dynamic_dim(), dynamic_dim(), SLOTS, FIELDS), align=8)
+                  if timeline else None))

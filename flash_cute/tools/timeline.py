@@ -77,7 +77,7 @@ def overlap(records, roles=None) -> dict:
             soft_covered += _overlap(t0, t1, [(a, b) for v, a, b in gemms[c] if v != w])
     waits = defaultdict(list)
     for c, _, _, phase, block, t0, t1 in spans:
-        if phase == "waiting for K/V":
+        if phase == "waiting":
             waits[(c, block)].append((t0, t1))
     latency_total = exposed = 0
     for key, (issued, landed) in load_latencies(records).items():
