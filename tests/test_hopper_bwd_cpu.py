@@ -159,7 +159,7 @@ def test_short_causal_backward_takes_64_rows_at_hdim_128(monkeypatch):
 
     seen = []
     monkeypatch.setattr(jit, "current_target", lambda: "sm_90a")
-    monkeypatch.setattr(launch_bwd, "BackwardLaunch", lambda plan, *a: seen.append(plan))
+    monkeypatch.setattr(launch_bwd, "BackwardLaunch", lambda plan, *a, **k: seen.append(plan))
     for sq, sk, causal in [(512, 512, True), (513, 513, True), (500, 500, False),
                            (500, 2000, True)]:
         q = torch.randn(1, sq, 2, 128, dtype=torch.bfloat16)
