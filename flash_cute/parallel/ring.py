@@ -6,8 +6,9 @@ between steps.
 Forward, w steps: at step s the rank holds the block of rank (r − s) mod w, posts its send
 to rank r + 1 and the receive of the next block, runs the local attention over the block it
 holds (skipped when the mask leaves it empty), merges, then waits for the exchange.
-Backward, w steps: dQ accumulates on the rank; each block's dK / dV accumulators travel
-with it and gain each rank's share, and one last exchange brings them home. P and Δ come
+Backward, w steps: dQ accumulates on the rank; each block's dK / dV accumulators travel one
+step behind it (sent after a step's share is added, received while the next step computes)
+and gain each rank's share, and one last exchange brings them home. P and Δ come
 from the merged output and LSE (`local.Float64Local.backward`), as the kernels take them.
 GQA sends the K/V heads only.
 """
@@ -109,19 +110,27 @@ class _RingAttention(torch.autograd.Function):
         block = (k, v)
         acc = (torch.zeros(k.shape, dtype=pd, device=k.device),
                torch.zeros(v.shape, dtype=pd, device=v.device))
+        moving = None   # the accumulators of the block held, still arriving
         for step in range(ring.world):
             last = step == ring.world - 1
             pending = None if last else ring.start(block)
             k_pos = ctx.shards.rows((ring.rank - step) % ring.world)
+            grads = None
             if _visible(q_pos, k_pos, spec):
                 dq_s, dk_s, dv_s = local.backward(dout, delta, q, *block, lse, q_pos, k_pos,
                                                   spec)
                 dq += dq_s
-                acc = (acc[0] + dk_s, acc[1] + dv_s)
-            # The accumulators follow their block: after w sends they are home.
-            acc = tuple(comm.Ring.finish(ring.start(acc)))
+                grads = (dk_s, dv_s)
+            # The accumulators follow their block, one step behind it: they travel while
+            # this step computes, and after w sends they are home.
+            if moving is not None:
+                acc = tuple(comm.Ring.finish(moving))
+            if grads is not None:
+                acc = (acc[0] + grads[0], acc[1] + grads[1])
+            moving = ring.start(acc)
             if pending is not None:
                 block = tuple(comm.Ring.finish(pending))
+        acc = tuple(comm.Ring.finish(moving))
         return (dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None)
 
 
