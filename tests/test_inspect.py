@@ -229,6 +229,23 @@ def test_the_declared_pipelines_agree_with_the_sass_of_every_registered_config()
     assert _check_pipelines(configs) >= len(configs)
 
 
+@pytest.mark.slow
+def test_no_kernel_reads_the_global_timer_unless_compiled_to_record_its_timeline():
+    """Every registered config of every kernel (blocks, merges, pre/postprocess included) for
+    each of its targets: SR_GLOBALTIMER in its SASS exactly when its timeline switch is on."""
+    from pathlib import Path
+
+    from flash_cute.tools.pipelines import sass_facts
+    from flash_cute.tools.xcompile import cross_compile
+
+    found = cross_compile(CONFIGS)
+    assert len(found) == sum(len(c.targets) for c in CONFIGS)
+    for e in found:
+        sass = Path(e["artifacts"]["sass"]).read_text()
+        assert sass_facts(sass)["global_timer"] == bool(e["config"].get("timeline")), \
+            (e["kernel"], e["target"], e["config"])
+
+
 def test_the_pipeline_check_catches_a_wrong_declaration():
     """Planted disagreements: a wrong budget, a missing USETMAXREG, TMEM declared but not
     allocated, two roles without setmaxnreg."""
@@ -478,6 +495,8 @@ def test_hopper_bwd_is_a_warp_specialized_tma_wgmma_kernel_with_a_bulk_dq_reduce
     atomic_configs = 0
     for e in entries:
         ops, config = e["sass"], e["config"]
+        if config.get("timeline"):
+            continue   # a measurement build: its records add global stores (checked apart)
         assert ops.get("HGMMA", 0) > 0, "S, dP, dV, dK and dQ must run on WGMMA"
         assert ops.get("UTMALDG", 0) > 0, "Q, dO, K and V must be loaded with TMA"
         assert ops.get("USETMAXREG", 0) >= 2, "producer and consumers re-balance registers"
