@@ -1,0 +1,52 @@
+"""FP8 (e4m3) quantization of attention inputs, as the FP8 forward takes them: a scale per
+block of 128 tokens of one head (block quantization), or one per (batch, head) (FA3's
+descales), optionally with K smoothed first (its per-head mean subtracted: exact under
+softmax, since every score of a query row moves by the same q · mean).
+
+Casts saturate: values are clamped to ±448 before the cast, as the kernels' cvt.rn.satfinite
+does (torch's CPU cast turns values ≥ 480 into NaN)."""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+BLOCK = 128
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to float8_e4m3fn, saturating at ±448."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_fp8(x: torch.Tensor, block: int = BLOCK, smooth_k: bool = False):
+    """(x in float8_e4m3fn, scales float32) of x [b, s, h, d]: one scale per `block`
+    tokens of a head, [b, ceil(s / block), h], so that x ≈ x8 · scale; `block` None: one
+    per (batch, head), [b, h] (FA3's descales). `smooth_k`: subtract each head's mean over
+    the sequence first (for K only)."""
+    if x.dim() != 4:
+        raise ValueError(f"quantize_fp8 takes [batch, seqlen, heads, head_dim], got "
+                         f"{tuple(x.shape)}")
+    x = x.float()
+    if smooth_k:
+        x = x - x.mean(dim=1, keepdim=True)
+    b, s, h, d = x.shape
+    if block is None:
+        amax = x.abs().amax(dim=(1, 3))                                   # [b, h]
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        return to_e4m3(x / scale[:, None, :, None]), scale
+    blocks = -(-s // block)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, blocks * block - s))
+    amax = padded.view(b, blocks, block, h, d).abs().amax(dim=(2, 4))    # [b, blocks, h]
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    per_token = scale.repeat_interleave(block, dim=1)[:, :s]              # [b, s, h]
+    return to_e4m3(x / per_token[..., None]), scale
+
+
+def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor, block=BLOCK) -> torch.Tensor:
+    """float64 x8 · scale, the values the FP8 kernel computes with."""
+    x = x8.double()
+    if block is None:
+        return x * scale.double()[:, None, :, None]
+    per_token = scale.double().repeat_interleave(block, dim=1)[:, :x.shape[1]]
+    return x * per_token[..., None]
