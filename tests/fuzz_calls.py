@@ -59,8 +59,12 @@ def specs(draw):
 
 
 def _corrupt(draw, spec, names):
-    """One in four calls of a kind with index tensors carries one bad content."""
-    if names and draw(st.integers(0, 3)) == 0:
+    """About one in four calls of a kind with index tensors carries one bad content (a coin
+    that Hypothesis tilts toward its first face: 25 to 30 % measured, 85 % of all calls
+    valid). Not `integers(0, 3) == 0`: Hypothesis leans toward 0 and toward the constants of
+    the modules loaded in the process, so that share moved with unrelated modules (the
+    quick run's valid share fell from 65 % to 56 % when the FP8 modules were added)."""
+    if names and draw(st.sampled_from((False, True))):
         spec["corrupt"] = draw(st.sampled_from(names))
 
 
