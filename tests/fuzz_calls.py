@@ -59,11 +59,9 @@ def specs(draw):
 
 
 def _corrupt(draw, spec, names):
-    """About one in four calls of a kind with index tensors carries one bad content (a coin
-    that Hypothesis tilts toward its first face: 25 to 30 % measured, 85 % of all calls
-    valid). Not `integers(0, 3) == 0`: Hypothesis leans toward 0 and toward the constants of
-    the modules loaded in the process, so that share moved with unrelated modules (the
-    quick run's valid share fell from 65 % to 56 % when the FP8 modules were added)."""
+    """About one in four calls of a kind with index tensors carries one bad content: a coin,
+    not `integers(0, 3) == 0`, whose share moves with the modules loaded in the process
+    (docs/decisions.md, D-FUZZ-COIN)."""
     if names and draw(st.sampled_from((False, True))):
         spec["corrupt"] = draw(st.sampled_from(names))
 
@@ -261,6 +259,19 @@ def _seeded(spec):
     return dict(dropout_p=p), dict(dropout=(p, seed))
 
 
+def _extras(spec, gen, b, h, d, sq, sk):
+    """A call's mods, sink and dropout: (the call's keywords for mods and sink, its dropout
+    keywords, the model's keywords)."""
+    call, ref = _mods(spec, gen, b, h, sq, sk)
+    if spec["sink"]:
+        call["learnable_sink"] = torch.randn(h, generator=gen)
+        ref["sink"] = call["learnable_sink"].double()
+    drop_call, drop_ref = _seeded(spec)
+    kw = dict(scale=1.0 / math.sqrt(d), causal=spec["causal"], window=spec["window"],
+              softcap=spec["softcap"], **ref, **drop_ref)
+    return call, drop_call, kw
+
+
 def _stack(parts):
     """Per-sequence (out [s, h, d], lse [h, s]) of equal lengths -> padded layouts."""
     return torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts])
@@ -272,13 +283,7 @@ def _run_func(spec, gen):
     h, hk = _heads(spec)
     q, k, v = (_randn(gen, b, n, heads, d, dtype=dtype)
                for n, heads in ((sq, h), (sk, hk), (sk, hk)))
-    call, ref = _mods(spec, gen, b, h, sq, sk)
-    if spec["sink"]:
-        call["learnable_sink"] = torch.randn(h, generator=gen)
-        ref["sink"] = call["learnable_sink"].double()
-    drop_call, drop_ref = _seeded(spec)
-    kw = dict(scale=1.0 / math.sqrt(d), causal=spec["causal"], window=spec["window"],
-              softcap=spec["softcap"], **ref, **drop_ref)
+    call, drop_call, kw = _extras(spec, gen, b, h, d, sq, sk)
     leaves = [t.clone().requires_grad_(spec["bwd"]) for t in (q, k, v)]
     out, lse = flash_cute.flash_attn_func(
         *(_view(t, spec["view"]) for t in leaves), causal=spec["causal"],
@@ -331,13 +336,7 @@ def _run_varlen(spec, gen):
     eff_q = used_q if spec["seqused_q"] else span_q
     eff_k = used_k if spec["seqused_k"] else span_k
     max_q, max_k = max(span_q + [1]), max(span_k + [1])
-    call, ref = _mods(spec, gen, b, h, 0, 0)
-    if spec["sink"]:
-        call["learnable_sink"] = torch.randn(h, generator=gen)
-        ref["sink"] = call["learnable_sink"].double()
-    drop_call, drop_ref = _seeded(spec)
-    kw = dict(scale=1.0 / math.sqrt(d), causal=spec["causal"], window=spec["window"],
-              softcap=spec["softcap"], **ref, **drop_ref)
+    call, drop_call, kw = _extras(spec, gen, b, h, d, 0, 0)
     corrupt = spec["corrupt"]
     if corrupt:
         name = _corrupt_varlen(corrupt, lengths, cu_q, cu_k, span_k, gen)
