@@ -8,7 +8,10 @@ half the heuristic's split count); `nosplit` (num_splits 1); `cta2` (`config.DEC
 64-row tiles, one consumer warpgroup, 64-key blocks, two CTAs per SM, the heuristic's splits
 for that occupancy).
 
+Each cell prints the median GB/s of the rounds, and the rounds' range beneath it.
+
 Usage: python bench/decode_ablation.py [--cells 1x8192,1x32768] [--pages 0,16] [--rounds 3]
+       [--variants base,cta2]
 """
 
 import argparse
@@ -64,11 +67,16 @@ def main():
     ap.add_argument("--pages", default="0,16,64")
     ap.add_argument("--queries", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
     timer = make_timer(25, 100)
     override = _Override()
-    print("| b x L | page | " + " | ".join(VARIANTS) + " | splits |")
-    print("|---|---|" + "---:|" * (len(VARIANTS) + 1))
+    print("| b x L | page | " + " | ".join(variants) + " | splits |")
+    print("|---|---|" + "---:|" * (len(variants) + 1))
     for cell in args.cells.split(","):
         b, seqlen = map(int, cell.split("x"))
         q = torch.randn(b, args.queries, HEADS, HDIM, device="cuda", dtype=torch.bfloat16)
@@ -77,9 +85,9 @@ def main():
         lens = torch.full((b,), seqlen, dtype=torch.int32, device="cuda")
         for page in map(int, args.pages.split(",")):
             kc, vc, table = (k, v, None) if page == 0 else _paged(k, v, page)
-            times = {name: [] for name in VARIANTS}
+            times = {name: [] for name in variants}
             for _ in range(args.rounds):
-                for name in VARIANTS:
+                for name in variants:
                     override.set(name)
                     # Bound as defaults: the caches are deleted below, page size by page size.
                     def fn(n=name, q=q, kc=kc, vc=vc, table=table):
@@ -89,10 +97,14 @@ def main():
                     fn()
                     times[name].append(timer(fn))
                     override.reset()
-            rates = [gbps(cache_bytes(b, seqlen), sorted(t)[len(t) // 2]) for t in times.values()]
-            picked = "/".join(str(override.picked.get(n, 1)) for n in VARIANTS)
+            nbytes = cache_bytes(b, seqlen)
+            rates = [gbps(nbytes, sorted(t)[len(t) // 2]) for t in times.values()]
+            spread = [f"{gbps(nbytes, max(t)):,.0f}-{gbps(nbytes, min(t)):,.0f}"
+                      for t in times.values()]
+            picked = "/".join(str(override.picked.get(n, 1)) for n in variants)
             print(f"| {b} x {seqlen // 1024}k | {page or 'dense'} | "
                   + " | ".join(f"{r:,.0f}" for r in rates) + f" | {picked} |", flush=True)
+            print("| | range | " + " | ".join(spread) + " | |", flush=True)
             del fn, kc, vc, table
         del q, k, v
         torch.cuda.empty_cache()
