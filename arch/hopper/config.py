@@ -145,6 +145,31 @@ def smem_bytes(hdim: int, hdim_v: int, schedule: tuple, rows_past_sequence: bool
             + own_o * _align(schedule[0] * hdim_v * 2))
 
 
+# ---------------------------------------------------------------- FP8 forward
+
+# hdim -> the FP8 forward's schedule. FP8 WGMMA takes K = 32, and a K/V tile must not straddle
+# the 128-token block of a block scale, so tile_n is a multiple of 32 dividing 128; 128-row
+# tiles (two consumer warpgroups). hdim 256 takes 64 keys so that Q, two stages each of K, V
+# and its transpose, and O's own tile fit.
+FP8_SCHEDULES = {64: FwdSchedule(128, 128, 2), 128: FwdSchedule(128, 128, 2),
+                 192: FwdSchedule(128, 128, 2), 256: FwdSchedule(128, 64, 2, pingpong=False)}
+FP8_SUPPORTED_HDIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
+# Producer warps 1..3 transpose V (their loop holds four words, their transposes and two
+# addresses), so 16 registers a thread move to the producer warpgroup from each consumer's.
+FP8_ROLE_REGISTERS = (40, 232)
+
+
+def fp8_smem_bytes(hdim: int, hdim_v: int, schedule: tuple, own_o: bool,
+                   out_bytes: int = 2) -> int:
+    """Dynamic shared memory of one FP8 forward CTA, laid out as `HopperFwdFp8`'s
+    SharedStorage: full and empty barriers of Q, K, V and V's transpose, then Q, the K ring,
+    the V ring as loaded, its transpose, and O's tile where it has one of its own."""
+    tile_m, tile_n, stages = schedule[:3]
+    return (_align(8 * (2 + 6 * stages)) + _align(tile_m * hdim)
+            + _align(stages * tile_n * hdim) + 2 * _align(stages * tile_n * hdim_v)
+            + own_o * _align(tile_m * hdim_v * out_bytes))
+
+
 # ---------------------------------------------------------------- backward
 
 class BwdSchedule(NamedTuple):

@@ -174,6 +174,9 @@ class HopperFwd:
 
     # Split-KV partials are merged by the kernel itself (`merge_if_last`), not after it.
     merges_splits = True
+    # exp2 units subtracted from the row max before the exponentials: P is 2^offset times
+    # larger, and so is the row sum it is divided by (the FP8 forward's P x 256).
+    p_max_offset = 0.0
 
     def pipeline(self):
         """This kernel's pipeline as data (`flash_cute.contract.pipeline`)."""
@@ -182,7 +185,7 @@ class HopperFwd:
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), schedule: Optional[tuple] = None):
-        self.dtype = dtype
+        self.dtype = self.out_dtype = dtype
         self.hdim, self.hdim_v = kernel_head_dims("hopper", hdim, hdim_v, FWD_SCHEDULES,
                                                   schedule)
         set_kernel_switches(self, variant)
@@ -258,7 +261,8 @@ class HopperFwd:
         tma_q, tQ, tma_o, mO, mLSE = self._q_o_lse(mQ, mO, mLSE, sQ_layout, sO_layout)
         merged = None
         if cutlass.const_expr(self.split_kv):
-            merged = (*self._packed_rows(assume_aligned_strides(args.merged_out, vec),
+            out_vec = 128 // self.out_dtype.width
+            merged = (*self._packed_rows(assume_aligned_strides(args.merged_out, out_vec),
                                          args.merged_lse, 0), args.split_counts)
 
         SharedStorage = self._shared_storage(layouts)
@@ -284,11 +288,15 @@ class HopperFwd:
             sO_layout, args.rng_seed, args.keep_threshold, args.dropout_scale, mQ.shape[-2],
             args.num_splits, args.blocks_per_split, args.page_table,
             self._append_tensors(mK, mV, args), aux_tensors(self, args),
-            block_mask_tensors(self, args), merged, args.timeline, mma_qk, mma_pv, SharedStorage,
-            tx_bytes,
+            block_mask_tensors(self, args), merged, args.timeline, self._extra_args(args), mma_qk,
+            mma_pv, SharedStorage, tx_bytes,
         ).launch(grid=(grid, 1, 1), block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=self.ctas_per_sm,
                  preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None)
+
+    def _extra_args(self, args: FwdArgs):
+        """What a derived kernel's consumers read per tile (`_tile_scales`): nothing here."""
+        return None
 
     def _append_tensors(self, mK, mV, args: FwdArgs):
         """(cache K, cache V, k_new, v_new, the dropped-rows counter) as global tensors for
@@ -366,7 +374,8 @@ class HopperFwd:
         # O laid out as Q is (rows of hdim_v, K-major swizzle); hdim_v <= hdim, so it fits in
         # Q's tile where it takes that one.
         sO = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR,
-                                           (self.tile_m, self.tile_n, self.hdim_v), self.dtype, 1)
+                                           (self.tile_m, self.tile_n, self.hdim_v),
+                                           self.out_dtype, 1)
         return sQ, sK, sV, sO
 
     def _shared_storage(self, layouts):
@@ -385,7 +394,7 @@ class HopperFwd:
             sK: smem_tile(dtype, sK_layout)
             sV: smem_tile(dtype, sV_layout)
             if self.o_tile == "own":
-                sO: smem_tile(dtype, sO_layout)
+                sO: smem_tile(self.out_dtype, sO_layout)
 
         return SharedStorage
 
@@ -416,7 +425,8 @@ class HopperFwd:
                mSeed: Optional[cute.Tensor], keep_threshold: Int32, dropout_scale: Float32,
                nheads: Int32, num_splits: Int32, blocks_per_split: Int32,
                mPageTable: Optional[cute.Tensor], append_tensors, aux, block_mask, merged,
-               mTimeline: Optional[cute.Tensor], mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+               mTimeline: Optional[cute.Tensor], extra, mma_qk: cute.TiledMma,
+               mma_pv: cute.TiledMma,
                SharedStorage: cutlass.Constexpr, tx_bytes: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -426,13 +436,11 @@ class HopperFwd:
             if warp_idx == _O_STORE_WARP:
                 cpasync.prefetch_descriptor(tma_o)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        pipes = make_tma_pipelines(((storage.mbar_q, 1, tx_bytes[0]),
-                                    (storage.mbar_k, self.kv_stages, tx_bytes[1]),
-                                    (storage.mbar_v, self.kv_stages, tx_bytes[2])),
-                                   4 * self.num_wg)
+        pipes = self._pipelines(storage, tx_bytes)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sV_mma = self._v_operand(storage, sV)
         sO = None
         if cutlass.const_expr(self.o_tile == "own"):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -445,16 +453,38 @@ class HopperFwd:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_registers)
             if warp_idx == 0:
-                self.produce(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes, tiles,
+                self.produce(tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes[:3], tiles,
                              append_tensors, mTimeline)
+            else:
+                self.assist(storage, pipes, tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_registers)
             tidx = cute.arch.thread_idx()[0] - 128
             out = OutputStore(self, mma_pv, tidx, tma_o, sO, mO, mLSE,
                               warp_idx == _O_STORE_WARP, self._arrivals(merged, storage, tidx))
-            self.consume(mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
-                         mod_scale, (mSeed, keep_threshold, dropout_scale, nheads), aux,
-                         mTimeline)
+            self.consume(mma_qk, mma_pv, tidx, sQ, sK, sV_mma, self._consumer_pipes(pipes),
+                         tiles, out, scale_log2, mod_scale,
+                         (mSeed, keep_threshold, dropout_scale, nheads), aux, mTimeline, extra)
+
+    def _pipelines(self, storage, tx_bytes):
+        """The mbarrier pipelines: Q, K and V, each filled by TMA and emptied by the consumer
+        warps."""
+        return make_tma_pipelines(((storage.mbar_q, 1, tx_bytes[0]),
+                                   (storage.mbar_k, self.kv_stages, tx_bytes[1]),
+                                   (storage.mbar_v, self.kv_stages, tx_bytes[2])),
+                                  4 * self.num_wg)
+
+    def _consumer_pipes(self, pipes):
+        """(Q, K, V) as the consumers wait on them."""
+        return pipes
+
+    def _v_operand(self, storage, sV):
+        """The tile the P V WGMMA reads V from: the TMA's own here."""
+        return sV
+
+    def assist(self, storage, pipes, tiles):
+        """Producer warps 1..3: idle here (setmaxnreg is warpgroup-wide, so they stay)."""
+        pass
 
     def _arrivals(self, merged, storage, tidx: Int32):
         """Split-KV: (merged O, merged LSE, the tile counts' `SplitArrivals`); else None."""
@@ -548,14 +578,14 @@ class HopperFwd:
 
     @cute.jit
     def consume(self, mma_qk, mma_pv, tidx, sQ, sK, sV, pipes, tiles, out, scale_log2,
-                mod_scale, dropout_args, aux, mTimeline=None):
+                mod_scale, dropout_args, aux, mTimeline=None, extra=None):
         """One consumer warpgroup's 64 rows of each of this CTA's tiles (thread index relative
         to the first consumer, so the tiled MMAs place warpgroup 1 on rows 0..63, warpgroup 2
         on rows 64..127 and so on). Ping-pong turns start once and run on across tiles: every
         warpgroup takes the same number of turns per tile."""
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-        gemms = WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV)
+        gemms = self._operands(mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV)
         coord_mn = acc_to_mn(thr_qk.partition_C(
             cute.make_identity_tensor((self.tile_m, self.tile_n))))
         turns = GemmTurns(self.pingpong, wg, self.num_wg)
@@ -563,24 +593,33 @@ class HopperFwd:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         step = functools.partial(self.consume_tile, gemms, coord_mn, turns, pipes, tiles, out,
-                                 scale_log2, mod_scale, dropout_args, aux, mTimeline)
+                                 scale_log2, mod_scale, dropout_args, aux, mTimeline, extra)
         for_each_tile(tiles, self.persistent, step, (q_state, kv))
         turns.finish()
         out.drain()
 
+    def _operands(self, mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV):
+        return WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV)
+
+    def _tile_scales(self, scale_log2, mod_scale, seq: SeqInfo, head_kv: Int32, extra):
+        """(exp2 scale, score-mod scale, O's final factor) of one tile: the launch's here."""
+        return scale_log2, mod_scale, Float32(1.0)
+
     @cute.jit
     def consume_tile(self, gemms, coord_mn, turns, pipes, tiles, out, scale_log2, mod_scale,
-                     dropout_args, aux, mTimeline, tile: Int32, q_state, kv):
+                     dropout_args, aux, mTimeline, extra, tile: Int32, q_state, kv):
         """One tile: main loop, softmax finalize, epilogue. Returns the Q and K/V states for
         the next tile."""
         pipe_q = pipes[0]
-        m_block, head, _, seq, split = tiles.at(tile)
+        m_block, head, head_kv, seq, split = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
             rng = tiles.block_range(m_block, seq, split, head)
             acc_o = gemms.new_acc_o()
             acc_o.fill(0.0)
+            scale_log2, mod_scale, final_scale = self._tile_scales(scale_log2, mod_scale, seq,
+                                                                   head_kv, extra)
             softmax = OnlineSoftmax(scale_log2, cute.size(acc_to_mn(acc_o), mode=[0]), 4,
-                                    self.ex2_per16)
+                                    self.ex2_per16, max_offset=self.p_max_offset)
             softmax.reset()
             seam = tile_scores(self, mod_scale, tiles.mask(seq), aux, seq.batch, head,
                                tiles.block_states, seq)
@@ -598,7 +637,7 @@ class HopperFwd:
                 # The last QKᵀ has landed: the producer may load the next tile's Q now.
                 pipe_q.consumer_release(q_state)
             self._mark(trace, "epilogue_start", Int32(-1))
-            o_scale, lse = softmax.finalize(Float32(1.0) if drop is None else drop.scale)
+            o_scale, lse = softmax.finalize(final_scale if drop is None else drop.scale)
             rescale_o(acc_to_mn(acc_o), o_scale)
             out.store(acc_o, lse, seq, head, m_block, pipe_q, q_state, split)
             self._mark(trace, "epilogue_end", Int32(-1))
@@ -668,7 +707,7 @@ class HopperFwd:
             pipe_k.consumer_release(kv)
             self._mark(trace, "softmax_start", rng.n_block_max - 1 - i)
             rescale_o(acc_to_mn(acc_o), scores.to_p(acc_s, rng.n_block_max - 1 - i, False, None))
-            convert_pairs(acc_s, r_p)
+            gemms.convert(acc_s, r_p)
             self._mark(trace, "softmax_end", rng.n_block_max - 1 - i)
             pipe_v.consumer_wait(kv)
             turns.begin()
@@ -708,7 +747,7 @@ class HopperFwd:
             pipe_k.consumer_release(k_state)
             self._mark(trace, "softmax_start", n_max - 1)
             scores.to_p(acc_s, n_max - 1, True, True)
-            convert_pairs(acc_s, r_p)
+            gemms.convert(acc_s, r_p)
             self._mark(trace, "softmax_end", n_max - 1)
             v_state = k_state.clone()
             k_state.advance()
@@ -890,7 +929,8 @@ class OutputStore(DslState):
         if cutlass.const_expr(cfg.o_tile != "none"):
             # O leaves the accumulator layout by stmatrix: four 8x8 blocks per instruction.
             self.r2s_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), cfg.dtype)
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                cfg.out_dtype)
             self.thr_r2s = cute.make_tiled_copy_C(self.r2s_atom, mma_pv).get_slice(tidx)
             self.tOsO = self.thr_r2s.partition_D(sO[None, None, 0])
             self.barrier = pipeline.NamedBarrier(barrier_id=FwdBarrier.O_TILE.value,
@@ -967,8 +1007,8 @@ class OutputStore(DslState):
     @cute.jit
     def store_o_tma(self, acc_o: cute.Tensor, seq: SeqInfo, head: Int32, m_block: Int32):
         cfg = self.cfg
-        r_o = cute.make_rmem_tensor_like(acc_o, cfg.dtype)
-        r_o.store(acc_o.load().to(cfg.dtype))
+        r_o = cute.make_rmem_tensor_like(acc_o, cfg.out_dtype)
+        r_o.store(acc_o.load().to(cfg.out_dtype))
         if cutlass.const_expr(cfg.persistent or cfg.o_tile == "q"):
             if self.is_store_warp:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1018,6 +1058,10 @@ class WgmmaOperands(DslState):
             self.thr_qk.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n)), Float32)
         acc_s.fill(0.0)
         return acc_s
+
+    def convert(self, acc_s: cute.Tensor, r_p: cute.Tensor):
+        """P (fp32, S's accumulator) to the PV's register operand."""
+        convert_pairs(acc_s, r_p)
 
     def new_acc_o(self) -> cute.Tensor:
         return cute.make_rmem_tensor(
@@ -1137,7 +1181,7 @@ class OverlappedStep(DslState):
         else:
             for r in cutlass.range_constexpr(cute.size(self.prev_scale)):
                 self.prev_scale[r] = row_scale[r]
-        convert_pairs(self.acc_s, self.r_p)
+        self.gemms.convert(self.acc_s, self.r_p)
         k_state.advance()
         v_state.advance()
         # Returned so the caller's loop rebinds them (the DSL carries plain locals only).

@@ -6,6 +6,7 @@ from .config import (
     BWD_SCHEDULES,
     COMPILE_OPTIONS,
     DECODE_PAIR,
+    FP8_SCHEDULES,
     FWD_SCHEDULES,
     BwdSchedule,
     bwd_compile_options,
@@ -25,6 +26,24 @@ def build_fwd(entry):
 
     kernel = HopperFwd(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
                        variant_from_flags(entry.flag_dict), schedule=tuple(entry.schedule))
+    return forward_spec(kernel, COMPILE_OPTIONS,
+                        {"registers_per_role": registers_per_role(kernel)})
+
+
+def build_fwd_fp8(entry):
+    """Fake e4m3 Q/K/V, a bf16 (fp16 with the flag) O and the descales."""
+    import cutlass
+
+    from flash_cute.runtime.jit import DTYPES
+    from flash_cute.tools.kernel_config import forward_spec, variant_from_flags
+
+    from .fwd_fp8 import HopperFwdFp8, registers_per_role
+
+    flags = entry.flag_dict
+    out_dtype = cutlass.Float16 if flags.get("out_fp16") else cutlass.BFloat16
+    kernel = HopperFwdFp8(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
+                          variant_from_flags(flags), schedule=tuple(entry.schedule),
+                          out_dtype=out_dtype)
     return forward_spec(kernel, COMPILE_OPTIONS,
                         {"registers_per_role": registers_per_role(kernel)})
 
@@ -302,4 +321,15 @@ def _dq_postprocess_configs():
                                                  (256, "bf16", True, False)])
 
 
-CONFIGS = _fwd_configs() + _bwd_configs() + _dq_postprocess_configs()
+def _fwd_fp8_configs():
+    """The FP8 forward at each head dim it takes, and its features."""
+    cases = [((64, 64), {}), ((128, 128), {}), ((128, 128), {"causal": True}),
+             ((192, 128), {"causal": True}), ((256, 256), {}), ((256, 256), {"causal": True}),
+             ((128, 128), {"local": True, "softcap": True}),
+             ((128, 128), {"causal": True, "varlen": True, "seqused_k": True}),
+             ((128, 128), {"causal": True, "pack_gqa": 4, "out_fp16": True})]
+    return tuple(KernelConfig("hopper.fwd_fp8", TARGETS, "e4m3", d, dv, FP8_SCHEDULES[d],
+                              build_fwd_fp8, config_flags(**flags)) for (d, dv), flags in cases)
+
+
+CONFIGS = _fwd_configs() + _fwd_fp8_configs() + _bwd_configs() + _dq_postprocess_configs()

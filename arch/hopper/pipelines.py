@@ -66,3 +66,26 @@ def backward(kernel, producer_registers: int, consumer_registers: int,
     else:
         buffers.append(Buffer("dQ", "GMEM", 1, "consumer", "global", "fp32 atomics"))
     return Pipeline("hopper.bwd", "sm_90a", tuple(roles), tuple(buffers), _RULE)
+
+
+def forward_fp8(kernel) -> Pipeline:
+    """`HopperFwdFp8`: `forward`'s roles and buffers, with producer warps 1..3 transposing V
+    into a K-major Vᵀ ring that the consumers' FP8 PV reads."""
+    base = forward(kernel)
+    roles = [r if r.name != "idle" else
+             Role("transpose", r.warps, "V[n] to Vᵀ[n] (32-bit words, PRMT), keys in PV's order",
+                  kernel.producer_registers, 0) for r in base.roles]
+    buffers = []
+    for b in base.buffers:
+        if b.tensor == "V" and b.memory == "SMEM":
+            buffers += [Buffer("V", "SMEM", b.stages, "producer", "transpose", b.barrier),
+                        Buffer("V", "SMEM", b.stages, "transpose", "consumer",
+                                    "mbarrier ring: transpose threads full (after an "
+                                    "async-proxy fence) / consumer threads empty")]
+        elif b.tensor == "P":
+            buffers.append(Buffer("P", "RMEM", 1, "consumer", "consumer",
+                                       "registers: S's accumulator x 256 to e4m3, read as "
+                                       "PV's A operand in a permuted key order"))
+        else:
+            buffers.append(b)
+    return Pipeline("hopper.fwd_fp8", "sm_90a", tuple(roles), tuple(buffers), _RULE)

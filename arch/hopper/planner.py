@@ -13,6 +13,8 @@ from .config import (
     BWD_SUPPORTED_HDIMS,
     COMPILE_OPTIONS,
     CTAS_PER_SM,
+    FP8_SCHEDULES,
+    FP8_SUPPORTED_HDIMS,
     FWD_SCHEDULES,
     MIN_PAGE_ROWS,
     PACK_ROWS,
@@ -87,6 +89,37 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
                                 target, prepare=tma_ready, pack_gqa=pack, splits=splits,
                                 page_table=page_table, append=append,
                                 merge_in_kernel=True, timeline=timeline)
+
+
+_FP8_KERNEL = launch.KernelRef("flash_cute.arch.hopper.fwd_fp8", "HopperFwdFp8")
+
+
+def plan_forward_fp8(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
+                     seqused_q=None, seqused_k=None, out_dtype=None,
+                     schedule=None) -> launch_fwd.ForwardLaunch:
+    """The FP8 forward's launch (`HopperFwdFp8`): e4m3 q, k, v, an `out_dtype` O (bf16 or
+    fp16), FA3's descales passed per call. Dense K/V, no splits (the kernel has neither)."""
+    import torch
+
+    from flash_cute.runtime.jit import current_target
+
+    target = current_target()
+    if target != "sm_90a":
+        raise NotImplementedError(f"the FP8 forward runs on sm_90a only, not {target}")
+    launch.check_head_dims("hopper FP8 forward", problem, FP8_SUPPORTED_HDIMS)
+    pack = launch.packed_heads(problem, PACK_ROWS, FP8_SCHEDULES[problem.hdim].tile_m)
+    out_dtype = out_dtype or torch.bfloat16
+    fp16 = out_dtype == torch.float16
+
+    def make_kernel(*args, **kwargs):
+        return _FP8_KERNEL(*args, out_dtype="fp16" if fp16 else "bf16", **kwargs)
+
+    chosen = tuple(schedule or FP8_SCHEDULES[problem.hdim])
+    return launch_fwd.ForwardLaunch("hopper.fwd_fp8" + (".fp16" if fp16 else ""), make_kernel,
+                                    q, k, v, problem, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                    seqused_k, chosen, COMPILE_OPTIONS, target,
+                                    prepare=tma_ready, pack_gqa=pack, ex2_per16=0,
+                                    out_dtype=out_dtype, descales=True)
 
 
 def pages_in_kernel(page_size: int) -> bool:

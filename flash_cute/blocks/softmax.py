@@ -75,8 +75,12 @@ class OnlineSoftmax(DslState):
     """
 
     def __init__(self, scale_log2: Float32, num_rows: int, threads_per_row: int,
-                 ex2_per16: int = 0):
+                 ex2_per16: int = 0, max_offset: float = 0.0):
         self.scale_log2 = scale_log2
+        # P = 2^(s·scale − (M − max_offset)): 2^max_offset times larger, and so is l, which
+        # cancels in O / l (the FP8 forward's P x 256 before its e4m3 cast, which would flush
+        # P below 2⁻⁹ to 0). Only `online_softmax` and `finalize` take it.
+        self.max_offset = max_offset
         # Of every 16 scores of a thread's row, how many take the FMA exp2 (`exp2_emu`).
         self.ex2_per16 = ex2_per16
         self.num_rows = num_rows
@@ -124,7 +128,10 @@ class OnlineSoftmax(DslState):
             m_safe = m_cur
             if cutlass.const_expr(check_inf):
                 m_safe = Float32(0.0) if m_cur == -Float32.inf else m_cur
-            p_row = self._exp2(s_row * self.scale_log2 - m_safe, r)
+            m_exp = m_safe
+            if cutlass.const_expr(self.max_offset != 0.0):
+                m_exp = m_safe - Float32(self.max_offset)
+            p_row = self._exp2(s_row * self.scale_log2 - m_exp, r)
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
                 self.row_sum[r] = _row_reduce(p_row, _add, Float32(0.0))
@@ -222,6 +229,8 @@ class OnlineSoftmax(DslState):
             empty = l_row == Float32(0.0)
             o_scale[r] = Float32(0.0) if empty else final_scale * cute.arch.rcp_approx(l_row)
             lse_log2 = self.row_max[r] + cute.math.log2(l_row, fastmath=True)
+            if cutlass.const_expr(self.max_offset != 0.0):
+                lse_log2 = lse_log2 - Float32(self.max_offset)
             lse[r] = -Float32.inf if empty else lse_log2 * Float32(LN_2)
         return o_scale, lse
 

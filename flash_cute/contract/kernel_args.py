@@ -77,6 +77,11 @@ class FwdArgs(NamedTuple):
     # The measured timeline (`Variant.timeline`): int64 [ctas, warps, SLOTS, 3] records of the
     # first `ctas` CTAs' first tiles (`flash_cute.contract.timeline`).
     timeline: Optional[Any] = None
+    # The FP8 forward (e4m3 q, k, v; out bf16 or fp16): float32 [b, hk] factors of Q, K and V
+    # per (batch entry, K/V head), FA3's descales (1.0 where the caller gave none).
+    q_descale: Optional[Any] = None
+    k_descale: Optional[Any] = None
+    v_descale: Optional[Any] = None
 
 
 class BwdArgs(NamedTuple):

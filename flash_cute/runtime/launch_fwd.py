@@ -43,20 +43,23 @@ class ForwardLaunch:
     [batch, s_new, heads_kv, d]: the kernel writes them into k / v first (`kv_append`), for a
     kernel class that appends, and that adds the rows it drops to `status.counter`.
     `ex2_per16`: the pipeline's software-exp2 share (None: the
-    FLASH_CUTE_EX2_EMULATION switch, off when unset)."""
+    FLASH_CUTE_EX2_EMULATION switch, off when unset). `out_dtype`: O's dtype where it is not
+    q's (the FP8 forward); `descales`: the kernel takes FA3's q/k/v descales (float32
+    [batch, heads_kv]), which each call passes."""
 
     def __init__(self, name: str, make_kernel, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                  seqused_q, seqused_k, schedule: tuple, options: str, target: str,
                  prepare=None, pack_gqa: int = 1, splits=None, page_table=None, append=None,
                  ex2_per16=None, tile=None, q_tiles_per_cta: int = 1,
-                 merge_in_kernel: bool = False, timeline=None):
+                 merge_in_kernel: bool = False, timeline=None, out_dtype=None,
+                 descales: bool = False):
         from flash_cute.runtime.jit import DTYPES, CompileKey, KernelCall, TensorArg, tensor_arg
 
         check_seqused(problem, seqused_q, seqused_k)
         self.out_shape = (*q.shape[:-1], problem.hdim_v)
         self.lse_shape = ((problem.nheads, q.shape[0]) if problem.varlen
                           else (problem.batch, problem.nheads, q.shape[1]))
-        self.dtype, self.device = q.dtype, q.device
+        self.dtype, self.device = out_dtype or q.dtype, q.device
         # Varlen O is zeroed: rows after the last sequence belong to none and are never
         # written. Rows past seqused_q[b] are not written either: O = 0, LSE = -inf there,
         # what a row that sees no key gets.
@@ -133,7 +136,9 @@ class ForwardLaunch:
                        append_dropped=None if self.dropped is None else
                        TensorArg(self.dropped, 8),
                        **self.aux.fields(), **self.sparse.fields(), **merged,
-                       timeline=None if timeline is None else TensorArg(timeline, 8))
+                       timeline=None if timeline is None else TensorArg(timeline, 8),
+                       **({f"{x}_descale": TensorArg(torch.empty(1, 1, device=q.device), 4)
+                           for x in "qkv"} if descales else {}))
         self.call = KernelCall(key, lambda: make_kernel(DTYPES[dtype], problem.hdim,
                                                         problem.hdim_v, variant,
                                                         schedule=tuple(schedule)),
@@ -174,7 +179,8 @@ class ForwardLaunch:
                              device=self.device)
 
     def __call__(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                 seqused_k=None, rng_seed=None, page_table=None, append=(None, None)):
+                 seqused_k=None, rng_seed=None, page_table=None, append=(None, None),
+                 descales=()):
         out, lse = self._alloc()
         if self.no_work:
             lse.fill_(-math.inf)
@@ -192,7 +198,7 @@ class ForwardLaunch:
                   *self.dropout_scalars, *self.split_scalars, page_table, *append,
                   self.dropped if append[0] is not None else None,
                   *self.aux.values(), *self.sparse.tensors, *self.aux.scalar_values, *merged,
-                  self.timeline)
+                  self.timeline, *descales)
         if self.merge is not None:
             self.merge(o_parts, lse_parts, out, lse)
         return out, lse

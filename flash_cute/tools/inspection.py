@@ -28,12 +28,12 @@ _REPRESENTATIVE_NUMBERS = {"blackwell.fwd": {"ex2_emu": 2}}
 # Per-target limits the resources are shown against: registers a thread, shared memory a CTA.
 LIMITS = {"sm_80": (255, 163 * 1024), "sm_90a": (255, 227 * 1024), "sm_100a": (255, 227 * 1024)}
 # Opcode families by what they say about a pipeline: its MMA, its data movement, its softmax.
-_FAMILIES = (("MMA", ("HMMA", "HGMMA", "UTCHMMA", "UTCQMMA")),
+_FAMILIES = (("MMA", ("HMMA", "HGMMA", "QGMMA", "UTCHMMA", "UTCQMMA")),
              ("async copy", ("LDGSTS", "UTMALDG", "UBLKCP", "UTMASTG")),
              ("TMEM", ("LDTM", "STTM", "UTCBAR")),
              ("MUFU.EX2", ("MUFU.EX2",)),
              ("FFMA", ("FFMA",)))
-_TABLE_OPS = ("HMMA", "HGMMA", "UTCHMMA", "LDGSTS", "UTMALDG", "MUFU.EX2", "FFMA")
+_TABLE_OPS = ("HMMA", "HGMMA", "QGMMA", "UTCHMMA", "LDGSTS", "UTMALDG", "MUFU.EX2", "FFMA")
 
 
 def add_arguments(parser):
@@ -98,7 +98,7 @@ def format_table(entries: list) -> str:
     head = ["target", "regs", "smem", "spill"] + [op.split(".")[0] if op != "MUFU.EX2" else "EX2"
                                                   for op in _TABLE_OPS]
     lines = []
-    widths = [7, 4, 7, 5] + [6] * len(_TABLE_OPS)
+    widths = [7, 4, 6, 5] + [6] * len(_TABLE_OPS)
     fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     lines.append(fmt(head))
     last = None

@@ -82,7 +82,9 @@ def forward_spec(kernel, options: str, extra: Optional[dict] = None) -> "Compile
                              append=getattr(kernel, "append", False),
                              mods=getattr(kernel, "mods", None),
                              merged=kernel.split_kv and getattr(kernel, "merges_splits", False),
-                             timeline=getattr(kernel, "timeline", False))
+                             timeline=getattr(kernel, "timeline", False),
+                             out_dtype=getattr(kernel, "out_dtype", None),
+                             descales=getattr(kernel, "takes_descales", False))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=options,
                        extra=extra or {})
 

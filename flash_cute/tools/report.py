@@ -17,7 +17,7 @@ from flash_cute.contract.pipeline import MEMORIES, TENSORS, Pipeline, from_dict
 GENERATIONS = ("ampere", "hopper", "blackwell")
 # The primitives of Table 10-11 and the SASS that shows each.
 PRIMITIVES = (("mma.sync", ("HMMA",)), ("cp.async", ("LDGSTS",)),
-              ("TMA", ("UTMALDG", "UTMASTG", "UBLKCP", "UBLKRED")), ("WGMMA", ("HGMMA",)),
+              ("TMA", ("UTMALDG", "UTMASTG", "UBLKCP", "UBLKRED")), ("WGMMA", ("HGMMA", "QGMMA")),
               ("tcgen05 MMA", ("UTCHMMA", "UTCQMMA")), ("TMEM load/store", ("LDTM", "STTM")),
               ("setmaxnreg", ("USETMAXREG",)), ("MUFU.EX2", ("MUFU.EX2",)))
 _LIMITS = {"sm_80": (255, 163 * 1024), "sm_90a": (255, 227 * 1024),

@@ -1,0 +1,133 @@
+"""The FP8 forward's entry point: e4m3 Q, K and V with FA3's per-(batch, K/V head) descales,
+a bf16 or fp16 O. On a Hopper GPU it runs the FP8 kernel (`hopper.fwd_fp8`); on the CPU the
+torch emulation of that kernel's computation (`emulation.emulate`). Forward only."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flash_cute.fp8.emulation import emulate
+from flash_cute.runtime.problem import validate_attention_inputs
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+# (hdim, hdim_v) pairs the FP8 kernel takes (`arch/hopper/config.FP8_SUPPORTED_HDIMS`).
+FP8_HDIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
+
+
+def is_fp8(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES
+
+
+def check_fp8_inputs(q, k, v, descales, out_dtype) -> None:
+    """Clear errors, before any launch, for what the FP8 forward cannot take."""
+    kinds = {name: is_fp8(t) for name, t in (("q", q), ("k", k), ("v", v))}
+    if len(set(kinds.values())) > 1:
+        raise TypeError(f"FP8 attention takes float8_e4m3fn q, k and v together; got "
+                        f"q {q.dtype}, k {k.dtype}, v {v.dtype} (quantize all three with "
+                        f"flash_cute.fp8.quantize_fp8, or pass 16-bit ones)")
+    if any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("the FP8 forward has no backward: for training, call "
+                                  "flash_attn_func with bf16 q, k and v")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    varlen = q.dim() == 3
+    batch = None if varlen else q.shape[0]
+    heads_kv = k.shape[-2]
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if d is None:
+            continue
+        if not isinstance(d, torch.Tensor) or d.dtype != torch.float32 or d.dim() != 2:
+            raise TypeError(f"{name} must be a float32 tensor [batch, nheads_kv], got "
+                            f"{_describe(d)}")
+        if d.shape[1] != heads_kv or (batch is not None and d.shape[0] != batch):
+            raise ValueError(f"{name} must be [batch, nheads_kv] = "
+                             f"[{batch if batch is not None else 'batch'}, {heads_kv}], got "
+                             f"{list(d.shape)}")
+        if d.device != q.device:
+            raise ValueError(f"{name} is on {d.device}, q on {q.device}")
+
+
+def _describe(d) -> str:
+    if isinstance(d, torch.Tensor):
+        return f"{d.dtype} of shape {list(d.shape)}"
+    return type(d).__name__
+
+
+def _descales(descales, batch: int, heads_kv: int, device) -> tuple:
+    """The three descales as float32 [batch, heads_kv], 1.0 where None (FA3's default)."""
+    ones = None
+    out = []
+    for d in descales:
+        if d is None:
+            if ones is None:
+                ones = torch.ones(batch, heads_kv, dtype=torch.float32, device=device)
+            d = ones
+        out.append(d.contiguous())
+    return tuple(out)
+
+
+def flash_attn_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
+                   softmax_scale=None, causal: bool = False, window_size=(-1, -1),
+                   softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+                   max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
+                   pack_gqa=None, out_dtype=torch.bfloat16, return_lse: bool = False):
+    """Attention over float8_e4m3fn q [b, sq, h, d] (varlen: [tq, h, d] with cu_seqlens),
+    k and v [b, sk, hk, d]: O = softmax(q kᵀ · softmax_scale · q_descale · k_descale) v ·
+    v_descale, in `out_dtype`. Descales are float32 [b, hk] (None: 1.0), FA3's convention:
+    the value a tensor was divided by before its cast to e4m3 (`quantize_fp8` with
+    ``block=None`` returns them). Returns O, or (O, LSE) with `return_lse`.
+
+    CUDA runs the Hopper FP8 kernel; CPU tensors run its emulation (padded layout)."""
+    descales = (q_descale, k_descale, v_descale)
+    check_fp8_inputs(q, k, v, descales, out_dtype)
+    on_cuda = q.is_cuda
+    problem = validate_attention_inputs(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa, supported_dtypes=FP8_DTYPES,
+        supported_hdims=FP8_HDIMS, require_cuda=False)
+    batch = problem.batch
+    scales = _descales(descales, batch, problem.nheads_kv, q.device)
+    if on_cuda:
+        out, lse = _cuda(q, k, v, problem, scales, out_dtype,
+                         (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
+    else:
+        out, lse = _cpu(q, k, v, problem, scales, out_dtype,
+                        (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
+    return (out, lse) if return_lse else out
+
+
+def _cuda(q, k, v, problem, scales, out_dtype, lengths):
+    from flash_cute.arch.hopper.planner import plan_forward_fp8
+
+    major = torch.cuda.get_device_capability(q.device)
+    if major != (9, 0):
+        raise NotImplementedError(f"the FP8 forward runs on Hopper (sm_90a) only; this GPU "
+                                  f"is sm_{major[0]}{major[1]}")
+    launch = plan_forward_fp8(q, k, v, problem, *lengths, out_dtype=out_dtype)
+    return launch(q, k, v, *lengths, descales=scales)
+
+
+def _cpu(q, k, v, problem, scales, out_dtype, lengths):
+    """The kernel's emulation, per-(batch, K/V head) scales (`emulate` with block None)."""
+    if any(t is not None for t in lengths) or problem.window_left is not None \
+            or (problem.window_right is not None and not problem.causal) or problem.softcap:
+        raise NotImplementedError("the FP8 forward's CPU emulation takes padded inputs, "
+                                  "causal or not, without windows, softcap or seqused")
+    q_scale, k_scale, v_scale = scales
+    group = problem.nheads // problem.nheads_kv
+    out, lse = emulate(q, k, v, q_scale.repeat_interleave(group, dim=1), k_scale, v_scale,
+                       causal=problem.causal, softmax_scale=problem.softmax_scale, block=None)
+    return out.to(out_dtype), lse
+
+
+def fp8_tflops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, hdim: int,
+               causal: bool, seconds: float) -> float:
+    """The standard forward count, 4 b h sq sk d (halved when causal), per second, in
+    TFLOP/s."""
+    flops = 4 * batch * heads * seqlen_q * seqlen_k * hdim / (2 if causal else 1)
+    return flops / seconds / 1e12 if seconds > 0 else math.nan

@@ -1,0 +1,279 @@
+"""The Hopper FP8 forward on the CPU: its cross-compiled SASS (QGMMA, no HGMMA, no spill, its
+declared pipeline), the index algebra its correctness rests on, checked against CuTe's own
+layouts (P's register order against V's transposed key order, the transpose's chunks and
+swizzle), and its entry point (the CPU emulation, every bad input refused before a launch)."""
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from flash_cute.fp8 import quantize_fp8  # noqa: E402
+from flash_cute.fp8.attention import flash_attn_fp8  # noqa: E402
+from flash_cute.fp8.emulation import emulate  # noqa: E402
+from flash_cute.reference.attention import attention_ref  # noqa: E402
+
+
+def _fp8_configs(labels):
+    from flash_cute.tools.registry import CONFIGS
+
+    return [c for c in CONFIGS if c.kernel == "hopper.fwd_fp8" and c.label in labels]
+
+
+def test_the_fp8_forward_cross_compiles_to_qgmma_without_spills():
+    """Both GEMMs on FP8 WGMMA with P from registers, no 16-bit WGMMA, no local memory, V
+    transposed by PRMT, and the declared roles (three transpose warps at the producer's
+    budget) agree with the SASS's setmaxnreg."""
+    from flash_cute.contract.pipeline import from_dict
+    from flash_cute.tools.pipelines import check
+    from flash_cute.tools.xcompile import cross_compile
+
+    labels = {"e4m3 d128/128 128x128x2+intra_wg_overlap+pingpong causal",
+              "e4m3 d256/256 128x64x2+intra_wg_overlap"}
+    configs = _fp8_configs(labels)
+    assert len(configs) == 2
+    for e in cross_compile(configs, targets=["sm_90a"]):
+        assert "error" not in e, e.get("error")
+        ops = e["sass"]
+        assert ops.get("QGMMA", 0) > 0 and ops.get("HGMMA", 0) == 0
+        assert e["spill_bytes"] == 0 and ops.get("LDL", 0) == 0 and ops.get("STL", 0) == 0
+        assert ops.get("PRMT", 0) >= 8 and ops.get("MUFU.EX2", 0) > 0
+        sass = Path(e["artifacts"]["sass"]).read_text()
+        assert all(".E4M3.E4M3" in line for line in sass.splitlines() if "QGMMA" in line)
+        # P comes from registers: the PV QGMMAs name a register A operand.
+        assert any("QGMMA" in line and ", R" in line.split("QGMMA", 1)[1].split("gdesc")[0]
+                   for line in sass.splitlines())
+        assert not check(from_dict(e["pipeline"]), sass)
+        roles = {r["name"]: r["registers"] for r in e["pipeline"]["roles"]}
+        assert roles == {"producer": 40, "transpose": 40, "consumer": 232}
+
+
+def _mma_layouts(tile_n: int):
+    """Thread-value layouts of the FP8 PV WGMMA's A operand and the QK WGMMA's accumulator,
+    evaluated by CuTe at trace time: for each of a warpgroup's 128 threads and each value,
+    the (row, column) it holds."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Float32
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    f8 = cutlass.Float8E4M3FN
+    out = {}
+
+    @cute.jit
+    def trace():
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            f8, f8, OperandMajorMode.K, OperandMajorMode.K, Float32, (2, 1, 1), (64, 128),
+            a_source=warpgroup.OperandSource.RMEM)
+        mma_qk = sm90_utils.make_trivial_tiled_mma(
+            f8, f8, OperandMajorMode.K, OperandMajorMode.K, Float32, (2, 1, 1), (64, tile_n))
+        tv_a, tv_c = mma_pv.tv_layout_A_tiled, mma_qk.tv_layout_C_tiled
+        frag_a = cute.size(mma_pv.get_slice(0).partition_shape_A((128, tile_n)))
+        frag_c = cute.size(mma_qk.get_slice(0).partition_shape_C((128, tile_n)))
+        # The tiled layout covers one k-block (K = 32) of A; the fragment holds frag_a / 16.
+        out["a"] = [[(tv_a((t, v % 16)) % 128, tv_a((t, v % 16)) // 128 + 32 * (v // 16))
+                     for v in range(frag_a)] for t in range(128)]
+        out["c"] = [[(tv_c((t, v)) % 128, tv_c((t, v)) // 128) for v in range(frag_c)]
+                    for t in range(128)]
+
+    trace()
+    return out["a"], out["c"]
+
+
+@pytest.mark.parametrize("tile_n", [64, 128])
+def test_p_in_registers_and_v_transposed_meet_on_the_same_keys(tile_n):
+    """For every thread and every byte of P's FP8 A operand: the accumulator value it is
+    converted from (`p_sources`) lies on the same row, and its key is the key that V's
+    transposed tile holds at that byte's column (`key_order`, π). The A fragment's value order
+    (byte, row half, k-half, k-block) is CuTe's, read from its layouts, not assumed."""
+    from flash_cute.arch.hopper.fwd_fp8 import key_order, p_sources
+
+    tv_a, tv_c = _mma_layouts(tile_n)
+    pi = key_order(tile_n)
+    assert sorted(pi) == list(range(tile_n))  # a permutation
+    sources = p_sources(len(tv_c[0]))
+    assert len(sources) * 4 == len(tv_a[0]) == len(tv_c[0])
+    for t in range(128):
+        for reg, src in enumerate(sources):
+            for byte, c in enumerate(src):
+                a_row, a_col = tv_a[t][4 * reg + byte]
+                c_row, c_col = tv_c[t][c]
+                assert a_row == c_row and pi[a_col] == c_col, (t, reg, byte)
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt (default mode): result byte i is byte (sel >> 4i) & 7 of b:a."""
+    pool = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+    return sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _smem_offsets(hdim_v: int, tile_n: int):
+    """Byte offsets (swizzle applied by CuTe) of V's tile as loaded, (d, key, stage 1), and of
+    its transpose, (d, a, stage 1), from the kernel's own layouts, and each layout's outer
+    offset and swizzle parameters."""
+    import cutlass.cute as cute
+
+    from flash_cute.arch.hopper.fwd_fp8 import HopperFwdFp8
+
+    kernel = HopperFwdFp8(__import__("cutlass").Float8E4M3FN, 128 if hdim_v <= 128 else 256,
+                          hdim_v, schedule=(128, tile_n, 2))
+    out = {}
+
+    @cute.jit
+    def trace():
+        sv, svt = kernel._smem_layouts()[2], kernel._vt_layout()
+        for name, layout in (("v", sv), ("vt", svt)):
+            sw = layout.inner
+            out[name] = ({(d, x): layout((d, x, 1)) for d in range(hdim_v)
+                          for x in range(tile_n)},
+                         {(d, x): layout.outer((d, x, 1)) for d in range(hdim_v)
+                          for x in range(tile_n)},
+                         (sw.num_bits, sw.num_base, sw.num_shift))
+
+    trace()
+    return out
+
+
+@pytest.mark.parametrize("hdim_v, tile_n", [(128, 128), (256, 64), (64, 128)])
+def test_the_transpose_writes_v_in_the_key_order_of_p(hdim_v, tile_n):
+    """A model of `transpose_block` with its own helpers (chunks, key offsets, PRMT selectors,
+    the hand-applied swizzle) over random bytes laid out by CuTe's layouts of V and Vᵀ:
+    every chunk is visited once, the hand swizzle is CuTe's, and Vᵀ(d, a) = V(π(a), d)."""
+    from flash_cute.arch.hopper.fwd_fp8 import (
+        KEY_OFFSETS,
+        chunk_coords,
+        key_order,
+        swizzled,
+        transposed_words,
+    )
+
+    layouts = _smem_offsets(hdim_v, tile_n)
+    for full, outer, params in layouts.values():
+        assert all(swizzled(outer[k], *params) == full[k] for k in full)
+    v_full, vt_full = layouts["v"][0], layouts["vt"][0]
+    rng = random.Random(hdim_v * tile_n)
+    size = max(max(v_full.values()), max(vt_full.values())) + 4
+    src, dst = bytearray(size), bytearray(size)
+    v = {(d, key): rng.randrange(256) for d in range(hdim_v) for key in range(tile_n)}
+    for (d, key), byte in v.items():
+        src[v_full[(d, key)]] = byte
+    word = lambda buf, off: int.from_bytes(buf[off:off + 4], "little")  # noqa: E731
+    seen = set()
+    n_u, n_v = hdim_v // 4, tile_n // 4
+    for c in range(n_u * n_v):
+        d0, col = chunk_coords(c, n_v // 8)
+        seen.add((d0, col))
+        key0 = 16 * (col // 4) + 2 * (col % 4)
+        words = [word(src, v_full[(d0, key0 + off)]) for off in KEY_OFFSETS]
+        for j, out in enumerate(transposed_words(_prmt, words)):
+            off = vt_full[(d0 + j, 4 * col)]
+            dst[off:off + 4] = out.to_bytes(4, "little")
+    assert seen == {(4 * u, col) for u in range(n_u) for col in range(n_v)}
+    pi = key_order(tile_n)
+    for d in range(hdim_v):
+        for a in range(tile_n):
+            assert dst[vt_full[(d, a)]] == v[(d, pi[a])], (d, a)
+
+
+def _quantized(b=2, sq=37, sk=53, h=4, hk=2, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, n, d, generator=g) for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    q8, q_desc = quantize_fp8(q.reshape(b, sq, hk, (h // hk) * d), block=None)
+    (k8, ks), (v8, vs) = quantize_fp8(k, block=None), quantize_fp8(v, block=None)
+    return q8.view(b, sq, h, d), k8, v8, q_desc, ks, vs
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_on_the_cpu_runs_the_kernels_emulation(causal):
+    """FA3's descales per (batch, K/V head), GQA: the CPU path is the emulation, and its
+    error against float64 of the dequantized inputs is small next to the output."""
+    q8, k8, v8, q_desc, ks, vs = _quantized()
+    out, lse = flash_attn_fp8(q8, k8, v8, q_desc, ks, vs, causal=causal, return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 37, 4, 64)
+    qs = q_desc.repeat_interleave(2, dim=1)
+    emu, emu_lse = emulate(q8, k8, v8, qs, ks, vs, causal=causal, block=None)
+    assert torch.equal(out, emu.to(torch.bfloat16)) and torch.equal(lse, emu_lse)
+    deq = (q8.double() * qs.double()[:, None, :, None],
+           k8.double() * ks.double()[:, None, :, None],
+           v8.double() * vs.double()[:, None, :, None])
+    ref, ref_lse = attention_ref(*deq, causal=causal)
+    # e4m3 keeps 3 mantissa bits: a few per cent of the output's scale; a wrong scale or
+    # descale is off by its whole size.
+    assert (out.double() - ref).pow(2).mean().sqrt() < 0.05 * ref.abs().mean()
+    assert (lse.double() - ref_lse).abs().max() < 1e-3
+
+
+def test_fp8_bad_input_is_refused_before_any_launch():
+    q8, k8, v8, q_desc, ks, vs = _quantized()
+    cases = [
+        (lambda: flash_attn_fp8(q8, k8.float().to(torch.bfloat16), v8), TypeError, "together"),
+        (lambda: flash_attn_fp8(q8, k8, v8, torch.ones(2, 4)), ValueError, "nheads_kv"),
+        (lambda: flash_attn_fp8(q8, k8, v8, None, ks.double()), TypeError, "float32"),
+        (lambda: flash_attn_fp8(q8, k8, v8, None, None, vs[0]), TypeError, "[batch"),
+        (lambda: flash_attn_fp8(q8, k8, v8, out_dtype=torch.float32), TypeError, "out_dtype"),
+        (lambda: flash_attn_fp8(*(t.float().to(torch.float8_e5m2) for t in (q8, k8, v8))),
+         TypeError, "float8_e4m3fn"),
+        (lambda: flash_attn_fp8(q8[..., :48].contiguous(), k8[..., :48].contiguous(),
+                                v8[..., :48].contiguous()), NotImplementedError, "hdim"),
+        (lambda: flash_attn_fp8(q8, k8, v8, window_size=(8, 8)), NotImplementedError,
+         "emulation"),
+    ]
+    for call, error, words in cases:
+        with pytest.raises(error, match=None) as info:
+            call()
+        assert words in str(info.value), (words, str(info.value))
+    with pytest.raises(NotImplementedError, match="bf16"):
+        flash_attn_fp8(q8.clone().requires_grad_(), k8, v8)
+
+
+_FP8_LAUNCH = '''
+import torch
+import flash_cute.runtime.jit as jit
+from flash_cute.arch.hopper import planner
+from flash_cute.runtime.problem import validate_attention_inputs
+
+launches = []
+
+
+class Recording:
+    generation = 0
+
+    def get(self, key, build, options=""):
+        build()  # the real compile, against fake tensors of the recorded specs
+        return lambda *args: launches.append((key, args))
+
+
+jit.compile_cache = Recording()
+q = torch.randn(2, 37, 4, 128).to(torch.float8_e4m3fn)
+k, v = (torch.randn(2, 45, 2, 128).to(torch.float8_e4m3fn) for _ in range(2))
+problem = validate_attention_inputs(q, k, v, causal=True, require_cuda=False,
+                                    supported_dtypes=(torch.float8_e4m3fn,))
+scales = tuple(torch.rand(2, 2) + 0.5 for _ in range(3))
+for out_dtype in (torch.bfloat16, torch.float16):
+    launch = planner.plan_forward_fp8(q, k, v, problem, out_dtype=out_dtype)
+    out, lse = launch(q, k, v, descales=scales)
+    key, args = launches[-1]
+    assert key.kernel == "hopper.fwd_fp8" + ("" if out_dtype == torch.bfloat16 else ".fp16")
+    assert key.dtype == "e4m3" and key.hdim == 128, key
+    assert out.dtype == out_dtype and out.shape == (2, 37, 4, 128) and lse.shape == (2, 4, 37)
+    assert args[3] is out and all(a is s for a, s in zip(args[-3:], scales))
+print("launched")
+'''
+
+
+def test_the_fp8_launch_compiles_and_passes_descales_and_a_16_bit_output():
+    """The FP8 forward's host path with the compile cache recording (no GPU): the planner's
+    launch compiles the kernel for the call's fake tensors (e4m3 in, bf16 or fp16 out, the
+    descales), keys it by the output dtype, allocates O in it and passes the descales last."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a"}
+    proc = subprocess.run([sys.executable, "-c", _FP8_LAUNCH], capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0 and "launched" in proc.stdout, proc.stderr[-3000:]
