@@ -52,48 +52,69 @@ def test_the_fp8_forward_cross_compiles_to_qgmma_without_spills():
         assert roles == {"producer": 40, "transpose": 40, "consumer": 232}
 
 
-def _mma_layouts(tile_n: int):
+_MMA_LAYOUTS = """
+import json, sys
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+tile_n = int(sys.argv[1])
+f8 = cutlass.Float8E4M3FN
+out = {}
+
+
+@cute.jit
+def trace():
+    mma_pv = sm90_utils.make_trivial_tiled_mma(
+        f8, f8, OperandMajorMode.K, OperandMajorMode.K, Float32, (2, 1, 1), (64, 128),
+        a_source=warpgroup.OperandSource.RMEM)
+    mma_qk = sm90_utils.make_trivial_tiled_mma(
+        f8, f8, OperandMajorMode.K, OperandMajorMode.K, Float32, (2, 1, 1), (64, tile_n))
+    tv_a, tv_c = mma_pv.tv_layout_A_tiled, mma_qk.tv_layout_C_tiled
+    frag_a = cute.size(mma_pv.get_slice(0).partition_shape_A((128, tile_n)))
+    frag_c = cute.size(mma_qk.get_slice(0).partition_shape_C((128, tile_n)))
+    # The tiled layout covers one k-block (K = 32) of A; the fragment holds frag_a / 16.
+    out["a"] = [[(tv_a((t, v % 16)) % 128, tv_a((t, v % 16)) // 128 + 32 * (v // 16))
+                 for v in range(frag_a)] for t in range(128)]
+    out["c"] = [[(tv_c((t, v)) % 128, tv_c((t, v)) // 128) for v in range(frag_c)]
+                for t in range(128)]
+
+
+trace()
+print(json.dumps(out))
+"""
+
+
+def _mma_layouts(tile_n: int, folder):
     """Thread-value layouts of the FP8 PV WGMMA's A operand and the QK WGMMA's accumulator,
-    evaluated by CuTe at trace time: for each of a warpgroup's 128 threads and each value,
-    the (row, column) it holds."""
-    import cutlass
-    import cutlass.cute as cute
-    import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass import Float32
-    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+    evaluated by CuTe at trace time for sm_90a (in a process of its own: the DSL's target is
+    fixed at its import): for each of a warpgroup's 128 threads and each value, the (row,
+    column) it holds."""
+    import json
+    import subprocess
+    import sys
 
-    f8 = cutlass.Float8E4M3FN
-    out = {}
-
-    @cute.jit
-    def trace():
-        mma_pv = sm90_utils.make_trivial_tiled_mma(
-            f8, f8, OperandMajorMode.K, OperandMajorMode.K, Float32, (2, 1, 1), (64, 128),
-            a_source=warpgroup.OperandSource.RMEM)
-        mma_qk = sm90_utils.make_trivial_tiled_mma(
-            f8, f8, OperandMajorMode.K, OperandMajorMode.K, Float32, (2, 1, 1), (64, tile_n))
-        tv_a, tv_c = mma_pv.tv_layout_A_tiled, mma_qk.tv_layout_C_tiled
-        frag_a = cute.size(mma_pv.get_slice(0).partition_shape_A((128, tile_n)))
-        frag_c = cute.size(mma_qk.get_slice(0).partition_shape_C((128, tile_n)))
-        # The tiled layout covers one k-block (K = 32) of A; the fragment holds frag_a / 16.
-        out["a"] = [[(tv_a((t, v % 16)) % 128, tv_a((t, v % 16)) // 128 + 32 * (v // 16))
-                     for v in range(frag_a)] for t in range(128)]
-        out["c"] = [[(tv_c((t, v)) % 128, tv_c((t, v)) // 128) for v in range(frag_c)]
-                    for t in range(128)]
-
-    trace()
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a"}
+    script = folder / "mma_layouts.py"  # the DSL compiles from source files only
+    script.write_text(_MMA_LAYOUTS)
+    proc = subprocess.run([sys.executable, str(script), str(tile_n)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
     return out["a"], out["c"]
 
 
 @pytest.mark.parametrize("tile_n", [64, 128])
-def test_p_in_registers_and_v_transposed_meet_on_the_same_keys(tile_n):
+def test_p_in_registers_and_v_transposed_meet_on_the_same_keys(tile_n, tmp_path):
     """For every thread and every byte of P's FP8 A operand: the accumulator value it is
     converted from (`p_sources`) lies on the same row, and its key is the key that V's
     transposed tile holds at that byte's column (`key_order`, π). The A fragment's value order
     (byte, row half, k-half, k-block) is CuTe's, read from its layouts, not assumed."""
     from flash_cute.arch.hopper.fwd_fp8 import key_order, p_sources
 
-    tv_a, tv_c = _mma_layouts(tile_n)
+    tv_a, tv_c = _mma_layouts(tile_n, tmp_path)
     pi = key_order(tile_n)
     assert sorted(pi) == list(range(tile_n))  # a permutation
     sources = p_sources(len(tv_c[0]))
