@@ -229,6 +229,40 @@ def test_fp8_on_the_cpu_runs_the_kernels_emulation(causal):
     assert (lse.double() - ref_lse).abs().max() < 1e-3
 
 
+def _dequantized(q8, k8, v8, q_desc, ks, vs):
+    qs = q_desc.repeat_interleave(q8.shape[-2] // k8.shape[-2], dim=1)
+    return tuple(t.double() * s.double()[:, None, :, None]
+                 for t, s in ((q8, qs), (k8, ks), (v8, vs)))
+
+
+def test_fp8_on_the_cpu_takes_windows_softcap_varlen_seqused_and_pages():
+    """The emulation path with the kernel's features: each against float64 of the
+    dequantized inputs; varlen equal to the padded call sequence by sequence; a paged cache
+    equal to the dense one it holds."""
+    q8, k8, v8, q_desc, ks, vs = _quantized(b=2, sq=29, sk=64)
+    deq = _dequantized(q8, k8, v8, q_desc, ks, vs)
+    used = torch.tensor([64, 41], dtype=torch.int32)
+    for kw in (dict(window_size=(9, 3)), dict(causal=True, softcap=4.0),
+               dict(causal=True, seqused_k=used)):
+        out = flash_attn_fp8(q8, k8, v8, q_desc, ks, vs, **kw)
+        ref, _ = attention_ref(*deq, **kw)
+        assert (out.double() - ref).pow(2).mean().sqrt() < 0.05 * ref.abs().mean(), kw
+    padded = flash_attn_fp8(q8, k8, v8, q_desc, ks, vs, causal=True, seqused_k=used)
+    cu_q = torch.tensor([0, 29, 58], dtype=torch.int32)
+    cu_k = torch.tensor([0, 64, 128], dtype=torch.int32)
+    packed = flash_attn_fp8(q8.flatten(0, 1), k8.flatten(0, 1), v8.flatten(0, 1), q_desc, ks,
+                            vs, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            max_seqlen_q=29, max_seqlen_k=64, seqused_k=used)
+    assert torch.equal(packed.view_as(padded), padded)
+    # The same keys in pages of 16 rows, the table's order shuffled.
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(1))
+    pages = lambda t: t.reshape(8, 16, *t.shape[2:])[order]  # noqa: E731
+    table = torch.argsort(order).view(2, 4).to(torch.int32)
+    paged = flash_attn_fp8(q8, pages(k8), pages(v8), q_desc, ks, vs, causal=True,
+                           seqused_k=used, page_table=table)
+    assert torch.equal(paged, padded)
+
+
 def test_fp8_bad_input_is_refused_before_any_launch():
     q8, k8, v8, q_desc, ks, vs = _quantized()
     cases = [
@@ -241,8 +275,6 @@ def test_fp8_bad_input_is_refused_before_any_launch():
          TypeError, "float8_e4m3fn"),
         (lambda: flash_attn_fp8(q8[..., :48].contiguous(), k8[..., :48].contiguous(),
                                 v8[..., :48].contiguous()), NotImplementedError, "hdim"),
-        (lambda: flash_attn_fp8(q8, k8, v8, window_size=(8, 8)), NotImplementedError,
-         "emulation"),
     ]
     for call, error, words in cases:
         with pytest.raises(error, match=None) as info:
@@ -283,6 +315,24 @@ for out_dtype in (torch.bfloat16, torch.float16):
     assert key.dtype == "e4m3" and key.hdim == 128, key
     assert out.dtype == out_dtype and out.shape == (2, 37, 4, 128) and lse.shape == (2, 4, 37)
     assert args[3] is out and all(a is s for a, s in zip(args[-3:], scales))
+# Decode: split-KV over a paged cache of 64-row pages, packed GQA; merged in the kernel (its
+# per-stream scratch asks the CUDA runtime for the stream, which a CPU build stubs out).
+from flash_cute.runtime.call import paged_view
+torch.cuda.is_current_stream_capturing = lambda: False
+torch._C._cuda_getCurrentRawStream = lambda index: 0
+q1 = torch.randn(2, 1, 8, 128).to(torch.float8_e4m3fn)
+cache = [torch.randn(6, 64, 2, 128).to(torch.float8_e4m3fn) for _ in range(2)]
+table = torch.arange(6, dtype=torch.int32).view(2, 3)
+used = torch.tensor([190, 70], dtype=torch.int32)
+kl, vl, _ = paged_view(q1, *cache, (None, None, None, used), table, False)
+problem = validate_attention_inputs(q1, kl, vl, seqused_k=used, num_splits=3,
+                                    require_cuda=False, supported_dtypes=(torch.float8_e4m3fn,))
+launch = planner.plan_forward_fp8(q1, *cache, problem, seqused_k=used, page_table=table)
+out, lse = launch(q1, *cache, seqused_k=used, page_table=table, descales=scales)
+key, args = launches[-1]
+assert dict(key.flags).get("split_kv") and dict(key.flags).get("page") == 64, key
+assert args[3].dtype == torch.float32 and args[3].shape[0] == 3  # the splits' partials
+assert out.dtype == torch.bfloat16 and out.shape == (2, 1, 8, 128)
 print("launched")
 '''
 
@@ -290,7 +340,8 @@ print("launched")
 def test_the_fp8_launch_compiles_and_passes_descales_and_a_16_bit_output():
     """The FP8 forward's host path with the compile cache recording (no GPU): the planner's
     launch compiles the kernel for the call's fake tensors (e4m3 in, bf16 or fp16 out, the
-    descales), keys it by the output dtype, allocates O in it and passes the descales last."""
+    descales), keys it by the output dtype, allocates O in it and passes the descales last;
+    a decode call over a paged cache compiles the split, paged kernel."""
     import subprocess
     import sys
 
@@ -298,3 +349,34 @@ def test_the_fp8_launch_compiles_and_passes_descales_and_a_16_bit_output():
     proc = subprocess.run([sys.executable, "-c", _FP8_LAUNCH], capture_output=True, text=True,
                           timeout=900, env=env)
     assert proc.returncode == 0 and "launched" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_the_public_functions_take_fp8_with_fa3s_keywords():
+    """flash_attn_func, flash_attn_varlen_func and flash_attn_with_kvcache route e4m3 inputs
+    with descales to the FP8 forward (the same result as `flash_attn_fp8`), refuse what it
+    does not take by name, and refuse descales for 16-bit inputs."""
+    import flash_cute
+
+    q8, k8, v8, q_desc, ks, vs = _quantized(b=2, sq=5, sk=64, d=128)
+    used = torch.tensor([64, 30], dtype=torch.int32)
+    want = flash_attn_fp8(q8, k8, v8, q_desc, ks, vs, causal=True, seqused_k=used)
+    out, lse = flash_cute.flash_attn_varlen_func(q8, k8, v8, seqused_k=used, causal=True,
+                                                 q_descale=q_desc, k_descale=ks, v_descale=vs,
+                                                 return_lse=True)
+    assert torch.equal(out, want) and lse.shape == (2, 4, 5)
+    cached = flash_cute.flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=used, causal=True,
+                                               q_descale=q_desc, k_descale=ks, v_descale=vs)
+    assert torch.equal(cached, want)
+    out16, lse16 = flash_cute.flash_attn_func(q8, k8, v8, q_descale=q_desc, k_descale=ks,
+                                              v_descale=vs, out_dtype=torch.float16)
+    assert out16.dtype == torch.float16 and lse16 is None
+    assert torch.equal(out16, flash_attn_fp8(q8, k8, v8, q_desc, ks, vs,
+                                             out_dtype=torch.float16))
+    with pytest.raises(NotImplementedError, match="alibi_slopes, dropout_p"):
+        flash_cute.flash_attn_func(q8, k8, v8, dropout_p=0.1, alibi_slopes=torch.ones(4))
+    with pytest.raises(NotImplementedError, match="appending"):
+        flash_cute.flash_attn_with_kvcache(q8, k8, v8, k=k8[:, :1], v=v8[:, :1],
+                                           cache_seqlens=used - 1, k_descale=ks)
+    with pytest.raises(ValueError, match="k_descale apply to float8_e4m3fn"):
+        flash_cute.flash_attn_func(*(t.float().to(torch.bfloat16) for t in (q8, k8, v8)),
+                                   k_descale=ks)

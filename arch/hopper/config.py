@@ -162,10 +162,11 @@ FP8_ROLE_REGISTERS = (40, 232)
 def fp8_smem_bytes(hdim: int, hdim_v: int, schedule: tuple, own_o: bool,
                    out_bytes: int = 2) -> int:
     """Dynamic shared memory of one FP8 forward CTA, laid out as `HopperFwdFp8`'s
-    SharedStorage: full and empty barriers of Q, K, V and V's transpose, then Q, the K ring,
-    the V ring as loaded, its transpose, and O's tile where it has one of its own."""
+    SharedStorage: full and empty barriers of Q, K, V and V's transpose (and split-KV's merge
+    flag), then Q, the K ring, the V ring as loaded, its transpose, and O's tile where it has
+    one of its own."""
     tile_m, tile_n, stages = schedule[:3]
-    return (_align(8 * (2 + 6 * stages)) + _align(tile_m * hdim)
+    return (_align(8 * (2 + 6 * stages) + 4) + _align(tile_m * hdim)
             + _align(stages * tile_n * hdim) + 2 * _align(stages * tile_n * hdim_v)
             + own_o * _align(tile_m * hdim_v * out_bytes))
 

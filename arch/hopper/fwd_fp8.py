@@ -146,7 +146,6 @@ class HopperFwdFp8(HopperFwd):
             raise ValueError(f"the FP8 forward writes bf16 or fp16, got {out_dtype}")
         refused = [name for name, on in (
             ("dropout", variant.dropout), ("score or mask mods", variant.mods is not None),
-            ("split-KV", variant.split_kv), ("paged K/V", variant.page_size > 0),
             ("append", variant.append), ("timeline", variant.timeline),
             ("software exp2", variant.ex2_per16 > 0)) if on]
         if refused:
@@ -191,6 +190,8 @@ class HopperFwdFp8(HopperFwd):
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_vt: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            if self.split_kv:
+                merge_flag: cute.struct.MemRange[cutlass.Int32, 1]
             sQ: smem_tile(dtype, sQ_layout)
             sK: smem_tile(dtype, sK_layout)
             sV: smem_tile(dtype, sV_layout)
@@ -310,7 +311,7 @@ class HopperFwdFp8(HopperFwd):
         src = _words(storage.sV, sV_layout)
         dst = _words(storage.sVt, sVt_layout)
         n_u, n_v = self.hdim_v // 4, self.tile_n // 4
-        zero_tail = self.varlen or self.has_seqused_k
+        zero_tail = self.varlen or self.has_seqused_k or self.page_size > 0
         for c in cutlass.range(tid, n_u * n_v, 32 * TRANSPOSE_WARPS, unroll=1):
             d0, v = chunk_coords(c, n_v // 8)
             key0 = 16 * (v // 4) + 2 * (v % 4)

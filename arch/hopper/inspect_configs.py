@@ -327,7 +327,12 @@ def _fwd_fp8_configs():
              ((192, 128), {"causal": True}), ((256, 256), {}), ((256, 256), {"causal": True}),
              ((128, 128), {"local": True, "softcap": True}),
              ((128, 128), {"causal": True, "varlen": True, "seqused_k": True}),
-             ((128, 128), {"causal": True, "pack_gqa": 4, "out_fp16": True})]
+             ((128, 128), {"causal": True, "pack_gqa": 4, "out_fp16": True}),
+             # Decode: split-KV with packed GQA over cache lengths, dense and paged.
+             ((128, 128), {"split_kv": True, "pack_gqa": 4, "seqused_k": True}),
+             ((128, 128), {"causal": True, "split_kv": True, "pack_gqa": 8, "seqused_k": True,
+                           "page": 64}),
+             ((256, 256), {"split_kv": True, "seqused_k": True, "page": 64})]
     return tuple(KernelConfig("hopper.fwd_fp8", TARGETS, "e4m3", d, dv, FP8_SCHEDULES[d],
                               build_fwd_fp8, config_flags(**flags)) for (d, dv), flags in cases)
 

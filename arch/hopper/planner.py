@@ -95,10 +95,11 @@ _FP8_KERNEL = launch.KernelRef("flash_cute.arch.hopper.fwd_fp8", "HopperFwdFp8")
 
 
 def plan_forward_fp8(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
-                     seqused_q=None, seqused_k=None, out_dtype=None,
+                     seqused_q=None, seqused_k=None, out_dtype=None, page_table=None,
                      schedule=None) -> launch_fwd.ForwardLaunch:
     """The FP8 forward's launch (`HopperFwdFp8`): e4m3 q, k, v, an `out_dtype` O (bf16 or
-    fp16), FA3's descales passed per call. Dense K/V, no splits (the kernel has neither)."""
+    fp16), FA3's descales passed per call; split-KV as the problem asks (merged in the
+    kernel), paged K/V read by the kernel (pages of a power of two, at least 8 rows)."""
     import torch
 
     from flash_cute.runtime.jit import current_target
@@ -107,18 +108,23 @@ def plan_forward_fp8(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_s
     if target != "sm_90a":
         raise NotImplementedError(f"the FP8 forward runs on sm_90a only, not {target}")
     launch.check_head_dims("hopper FP8 forward", problem, FP8_SUPPORTED_HDIMS)
-    pack = launch.packed_heads(problem, PACK_ROWS, FP8_SCHEDULES[problem.hdim].tile_m)
+    if page_table is not None and not pages_in_kernel(k.shape[1]):
+        raise NotImplementedError(f"the FP8 forward reads pages of a power of two of at least "
+                                  f"{MIN_PAGE_ROWS} rows, not {k.shape[1]}")
+    chosen = tuple(schedule or FP8_SCHEDULES[problem.hdim])
+    pack = launch.packed_heads(problem, PACK_ROWS, chosen[0])
+    splits = plan_splits(problem, chosen[0], chosen[1], pack, launch.device_sms(q.device))
     out_dtype = out_dtype or torch.bfloat16
     fp16 = out_dtype == torch.float16
 
     def make_kernel(*args, **kwargs):
         return _FP8_KERNEL(*args, out_dtype="fp16" if fp16 else "bf16", **kwargs)
 
-    chosen = tuple(schedule or FP8_SCHEDULES[problem.hdim])
     return launch_fwd.ForwardLaunch("hopper.fwd_fp8" + (".fp16" if fp16 else ""), make_kernel,
                                     q, k, v, problem, cu_seqlens_q, cu_seqlens_k, seqused_q,
                                     seqused_k, chosen, COMPILE_OPTIONS, target,
-                                    prepare=tma_ready, pack_gqa=pack, ex2_per16=0,
+                                    prepare=tma_ready, pack_gqa=pack, splits=splits,
+                                    page_table=page_table, merge_in_kernel=True, ex2_per16=0,
                                     out_dtype=out_dtype, descales=True)
 
 

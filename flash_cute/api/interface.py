@@ -103,6 +103,10 @@ def flash_attn_func(
     page_table: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """Exact attention on [batch, seqlen, nheads, hdim] tensors; returns ``(out, lse)``.
 
@@ -149,7 +153,18 @@ def flash_attn_func(
     pipeline decide (`flash_cute.runtime.launch.packed_heads`); True requires it
     (NotImplementedError where the pipeline cannot: the ampere pipeline, or a group that does not
     divide the hopper tile's 128 rows); False never packs. The result is the same either way.
+
+    FP8 (keyword-only, FA3's): float8_e4m3fn q, k and v with ``q_descale`` / ``k_descale`` /
+    ``v_descale`` (float32 [batch, nheads_kv], None: 1.0) run the FP8 forward
+    (`flash_cute.fp8.flash_attn_fp8`), forward only, its O in ``out_dtype`` (bf16 unless
+    torch.float16).
     """
+    if _fp8_call(q, k, v, q_descale, k_descale, v_descale, out_dtype):
+        _refuse_for_fp8(locals())
+        return _fp8(q, k, v, q_descale, k_descale, v_descale, out_dtype, return_lse,
+                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    softcap=softcap, pack_gqa=pack_gqa, num_splits=num_splits,
+                    page_table=page_table)
     if (qv is not None or gather_kv_indices is not None or gather_bwd_recompute_p
             or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
@@ -217,6 +232,10 @@ def flash_attn_varlen_func(
     arch: Optional[str] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """Attention over sequences of different lengths; returns ``(out, lse)``.
 
@@ -259,7 +278,18 @@ def flash_attn_varlen_func(
     * mixed: cu_seqlens for one side only, the other padded [batch, seqlen, heads, d] (a
       packed prompt against a padded KV cache, or the reverse), each side with or without its
       seqused. The output and lse take the layout of q's side.
+
+    FP8: float8_e4m3fn q, k, v with FA3's descales, as in `flash_attn_func` (packed or
+    padded on both sides, seqused, paged caches, splits).
     """
+    if _fp8_call(q, k, v, q_descale, k_descale, v_descale, out_dtype):
+        _refuse_for_fp8(locals())
+        return _fp8(q, k, v, q_descale, k_descale, v_descale, out_dtype, return_lse,
+                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    softcap=softcap, pack_gqa=pack_gqa, num_splits=num_splits,
+                    page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                    max_seqlen_k=max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k)
     if (qv is not None or gather_kv_indices is not None
             or block_sparse_tensors is not None or scheduler_metadata is not None
             or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
@@ -301,6 +331,48 @@ def flash_attn_varlen_func(
         if lse is not None:
             lse = lse.view(lse.shape[0], batch, seqlen).transpose(0, 1).contiguous()
     return out, lse
+
+
+def _fp8_call(q, k, v, q_descale, k_descale, v_descale, out_dtype) -> bool:
+    """Whether a call is FP8's: an e4m3 input, or a descale or out_dtype given (which 16-bit
+    inputs refuse: their result is in their own dtype, unscaled)."""
+    from flash_cute.fp8.attention import is_fp8
+
+    if any(is_fp8(t) for t in (q, k, v)):
+        return True
+    given = [n for n, x in (("q_descale", q_descale), ("k_descale", k_descale),
+                            ("v_descale", v_descale), ("out_dtype", out_dtype)) if x is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to float8_e4m3fn q, k and v only; got "
+                         f"{q.dtype if isinstance(q, torch.Tensor) else type(q).__name__}")
+    return False
+
+
+# What the FP8 forward leaves out, by argument: (the value it must keep, the name in errors).
+_FP8_REFUSED = {"qv": None, "gather_kv_indices": None, "learnable_sink": None,
+                "score_mod": None, "score_mod_bwd": None, "mask_mod": None, "aux_tensors": None,
+                "aux_scalars": None, "block_sparse_tensors": None, "block_mask": None,
+                "alibi_slopes": None, "dropout_p": 0.0, "deterministic": False,
+                "seqlen_k_per_split": None, "scheduler_metadata": None, "arch": None,
+                "gather_bwd_recompute_p": False, "gather_bwd_token_chunk": None}
+
+
+def _refuse_for_fp8(args: dict) -> None:
+    """NotImplementedError naming each argument the FP8 forward does not take."""
+    used = [name for name, default in _FP8_REFUSED.items()
+            if name in args and args[name] is not default and args[name] != default]
+    if used:
+        raise NotImplementedError(f"the FP8 forward has no {', '.join(used)}: call with bf16 "
+                                  f"or fp16 q, k and v for them")
+
+
+def _fp8(q, k, v, q_descale, k_descale, v_descale, out_dtype, return_lse, **kw):
+    """(out, lse or None) of `flash_cute.fp8.flash_attn_fp8`."""
+    from flash_cute.fp8.attention import flash_attn_fp8
+
+    out, lse = flash_attn_fp8(q, k, v, q_descale, k_descale, v_descale,
+                              out_dtype=out_dtype or torch.bfloat16, return_lse=True, **kw)
+    return out, (lse if return_lse else None)
 
 
 def _pages_in_kernel(q, k, v) -> bool:

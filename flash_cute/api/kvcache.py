@@ -52,11 +52,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             block_table: Optional[torch.Tensor] = None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, q_descale=None, k_descale=None,
+                            v_descale=None, out_dtype=None):
     """q [b, sq, h, d]; k_cache / v_cache [b_cache, s_cache, h_kv, d] or, with block_table
     (int32 [b, max_pages]), paged [num_pages, page_size, h_kv, d]; k / v [b, s_new, h_kv, d];
     cache_seqlens int or int32 [b]; returns out [b, sq, h, d] (and lse [b, h, sq] with
-    return_softmax_lse). See the module docstring."""
+    return_softmax_lse). See the module docstring.
+
+    FP8 (FA3's keywords): float8_e4m3fn q and caches with ``q_descale`` / ``k_descale`` /
+    ``v_descale`` (float32 [b, h_kv]) read the cache with the FP8 forward, O in ``out_dtype``
+    (bf16 unless torch.float16); appending new rows (k, v), rotary and cache_batch_idx /
+    cache_leftpad are the 16-bit path's only."""
     batch, seqlen_q = q.shape[:2]
     paged = block_table is not None
     _check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
@@ -64,6 +70,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     attend = dict(softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
                   softcap=softcap if softcap > 0 else 0.0, num_splits=num_splits,
                   return_lse=return_softmax_lse, alibi_slopes=alibi_slopes)
+    fp8 = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+               out_dtype=out_dtype)
+    if any(x is not None for x in fp8.values()) or q.dtype == torch.float8_e4m3fn:
+        if k is not None or rotary_cos is not None or cache_batch_idx is not None \
+                or cache_leftpad is not None:
+            raise NotImplementedError("the FP8 forward reads the cache only: appending k / v, "
+                                      "rotary, cache_batch_idx and cache_leftpad take bf16 or "
+                                      "fp16 tensors")
+        attend.update(fp8)
     in_place = cache_leftpad is None and cache_batch_idx is None
     if paged:
         attend["page_table"] = block_table

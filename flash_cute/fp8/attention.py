@@ -73,56 +73,95 @@ def flash_attn_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
                    softmax_scale=None, causal: bool = False, window_size=(-1, -1),
                    softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
                    max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-                   pack_gqa=None, out_dtype=torch.bfloat16, return_lse: bool = False):
+                   pack_gqa=None, num_splits: int = 1, page_table=None,
+                   out_dtype=torch.bfloat16, return_lse: bool = False):
     """Attention over float8_e4m3fn q [b, sq, h, d] (varlen: [tq, h, d] with cu_seqlens),
     k and v [b, sk, hk, d]: O = softmax(q kᵀ · softmax_scale · q_descale · k_descale) v ·
     v_descale, in `out_dtype`. Descales are float32 [b, hk] (None: 1.0), FA3's convention:
     the value a tensor was divided by before its cast to e4m3 (`quantize_fp8` with
     ``block=None`` returns them). Returns O, or (O, LSE) with `return_lse`.
 
-    CUDA runs the Hopper FP8 kernel; CPU tensors run its emulation (padded layout)."""
+    ``num_splits`` (split-KV, FA4's meaning: 1 none, 0 the heuristic) and ``page_table``
+    (int32 [b, max_pages]: k, v are paged caches [pages, page_size, hk, d] whose used rows
+    ``seqused_k`` gives) serve decode.
+
+    CUDA runs the Hopper FP8 kernel; CPU tensors run its emulation."""
     descales = (q_descale, k_descale, v_descale)
     check_fp8_inputs(q, k, v, descales, out_dtype)
     on_cuda = q.is_cuda
+    kv, cu_k_view = (k, v), cu_seqlens_k
+    if page_table is not None:
+        # Validated as the K and V the table stands for.
+        from flash_cute.runtime.call import paged_view
+
+        lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        *kv, cu_k_view = paged_view(q, k, v, lengths, page_table, False)
     problem = validate_attention_inputs(
-        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q, *kv, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_k_view,
         seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa, supported_dtypes=FP8_DTYPES,
-        supported_hdims=FP8_HDIMS, require_cuda=False)
+        max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa, num_splits=num_splits,
+        supported_dtypes=FP8_DTYPES, supported_hdims=FP8_HDIMS, require_cuda=False)
     batch = problem.batch
     scales = _descales(descales, batch, problem.nheads_kv, q.device)
     if on_cuda:
         out, lse = _cuda(q, k, v, problem, scales, out_dtype,
-                         (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
+                         (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), page_table)
     else:
         out, lse = _cpu(q, k, v, problem, scales, out_dtype,
-                        (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
+                        (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), page_table)
     return (out, lse) if return_lse else out
 
 
-def _cuda(q, k, v, problem, scales, out_dtype, lengths):
+def _cuda(q, k, v, problem, scales, out_dtype, lengths, page_table=None):
     from flash_cute.arch.hopper.planner import plan_forward_fp8
 
     major = torch.cuda.get_device_capability(q.device)
     if major != (9, 0):
         raise NotImplementedError(f"the FP8 forward runs on Hopper (sm_90a) only; this GPU "
                                   f"is sm_{major[0]}{major[1]}")
-    launch = plan_forward_fp8(q, k, v, problem, *lengths, out_dtype=out_dtype)
-    return launch(q, k, v, *lengths, descales=scales)
+    launch = plan_forward_fp8(q, k, v, problem, *lengths, out_dtype=out_dtype,
+                              page_table=page_table)
+    return launch(q, k, v, *lengths, page_table=page_table, descales=scales)
 
 
-def _cpu(q, k, v, problem, scales, out_dtype, lengths):
-    """The kernel's emulation, per-(batch, K/V head) scales (`emulate` with block None)."""
-    if any(t is not None for t in lengths) or problem.window_left is not None \
-            or (problem.window_right is not None and not problem.causal) or problem.softcap:
-        raise NotImplementedError("the FP8 forward's CPU emulation takes padded inputs, "
-                                  "causal or not, without windows, softcap or seqused")
-    q_scale, k_scale, v_scale = scales
+def _cpu(q, k, v, problem, scales, out_dtype, lengths, page_table=None):
+    """The kernel's emulation (`emulate` with per-(batch, K/V head) scales), one sequence at
+    a time: varlen or padded, seqused, windows, softcap, paged caches gathered first."""
+    cu_q, cu_k, used_q, used_k = lengths
+    if page_table is not None:
+        from flash_cute.runtime import paging
+
+        k, v = paging.gather(k, v, page_table)
     group = problem.nheads // problem.nheads_kv
-    out, lse = emulate(q, k, v, q_scale.repeat_interleave(group, dim=1), k_scale, v_scale,
-                       causal=problem.causal, softmax_scale=problem.softmax_scale, block=None)
-    return out.to(out_dtype), lse
+    q_scale, k_scale, v_scale = scales
+    q_scale = q_scale.repeat_interleave(group, dim=1)
+    out = torch.zeros(*q.shape[:-1], problem.hdim_v, dtype=out_dtype)
+    lse = torch.full((problem.nheads, q.shape[0]) if problem.varlen
+                     else (problem.batch, problem.nheads, q.shape[1]), -math.inf)
+    for b in range(problem.batch):
+        q0, q1 = (int(cu_q[b]), int(cu_q[b + 1])) if cu_q is not None else (0, q.shape[1])
+        k0, k1 = (int(cu_k[b]), int(cu_k[b + 1])) if cu_k is not None else (0, k.shape[1])
+        q1 = q0 + int(used_q[b]) if used_q is not None else q1
+        k1 = k0 + int(used_k[b]) if used_k is not None else k1
+        if q1 <= q0:
+            continue
+        rows = (lambda t, a, z: t[a:z][None]) if problem.varlen else \
+            (lambda t, a, z, b=b: t[b:b + 1, a:z])
+        keys = (lambda t, a, z: t[a:z][None]) if cu_k is not None else \
+            (lambda t, a, z, b=b: t[b:b + 1, a:z])
+        o, l_b = emulate(rows(q, q0, q1), keys(k, k0, k1), keys(v, k0, k1), q_scale[b:b + 1],
+                         k_scale[b:b + 1], v_scale[b:b + 1], causal=problem.causal,
+                         softmax_scale=problem.softmax_scale,
+                         window_size=(problem.window_left, problem.window_right),
+                         softcap=problem.softcap, block=None)
+        if problem.varlen:
+            out[q0:q1] = o[0].to(out_dtype)
+            lse[:, q0:q1] = l_b[0]
+        else:
+            out[b, q0:q1] = o[0].to(out_dtype)
+            lse[b, :, q0:q1] = l_b[0]
+    return out, lse
 
 
 def fp8_tflops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, hdim: int,

@@ -31,14 +31,46 @@ def _per_token(scale: torch.Tensor, s: int, block) -> torch.Tensor:
     return scale.float().repeat_interleave(block, dim=1)[:, :s]
 
 
+def _visible(cols: torch.Tensor, sq: int, sk: int, causal: bool, window) -> torch.Tensor:
+    """[sq, len(cols)] keys each query row sees: bottom-right aligned (row i is key
+    i + sk - sq), inside the window (left, right; None unbounded), before sk."""
+    rows = torch.arange(sq, device=cols.device)[:, None] + (sk - sq)
+    left, right = window
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    visible = cols[None, :] < sk
+    if right is not None:
+        visible = visible & (cols[None, :] <= rows + right)
+    if left is not None:
+        visible = visible & (cols[None, :] >= rows - left)
+    return visible
+
+
 def emulate(q8, k8, v8, q_scale, k_scale, v_scale, causal: bool = False,
-            softmax_scale=None, tile_n: int = 128, block=BLOCK):
+            softmax_scale=None, tile_n: int = 128, block=BLOCK, window_size=(None, None),
+            softcap: float = 0.0, seqused_k=None):
     """(O float32 [b, sq, h, dv], LSE float32 [b, h, sq]) of e4m3 q8 [b, sq, h, d], k8 / v8
     [b, sk, hk, d] with their scales (`quant.quantize_fp8`; `block` None: per (b, head)).
-    Causal aligns bottom-right, as the kernels do."""
+    Masks align bottom-right, as the kernels do: causal, `window_size` (left, right; None or
+    negative unbounded), and `seqused_k` (int [b]: keys past it unseen, the alignment taken
+    from it). `softcap` > 0: cap·tanh(S / cap) of the scaled scores."""
     if block is not None and BLOCK % tile_n and tile_n % BLOCK:
         raise ValueError(f"tile_n {tile_n} must divide the {BLOCK}-token scale block or be a "
                          f"multiple of it")
+    if seqused_k is not None:
+        # One batch entry at a time: each has its own key length and mask alignment.
+        parts = [_emulate(q8[i:i + 1], k8[i:i + 1, :int(seqused_k[i])],
+                          v8[i:i + 1, :int(seqused_k[i])], q_scale[i:i + 1], k_scale[i:i + 1],
+                          v_scale[i:i + 1], causal, softmax_scale, tile_n, block, window_size,
+                          softcap) for i in range(q8.shape[0])]
+        return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+    return _emulate(q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, tile_n, block,
+                    window_size, softcap)
+
+
+def _emulate(q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, tile_n, block,
+             window_size, softcap):
+    window = tuple(None if w is None or w < 0 else int(w) for w in window_size)
     b, sq, h, d = q8.shape
     sk, hk = k8.shape[1], k8.shape[2]
     group = h // hk
@@ -48,17 +80,20 @@ def emulate(q8, k8, v8, q_scale, k_scale, v_scale, causal: bool = False,
     v_rep = v8.float().repeat_interleave(group, dim=2)
     k_sc = _per_token(k_scale, sk, block).repeat_interleave(group, dim=2)   # [b, sk, h]
     v_sc = _per_token(v_scale, sk, block).repeat_interleave(group, dim=2)
-    m = torch.full((b, h, sq), -math.inf)
-    l = torch.zeros(b, h, sq)
-    o = torch.zeros(b, h, sq, v8.shape[3])
-    rows = torch.arange(sq)[:, None] + (sk - sq)
+    dev = q8.device
+    m = torch.full((b, h, sq), -math.inf, device=dev)
+    l = torch.zeros(b, h, sq, device=dev)
+    o = torch.zeros(b, h, sq, v8.shape[3], device=dev)
     log2e = 1.0 / math.log(2.0)
     for n0 in range(0, sk, tile_n):
         cols = slice(n0, min(n0 + tile_n, sk))
         kt = k_rep[:, cols] * k_sc[:, cols, :, None]
         s_tile = torch.einsum("bqhd,bkhd->bhqk", q, kt) * scale
-        if causal:
-            visible = torch.arange(cols.start, cols.stop)[None, :] <= rows
+        if softcap:
+            s_tile = softcap * torch.tanh(s_tile / softcap)
+        if causal or window != (None, None):
+            visible = _visible(torch.arange(cols.start, cols.stop, device=dev), sq, sk, causal,
+                               window)
             s_tile = s_tile.masked_fill(~visible, -math.inf)
         m_new = torch.maximum(m, s_tile.amax(dim=-1))
         safe = torch.where(torch.isinf(m_new), 0.0, m_new)
