@@ -79,6 +79,31 @@ def accuracy() -> list:
                              rmse=k_rmse, max=k_max, emu_rmse=e_rmse, emu_max=e_max,
                              ok=k_rmse <= 1.25 * e_rmse and k_max <= 1.25 * e_max))
         rows += _feature_rows(d, dv, q8, k8, v8, q_desc, ks, vs, ref_inputs, bound)
+        rows += _block_rows(d, dv)
+    return rows
+
+
+def _block_rows(d, dv) -> list:
+    """Block scales (one per 128 tokens of a head), plain and causal, against the emulation
+    with the same scales."""
+    from flash_cute.fp8 import dequantize_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = [torch.randn(2, s, n, e, device="cuda", generator=g)
+         for s, n, e in ((1000, 8, d), (1037, 2, d), (1037, 2, dv))]
+    (q8, qs), (k8, ks), (v8, vs) = (quantize_fp8(t) for t in x)
+    ref_inputs = [dequantize_fp8(t, sc) for t, sc in ((q8, qs), (k8, ks), (v8, vs))]
+    rows = []
+    for causal in (False, True):
+        out = flash_attn_fp8(q8, k8, v8, qs, ks, vs, causal=causal)
+        ref, _ = attention_ref(*ref_inputs, causal=causal)
+        emu, _ = emulate(q8.cpu(), k8.cpu(), v8.cpu(), qs.cpu(), ks.cpu(), vs.cpu(),
+                         causal=causal)
+        k_rmse, k_max = _errors(out, ref)
+        e_rmse, e_max = _errors(emu, ref.cpu())
+        rows.append(dict(hdim=f"{d}/{dv}", case="block scales" + (" causal" if causal else ""),
+                         rmse=k_rmse, max=k_max, emu_rmse=e_rmse, emu_max=e_max,
+                         ok=k_rmse <= 1.25 * e_rmse and k_max <= 1.25 * e_max))
     return rows
 
 

@@ -304,8 +304,8 @@ class Recording:
 jit.compile_cache = Recording()
 q = torch.randn(2, 37, 4, 128).to(torch.float8_e4m3fn)
 k, v = (torch.randn(2, 45, 2, 128).to(torch.float8_e4m3fn) for _ in range(2))
-problem = validate_attention_inputs(q, k, v, causal=True, require_cuda=False,
-                                    supported_dtypes=(torch.float8_e4m3fn,))
+problem = problem0 = validate_attention_inputs(q, k, v, causal=True, require_cuda=False,
+                                               supported_dtypes=(torch.float8_e4m3fn,))
 scales = tuple(torch.rand(2, 2) + 0.5 for _ in range(3))
 for out_dtype in (torch.bfloat16, torch.float16):
     launch = planner.plan_forward_fp8(q, k, v, problem, out_dtype=out_dtype)
@@ -333,6 +333,13 @@ key, args = launches[-1]
 assert dict(key.flags).get("split_kv") and dict(key.flags).get("page") == 64, key
 assert args[3].dtype == torch.float32 and args[3].shape[0] == 3  # the splits' partials
 assert out.dtype == torch.bfloat16 and out.shape == (2, 1, 8, 128)
+# Block scales: rank-3 scales, their own compiled kernel.
+blocks = tuple(torch.rand(2, n, h) + 0.5 for n, h in ((1, 4), (1, 2), (1, 2)))
+launch = planner.plan_forward_fp8(q, k, v, problem0, out_dtype=torch.bfloat16,
+                                  block_scales=True)
+out, lse = launch(q, k, v, descales=blocks)
+key, args = launches[-1]
+assert key.kernel == "hopper.fwd_fp8.block" and all(a is b for a, b in zip(args[-3:], blocks))
 print("launched")
 '''
 
@@ -380,3 +387,26 @@ def test_the_public_functions_take_fp8_with_fa3s_keywords():
     with pytest.raises(ValueError, match="k_descale apply to float8_e4m3fn"):
         flash_cute.flash_attn_func(*(t.float().to(torch.bfloat16) for t in (q8, k8, v8)),
                                    k_descale=ks)
+
+
+def test_block_scales_run_per_128_tokens_on_the_cpu_and_are_checked():
+    """Block scales ([b, blocks, heads], `quantize_fp8`'s) through the public path: the
+    emulation with block scales, close to float64 of the block-dequantized inputs; mixed or
+    misshapen scales refused."""
+    from flash_cute.fp8 import dequantize_fp8
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, s, n, 64, generator=g) for s, n in ((200, 4), (300, 2), (300, 2)))
+    (q8, qs), (k8, ks), (v8, vs) = (quantize_fp8(t) for t in (q, k, v))
+    assert qs.shape == (2, 2, 4) and ks.shape == (2, 3, 2)
+    out = flash_attn_fp8(q8, k8, v8, qs, ks, vs, causal=True)
+    assert torch.equal(out, emulate(q8, k8, v8, qs, ks, vs, causal=True)[0].to(out.dtype))
+    ref, _ = attention_ref(*(dequantize_fp8(t, sc) for t, sc in ((q8, qs), (k8, ks), (v8, vs))),
+                           causal=True)
+    assert (out.double() - ref).pow(2).mean().sqrt() < 0.05 * ref.abs().mean()
+    with pytest.raises(ValueError, match="not a mix"):
+        flash_attn_fp8(q8, k8, v8, qs, ks[:, 0], vs)
+    with pytest.raises(ValueError, match=r"k_descale must be \[2, 3, 2\]"):
+        flash_attn_fp8(q8, k8, v8, qs, ks[:, :2], vs)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flash_attn_fp8(q8, k8, v8, qs, ks, vs, softcap=5.0)

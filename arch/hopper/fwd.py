@@ -601,6 +601,11 @@ class HopperFwd:
     def _operands(self, mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV):
         return WgmmaOperands(self, mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV)
 
+    def _softmax_step(self, softmax, seam, coord_mn, m_block, rng, drop, seq, head, head_kv,
+                      extra):
+        """The tile's `SoftmaxStep` (`head`: the tile's, a K/V head when packed)."""
+        return SoftmaxStep(self, softmax, seam, coord_mn, m_block, rng, drop)
+
     def _tile_scales(self, scale_log2, mod_scale, seq: SeqInfo, head_kv: Int32, extra):
         """(exp2 scale, score-mod scale, O's final factor) of one tile: the launch's here."""
         return scale_log2, mod_scale, Float32(1.0)
@@ -624,7 +629,8 @@ class HopperFwd:
             seam = tile_scores(self, mod_scale, tiles.mask(seq), aux, seq.batch, head,
                                tiles.block_states, seq)
             drop = self.tile_dropout(dropout_args, seq, head)
-            scores = SoftmaxStep(self, softmax, seam, coord_mn, m_block, rng, drop)
+            scores = self._softmax_step(softmax, seam, coord_mn, m_block, rng, drop, seq, head,
+                                        head_kv, extra)
             # Q is waited for even when no block is visited: its TMA must land before the
             # consumers release it (and before the CTA exits).
             pipe_q.consumer_wait(q_state)
@@ -637,7 +643,8 @@ class HopperFwd:
                 # The last QKᵀ has landed: the producer may load the next tile's Q now.
                 pipe_q.consumer_release(q_state)
             self._mark(trace, "epilogue_start", Int32(-1))
-            o_scale, lse = softmax.finalize(final_scale if drop is None else drop.scale)
+            o_scale, lse = softmax.finalize(scores.o_factor(final_scale) if drop is None
+                                            else drop.scale)
             rescale_o(acc_to_mn(acc_o), o_scale)
             out.store(acc_o, lse, seq, head, m_block, pipe_q, q_state, split)
             self._mark(trace, "epilogue_end", Int32(-1))
@@ -1110,6 +1117,15 @@ class SoftmaxStep(DslState):
     def mask(self) -> AttentionMask:
         return self.scores.mask
 
+    def early(self, n_block: Int32):
+        """What block n_block's `to_p` takes as `state`, read before its S is waited for: the
+        block mask's tile state (None without one)."""
+        return self.scores.tile_state(self.m_block, n_block)
+
+    def o_factor(self, final_scale: Float32) -> Float32:
+        """O's final factor, after the main loop."""
+        return final_scale
+
     @cute.jit
     def to_p(self, acc_s: cute.Tensor, n_block: Int32, is_first: cutlass.Constexpr[bool],
              masked: cutlass.Constexpr, state: Optional[Int32] = None):
@@ -1148,7 +1164,7 @@ class OverlappedStep(DslState):
     @cute.jit
     def run(self, k_state, v_state, n_block: Int32, masked: cutlass.Constexpr,
             drain: cutlass.Constexpr = False):
-        state = self.scores.scores.tile_state(self.scores.m_block, n_block)
+        state = self.scores.early(n_block)
         mark = functools.partial(HopperFwd._mark, self.trace)
         mark("wait_start", n_block)
         self.pipe_k.consumer_wait(k_state)

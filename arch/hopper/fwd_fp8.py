@@ -13,7 +13,12 @@ schedule, masks and epilogue. What differs is what FP8 WGMMA (QGMMA) demands:
 * P is scaled by 256 before its e4m3 cast (e4m3 flushes below 2⁻⁹), as 8 taken off the row
   max (`HopperFwd.p_max_offset`): l scales with it, and O / l is unchanged;
 * FA3's descales: q_descale · k_descale multiplies the scores and v_descale O, per (batch
-  entry, K/V head), folded into the tile's softmax scale and O's final factor.
+  entry, K/V head), folded into the tile's softmax scale and O's final factor;
+* or block scales (``block_scales``): one per 128 tokens of a head (`quantize_fp8`'s). Q's
+  and K's multiply each block's scores (a row's Q scale times the block's K scale, one FMUL
+  a score); V's keeps O in units of the current block's scale: the online rescale of O
+  before a block's PV also takes v_scale(previous) / v_scale(this), and O's final factor the
+  last block's (`BlockScaledStep`).
 """
 
 import functools
@@ -28,16 +33,19 @@ from cutlass.tensor_utils import LayoutEnum
 from flash_cute.arch.sm90plus.convert import pack_quad_e4m3
 from flash_cute.arch.sm90plus.tma import smem_tile
 from flash_cute.blocks.dsl_state import DslState
+from flash_cute.blocks.layouts import acc_to_mn
 from flash_cute.blocks.seqlen import SeqInfo
 from flash_cute.blocks.work_loop import for_each_tile
 from flash_cute.contract.kernel_args import FwdArgs
 from flash_cute.contract.variant import Variant
 
 from .config import FP8_ROLE_REGISTERS, FP8_SCHEDULES, SMEM_CAPACITY, fp8_smem_bytes
-from .fwd import HopperFwd, WgmmaOperands
+from .fwd import HopperFwd, SoftmaxStep, WgmmaOperands
 
 # The producer warpgroup's warps that transpose V (warp 0 issues the TMA loads).
 TRANSPOSE_WARPS = 3
+# Tokens per block scale (`flash_cute.fp8.quant.BLOCK`): tile_n divides it.
+SCALE_BLOCK = 128
 # Keys of V's permuted order π within each group of 16 (see the module docstring): the
 # keys a thread's word of four consecutive columns 4q .. 4q + 3 carries are 2q + KEY_OFFSETS.
 KEY_OFFSETS = (0, 1, 8, 9)
@@ -129,7 +137,11 @@ class HopperFwdFp8(HopperFwd):
     """
 
     p_max_offset = 8.0  # P x 256 before its e4m3 cast
-    takes_descales = True
+
+    @property
+    def takes_descales(self) -> int:
+        """The rank of the scale tensors the kernel takes (`fake_args`)."""
+        return 3 if self.block_scales else 2
 
     def pipeline(self):
         """This kernel's pipeline as data (`flash_cute.contract.pipeline`)."""
@@ -137,8 +149,11 @@ class HopperFwdFp8(HopperFwd):
         return forward_fp8(self)
 
     def __init__(self, dtype, hdim: int, hdim_v=None, variant: Variant = Variant(),
-                 schedule=None, out_dtype=cutlass.BFloat16):
-        """`out_dtype`: O's DSL type, or its name ("bf16", "fp16"), as the runtime gives it."""
+                 schedule=None, out_dtype=cutlass.BFloat16, block_scales: bool = False):
+        """`out_dtype`: O's DSL type, or its name ("bf16", "fp16"), as the runtime gives it;
+        `block_scales`: the scales are per 128 tokens ([b, blocks, heads]), not FA3's
+        descales ([b, heads_kv])."""
+        self.block_scales = block_scales
         out_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}.get(out_dtype, out_dtype)
         if dtype is not cutlass.Float8E4M3FN:
             raise ValueError(f"the FP8 forward takes float8_e4m3fn Q, K and V, got {dtype}")
@@ -154,6 +169,9 @@ class HopperFwdFp8(HopperFwd):
             raise ValueError(f"no FP8 schedule for hdim {hdim}; have {sorted(FP8_SCHEDULES)}")
         super().__init__(dtype, hdim, hdim_v, variant, schedule or FP8_SCHEDULES[hdim])
         self.out_dtype = out_dtype
+        if block_scales and self.score_mod is not None:
+            raise NotImplementedError("block scales with softcap: the scale would have to "
+                                      "enter before the tanh, per score")
         if self.num_wg != 2 or self.tile_n % 32 or (128 % self.tile_n and self.tile_n % 128):
             raise ValueError(f"FP8 tiles are 128 rows by a multiple of 32 keys that divides "
                              f"128 or is a multiple of it, got {self.tile_m} x {self.tile_n}")
@@ -249,10 +267,20 @@ class HopperFwdFp8(HopperFwd):
     def _operands(self, mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV):
         return Fp8Operands(self, mma_qk, mma_pv, thr_qk, thr_pv, wg, sQ, sK, sV)
 
+    def _softmax_step(self, softmax, seam, coord_mn, m_block, rng, drop, seq, head, head_kv,
+                      extra):
+        if cutlass.const_expr(not self.block_scales):
+            return SoftmaxStep(self, softmax, seam, coord_mn, m_block, rng, drop)
+        return BlockScaledStep(self, softmax, seam, coord_mn, m_block, rng, extra, seq, head,
+                               head_kv)
+
     @cute.jit
     def _tile_scales(self, scale_log2, mod_scale, seq: SeqInfo, head_kv: Int32, extra):
         """q_descale · k_descale into the scores' scale (the mod's, with softcap, whose tanh
-        takes the true scores), v_descale into O's final factor."""
+        takes the true scores), v_descale into O's final factor. Block scales: nothing here
+        (`BlockScaledStep`)."""
+        if cutlass.const_expr(self.block_scales):
+            return scale_log2, mod_scale, Float32(1.0)
         q_descale, k_descale, v_descale = extra
         qk = q_descale[seq.batch, head_kv] * k_descale[seq.batch, head_kv]
         if cutlass.const_expr(self.score_mod is not None):
@@ -325,6 +353,62 @@ class HopperFwdFp8(HopperFwd):
             out = transposed_words(lambda a, b, sel: Int32(cute.arch.prmt(a, b, sel)), words)
             for j in cutlass.range_constexpr(4):
                 dst.store((d0 + j, 4 * v, stage), out[j])
+
+
+class BlockScaledStep(SoftmaxStep):
+    """`SoftmaxStep` with block scales: S·q_scale(row)·k_scale(block) before the softmax, and
+    O kept in units of the current block's V scale (see the module docstring). The K and V
+    scales of a block are read before its S is waited for (`early`)."""
+
+    def __init__(self, cfg, softmax, scores, coord_mn, m_block, rng, scales, seq, head,
+                 head_kv):
+        SoftmaxStep.__init__(self, cfg, softmax, scores, coord_mn, m_block, rng, None)
+        q_scale, k_scale, v_scale = scales
+        self.k_scale = k_scale[seq.batch, None, head_kv]
+        self.v_scale = v_scale[seq.batch, None, head_kv]
+        rows = cute.size(coord_mn, mode=[0])
+        self.q_rows = cute.make_rmem_tensor(rows, Float32)
+        last_q = q_scale.shape[1] - 1
+        for r in range(rows):  # traced, not a run-time loop
+            row = m_block * cfg.tile_m + coord_mn[r, 0][0]
+            query, q_head = row, head
+            if cutlass.const_expr(cfg.pack_gqa > 1):
+                query, q_head = row // cfg.pack_gqa, head * cfg.pack_gqa + row % cfg.pack_gqa
+            # Rows past the sequence read the last block's scale (their results are dropped).
+            block = cutlass.min(query // SCALE_BLOCK, last_q)
+            self.q_rows[r] = q_scale[seq.batch, block, q_head]
+        # The V scale O is in units of (1.0 before the first block: O is 0 then).
+        self.v_now = cute.make_rmem_tensor(1, Float32)
+        self.v_now[0] = Float32(1.0)
+
+    def _kv_scales(self, n_block: Int32):
+        block = cutlass.min(n_block * self.cfg.tile_n // SCALE_BLOCK,
+                            cute.size(self.k_scale) - 1)
+        return Float32(self.k_scale[block]), Float32(self.v_scale[block])
+
+    def early(self, n_block: Int32):
+        return (SoftmaxStep.early(self, n_block),) + self._kv_scales(n_block)
+
+    @cute.jit
+    def to_p(self, acc_s: cute.Tensor, n_block: Int32, is_first: cutlass.Constexpr[bool],
+             masked: cutlass.Constexpr, state=None):
+        base_state, k_scale, v_scale = None, None, None
+        if cutlass.const_expr(state is None):
+            k_scale, v_scale = self._kv_scales(n_block)
+        else:
+            base_state, k_scale, v_scale = state
+        acc_mn = acc_to_mn(acc_s)
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            acc_mn[r, None].store(acc_mn[r, None].load() * (k_scale * self.q_rows[r]))
+        row_scale = SoftmaxStep.to_p(self, acc_s, n_block, is_first, masked, base_state)
+        ratio = self.v_now[0] / v_scale
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            row_scale[r] = row_scale[r] * ratio
+        self.v_now[0] = v_scale
+        return row_scale
+
+    def o_factor(self, final_scale: Float32) -> Float32:
+        return final_scale * self.v_now[0]
 
 
 class _Words(DslState):

@@ -43,7 +43,7 @@ def build_fwd_fp8(entry):
     out_dtype = cutlass.Float16 if flags.get("out_fp16") else cutlass.BFloat16
     kernel = HopperFwdFp8(DTYPES[entry.dtype], entry.hdim, entry.hdim_v,
                           variant_from_flags(flags), schedule=tuple(entry.schedule),
-                          out_dtype=out_dtype)
+                          out_dtype=out_dtype, block_scales=flags.get("block_scales", False))
     return forward_spec(kernel, COMPILE_OPTIONS,
                         {"registers_per_role": registers_per_role(kernel)})
 
@@ -332,7 +332,12 @@ def _fwd_fp8_configs():
              ((128, 128), {"split_kv": True, "pack_gqa": 4, "seqused_k": True}),
              ((128, 128), {"causal": True, "split_kv": True, "pack_gqa": 8, "seqused_k": True,
                            "page": 64}),
-             ((256, 256), {"split_kv": True, "seqused_k": True, "page": 64})]
+             ((256, 256), {"split_kv": True, "seqused_k": True, "page": 64}),
+             # Block scales (per 128 tokens of a head).
+             ((128, 128), {"block_scales": True}),
+             ((128, 128), {"causal": True, "block_scales": True, "varlen": True,
+                           "pack_gqa": 4}),
+             ((256, 256), {"causal": True, "block_scales": True})]
     return tuple(KernelConfig("hopper.fwd_fp8", TARGETS, "e4m3", d, dv, FP8_SCHEDULES[d],
                               build_fwd_fp8, config_flags(**flags)) for (d, dv), flags in cases)
 

@@ -96,10 +96,11 @@ _FP8_KERNEL = launch.KernelRef("flash_cute.arch.hopper.fwd_fp8", "HopperFwdFp8")
 
 def plan_forward_fp8(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
                      seqused_q=None, seqused_k=None, out_dtype=None, page_table=None,
-                     schedule=None) -> launch_fwd.ForwardLaunch:
+                     block_scales: bool = False, schedule=None) -> launch_fwd.ForwardLaunch:
     """The FP8 forward's launch (`HopperFwdFp8`): e4m3 q, k, v, an `out_dtype` O (bf16 or
-    fp16), FA3's descales passed per call; split-KV as the problem asks (merged in the
-    kernel), paged K/V read by the kernel (pages of a power of two, at least 8 rows)."""
+    fp16), FA3's descales (or `block_scales`, per 128 tokens) passed per call; split-KV as
+    the problem asks (merged in the kernel), paged K/V read by the kernel (pages of a power
+    of two, at least 8 rows)."""
     import torch
 
     from flash_cute.runtime.jit import current_target
@@ -118,14 +119,16 @@ def plan_forward_fp8(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_s
     fp16 = out_dtype == torch.float16
 
     def make_kernel(*args, **kwargs):
-        return _FP8_KERNEL(*args, out_dtype="fp16" if fp16 else "bf16", **kwargs)
+        return _FP8_KERNEL(*args, out_dtype="fp16" if fp16 else "bf16",
+                           block_scales=block_scales, **kwargs)
 
-    return launch_fwd.ForwardLaunch("hopper.fwd_fp8" + (".fp16" if fp16 else ""), make_kernel,
+    name = "hopper.fwd_fp8" + (".fp16" if fp16 else "") + (".block" if block_scales else "")
+    return launch_fwd.ForwardLaunch(name, make_kernel,
                                     q, k, v, problem, cu_seqlens_q, cu_seqlens_k, seqused_q,
                                     seqused_k, chosen, COMPILE_OPTIONS, target,
                                     prepare=tma_ready, pack_gqa=pack, splits=splits,
                                     page_table=page_table, merge_in_kernel=True, ex2_per16=0,
-                                    out_dtype=out_dtype, descales=True)
+                                    out_dtype=out_dtype, descales=3 if block_scales else 2)
 
 
 def pages_in_kernel(page_size: int) -> bool:

@@ -9,6 +9,7 @@ import math
 import torch
 
 from flash_cute.fp8.emulation import emulate
+from flash_cute.fp8.quant import BLOCK
 from flash_cute.runtime.problem import validate_attention_inputs
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -33,40 +34,55 @@ def check_fp8_inputs(q, k, v, descales, out_dtype) -> None:
                                   "flash_attn_func with bf16 q, k and v")
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
-    varlen = q.dim() == 3
-    batch = None if varlen else q.shape[0]
-    heads_kv = k.shape[-2]
-    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
-        if d is None:
-            continue
-        if not isinstance(d, torch.Tensor) or d.dtype != torch.float32 or d.dim() != 2:
-            raise TypeError(f"{name} must be a float32 tensor [batch, nheads_kv], got "
+    given = [(name, d) for name, d in zip(("q_descale", "k_descale", "v_descale"), descales)
+             if d is not None]
+    for name, d in given:
+        if not isinstance(d, torch.Tensor) or d.dtype != torch.float32 or d.dim() not in (2, 3):
+            raise TypeError(f"{name} must be a float32 tensor, [batch, nheads_kv] (FA3's "
+                            f"descales) or [batch, blocks, heads] (block scales), got "
                             f"{_describe(d)}")
-        if d.shape[1] != heads_kv or (batch is not None and d.shape[0] != batch):
-            raise ValueError(f"{name} must be [batch, nheads_kv] = "
-                             f"[{batch if batch is not None else 'batch'}, {heads_kv}], got "
-                             f"{list(d.shape)}")
         if d.device != q.device:
             raise ValueError(f"{name} is on {d.device}, q on {q.device}")
+    if len({d.dim() for _, d in given}) > 1:
+        raise ValueError("pass FA3's descales ([batch, nheads_kv]) or block scales ([batch, "
+                         "blocks, heads]) for q, k and v alike, not a mix")
+
+
+def block_scaled(descales) -> bool:
+    """Whether the scales are per 128-token block (rank 3), not per (batch, K/V head)."""
+    return any(d is not None and d.dim() == 3 for d in descales)
+
+
+def _scales(descales, problem, device) -> tuple:
+    """The three scales checked against the problem, float32, 1.0 where None: FA3's
+    descales [batch, nheads_kv], or block scales [batch, ceil(len / 128), heads] (q's per
+    query head, k's and v's per K/V head, `quantize_fp8`'s layout)."""
+    batch, heads_kv = problem.batch, problem.nheads_kv
+    if block_scaled(descales):
+        blocks = lambda n: -(-n // BLOCK)  # noqa: E731
+        want = ((batch, blocks(problem.max_seqlen_q), problem.nheads),
+                (batch, blocks(problem.max_seqlen_k), heads_kv),
+                (batch, blocks(problem.max_seqlen_k), heads_kv))
+        kind = ("[batch, blocks of 128 queries, nheads]",
+                "[batch, blocks of 128 keys, nheads_kv]", "[batch, blocks of 128 keys, nheads_kv]")
+    else:
+        want, kind = ((batch, heads_kv),) * 3, ("[batch, nheads_kv]",) * 3
+    out = []
+    for name, d, shape, what in zip(("q_descale", "k_descale", "v_descale"), descales, want,
+                                    kind):
+        if d is None:
+            d = torch.ones(shape, dtype=torch.float32, device=device)
+        elif tuple(d.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)} here ({what}), got "
+                             f"{list(d.shape)}")
+        out.append(d.contiguous())
+    return tuple(out)
 
 
 def _describe(d) -> str:
     if isinstance(d, torch.Tensor):
         return f"{d.dtype} of shape {list(d.shape)}"
     return type(d).__name__
-
-
-def _descales(descales, batch: int, heads_kv: int, device) -> tuple:
-    """The three descales as float32 [batch, heads_kv], 1.0 where None (FA3's default)."""
-    ones = None
-    out = []
-    for d in descales:
-        if d is None:
-            if ones is None:
-                ones = torch.ones(batch, heads_kv, dtype=torch.float32, device=device)
-            d = ones
-        out.append(d.contiguous())
-    return tuple(out)
 
 
 def flash_attn_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
@@ -78,8 +94,11 @@ def flash_attn_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
     """Attention over float8_e4m3fn q [b, sq, h, d] (varlen: [tq, h, d] with cu_seqlens),
     k and v [b, sk, hk, d]: O = softmax(q kᵀ · softmax_scale · q_descale · k_descale) v ·
     v_descale, in `out_dtype`. Descales are float32 [b, hk] (None: 1.0), FA3's convention:
-    the value a tensor was divided by before its cast to e4m3 (`quantize_fp8` with
-    ``block=None`` returns them). Returns O, or (O, LSE) with `return_lse`.
+    the value a tensor was divided by before its cast to e4m3. Or block scales, one per 128
+    tokens of a head: float32 [b, ceil(sq / 128), h] for q and [b, ceil(sk / 128), hk] for k
+    and v (varlen: by the position in the sequence, ceil(max_seqlen / 128) blocks), as
+    `quantize_fp8` returns them (``block=None`` there gives per-(batch, head) ones). Returns
+    O, or (O, LSE) with `return_lse`.
 
     ``num_splits`` (split-KV, FA4's meaning: 1 none, 0 the heuristic) and ``page_table``
     (int32 [b, max_pages]: k, v are paged caches [pages, page_size, hk, d] whose used rows
@@ -102,8 +121,10 @@ def flash_attn_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
         seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa, num_splits=num_splits,
         supported_dtypes=FP8_DTYPES, supported_hdims=FP8_HDIMS, require_cuda=False)
-    batch = problem.batch
-    scales = _descales(descales, batch, problem.nheads_kv, q.device)
+    if block_scaled(descales) and problem.softcap:
+        raise NotImplementedError("block scales with softcap: use FA3's per-(batch, K/V head) "
+                                  "descales, or no softcap")
+    scales = _scales(descales, problem, q.device)
     if on_cuda:
         out, lse = _cuda(q, k, v, problem, scales, out_dtype,
                          (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), page_table)
@@ -121,7 +142,7 @@ def _cuda(q, k, v, problem, scales, out_dtype, lengths, page_table=None):
         raise NotImplementedError(f"the FP8 forward runs on Hopper (sm_90a) only; this GPU "
                                   f"is sm_{major[0]}{major[1]}")
     launch = plan_forward_fp8(q, k, v, problem, *lengths, out_dtype=out_dtype,
-                              page_table=page_table)
+                              page_table=page_table, block_scales=scales[0].dim() == 3)
     return launch(q, k, v, *lengths, page_table=page_table, descales=scales)
 
 
@@ -135,7 +156,9 @@ def _cpu(q, k, v, problem, scales, out_dtype, lengths, page_table=None):
         k, v = paging.gather(k, v, page_table)
     group = problem.nheads // problem.nheads_kv
     q_scale, k_scale, v_scale = scales
-    q_scale = q_scale.repeat_interleave(group, dim=1)
+    block = BLOCK if q_scale.dim() == 3 else None
+    if block is None:
+        q_scale = q_scale.repeat_interleave(group, dim=1)
     out = torch.zeros(*q.shape[:-1], problem.hdim_v, dtype=out_dtype)
     lse = torch.full((problem.nheads, q.shape[0]) if problem.varlen
                      else (problem.batch, problem.nheads, q.shape[1]), -math.inf)
@@ -154,7 +177,7 @@ def _cpu(q, k, v, problem, scales, out_dtype, lengths, page_table=None):
                          k_scale[b:b + 1], v_scale[b:b + 1], causal=problem.causal,
                          softmax_scale=problem.softmax_scale,
                          window_size=(problem.window_left, problem.window_right),
-                         softcap=problem.softcap, block=None)
+                         softcap=problem.softcap, block=block)
         if problem.varlen:
             out[q0:q1] = o[0].to(out_dtype)
             lse[:, q0:q1] = l_b[0]

@@ -44,15 +44,16 @@ class ForwardLaunch:
     kernel class that appends, and that adds the rows it drops to `status.counter`.
     `ex2_per16`: the pipeline's software-exp2 share (None: the
     FLASH_CUTE_EX2_EMULATION switch, off when unset). `out_dtype`: O's dtype where it is not
-    q's (the FP8 forward); `descales`: the kernel takes FA3's q/k/v descales (float32
-    [batch, heads_kv]), which each call passes."""
+    q's (the FP8 forward); `descales`: the rank of the float32 q/k/v scales the kernel takes
+    and each call passes (2: FA3's descales [batch, heads_kv]; 3: block scales [batch,
+    blocks, heads]; 0: none)."""
 
     def __init__(self, name: str, make_kernel, q, k, v, problem, cu_seqlens_q, cu_seqlens_k,
                  seqused_q, seqused_k, schedule: tuple, options: str, target: str,
                  prepare=None, pack_gqa: int = 1, splits=None, page_table=None, append=None,
                  ex2_per16=None, tile=None, q_tiles_per_cta: int = 1,
                  merge_in_kernel: bool = False, timeline=None, out_dtype=None,
-                 descales: bool = False):
+                 descales: int = 0):
         from flash_cute.runtime.jit import DTYPES, CompileKey, KernelCall, TensorArg, tensor_arg
 
         check_seqused(problem, seqused_q, seqused_k)
@@ -137,7 +138,8 @@ class ForwardLaunch:
                        TensorArg(self.dropped, 8),
                        **self.aux.fields(), **self.sparse.fields(), **merged,
                        timeline=None if timeline is None else TensorArg(timeline, 8),
-                       **({f"{x}_descale": TensorArg(torch.empty(1, 1, device=q.device), 4)
+                       **({f"{x}_descale": TensorArg(torch.empty((1,) * descales,
+                                                                 device=q.device), 4)
                            for x in "qkv"} if descales else {}))
         self.call = KernelCall(key, lambda: make_kernel(DTYPES[dtype], problem.hdim,
                                                         problem.hdim_v, variant,

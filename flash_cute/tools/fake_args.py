@@ -66,15 +66,15 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
                       seqused=(False, False), dropout: bool = False,
                       split_kv: bool = False, paged: bool = False,
                       append: bool = False, mods=None, merged: bool = False,
-                      timeline: bool = False, out_dtype=None, descales: bool = False) -> FwdArgs:
+                      timeline: bool = False, out_dtype=None, descales: int = 0) -> FwdArgs:
     """A forward record of fake tensors with dynamic batch, heads and lengths, padded or
     varlen, for cross-compiling; `seqused`: (seqused_q, seqused_k) given; `dropout`: with
     the seed tensor; `split_kv`: out and lse as fp32 partials with a leading split mode;
     `paged`: k and v as paged caches with a page table; `append`: with k_new / v_new;
     `mods`: a `KernelMods`, with its aux tensors; `merged` (with `split_kv`): the merged O
     and LSE and the split counts of a kernel that merges its splits itself; `out_dtype`: O's
-    dtype where it is not q's (the FP8 forward); `descales`: the FP8 forward's float32
-    [b, hk] descales."""
+    dtype where it is not q's (the FP8 forward); `descales`: the rank of the FP8 forward's
+    float32 scales (2: FA3's [b, hk] descales; 3: block scales [b, blocks, heads]; 0: none)."""
     rows_q, rows_k, heads, heads_kv, lse_shape, cu = _fake_layout(varlen)
     used_q, used_k = _fake_seqused(*seqused)
     splits, out_dtype = ((dynamic_dim(),), Float32) if split_kv else ((), out_dtype or dtype)
@@ -101,12 +101,12 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
                              if merged else {}),
         timeline=(fake_tensor(Int64, (dynamic_dim(), dynamic_dim(), SLOTS, FIELDS), align=8)
                   if timeline else None),
-        **(_fake_descales() if descales else {}))
+        **(_fake_descales(descales) if descales else {}))
 
 
-def _fake_descales() -> dict:
-    batch, heads_kv = dynamic_dim(), dynamic_dim()
-    return {f"{x}_descale": fake_tensor(Float32, (batch, heads_kv), align=4) for x in "qkv"}
+def _fake_descales(rank: int) -> dict:
+    return {f"{x}_descale": fake_tensor(Float32, tuple(dynamic_dim() for _ in range(rank)),
+                                        align=4) for x in "qkv"}
 
 
 def _fake_merged(dtype, rows_q, heads, hdim_v, lse_shape) -> dict:

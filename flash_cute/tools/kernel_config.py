@@ -84,7 +84,7 @@ def forward_spec(kernel, options: str, extra: Optional[dict] = None) -> "Compile
                              merged=kernel.split_kv and getattr(kernel, "merges_splits", False),
                              timeline=getattr(kernel, "timeline", False),
                              out_dtype=getattr(kernel, "out_dtype", None),
-                             descales=getattr(kernel, "takes_descales", False))
+                             descales=getattr(kernel, "takes_descales", 0))
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes, options=options,
                        extra=extra or {})
 
