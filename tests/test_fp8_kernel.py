@@ -410,3 +410,21 @@ def test_block_scales_run_per_128_tokens_on_the_cpu_and_are_checked():
         flash_attn_fp8(q8, k8, v8, qs, ks[:, :2], vs)
     with pytest.raises(NotImplementedError, match="softcap"):
         flash_attn_fp8(q8, k8, v8, qs, ks, vs, softcap=5.0)
+
+
+def test_fp8_is_a_capability_that_only_the_hopper_pipeline_has():
+    """Dispatch refuses FP8 by name on a pipeline without the FP8 forward, before any launch,
+    naming the pipeline that has it."""
+    from flash_cute.contract.descriptor import FP8, required_capabilities
+    from flash_cute.runtime.dispatch import PIPELINES, check_capabilities
+    from flash_cute.runtime.problem import validate_attention_inputs
+
+    q8, k8, v8, *_ = _quantized()
+    problem = validate_attention_inputs(q8, k8, v8, require_cuda=False,
+                                        supported_dtypes=(torch.float8_e4m3fn,))
+    assert FP8 in required_capabilities(problem)
+    by_name = {p.name: p for p in PIPELINES}
+    check_capabilities(by_name["hopper"], required_capabilities(problem))
+    for name in ("ampere", "blackwell"):
+        with pytest.raises(NotImplementedError, match="float8_e4m3fn q, k and v.*hopper"):
+            check_capabilities(by_name[name], required_capabilities(problem))

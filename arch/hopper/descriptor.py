@@ -13,8 +13,9 @@ HOPPER = Descriptor(
     # order (a semaphore per query tile, `HopperBwd`). Varlen tiles that TMA loads past a
     # sequence get those rows zeroed in shared memory before a GEMM reads them
     # (`HopperFwd.clear_v_tail`, `BwdStep.clear_tail`), so it takes every problem it supports.
+    # fp8: the FP8 forward (`HopperFwdFp8`, `planner.plan_forward_fp8`).
     capabilities=frozenset({caps.FORWARD, caps.BACKWARD, caps.CAUSAL, caps.LOCAL, caps.SOFTCAP,
                             caps.GQA, caps.VARLEN, caps.SEQUSED, caps.PACK_GQA,
                             caps.DETERMINISTIC, caps.DROPOUT, caps.APPEND, caps.MODS,
-                            caps.BLOCK_SPARSE}),
+                            caps.BLOCK_SPARSE, caps.FP8}),
 )

@@ -164,7 +164,7 @@ def flash_attn_func(
         return _fp8(q, k, v, q_descale, k_descale, v_descale, out_dtype, return_lse,
                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, pack_gqa=pack_gqa, num_splits=num_splits,
-                    page_table=page_table)
+                    page_table=page_table, arch=arch)
     if (qv is not None or gather_kv_indices is not None or gather_bwd_recompute_p
             or gather_bwd_token_chunk is not None):
         _refuse_unbuilt(locals())
@@ -289,7 +289,8 @@ def flash_attn_varlen_func(
                     softcap=softcap, pack_gqa=pack_gqa, num_splits=num_splits,
                     page_table=page_table, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k)
+                    max_seqlen_k=max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                    arch=arch)
     if (qv is not None or gather_kv_indices is not None
             or block_sparse_tensors is not None or scheduler_metadata is not None
             or gather_bwd_recompute_p or gather_bwd_token_chunk is not None):
@@ -353,7 +354,7 @@ _FP8_REFUSED = {"qv": None, "gather_kv_indices": None, "learnable_sink": None,
                 "score_mod": None, "score_mod_bwd": None, "mask_mod": None, "aux_tensors": None,
                 "aux_scalars": None, "block_sparse_tensors": None, "block_mask": None,
                 "alibi_slopes": None, "dropout_p": 0.0, "deterministic": False,
-                "seqlen_k_per_split": None, "scheduler_metadata": None, "arch": None,
+                "seqlen_k_per_split": None, "scheduler_metadata": None,
                 "gather_bwd_recompute_p": False, "gather_bwd_token_chunk": None}
 
 

@@ -32,6 +32,8 @@ APPEND = "append"
 # block sparsity (its skipped and full blocks) is a capability of its own.
 MODS = "mods"
 BLOCK_SPARSE = "block_sparse"
+# The FP8 forward: e4m3 Q, K, V with descales or block scales (`flash_cute.fp8`).
+FP8 = "fp8"
 
 # What a message calls each one (the argument a user passed).
 _SPELLED = {SEQUSED: "seqused_q/seqused_k", PACK_GQA: "pack_gqa=True",
@@ -39,7 +41,8 @@ _SPELLED = {SEQUSED: "seqused_q/seqused_k", PACK_GQA: "pack_gqa=True",
             LOCAL: "window_size", SOFTCAP: "softcap", CAUSAL: "causal=True",
             GQA: "GQA/MQA (fewer K/V heads)", BACKWARD: "a backward pass",
             DROPOUT: "dropout_p > 0", MODS: "score_mod / mask_mod / alibi_slopes",
-            BLOCK_SPARSE: "block_mask (block sparsity)"}
+            BLOCK_SPARSE: "block_mask (block sparsity)",
+            FP8: "float8_e4m3fn q, k and v (the FP8 forward)"}
 
 
 def spelled(capability: str) -> str:
@@ -136,6 +139,8 @@ def required_capabilities(problem, backward: bool = False, deterministic: bool =
     """The capabilities a validated `AttentionProblem` needs, in a fixed order (the first
     missing one is the one a message names)."""
     needed = [FORWARD]
+    if str(problem.dtype) == "torch.float8_e4m3fn":
+        needed.append(FP8)
     if backward:
         needed.append(BACKWARD)
         if deterministic:

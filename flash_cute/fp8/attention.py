@@ -90,7 +90,7 @@ def flash_attn_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
                    softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
                    max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
                    pack_gqa=None, num_splits: int = 1, page_table=None,
-                   out_dtype=torch.bfloat16, return_lse: bool = False):
+                   out_dtype=torch.bfloat16, return_lse: bool = False, arch=None):
     """Attention over float8_e4m3fn q [b, sq, h, d] (varlen: [tq, h, d] with cu_seqlens),
     k and v [b, sk, hk, d]: O = softmax(q kᵀ · softmax_scale · q_descale · k_descale) v ·
     v_descale, in `out_dtype`. Descales are float32 [b, hk] (None: 1.0), FA3's convention:
@@ -104,7 +104,8 @@ def flash_attn_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
     (int32 [b, max_pages]: k, v are paged caches [pages, page_size, hk, d] whose used rows
     ``seqused_k`` gives) serve decode.
 
-    CUDA runs the Hopper FP8 kernel; CPU tensors run its emulation."""
+    CUDA runs the Hopper FP8 kernel (``arch``: a pipeline by name, refused unless it has the
+    FP8 forward); CPU tensors run its emulation."""
     descales = (q_descale, k_descale, v_descale)
     check_fp8_inputs(q, k, v, descales, out_dtype)
     on_cuda = q.is_cuda
@@ -127,20 +128,20 @@ def flash_attn_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
     scales = _scales(descales, problem, q.device)
     if on_cuda:
         out, lse = _cuda(q, k, v, problem, scales, out_dtype,
-                         (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), page_table)
+                         (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), page_table, arch)
     else:
         out, lse = _cpu(q, k, v, problem, scales, out_dtype,
                         (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), page_table)
     return (out, lse) if return_lse else out
 
 
-def _cuda(q, k, v, problem, scales, out_dtype, lengths, page_table=None):
+def _cuda(q, k, v, problem, scales, out_dtype, lengths, page_table=None, arch=None):
     from flash_cute.arch.hopper.planner import plan_forward_fp8
+    from flash_cute.runtime.dispatch import choose_pipelines
 
-    major = torch.cuda.get_device_capability(q.device)
-    if major != (9, 0):
-        raise NotImplementedError(f"the FP8 forward runs on Hopper (sm_90a) only; this GPU "
-                                  f"is sm_{major[0]}{major[1]}")
+    # Refuses, by name, a pipeline without the FP8 forward (`descriptor.FP8`).
+    pipeline, _ = choose_pipelines(q.device, arch, problem)
+    assert pipeline.name == "hopper", pipeline.name
     launch = plan_forward_fp8(q, k, v, problem, *lengths, out_dtype=out_dtype,
                               page_table=page_table, block_scales=scales[0].dim() == 3)
     return launch(q, k, v, *lengths, page_table=page_table, descales=scales)
