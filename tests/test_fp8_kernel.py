@@ -428,3 +428,27 @@ def test_fp8_is_a_capability_that_only_the_hopper_pipeline_has():
     for name in ("ampere", "blackwell"):
         with pytest.raises(NotImplementedError, match="float8_e4m3fn q, k and v.*hopper"):
             check_capabilities(by_name[name], required_capabilities(problem))
+
+
+def test_the_fp8_operator_passes_opcheck_and_compiles_with_its_output_dtype():
+    """``torch.ops.flash_cute.fwd_fp8``: torch.library's opcheck (the fake and real
+    implementations agree, also traced with dynamic shapes), and flash_attn_func on e4m3 inputs under torch.compile (fullgraph): the fake
+    implementation gives O in out_dtype, and the compiled call equals the eager one."""
+    import flash_cute
+
+    q8, k8, v8, q_desc, ks, vs = _quantized(b=1, sq=19, sk=40)
+    args = (q8, k8, v8, None, None, None, None, q_desc, ks, vs, None, None, None, True, None,
+            None, 0.0, None, 1, None, torch.float16, None)
+    # Not "test_schema": its mutation check multiplies the inputs, which torch's CPU build
+    # cannot do in float8.
+    torch.library.opcheck(torch.ops.flash_cute.fwd_fp8, args,
+                          test_utils=("test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+
+    def attend(q, k, v, kd, vd):
+        return flash_cute.flash_attn_func(q, k, v, causal=True, k_descale=kd, v_descale=vd,
+                                          out_dtype=torch.float16)[0]
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    out = compiled(q8, k8, v8, ks, vs)
+    assert out.dtype == torch.float16 and torch.equal(out, attend(q8, k8, v8, ks, vs))

@@ -3,6 +3,7 @@ Hopper FP8 kernel on the GPU, its emulation on the CPU), block quantization (`qu
 incoherent processing (`incoherent`, the fast Walsh–Hadamard transform `fwht`), and the torch
 emulation of the kernel's computation (`emulate`), the model it is held to."""
 
+from flash_cute.fp8 import ops  # noqa: F401 - registers torch.ops.flash_cute.fwd_fp8
 from flash_cute.fp8.attention import flash_attn_fp8
 from flash_cute.fp8.emulation import emulate
 from flash_cute.fp8.incoherent import fwht, incoherent, random_signs

@@ -79,6 +79,40 @@ def _scales(descales, problem, device) -> tuple:
     return tuple(out)
 
 
+def _window(window_size) -> tuple:
+    """(left, right): None for an unbounded side (None or negative)."""
+    return tuple(None if w is None or w < 0 else int(w) for w in window_size)
+
+
+def _traced_scales(descales, q, k, cu_seqlens_q) -> tuple:
+    """The scales of a traced call: FA3's descales where None become 1.0 from the shapes;
+    block scales must all be given (their block counts come from the lengths)."""
+    if block_scaled(descales):
+        if any(d is None for d in descales):
+            raise ValueError("under torch.compile, pass all three block scales")
+        return tuple(descales)
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    return tuple(torch.ones(batch, k.shape[-2], dtype=torch.float32, device=q.device)
+                 if d is None else d for d in descales)
+
+
+def _problem(q, k, v, lengths, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window,
+             softcap, pack_gqa, num_splits, page_table):
+    """The call's validated `AttentionProblem` (a paged cache as the K and V it stands for)."""
+    cu_q, cu_k, used_q, used_k = lengths
+    kv, cu_view = (k, v), cu_k
+    if page_table is not None:
+        from flash_cute.runtime.call import paged_view
+
+        *kv, cu_view = paged_view(q, k, v, lengths, page_table, False)
+    return validate_attention_inputs(
+        q, *kv, softmax_scale=softmax_scale, causal=causal, window_size=window,
+        softcap=softcap, cu_seqlens_q=cu_q, cu_seqlens_k=cu_view, seqused_q=used_q,
+        seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        pack_gqa=pack_gqa, num_splits=num_splits, supported_dtypes=FP8_DTYPES,
+        supported_hdims=FP8_HDIMS, require_cuda=False)
+
+
 def _describe(d) -> str:
     if isinstance(d, torch.Tensor):
         return f"{d.dtype} of shape {list(d.shape)}"
@@ -108,31 +142,34 @@ def flash_attn_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
     FP8 forward); CPU tensors run its emulation."""
     descales = (q_descale, k_descale, v_descale)
     check_fp8_inputs(q, k, v, descales, out_dtype)
-    on_cuda = q.is_cuda
-    kv, cu_k_view = (k, v), cu_seqlens_k
-    if page_table is not None:
-        # Validated as the K and V the table stands for.
-        from flash_cute.runtime.call import paged_view
-
-        lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-        *kv, cu_k_view = paged_view(q, k, v, lengths, page_table, False)
-    problem = validate_attention_inputs(
-        q, *kv, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_k_view,
-        seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, pack_gqa=pack_gqa, num_splits=num_splits,
-        supported_dtypes=FP8_DTYPES, supported_hdims=FP8_HDIMS, require_cuda=False)
-    if block_scaled(descales) and problem.softcap:
+    if block_scaled(descales) and softcap:
         raise NotImplementedError("block scales with softcap: use FA3's per-(batch, K/V head) "
                                   "descales, or no softcap")
-    scales = _scales(descales, problem, q.device)
-    if on_cuda:
-        out, lse = _cuda(q, k, v, problem, scales, out_dtype,
-                         (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), page_table, arch)
+    lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    window = _window(window_size)
+    if torch.compiler.is_compiling():
+        # Validated by the operator (its fake implementation, while tracing).
+        scales = _traced_scales(descales, q, k, cu_seqlens_q)
     else:
-        out, lse = _cpu(q, k, v, problem, scales, out_dtype,
-                        (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), page_table)
+        problem = _problem(q, k, v, lengths, max_seqlen_q, max_seqlen_k, softmax_scale,
+                           causal, window, softcap, pack_gqa, num_splits, page_table)
+        scales = _scales(descales, problem, q.device)
+        if _eager(q, k, v):
+            out, lse = _cuda(q, k, v, problem, scales, out_dtype, lengths, page_table, arch)
+            return (out, lse) if return_lse else out
+    # The operator: CPU tensors (the emulation), torch.compile and fake tensors.
+    out, lse = torch.ops.flash_cute.fwd_fp8(
+        q, k, v, *lengths, *scales, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+        *window, float(softcap), pack_gqa, num_splits, page_table, out_dtype, arch)
     return (out, lse) if return_lse else out
+
+
+def _eager(*tensors) -> bool:
+    """Plain CUDA tensors outside a trace or dispatch mode: the kernel is called directly
+    (the operator's boxed call costs host time, as for the 16-bit forward)."""
+    if not all(type(t) is torch.Tensor and t.is_cuda for t in tensors):
+        return False
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack())
 
 
 def _cuda(q, k, v, problem, scales, out_dtype, lengths, page_table=None, arch=None):

@@ -148,7 +148,8 @@ def _check_head_counts(nheads: int, nheads_kv: int, shapes: str) -> None:
 def check_head_dims(hdim: int, hdim_v: int, supported_hdims) -> None:
     if supported_hdims is not None:
         pairs = {tuple(p) for p in supported_hdims}
-        if (hdim, hdim_v) not in pairs:
+        # Compared one by one: a traced head dim (a SymInt) has no hash.
+        if not any(hdim == a and hdim_v == b for a, b in pairs):
             raise NotImplementedError(
                 f"head dims (hdim={hdim}, hdim_v={hdim_v}) are not supported by this kernel; "
                 f"supported (hdim, hdim_v) pairs: {sorted(pairs)}"
