@@ -1,14 +1,13 @@
 """The FP8 forward on a Hopper GPU: its error against float64 of the dequantized inputs, beside
-the CPU emulation's (the kernel is held to 1.25x of it, per config), and its speed beside our
-bf16 forward and the card's FP8 ceiling (`torch._scaled_mm`, 8192³ e4m3), in one run.
+the emulation's (the kernel is held to 1.25x of it, per config). Its speed is
+`python -m flash_cute bench fp8`.
 
-    python bench/fp8_kernel.py [--accuracy] [--speed] [--json PATH]
+    python bench/fp8_kernel.py [--json PATH]
 
 Accuracy: N(0, 1) inputs quantized per (batch, K/V head) (FA3's descales), odd lengths, GQA;
 plain and causal at every head dim against the emulation; local + softcap, varlen + seqused_k
 and packed GQA against float64 only (the emulation has no masks beyond causal), held to the
-same head dim's emulation error. Speed: TFLOP/s by 4·b·h·sq·sk·d (causal halved), triton's
-do_bench with the L2 flushed, FP8 and bf16 interleaved.
+same head dim's emulation error; block scales against the emulation with them.
 """
 
 import argparse
@@ -18,7 +17,7 @@ import math
 import torch
 
 from flash_cute.fp8 import quantize_fp8
-from flash_cute.fp8.attention import flash_attn_fp8, fp8_tflops
+from flash_cute.fp8.attention import flash_attn_fp8
 from flash_cute.fp8.emulation import emulate
 from flash_cute.reference.attention import attention_ref
 
@@ -137,60 +136,14 @@ def _feature_rows(d, dv, q8, k8, v8, q_desc, ks, vs, ref_inputs, bound) -> list:
     return rows
 
 
-def speed() -> list:
-    import triton.testing
-
-    import flash_cute
-
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
-    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
-    bt = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device="cuda")
-    ms = bench(lambda: torch._scaled_mm(a, bt, scale_a=one, scale_b=one,
-                                        out_dtype=torch.bfloat16))
-    rows = [dict(case="ceiling _scaled_mm 8192^3 e4m3", tflops=2 * 8192 ** 3 / ms / 1e9)]
-    for d in (128, 256):
-        for seqlen in (8192, 16384):
-            for causal in (False, True):
-                b, h = 16384 // seqlen, 16 if d == 128 else 8
-                x = [torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(3)]
-                x8 = [_quantize_q(x[0], h), _quantize(x[1]), _quantize(x[2])]
-                desc = [s for _, s in x8]
-                times = {"fp8": [], "bf16": []}
-                for _ in range(3):
-                    times["fp8"].append(bench(lambda: flash_attn_fp8(
-                        *(t for t, _ in x8), *desc, causal=causal)))
-                    times["bf16"].append(bench(lambda: flash_cute.flash_attn_func(
-                        *x, causal=causal)))
-                rates = {k: fp8_tflops(b, h, seqlen, seqlen, d, causal,
-                                       sorted(v)[1] / 1e3) for k, v in times.items()}
-                rows.append(dict(case=f"hd{d} {seqlen // 1024}k {'causal' if causal else ''}",
-                                 tflops=rates["fp8"], bf16=rates["bf16"],
-                                 ratio=rates["fp8"] / rates["bf16"],
-                                 of_ceiling=rates["fp8"] / rows[0]["tflops"]))
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--accuracy", action="store_true")
-    ap.add_argument("--speed", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
-    parts = {"accuracy": args.accuracy or not args.speed, "speed": args.speed or not
-             args.accuracy}
-    result = {"gpu": torch.cuda.get_device_name()}
-    if parts["accuracy"]:
-        result["accuracy"] = accuracy()
-        for r in result["accuracy"]:
-            print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in r.items()), flush=True)
-    if parts["speed"]:
-        result["speed"] = speed()
-        for r in result["speed"]:
-            print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in r.items()), flush=True)
+    result = {"gpu": torch.cuda.get_device_name(), "accuracy": accuracy()}
+    for r in result["accuracy"]:
+        print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in r.items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -1,4 +1,4 @@
-"""`python -m flash_cute [inspect|bench [latency|decode]|check|cache|profile]` (also the
+"""`python -m flash_cute [inspect|bench [latency|decode|fp8]|check|cache|profile]` (also the
 `flash-cute` command).
 
 With no sub-command: on a CUDA machine, `check` (a quick correctness check against the
@@ -42,6 +42,10 @@ def main(argv=None) -> int:
         from flash_cute.tools import bench_decode
 
         return bench_decode.run(args)
+    if args.command == "bench" and args.what == "fp8":
+        from flash_cute.tools import bench_fp8
+
+        return bench_fp8.run(args)
     if args.command == "bench" and args.what == "latency":
         from flash_cute.tools import bench_latency
 

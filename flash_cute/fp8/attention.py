@@ -223,11 +223,3 @@ def _cpu(q, k, v, problem, scales, out_dtype, lengths, page_table=None):
             out[b, q0:q1] = o[0].to(out_dtype)
             lse[b, :, q0:q1] = l_b[0]
     return out, lse
-
-
-def fp8_tflops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, hdim: int,
-               causal: bool, seconds: float) -> float:
-    """The standard forward count, 4 b h sq sk d (halved when causal), per second, in
-    TFLOP/s."""
-    flops = 4 * batch * heads * seqlen_q * seqlen_k * hdim / (2 if causal else 1)
-    return flops / seconds / 1e12 if seconds > 0 else math.nan

@@ -60,11 +60,13 @@ def _provider_list(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `bench` options to `parser` (the `bench` subparser of the CLI), with those of
     `bench latency` (`flash_cute.tools.bench_latency`, which `flash_cute.__main__` runs)."""
-    parser.add_argument("what", nargs="?", choices=("throughput", "latency", "decode"),
+    parser.add_argument("what", nargs="?", choices=("throughput", "latency", "decode", "fp8"),
                         default="throughput",
                         help="throughput: TFLOP/s over the grid (default); latency: host time "
                              "per call of a tiny problem (flash_cute.tools.bench_latency); decode: "
-                             "GB/s of KV-cache decode (flash_cute.tools.bench_decode)")
+                             "GB/s of KV-cache decode (flash_cute.tools.bench_decode); fp8: the "
+                             "FP8 forward beside bf16 and the FP8 ceiling "
+                             "(flash_cute.tools.bench_fp8)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small grid: hdim {QUICK_HDIMS}, (batch, seqlen) {QUICK_SIZES}")
     parser.add_argument("--hdim", type=_int_list, default=None,
