@@ -7,7 +7,9 @@
 Each config is drawn from every axis the pipeline supports: dtype, head dims (hdim_v < hdim
 too), GQA ratios, padded or varlen layout (empty sequences included), seqused, odd and tiny
 lengths (1, 7, 113, ...), causal, sliding windows, softcap, the backward and its
-deterministic mode. Outputs, LSE and gradients are checked by the FlashAttention rule
+deterministic mode; on hopper, the FP8 forward (e4m3 with FA3's descales or block scales),
+held to 1.25x its emulation's error (the same call on CPU copies). Outputs, LSE and
+gradients are checked by the FlashAttention rule
 (`flash_cute.reference.attention.tolerance_check`: error at most twice that of the same computation
 in the input dtype), with an absolute floor scaled to each reference's magnitude, so that
 gradients whose reference is exactly zero (sk = 1 gives dK = 0) do not turn rounding into a
@@ -30,6 +32,8 @@ import time
 import torch
 
 LENGTHS = (1, 2, 7, 16, 63, 113, 128, 129, 255, 333, 512, 777, 1024)
+# Where the calls run: the GPU; a test sets "cpu" to run the draw and check code paths there.
+DEVICE = "cuda"
 
 
 def draw(rng: random.Random, pipeline: str) -> dict:
@@ -58,11 +62,19 @@ def draw(rng: random.Random, pipeline: str) -> dict:
                softcap=rng.choice((0.0,) * 4 + (5.0, 30.0)),
                seqused_k=rng.random() < 0.15, bwd=(hdim, hdim_v) in bwd_dims and rng.random() < 0.6)
     cfg["deterministic"] = cfg["bwd"] and pipeline == "hopper" and rng.random() < 0.2
+    if pipeline == "hopper" and rng.random() < 0.15:
+        # The FP8 forward: its head dims, no backward; FA3's descales, or block scales
+        # (padded, without softcap).
+        cfg.update(dtype="e4m3", bwd=False, deterministic=False)
+        cfg["hdim"], cfg["hdim_v"] = rng.choice(sorted(hopper.FP8_SUPPORTED_HDIMS))
+        cfg["scales"] = ("block" if not varlen and not cfg["softcap"] and rng.random() < 0.5
+                         else "head")
     return cfg
 
 
 def _inputs(cfg: dict, gen: torch.Generator):
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg["dtype"]]
+    # FP8 configs draw bf16 values and quantize them (`_fp8_inputs`).
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.bfloat16}[cfg["dtype"]]
     h, hk = cfg["heads_kv"] * cfg["group"], cfg["heads_kv"]
     if cfg["varlen"]:
         lead_q, lead_k = (sum(cfg["lens_q"]),), (sum(cfg["lens_k"]),)
@@ -71,7 +83,7 @@ def _inputs(cfg: dict, gen: torch.Generator):
         lead_k = (len(cfg["lens_k"]), cfg["lens_k"][0])
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda").to(dtype).requires_grad_()
+        return torch.randn(*shape, generator=gen, device=DEVICE).to(dtype).requires_grad_()
 
     q, k = randn(*lead_q, h, cfg["hdim"]), randn(*lead_k, hk, cfg["hdim"])
     v = randn(*lead_k, hk, cfg["hdim_v"])
@@ -79,13 +91,73 @@ def _inputs(cfg: dict, gen: torch.Generator):
     if cfg["varlen"]:
         def cu(lens):
             return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
-                                device="cuda")
+                                device=DEVICE)
         kw.update(cu_seqlens_q=cu(cfg["lens_q"]), cu_seqlens_k=cu(cfg["lens_k"]))
     if cfg["seqused_k"]:
-        used = [int(torch.randint(0, n + 1, (), generator=gen, device="cuda"))
+        used = [int(torch.randint(0, n + 1, (), generator=gen, device=DEVICE))
                 for n in cfg["lens_k"]]
-        kw["seqused_k"] = torch.tensor(used, dtype=torch.int32, device="cuda")
+        kw["seqused_k"] = torch.tensor(used, dtype=torch.int32, device=DEVICE)
     return q, k, v, kw
+
+
+def _fp8_inputs(q, k, v, cfg: dict) -> tuple:
+    """e4m3 q, k, v and their scales: FA3's descales (one per K/V head, shared by the batch
+    entries, q's by the group's query heads) or block scales (`quantize_fp8`)."""
+    from flash_cute.fp8 import E4M3_MAX, quantize_fp8, to_e4m3
+
+    q, k, v = (t.detach().float() for t in (q, k, v))
+    if cfg["scales"] == "block":
+        (q8, qs), (k8, ks), (v8, vs) = (quantize_fp8(t) for t in (q, k, v))
+        return (q8, k8, v8), (qs, ks, vs)
+    hk, batch = cfg["heads_kv"], len(cfg["lens_q"])
+    out, scales = [], []
+    for t in (q, k, v):
+        grouped = t.reshape(*t.shape[:-2], hk, -1)
+        keep = grouped.dim() - 2   # the K/V head mode
+        amax = grouped.abs().amax(dim=tuple(i for i in range(grouped.dim()) if i != keep))
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        out.append(to_e4m3(grouped / scale[:, None]).view(t.shape))
+        scales.append(scale.expand(batch, hk).contiguous())
+    return tuple(out), tuple(scales)
+
+
+def run_fp8_config(cfg: dict, q, k, v, kw: dict) -> list:
+    """The FP8 forward against float64 of its dequantized inputs, held to 1.25x the error of
+    its emulation (the CPU path of the same call) on the same inputs."""
+    import flash_cute
+    from flash_cute.fp8 import dequantize_fp8
+    from flash_cute.reference.attention import attention_ref
+
+    (q8, k8, v8), scales = _fp8_inputs(q, k, v, cfg)
+    call_kw = dict(kw, return_lse=True, q_descale=scales[0], k_descale=scales[1],
+                   v_descale=scales[2])
+    fn = flash_cute.flash_attn_func
+    if cfg["varlen"] or "seqused_k" in kw:
+        fn = flash_cute.flash_attn_varlen_func
+        if cfg["varlen"]:
+            call_kw.update(max_seqlen_q=max(cfg["lens_q"]), max_seqlen_k=max(cfg["lens_k"]))
+    out, lse = fn(q8, k8, v8, **call_kw)
+    cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in call_kw.items()}
+    emu, emu_lse = fn(q8.cpu(), k8.cpu(), v8.cpu(), **cpu)
+    group = cfg["group"]
+    if cfg["scales"] == "block":
+        deq = [dequantize_fp8(t, s) for t, s in zip((q8, k8, v8), scales)]
+    else:
+        per = (scales[0].repeat_interleave(group, dim=1), scales[1], scales[2])
+        deq = [t.double() * s.double()[0][(None,) * (t.dim() - 2) + (slice(None), None)]
+               for t, s in zip((q8, k8, v8), per)]
+    ref, ref_lse = attention_ref(*deq, mode="float64", **kw)
+    missed = []
+    for name, got, model, ref64 in (("O", out, emu, ref), ("LSE", lse, emu_lse, ref_lse)):
+        finite = torch.isfinite(ref64)
+        err = (got.double() - ref64)[finite].abs()
+        model_err = (model.double().to(ref64.device) - ref64)[finite].abs()
+        bound = 1.25 * model_err.max().item() + 1e-5 if err.numel() else 0.0
+        if err.numel() and (err.max().item() > bound or not torch.equal(
+                torch.isfinite(got), finite)):
+            missed.append(f"FP8 {name} err {err.max().item():.2e} model "
+                          f"{model_err.max().item():.2e}")
+    return missed
 
 
 def _floor(ref: torch.Tensor, dtype) -> float:
@@ -99,8 +171,10 @@ def run_config(cfg: dict, seed: int) -> list:
     import flash_cute
     from flash_cute.reference.attention import attention_ref, tolerance_check
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     q, k, v, kw = _inputs(cfg, gen)
+    if cfg["dtype"] == "e4m3":
+        return run_fp8_config(cfg, q, k, v, kw)
     ref_kw = dict(kw)
     call_kw = dict(kw, return_lse=True, arch=cfg["pipeline"], deterministic=cfg["deterministic"])
     if cfg["varlen"]:
@@ -116,7 +190,7 @@ def run_config(cfg: dict, seed: int) -> list:
     nat, nat_lse = attention_ref(q, k, v, mode="native", **ref_kw)
     checks = [("O", out, ref, nat), ("LSE", lse, ref_lse, nat_lse)]
     if cfg["bwd"]:
-        dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
+        dout = torch.randn(out.shape, generator=gen, device=DEVICE).to(out.dtype)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         grads64 = torch.autograd.grad(ref, (q, k, v), dout.double())
         grads_nat = torch.autograd.grad(nat, (q, k, v), dout)
@@ -137,7 +211,8 @@ def run_config(cfg: dict, seed: int) -> list:
 
 
 def _axes(cfg: dict) -> list:
-    return [f"dtype={cfg['dtype']}", f"hdim={cfg['hdim']}/{cfg['hdim_v']}",
+    scales = [f"scales={cfg['scales']}"] if cfg["dtype"] == "e4m3" else []
+    return scales + [f"dtype={cfg['dtype']}", f"hdim={cfg['hdim']}/{cfg['hdim_v']}",
             f"group={cfg['group']}", "varlen" if cfg["varlen"] else "padded",
             "causal" if cfg["causal"] else ("window" if cfg["window"] != (None, None) else "full"),
             "softcap" if cfg["softcap"] else "no softcap",

@@ -452,3 +452,31 @@ def test_the_fp8_operator_passes_opcheck_and_compiles_with_its_output_dtype():
     compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
     out = compiled(q8, k8, v8, ks, vs)
     assert out.dtype == torch.float16 and torch.equal(out, attend(q8, k8, v8, ks, vs))
+
+
+def test_the_fuzz_draws_fp8_configs_and_runs_them(monkeypatch):
+    """bench/fuzz.py's FP8 axis on the CPU (where the call and its model are the same
+    emulation, so this checks the draw, the quantization, the dequantized reference and
+    the comparison run, not the kernel): both kinds of scales, padded and varlen."""
+    import random
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    fuzz = __import__("fuzz")
+    monkeypatch.setattr(fuzz, "DEVICE", "cpu")
+    rng, kinds, ran = random.Random(5), set(), 0
+    while ran < 8:
+        cfg = fuzz.draw(rng, "hopper")
+        if cfg["dtype"] != "e4m3":
+            continue
+        # Short sequences: the CPU emulation is slow at the fuzz's longest.
+        cfg["lens_q"] = [min(n, 129) for n in cfg["lens_q"]]
+        cfg["lens_k"] = [min(n, 129) for n in cfg["lens_k"]]
+        if not cfg["varlen"]:
+            cfg["lens_q"] = [max(cfg["lens_q"])] * len(cfg["lens_q"])
+            cfg["lens_k"] = [max(cfg["lens_k"])] * len(cfg["lens_k"])
+        assert fuzz.run_config(cfg, ran) == [], cfg
+        kinds.add((cfg["scales"], cfg["varlen"]))
+        ran += 1
+    assert {("block", False), ("head", True)} <= kinds
+    sys.modules.pop("fuzz", None)
