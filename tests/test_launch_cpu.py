@@ -212,3 +212,54 @@ def test_the_merge_launch_names_the_kernel_it_compiles():
 
     assert lse_merge.ROWS_PER_CTA == LseMergeKernel.rows_per_cta
     assert lse_merge._KERNEL.module == LseMergeKernel.__module__
+
+
+_PARTIAL_LAUNCHES = '''
+import dataclasses
+import torch
+import flash_cute.runtime.jit as jit
+from flash_cute.arch.ampere import planner as ampere
+from flash_cute.arch.hopper import planner as hopper
+from flash_cute.runtime.problem import validate_attention_inputs
+
+launches = []
+
+
+class Recording:
+    generation = 0
+
+    def get(self, key, build, options=""):
+        return lambda *args: launches.append((key, args))
+
+
+jit.compile_cache = Recording()
+# The per-stream split scratch asks the CUDA runtime for the stream (a CPU build stubs it).
+torch.cuda.is_current_stream_capturing = lambda: False
+torch._C._cuda_getCurrentRawStream = lambda index: 0
+q, k, v = (torch.randn(2, 37, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+problem = validate_attention_inputs(q, k, v, causal=True, require_cuda=False)
+partial = dataclasses.replace(problem, partial_out=True)
+for planner in (hopper, ampere):
+    out16, _ = planner.plan_forward(q, k, v, problem)(q, k, v)
+    key16, _ = launches[-1]
+    out, lse = planner.plan_forward(q, k, v, partial)(q, k, v)
+    key, args = launches[-1]
+    flags = dict(key.flags)
+    assert flags.get("split_kv") and not dict(key16.flags).get("split_kv"), (key, key16)
+    assert args[3].dtype == torch.float32 and args[3].shape == (1, 2, 37, 4, 128)
+    assert out.dtype == torch.float32 and out.shape == (2, 37, 4, 128) and lse.shape == (2, 4, 37)
+    assert out.data_ptr() == args[3].data_ptr() and lse.data_ptr() == args[4].data_ptr()
+    assert out16.dtype == torch.bfloat16
+print("launched")
+'''
+
+
+def test_partial_out_runs_the_split_kernel_with_one_split_and_returns_its_float32_partial():
+    """The operator's partial_out on CUDA (a ring step's float32 O), host path with the
+    compile cache recording: the hopper and ampere planners launch their split-KV kernel with
+    one split, and the call returns that split's float32 O and LSE, unmerged; the same
+    problem without it keeps its 16-bit, unsplit launch."""
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a"}
+    proc = subprocess.run([sys.executable, "-c", _PARTIAL_LAUNCHES], capture_output=True,
+                          text=True, timeout=900, env=env)
+    assert proc.returncode == 0 and "launched" in proc.stdout, proc.stderr[-3000:]

@@ -14,12 +14,17 @@ from flash_cute.variants import derivative, kernel_view, registry
 
 
 def forward_problem(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
-                    page_table=None, append=None):
-    """The problem of a `flash_cute::fwd` call on CUDA tensors, all its checks passed."""
+                    page_table=None, append=None, partial: bool = False):
+    """The problem of a `flash_cute::fwd` call on CUDA tensors, all its checks passed
+    (`partial`: the operator's partial_out)."""
     needs_grad = options[10]
     problem = validate_call(q, k, v, lengths, options, dropout=(options[12], rng_seed),
                             splits=splits, page_table=page_table)
     problem = with_mods(problem, options[11], q)
+    if partial:
+        if needs_grad or append is not None:
+            raise ValueError("partial_out is a ring step's forward: no gradient, no append")
+        problem = dataclasses.replace(problem, partial_out=True)
     if page_table is not None and needs_grad:
         raise NotImplementedError("no backward through a page_table: call flash_attn_func / "
                                   "flash_attn_varlen_func, which gather the pages when "

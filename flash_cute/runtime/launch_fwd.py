@@ -70,6 +70,11 @@ class ForwardLaunch:
         self.no_work = has_no_work(q, k, problem)
         self.call = self.merge = self.scratch = None
         self.splits = splits
+        # partial_out: the one split's float32 O and LSE are the result (`splits.plan_splits`).
+        self.partial = getattr(problem, "partial_out", False)
+        if self.partial and (splits is None or splits.count != 1):
+            raise NotImplementedError(f"{name}: partial_out (float32 O) needs the forward's "
+                                      f"split-KV launch, which this pipeline does not make")
         # The appending kernel counts the rows it drops into the device's counter itself:
         # no torch operation per call (`flash_cute.runtime.status`).
         self.dropped = None if append is None else status.counter(q.device)
@@ -186,13 +191,16 @@ class ForwardLaunch:
         out, lse = self._alloc()
         if self.no_work:
             lse.fill_(-math.inf)
-            return out.zero_(), lse
+            return (out.float() if self.partial else out).zero_(), lse
         if self.restride is not None:
             rq, rk, rv = self.restride
             q, k, v = apply(q, rq), apply(k, rk), apply(v, rv)
         o_parts, lse_parts, merged = out, lse, (None, None, None)
         if self.splits is not None:
             o_parts, lse_parts, counts = self._alloc_parts()
+            if self.partial:
+                # Handed to the caller: fresh, and defined on rows no tile writes.
+                o_parts, lse_parts = self._partial_parts()
             if counts is not None:
                 merged = (out, lse, counts)
         self.call(q, k, v, o_parts, lse_parts, *self.scalars, cu_seqlens_q, cu_seqlens_k,
@@ -201,9 +209,20 @@ class ForwardLaunch:
                   self.dropped if append[0] is not None else None,
                   *self.aux.values(), *self.sparse.tensors, *self.aux.scalar_values, *merged,
                   self.timeline, *descales)
+        if self.partial:
+            return o_parts[0], lse_parts[0]
         if self.merge is not None:
             self.merge(o_parts, lse_parts, out, lse)
         return out, lse
+
+    def _partial_parts(self):
+        """partial_out's buffers: O zeroed and LSE -inf where no tile writes (varlen rows
+        past every sequence, rows past seqused_q)."""
+        if not self.zero_out:
+            return self._new_parts()
+        return (torch.zeros((1, *self.out_shape), dtype=torch.float32, device=self.device),
+                torch.full((1, *self.lse_shape), -math.inf, dtype=torch.float32,
+                           device=self.device))
 
 
 # Split partials up to this size are kept by their plan, per stream (a decode step's are at

@@ -143,13 +143,13 @@ def _call_key(tensors: tuple, options: tuple) -> Optional[tuple]:
 
 
 def _make_plan(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
-               page_table=None, append=None) -> _Plan:
+               page_table=None, append=None, partial: bool = False) -> _Plan:
     """A forward call's plan, top-down: its one validation pass, its one dispatch decision
     (the backward's pipeline too, where a gradient is needed: refused now rather than after
     the forward ran), then the pipeline's launch."""
     deterministic, arch, needs_grad = options[8:11]
     problem = call.forward_problem(q, k, v, lengths, options, rng_seed, splits, page_table,
-                                   append)
+                                   append, partial)
     pipeline, bwd_pipeline = choose_pipelines(q.device, arch, problem, backward=needs_grad,
                                               deterministic=deterministic)
     paged = {} if page_table is None else {"page_table": page_table}
@@ -171,19 +171,17 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, *options)
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     splits = fwd_splits(options)
     page_table = options[16] if len(options) > 16 else None
-    if len(options) > 17 and options[17]:
-        raise NotImplementedError("partial_out (float32 O for a ring's merge) runs on the CPU "
-                                  "operator only: the CUDA kernels' partial outputs are not "
-                                  "exposed yet")
+    partial = len(options) > 17 and bool(options[17])
     # (k_new, v_new): written into the cache by the call (`interface.attend_and_append`,
     # eager calls only: the operator's schema has no such argument).
     append = tuple(options[18:20]) if len(options) > 18 else None
     options, rng_seed = split_seed(options, 13)
     key = _call_key((q, k, v, rng_seed, page_table) + lengths + (append or ()),
-                    options + splits)
+                    options + splits + (partial,))
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(q, k, v, lengths, options, rng_seed, splits, page_table, append)
+        plan = _make_plan(q, k, v, lengths, options, rng_seed, splits, page_table, append,
+                          partial)
         _PLANS.put(key, plan)
     if _CHECK_INPUTS[0] and (lengths != (None, None, None, None) or page_table is not None):
         # Contents change from call to call under the same key: checked every call.

@@ -121,6 +121,10 @@ class AttentionProblem:
     # A backward that also accumulates the gradients of the score mod's learnable captured
     # tensors (`derivative.learnable`).
     mod_grads: bool = False
+    # The forward returns O in float32 with its LSE, unmerged and unrounded (the operator's
+    # `partial_out`: a ring step's partial, merged by its caller): a split-KV launch of one
+    # split (`splits.plan_splits`), whose partial is that O.
+    partial_out: bool = False
 
     @property
     def qheads_per_kvhead(self) -> int:

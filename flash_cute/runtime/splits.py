@@ -72,6 +72,8 @@ def plan_splits(problem, tile_m: int, tile_n: int, pack: int, num_sms: int,
                 ctas_per_sm: int = 1) -> Optional[Splits]:
     """The `Splits` of a forward (None: unsplit) from the problem's `num_splits` and
     `seqlen_k_per_split` (validated), the kernel's tile, its head packing and the GPU."""
+    if getattr(problem, "partial_out", False):
+        return Splits(1)   # one split: its float32 partial is the call's result
     requested, per_split = problem.num_splits, problem.seqlen_k_per_split
     if requested == 1:
         return None
