@@ -263,3 +263,53 @@ def test_partial_out_runs_the_split_kernel_with_one_split_and_returns_its_float3
     proc = subprocess.run([sys.executable, "-c", _PARTIAL_LAUNCHES], capture_output=True,
                           text=True, timeout=900, env=env)
     assert proc.returncode == 0 and "launched" in proc.stdout, proc.stderr[-3000:]
+
+
+_WIDE_BACKWARD = '''
+import dataclasses
+import torch
+import flash_cute.runtime.jit as jit
+from flash_cute.arch.ampere import planner as ampere
+from flash_cute.arch.hopper import planner as hopper
+from flash_cute.runtime.problem import validate_attention_inputs
+
+launches = []
+
+
+class Recording:
+    generation = 0
+
+    def get(self, key, build, options=""):
+        build()   # the real compile, for the call's fake tensors
+        return lambda *args: launches.append((key, args))
+
+
+jit.compile_cache = Recording()
+q, k, v = (torch.randn(2, 37, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+problem = validate_attention_inputs(q, k, v, causal=True, require_cuda=False)
+wide = dataclasses.replace(problem, grads_fp32=True)
+out, dout = torch.randn_like(q), torch.randn_like(q)
+lse = torch.randn(2, 4, 37)
+for planner, name in ((hopper, "hopper.bwd"), (ampere, "ampere.bwd")):
+    dq, dk, dv = planner.plan_backward(dout, None, q, k, v, out, lse, wide)(
+        dout, None, q, k, v, out, lse)
+    main = next(key for key, _ in reversed(launches) if key.kernel == name)
+    assert dict(main.flags)["dkv_fp32"], main
+    assert all(g.dtype == torch.float32 and g.shape == q.shape for g in (dq, dk, dv)), name
+    if name == "hopper.bwd":
+        post = launches[-1][0]
+        assert post.kernel == "hopper.bwd.dq_postprocess" and dict(post.flags)["fp32_out"]
+        assert launches[-1][1][1] is dq
+print("launched")
+'''
+
+
+def test_grads_fp32_compiles_the_float32_gradient_paths_and_returns_them():
+    """The operator's grads_fp32 on CUDA (a ring step's float32 gradients), host path with
+    the compile cache recording and each kernel really compiled: the hopper and ampere
+    backwards take their float32 dK/dV path (as for GQA) and return dQ unrounded (the hopper
+    postprocess compiled to write float32; the ampere accumulator scaled)."""
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a"}
+    proc = subprocess.run([sys.executable, "-c", _WIDE_BACKWARD], capture_output=True,
+                          text=True, timeout=900, env=env)
+    assert proc.returncode == 0 and "launched" in proc.stdout, proc.stderr[-3000:]

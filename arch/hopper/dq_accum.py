@@ -117,11 +117,14 @@ class HopperDqPostprocess:
     8 rows: D-HB-DQPOST)."""
 
     def __init__(self, dtype, hdim: int, tile_m: int, split: tuple, varlen: bool,
-                 swapped: bool = False):
+                 swapped: bool = False, out_dtype=None):
+        """`dtype`: the backward's inputs' (its dQ WGMMA's); `out_dtype`: dQ's, `dtype` unless
+        given (float32: a ring step's gradient, unrounded)."""
         self.dtype, self.hdim, self.tile_m, self.split = dtype, hdim, tile_m, split
+        self.out_dtype = out_dtype or dtype
         self.varlen, self.swapped = varlen, swapped
         self.per_thread = tile_m * hdim // DQ_THREADS
-        self.vec = 128 // dtype.width
+        self.vec = 128 // self.out_dtype.width
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32,
@@ -136,13 +139,13 @@ class HopperDqPostprocess:
         mma = dq_tiled_mma(self.dtype, self.tile_m, self.hdim, self.split, self.swapped)
         # A warpgroup's columns: hdim 96 and 192 split theirs in two 48 and 96 wide; dQᵀ
         # splits hdim as its M.
-        s_layout = swizzled_layout(self.dtype, (self.tile_m, self.hdim),
+        s_layout = swizzled_layout(self.out_dtype, (self.tile_m, self.hdim),
                                    self.hdim // self.split[0 if self.swapped else 1])
-        store = row_store(self.dtype, self.hdim, DQ_THREADS)
+        store = row_store(self.out_dtype, self.hdim, DQ_THREADS)
 
         @cute.struct
         class SharedStorage:
-            sdQ: smem_tile(self.dtype, s_layout)
+            sdQ: smem_tile(self.out_dtype, s_layout)
 
         self.kernel(mdQaccum, mdQ, scale, mCuSeqlensQ, mma, s_layout, store,
                     SharedStorage).launch(grid=grid, block=[DQ_THREADS, 1, 1], stream=stream)
@@ -166,8 +169,8 @@ class HopperDqPostprocess:
             acc = cute.make_rmem_tensor(mma.get_slice(tidx).partition_shape_C(acc_tile), Float32)
             src = tile_of(mdQaccum, seq, head, m_block, self.tile_m)
             cute.autovec_copy(thread_view(src, tidx, self.per_thread), as_vectors(acc))
-            out = cute.make_rmem_tensor_like(acc, self.dtype)
-            out.store((acc.load() * scale).to(self.dtype))
+            out = cute.make_rmem_tensor_like(acc, self.out_dtype)
+            out.store((acc.load() * scale).to(self.out_dtype))
             # 32-bit stores of the fragment's column pairs; the 128-byte swizzle puts the 8
             # rows of a warp's store in 8 different 16-byte chunks (no bank conflicts).
             s_acc = transpose_view(sdQ) if cutlass.const_expr(self.swapped) else sdQ

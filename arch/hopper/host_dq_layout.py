@@ -46,23 +46,27 @@ class TiledDqAccum:
                                total_q=q.shape[0])
         return accum_shape(q.shape[0], q.shape[1], problem.nheads, self.tile_m, problem.hdim)
 
-    def finisher(self, dq_accum, q, problem, cu_seqlens_q, target: str):
+    def finisher(self, dq_accum, q, problem, cu_seqlens_q, target: str, out_dtype=None):
         """`finish(dq_accum, cu_seqlens_q) -> dq` (shaped like q; varlen rows outside every
-        sequence: 0) for this configuration."""
+        sequence: 0) for this configuration; `out_dtype` float32: dQ unrounded."""
         from flash_cute.runtime.jit import DTYPES, CompileKey, KernelCall, TensorArg, tensor_arg
 
         name, hdim, varlen = dtype_name(q.dtype), problem.hdim, problem.varlen
         alloc = torch.zeros if varlen else torch.empty
-        shape, dtype, device = tuple(q.shape), q.dtype, q.device
+        wide = out_dtype == torch.float32
+        shape, dtype, device = tuple(q.shape), torch.float32 if wide else q.dtype, q.device
         if q.numel() == 0:
             return lambda acc, cu: alloc(shape, dtype=dtype, device=device)
         key = CompileKey("hopper.bwd.dq_postprocess", target, name, hdim, None,
                          (self.tile_m, *self.split),
-                         (("varlen", varlen), ("swapped", self.swapped)))
+                         (("varlen", varlen), ("swapped", self.swapped))
+                         + ((("fp32_out", True),) if wide else ()))
         scale, max_seqlen_q = float(problem.softmax_scale), int(problem.max_seqlen_q)
         call = KernelCall(key, lambda: _POSTPROCESS(DTYPES[name], hdim, self.tile_m, self.split,
-                                                    varlen, self.swapped),
-                          (TensorArg(dq_accum), TensorArg(q), scale,
+                                                    varlen, self.swapped,
+                                                    DTYPES["fp32"] if wide else None),
+                          (TensorArg(dq_accum), TensorArg(q.new_empty((0,) * q.dim(), dtype=dtype)
+                                                          if wide else q), scale,
                            tensor_arg(cu_seqlens_q, 4), max_seqlen_q))
 
         def finish(acc, cu):

@@ -91,17 +91,19 @@ def build_dq_postprocess(entry):
     # The registered schedule is the backward's whose dQaccum this kernel reads.
     layout = TiledDqAccum.of(entry.schedule, entry.hdim)
     tile_m = layout.tile_m
-    kernel = HopperDqPostprocess(dtype, entry.hdim, tile_m, layout.split, varlen, layout.swapped)
+    out_dtype = Float32 if entry.flag_dict.get("fp32_out") else dtype
+    kernel = HopperDqPostprocess(dtype, entry.hdim, tile_m, layout.split, varlen, layout.swapped,
+                                 out_dtype)
     heads = dynamic_dim()
     chunk = tile_m * entry.hdim
     if varlen:
         accum = fake_tensor(Float32, (dynamic_dim(), heads, chunk))
-        dq = fake_tensor(dtype, (dynamic_dim(), heads, entry.hdim))
+        dq = fake_tensor(out_dtype, (dynamic_dim(), heads, entry.hdim))
         cu = fake_tensor(Int32, (dynamic_dim(),), align=4)
     else:
         batch = dynamic_dim()
         accum = fake_tensor(Float32, (batch, dynamic_dim(), heads, chunk))
-        dq = fake_tensor(dtype, (batch, dynamic_dim(), heads, entry.hdim))
+        dq = fake_tensor(out_dtype, (batch, dynamic_dim(), heads, entry.hdim))
         cu = None
     return CompileSpec(kernel, (accum, dq, Float32(0.125), cu, Int32(1), fake_stream()))
 
@@ -308,17 +310,18 @@ def _bwd_configs():
 def _dq_postprocess_configs():
     """The postprocess of the Hopper backward's fragment-order dQaccum, per default schedule
     (its entry's schedule is the backward schedule it belongs to; `short`:
-    `config.short_causal`)."""
+    `config.short_causal`), and with a float32 dQ (a ring step's `grads_fp32`)."""
+    cases = [(64, "bf16", False, False, {}), (96, "bf16", False, False, {}),
+             (128, "bf16", False, False, {}), (128, "fp16", True, False, {}),
+             (128, "bf16", False, True, {}), (192, "bf16", False, False, {}),
+             (256, "bf16", True, False, {}),
+             (128, "bf16", False, False, {"fp32_out": True}),
+             (128, "bf16", True, False, {"fp32_out": True}),
+             (256, "bf16", False, False, {"fp32_out": True})]
     return tuple(KernelConfig("hopper.bwd.dq_postprocess", TARGETS, dtype, d, None,
                               bwd_schedule(d, varlen, short), build_dq_postprocess,
-                              config_flags(varlen=varlen))
-                 for d, dtype, varlen, short in [(64, "bf16", False, False),
-                                                 (96, "bf16", False, False),
-                                                 (128, "bf16", False, False),
-                                                 (128, "fp16", True, False),
-                                                 (128, "bf16", False, True),
-                                                 (192, "bf16", False, False),
-                                                 (256, "bf16", True, False)])
+                              config_flags(varlen=varlen, **extra))
+                 for d, dtype, varlen, short, extra in cases)
 
 
 def _fwd_fp8_configs():

@@ -37,11 +37,14 @@ def forward_problem(q, k, v, lengths: tuple, options: tuple, rng_seed, splits,
 
 
 def backward_problem(dout, q, k, v, out, lse, lengths: tuple, options: tuple, rng_seed,
-                     mod_grads: bool):
-    """The problem of a `flash_cute::bwd` call on CUDA tensors, all its checks passed."""
+                     mod_grads: bool, grads_fp32: bool = False):
+    """The problem of a `flash_cute::bwd` call on CUDA tensors, all its checks passed
+    (`grads_fp32`: the operator's float32 dQ, dK, dV)."""
     deterministic = options[8]
     problem = validate_call(q, k, v, lengths, options, dropout=(options[11], rng_seed))
     problem = with_mods(problem, options[10], q, mod_grads)
+    if grads_fp32:
+        problem = dataclasses.replace(problem, grads_fp32=True)
     if deterministic and problem.mods is not None and problem.mods.block_states is not None:
         raise NotImplementedError("deterministic=True with a block_mask: the fixed dQ "
                                   "order assumes every key tile of the mask's range")

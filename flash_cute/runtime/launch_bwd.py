@@ -38,12 +38,15 @@ class RowDqAccum(NamedTuple):
         return tuple(q.shape)
 
     @staticmethod
-    def finisher(dq_accum, q, problem, cu_seqlens_q, target: str):
-        """`finish(dq_accum, cu_seqlens_q) -> dq` for this configuration."""
+    def finisher(dq_accum, q, problem, cu_seqlens_q, target: str, out_dtype=None):
+        """`finish(dq_accum, cu_seqlens_q) -> dq` for this configuration (`out_dtype`
+        float32: the accumulator scaled, not rounded)."""
         from flash_cute.runtime.bwd_prep import Postprocess
 
-        post = Postprocess(dq_accum, q.dtype, target)
         scale = float(problem.softmax_scale)
+        if out_dtype == torch.float32:
+            return lambda acc, cu: acc * scale
+        post = Postprocess(dq_accum, q.dtype, target)
         return lambda acc, cu: post(acc, scale)
 
 
@@ -95,6 +98,7 @@ class BackwardLaunch:
         if self.no_work:
             return
         deterministic = bool(deterministic)
+        self.grad_dtype = torch.float32 if problem.grads_fp32 else q.dtype
         setup = _backward_setup(plan, problem, q.dtype, deterministic, timeline is not None)
         self.device, self.setup = q.device, setup
         self.scratch = _Scratch(plan.dq_accum.shape(q, problem), lse, plan.row_stats_align)
@@ -132,7 +136,8 @@ class BackwardLaunch:
                        timeline=None if timeline is None else TensorArg(timeline, 8))
         self.scalars = tuple(setup.scalars.values())
         self.main = KernelCall(setup.key, setup.make_kernel, args, plan.options)
-        self.finish = plan.dq_accum.finisher(dq_accum, q, problem, cu_seqlens_q, plan.target)
+        self.finish = plan.dq_accum.finisher(dq_accum, q, problem, cu_seqlens_q, plan.target,
+                                             self.grad_dtype)
 
     def _alloc_dkv(self):
         s = self.setup
@@ -168,8 +173,8 @@ class BackwardLaunch:
             mod_grads += self.aux.gradients(grads)
         dq = self.finish(dq_accum, cu_seqlens_q)
         if self.group_shapes is not None:
-            dk = dk.view(self.group_shapes[0]).sum(-2).to(q.dtype)
-            dv = dv.view(self.group_shapes[1]).sum(-2).to(q.dtype)
+            dk = dk.view(self.group_shapes[0]).sum(-2).to(self.grad_dtype)
+            dv = dv.view(self.group_shapes[1]).sum(-2).to(self.grad_dtype)
         return dq, dk, dv
 
 
@@ -227,6 +232,7 @@ def _backward_setup(plan: BackwardPlan, problem, dtype, deterministic: bool,
     from flash_cute.runtime.jit import DTYPES
 
     group = problem.qheads_per_kvhead
+    wide = group > 1 or problem.grads_fp32   # dK/dV from the kernel in float32
     variant = dataclasses.replace(variant_of(problem), timeline=timeline)
     dname = dtype_name(dtype)
 
@@ -242,7 +248,7 @@ def _backward_setup(plan: BackwardPlan, problem, dtype, deterministic: bool,
         key,
         make_kernel, {**score_scalars(problem), "max_seqlen_k": int(problem.max_seqlen_k),
                       "max_seqlen_q": int(problem.max_seqlen_q)},
-        torch.float32 if group > 1 else dtype, 16 if group == 1 else 4,
+        torch.float32 if wide else dtype, 16 if not wide else 4,
         torch.zeros if problem.varlen or problem.has_seqused_k else torch.empty)
 
 
@@ -252,7 +258,8 @@ def backward_compile_key(name: str, target: str, dtype: str, problem, schedule: 
     from flash_cute.runtime.jit import CompileKey
 
     flags = variant_of(problem).flags() + (
-        ("dkv_fp32", problem.qheads_per_kvhead > 1), ("deterministic", bool(deterministic)))
+        ("dkv_fp32", problem.qheads_per_kvhead > 1 or problem.grads_fp32),
+        ("deterministic", bool(deterministic)))
     return CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(schedule), flags)
 
 

@@ -238,22 +238,20 @@ def backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
              *options):
     """`flash_cute::bwd` on CUDA tensors: ``(dq, dk, dv, dmods)``."""
     lengths = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    if len(options) > _MOD_GRADS + 1 and options[_MOD_GRADS + 1]:
-        raise NotImplementedError("grads_fp32 (a ring's float32 accumulators) runs on the CPU "
-                                  "operator only: the CUDA kernels' are not exposed yet")
+    wide = len(options) > _MOD_GRADS + 1 and bool(options[_MOD_GRADS + 1])
     mod_grads = mod_grads_asked(options)
     options, rng_seed = split_seed(options[:_MOD_GRADS], 12)
     options += (mod_grads,)
     dout = kernel_ready(dout)
     dlse = None if dlse is None else dlse.contiguous()
-    key = _call_key((dout, dlse, q, k, v, out, lse, rng_seed) + lengths, options)
+    key = _call_key((dout, dlse, q, k, v, out, lse, rng_seed) + lengths, options + (wide,))
     launch = _BWD_PLANS.get(key)
     if launch is not None and mod_grads and not _same_learned(launch, options[10]):
         launch = None   # which captured tensors require grad changed since it was planned
     if launch is None:
         deterministic, arch = options[8:10]
         problem = call.backward_problem(dout, q, k, v, out, lse, lengths, options, rng_seed,
-                                        mod_grads)
+                                        mod_grads, wide)
         _, bwd_pipeline = choose_pipelines(q.device, arch, problem, backward=True,
                                            deterministic=deterministic, forward_checks=False)
         with torch.cuda.device(q.device):

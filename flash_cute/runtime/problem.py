@@ -125,6 +125,10 @@ class AttentionProblem:
     # `partial_out`: a ring step's partial, merged by its caller): a split-KV launch of one
     # split (`splits.plan_splits`), whose partial is that O.
     partial_out: bool = False
+    # The backward returns dQ, dK, dV in float32 (the operator's `grads_fp32`: a ring step's
+    # gradients, summed over the steps by its caller): dK/dV from the kernel's float32 path,
+    # dQ from its float32 accumulator scaled, not rounded.
+    grads_fp32: bool = False
 
     @property
     def qheads_per_kvhead(self) -> int:
