@@ -6,7 +6,9 @@
 #   timeline: the hopper forward's and backward's measured warp-role timelines at hdim 128,
 #             8k tokens, causal and not (python -m flash_cute profile);
 #   fa4:      FA4's own tests through the shim (bench/fa4_tests.sh) from $FA4_TESTS
-#             (default .gpu-host/fa4tests): the fast file, test_score_mod, test_mask_mod.
+#             (default .gpu-host/fa4tests): the fast file, test_score_mod, test_mask_mod;
+#   ring:     context parallelism with the kernels, ranks sharing the GPU over gloo
+#             (tests/test_parallel_gpu.py, world sizes 2 and 4).
 # Run after `source .gpu-host/setup.sh`; logs go to $OUT (or results/wave-<date>).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -35,6 +37,9 @@ for part in $parts; do
         timeout "${FA4_TIMEOUT:-170}" bash "$here/fa4_tests.sh" "$tests/$f" -q $workers \
           --maxfail=30 2>&1 | tee "$out/fa4-$f.log" | tail -6
       done ;;
+    ring)
+      timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel_gpu.py \
+        2>&1 | tee "$out/ring.log" | tail -5 || status=1 ;;
     *) echo "unknown part: $part"; status=2 ;;
   esac
 done
