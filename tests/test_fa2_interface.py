@@ -40,10 +40,16 @@ _FA2["flash_attn_with_kvcache"] = [
 
 @pytest.mark.parametrize("name", sorted(_FA2))
 def test_parameter_lists_are_flash_attn_2s(name):
-    params = inspect.signature(getattr(fa2, name)).parameters.values()
+    """FA2's parameters, in its order and with its defaults; flash-cute's own (the FP8
+    forward's FA3 keywords on flash_attn_with_kvcache) only after them, keyword-only."""
+    params = list(inspect.signature(getattr(fa2, name)).parameters.values())
     got = [(p.name, None if p.default is inspect.Parameter.empty else p.default)
-           for p in params]
+           for p in params[:len(_FA2[name])]]
     assert got == _FA2[name]
+    extra = params[len(_FA2[name]):]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra)
+    assert [p.name for p in extra] in ([], ["q_descale", "k_descale", "v_descale",
+                                            "out_dtype"])
 
 
 def _check(out, ref_args, **kw):

@@ -179,8 +179,9 @@ def test_api_signature_matches_flash_attn_cute(fn, fa4):
             for p in params[:len(fa4)]]
     assert ours == fa4
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:len(fa4)])
+    fp8 = ["q_descale", "k_descale", "v_descale", "out_dtype"]   # FA3's, and O's dtype
     own = (["arch", "block_mask", "page_table", "alibi_slopes", "dropout_p"]
-           if fn is flash_cute.flash_attn_func else ["arch", "alibi_slopes", "dropout_p"])
+           if fn is flash_cute.flash_attn_func else ["arch", "alibi_slopes", "dropout_p"]) + fp8
     assert [(p.name, p.kind) for p in params[len(fa4):]] == [
         (name, inspect.Parameter.KEYWORD_ONLY) for name in own]
 

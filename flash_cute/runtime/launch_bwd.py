@@ -258,7 +258,7 @@ def backward_compile_key(name: str, target: str, dtype: str, problem, schedule: 
     from flash_cute.runtime.jit import CompileKey
 
     flags = variant_of(problem).flags() + (
-        ("dkv_fp32", problem.qheads_per_kvhead > 1 or problem.grads_fp32),
+        ("dkv_fp32", problem.qheads_per_kvhead > 1 or getattr(problem, "grads_fp32", False)),
         ("deterministic", bool(deterministic)))
     return CompileKey(name, target, dtype, problem.hdim, problem.hdim_v, tuple(schedule), flags)
 
