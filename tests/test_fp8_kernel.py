@@ -271,8 +271,8 @@ def test_fp8_bad_input_is_refused_before_any_launch():
         (lambda: flash_attn_fp8(q8, k8, v8, None, ks.double()), TypeError, "float32"),
         (lambda: flash_attn_fp8(q8, k8, v8, None, None, vs[0]), TypeError, "[batch"),
         (lambda: flash_attn_fp8(q8, k8, v8, out_dtype=torch.float32), TypeError, "out_dtype"),
-        (lambda: flash_attn_fp8(*(t.float().to(torch.float8_e5m2) for t in (q8, k8, v8))),
-         TypeError, "float8_e4m3fn"),
+        (lambda: flash_attn_fp8(q8, k8.float().to(torch.float8_e5m2), v8), TypeError,
+         "same dtype"),
         (lambda: flash_attn_fp8(q8[..., :48].contiguous(), k8[..., :48].contiguous(),
                                 v8[..., :48].contiguous()), NotImplementedError, "hdim"),
     ]
@@ -480,3 +480,29 @@ def test_the_fuzz_draws_fp8_configs_and_runs_them(monkeypatch):
         ran += 1
     assert {("block", False), ("head", True)} <= kinds
     sys.modules.pop("fuzz", None)
+
+
+def test_e5m2_inputs_run_with_an_e4m3_p():
+    """float8_e5m2 q, k, v (`quantize_fp8(dtype=...)`): the emulation with P still rounded
+    to e4m3, close to float64 of the dequantized inputs; the kernel compiles to QGMMA E5M2 x
+    E5M2 for QKᵀ and E4M3 x E5M2 for PV."""
+    from flash_cute.tools.xcompile import cross_compile
+
+    g = torch.Generator().manual_seed(4)
+    x = [torch.randn(2, s, n, 64, generator=g) for s, n in ((50, 4), (70, 2), (70, 2))]
+    (q8, qd), (k8, ks), (v8, vs) = (quantize_fp8(t, block=None, dtype=torch.float8_e5m2)
+                                    for t in x)
+    assert q8.dtype == torch.float8_e5m2
+    qd = qd.view(2, 2, 2)[..., 0].contiguous()     # one per K/V head: a stand-in descale
+    out = flash_attn_fp8(q8, k8, v8, qd, ks, vs, causal=True)
+    deq = _dequantized(q8, k8, v8, qd, ks, vs)
+    ref, _ = attention_ref(*deq, causal=True)
+    assert (out.double() - ref).pow(2).mean().sqrt() < 0.1 * ref.abs().mean()
+    configs = [c for c in _fp8_configs({"e5m2 d128/128 128x128x2+intra_wg_overlap+pingpong "
+                                        "causal"})]
+    assert len(configs) == 1
+    (e,) = cross_compile(configs, targets=["sm_90a"])
+    sass = Path(e["artifacts"]["sass"]).read_text()
+    kinds = {line.split()[1] for line in sass.splitlines() if "QGMMA" in line}
+    assert kinds == {"QGMMA.64x128x32.F32.E5M2.E5M2", "QGMMA.64x128x32.F32.E4M3.E5M2"}, kinds
+    assert e["spill_bytes"] == 0

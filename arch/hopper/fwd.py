@@ -185,7 +185,8 @@ class HopperFwd:
 
     def __init__(self, dtype, hdim: int, hdim_v: Optional[int] = None,
                  variant: Variant = Variant(), schedule: Optional[tuple] = None):
-        self.dtype = self.out_dtype = dtype
+        # P's dtype, the PV GEMM's A operand (the FP8 forward's is e4m3 for any FP8 input).
+        self.dtype = self.out_dtype = self.p_dtype = dtype
         self.hdim, self.hdim_v = kernel_head_dims("hopper", hdim, hdim_v, FWD_SCHEDULES,
                                                   schedule)
         set_kernel_switches(self, variant)
@@ -696,7 +697,7 @@ class HopperFwd:
         Returns the K/V state of the next tile's first block."""
         _, pipe_k, pipe_v = pipes
         acc_s = gemms.new_acc_s()
-        r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        r_p = cute.make_rmem_tensor_like(acc_s, self.p_dtype)
         if rng.n_block_max > rng.n_block_min:
             self.clear_v_tail(gemms.sV, pipe_v, kv, rng.n_block_max - 1, scores.mask.seqlen_k)
         for i in cutlass.range(rng.n_block_max - rng.n_block_min, unroll=1):
@@ -737,7 +738,7 @@ class HopperFwd:
         Returns the K/V state of the next tile's first block."""
         _, pipe_k, pipe_v = pipes
         acc_s = gemms.new_acc_s()
-        r_p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+        r_p = cute.make_rmem_tensor_like(acc_s, self.p_dtype)
         n_max = rng.n_block_max
         if n_max > rng.n_block_min:
             # Before the first S, while few registers are live (after it, ptxas spills).

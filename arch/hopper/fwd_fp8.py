@@ -155,8 +155,9 @@ class HopperFwdFp8(HopperFwd):
         descales ([b, heads_kv])."""
         self.block_scales = block_scales
         out_dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}.get(out_dtype, out_dtype)
-        if dtype is not cutlass.Float8E4M3FN:
-            raise ValueError(f"the FP8 forward takes float8_e4m3fn Q, K and V, got {dtype}")
+        if dtype not in (cutlass.Float8E4M3FN, cutlass.Float8E5M2):
+            raise ValueError(f"the FP8 forward takes float8_e4m3fn or float8_e5m2 Q, K and V, "
+                             f"got {dtype}")
         if out_dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise ValueError(f"the FP8 forward writes bf16 or fp16, got {out_dtype}")
         refused = [name for name, on in (
@@ -169,6 +170,9 @@ class HopperFwdFp8(HopperFwd):
             raise ValueError(f"no FP8 schedule for hdim {hdim}; have {sorted(FP8_SCHEDULES)}")
         super().__init__(dtype, hdim, hdim_v, variant, schedule or FP8_SCHEDULES[hdim])
         self.out_dtype = out_dtype
+        # P is e4m3 whatever the inputs' FP8 type (e5m2's 2 mantissa bits would double its
+        # rounding); QGMMA takes e4m3 x e5m2.
+        self.p_dtype = cutlass.Float8E4M3FN
         if block_scales and self.score_mod is not None:
             raise NotImplementedError("block scales with softcap: the scale would have to "
                                       "enter before the tanh, per score")
@@ -226,7 +230,7 @@ class HopperFwdFp8(HopperFwd):
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, atoms,
             (64, self.tile_n))
         mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, atoms,
+            self.p_dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, atoms,
             (64, self.hdim_v), a_source=warpgroup.OperandSource.RMEM)
         return mma_qk, mma_pv
 

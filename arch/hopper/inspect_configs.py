@@ -341,8 +341,12 @@ def _fwd_fp8_configs():
              ((128, 128), {"causal": True, "block_scales": True, "varlen": True,
                            "pack_gqa": 4}),
              ((256, 256), {"causal": True, "block_scales": True})]
-    return tuple(KernelConfig("hopper.fwd_fp8", TARGETS, "e4m3", d, dv, FP8_SCHEDULES[d],
-                              build_fwd_fp8, config_flags(**flags)) for (d, dv), flags in cases)
+    out = [KernelConfig("hopper.fwd_fp8", TARGETS, "e4m3", d, dv, FP8_SCHEDULES[d],
+                        build_fwd_fp8, config_flags(**flags)) for (d, dv), flags in cases]
+    # e5m2 inputs (P stays e4m3: QGMMA E4M3 x E5M2 for PV).
+    out += [KernelConfig("hopper.fwd_fp8", TARGETS, "e5m2", 128, 128, FP8_SCHEDULES[128],
+                         build_fwd_fp8, config_flags(causal=True))]
+    return tuple(out)
 
 
 CONFIGS = _fwd_configs() + _fwd_fp8_configs() + _bwd_configs() + _dq_postprocess_configs()

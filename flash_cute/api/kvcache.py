@@ -72,7 +72,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                   return_lse=return_softmax_lse, alibi_slopes=alibi_slopes)
     fp8 = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                out_dtype=out_dtype)
-    if any(x is not None for x in fp8.values()) or q.dtype == torch.float8_e4m3fn:
+    if any(x is not None for x in fp8.values()) or q.dtype in (torch.float8_e4m3fn,
+                                                                torch.float8_e5m2):
         if k is not None or rotary_cos is not None or cache_batch_idx is not None \
                 or cache_leftpad is not None:
             raise NotImplementedError("the FP8 forward reads the cache only: appending k / v, "

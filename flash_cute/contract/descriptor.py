@@ -139,7 +139,7 @@ def required_capabilities(problem, backward: bool = False, deterministic: bool =
     """The capabilities a validated `AttentionProblem` needs, in a fixed order (the first
     missing one is the one a message names)."""
     needed = [FORWARD]
-    if str(problem.dtype) == "torch.float8_e4m3fn":
+    if str(problem.dtype) in ("torch.float8_e4m3fn", "torch.float8_e5m2"):
         needed.append(FP8)
     if backward:
         needed.append(BACKWARD)

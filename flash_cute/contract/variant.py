@@ -27,11 +27,11 @@ EX2_EMULATION_ENV = "FLASH_CUTE_EX2_EMULATION"
 
 # Compile-key names of the tensor dtypes, by torch dtype name (no torch import here).
 _DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32",
-                "torch.float8_e4m3fn": "e4m3"}
+                "torch.float8_e4m3fn": "e4m3", "torch.float8_e5m2": "e5m2"}
 
 
 def dtype_name(dtype) -> str:
-    """"bf16", "fp16", "fp32" or "e4m3" for a torch dtype."""
+    """"bf16", "fp16", "fp32", "e4m3" or "e5m2" for a torch dtype."""
     return _DTYPE_NAMES[str(dtype)]
 
 

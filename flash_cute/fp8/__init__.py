@@ -7,7 +7,7 @@ from flash_cute.fp8 import ops  # noqa: F401 - registers torch.ops.flash_cute.fw
 from flash_cute.fp8.attention import flash_attn_fp8
 from flash_cute.fp8.emulation import emulate
 from flash_cute.fp8.incoherent import fwht, incoherent, random_signs
-from flash_cute.fp8.quant import E4M3_MAX, dequantize_fp8, quantize_fp8, to_e4m3
+from flash_cute.fp8.quant import E4M3_MAX, dequantize_fp8, quantize_fp8, to_e4m3, to_fp8
 
 __all__ = ["E4M3_MAX", "dequantize_fp8", "emulate", "flash_attn_fp8", "fwht", "incoherent",
-           "quantize_fp8", "random_signs", "to_e4m3"]
+           "quantize_fp8", "random_signs", "to_e4m3", "to_fp8"]

@@ -12,7 +12,7 @@ from flash_cute.fp8.emulation import emulate
 from flash_cute.fp8.quant import BLOCK
 from flash_cute.runtime.problem import validate_attention_inputs
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 # (hdim, hdim_v) pairs the FP8 kernel takes (`arch/hopper/config.FP8_SUPPORTED_HDIMS`).
 FP8_HDIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
@@ -26,9 +26,9 @@ def check_fp8_inputs(q, k, v, descales, out_dtype) -> None:
     """Clear errors, before any launch, for what the FP8 forward cannot take."""
     kinds = {name: is_fp8(t) for name, t in (("q", q), ("k", k), ("v", v))}
     if len(set(kinds.values())) > 1:
-        raise TypeError(f"FP8 attention takes float8_e4m3fn q, k and v together; got "
-                        f"q {q.dtype}, k {k.dtype}, v {v.dtype} (quantize all three with "
-                        f"flash_cute.fp8.quantize_fp8, or pass 16-bit ones)")
+        raise TypeError(f"FP8 attention takes float8_e4m3fn (or float8_e5m2) q, k and v "
+                        f"together; got q {q.dtype}, k {k.dtype}, v {v.dtype} (quantize all "
+                        f"three with flash_cute.fp8.quantize_fp8, or pass 16-bit ones)")
     if any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError("the FP8 forward has no backward: for training, call "
                                   "flash_attn_func with bf16 q, k and v")

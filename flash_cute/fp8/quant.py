@@ -1,16 +1,19 @@
-"""FP8 (e4m3) quantization of attention inputs, as the FP8 forward takes them: a scale per
+"""FP8 (e4m3, or e5m2) quantization of attention inputs, as the FP8 forward takes them: a scale per
 block of 128 tokens of one head (block quantization), or one per (batch, head) (FA3's
 descales), optionally with K smoothed first (its per-head mean subtracted: exact under
 softmax, since every score of a query row moves by the same q · mean).
 
-Casts saturate: values are clamped to ±448 before the cast, as the kernels' cvt.rn.satfinite
-does (torch's CPU cast turns values ≥ 480 into NaN)."""
+Casts saturate: values are clamped to the format's largest (±448 for e4m3) before the cast,
+as the kernels' cvt.rn.satfinite does (torch's CPU cast turns e4m3 values ≥ 480 into NaN)."""
 
 from __future__ import annotations
 
 import torch
 
 E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+# The largest finite value of each FP8 format.
+FP8_MAX = {torch.float8_e4m3fn: E4M3_MAX, torch.float8_e5m2: E5M2_MAX}
 BLOCK = 128
 
 
@@ -19,11 +22,21 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_fp8(x: torch.Tensor, block: int = BLOCK, smooth_k: bool = False):
-    """(x in float8_e4m3fn, scales float32) of x [b, s, h, d]: one scale per `block`
-    tokens of a head, [b, ceil(s / block), h], so that x ≈ x8 · scale; `block` None: one
-    per (batch, head), [b, h] (FA3's descales). `smooth_k`: subtract each head's mean over
-    the sequence first (for K only)."""
+def to_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn) -> torch.Tensor:
+    """`x` rounded to the FP8 `dtype`, saturating at its largest value."""
+    top = FP8_MAX[dtype]
+    return x.clamp(-top, top).to(dtype)
+
+
+def quantize_fp8(x: torch.Tensor, block: int = BLOCK, smooth_k: bool = False,
+                 dtype=torch.float8_e4m3fn):
+    """(x in `dtype`, scales float32) of x [b, s, h, d]: one scale per `block` tokens of a
+    head, [b, ceil(s / block), h], so that x ≈ x8 · scale; `block` None: one per (batch,
+    head), [b, h] (FA3's descales). `smooth_k`: subtract each head's mean over the sequence
+    first (for K only). `dtype`: torch.float8_e4m3fn (default) or torch.float8_e5m2."""
+    if dtype not in FP8_MAX:
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    top = FP8_MAX[dtype]
     if x.dim() != 4:
         raise ValueError(f"quantize_fp8 takes [batch, seqlen, heads, head_dim], got "
                          f"{tuple(x.shape)}")
@@ -33,14 +46,14 @@ def quantize_fp8(x: torch.Tensor, block: int = BLOCK, smooth_k: bool = False):
     b, s, h, d = x.shape
     if block is None:
         amax = x.abs().amax(dim=(1, 3))                                   # [b, h]
-        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-        return to_e4m3(x / scale[:, None, :, None]), scale
+        scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+        return to_fp8(x / scale[:, None, :, None], dtype), scale
     blocks = -(-s // block)
     padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, blocks * block - s))
     amax = padded.view(b, blocks, block, h, d).abs().amax(dim=(2, 4))    # [b, blocks, h]
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
     per_token = scale.repeat_interleave(block, dim=1)[:, :s]              # [b, s, h]
-    return to_e4m3(x / per_token[..., None]), scale
+    return to_fp8(x / per_token[..., None], dtype), scale
 
 
 def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor, block=BLOCK) -> torch.Tensor:

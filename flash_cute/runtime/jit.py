@@ -19,7 +19,7 @@ import cutlass.cute as cute
 import torch
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32,
-          "e4m3": cutlass.Float8E4M3FN}
+          "e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def tensor_arg(t, align: int = 16):
 _TORCH_TO_DSL = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
                  torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
                  torch.int64: cutlass.Int64, torch.uint8: cutlass.Uint8,
-                 torch.float8_e4m3fn: cutlass.Float8E4M3FN}
+                 torch.float8_e4m3fn: cutlass.Float8E4M3FN, torch.float8_e5m2: cutlass.Float8E5M2}
 
 
 def _value(arg):
