@@ -241,7 +241,7 @@ problem = validate_attention_inputs(q, k, v, causal=True, require_cuda=False)
 partial = dataclasses.replace(problem, partial_out=True)
 for planner in (hopper, ampere):
     out16, _ = planner.plan_forward(q, k, v, problem)(q, k, v)
-    key16, _ = launches[-1]
+    key16, key16_args = launches[-1]
     out, lse = planner.plan_forward(q, k, v, partial)(q, k, v)
     key, args = launches[-1]
     flags = dict(key.flags)
@@ -250,6 +250,10 @@ for planner in (hopper, ampere):
     assert out.dtype == torch.float32 and out.shape == (2, 37, 4, 128) and lse.shape == (2, 4, 37)
     assert out.data_ptr() == args[3].data_ptr() and lse.data_ptr() == args[4].data_ptr()
     assert out16.dtype == torch.bfloat16
+    # The compiled function takes every field of the record, None ones included: a call
+    # that passes fewer is refused by TVM-FFI on the GPU (the FP8 descales once did that).
+    from flash_cute.contract.kernel_args import FwdArgs
+    assert len(args) == len(key16_args) == len(FwdArgs._fields), (len(args), len(key16_args))
 print("launched")
 '''
 

@@ -208,7 +208,7 @@ class ForwardLaunch:
                   *self.dropout_scalars, *self.split_scalars, page_table, *append,
                   self.dropped if append[0] is not None else None,
                   *self.aux.values(), *self.sparse.tensors, *self.aux.scalar_values, *merged,
-                  self.timeline, *descales)
+                  self.timeline, *(descales or (None, None, None)))
         if self.partial:
             return o_parts[0], lse_parts[0]
         if self.merge is not None:
