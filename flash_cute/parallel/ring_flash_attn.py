@@ -10,8 +10,8 @@ parameters and returns:
   `llama3_flash_attn_prepare_cu_seqlens`: the packed stream split contiguously, documents
   crossing ranks; every rank gathers K/V and runs `flash_attn_varlen_func` on the keys its
   queries need (the all-gather's backward sums dK / dV back to their owners).
-  `heads_k_stride` (gathering K/V a few heads at a time, to save memory) is accepted and
-  gathers all heads at once.
+  `heads_k_stride` gathers K/V that many heads at a time (each chunk's attention runs
+  before the next is gathered), to save memory.
 """
 
 from __future__ import annotations
@@ -119,13 +119,32 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
         raise ValueError("alibi_slopes: pass the bias as a score_mod to "
                          "flash_cute.parallel.ring_attention")
     group = group or dist.group.WORLD
-    k_all, v_all = (torch.cat(all_gather(t.contiguous(), group=group))[local_k_slice]
-                    for t in (k, v))
-    return flash_attn_varlen_func(q, k_all, v_all, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, dropout_p=dropout_p,
-                                  softmax_scale=softmax_scale, causal=causal,
-                                  window_size=window_size, deterministic=deterministic,
-                                  return_attn_probs=return_attn_probs)
+    heads_kv = k.shape[1]
+    stride = heads_kv if not heads_k_stride or heads_k_stride <= 0 else heads_k_stride
+    if heads_kv % stride:
+        raise ValueError(f"heads_k_stride {heads_k_stride} must divide the {heads_kv} K/V "
+                         f"heads")
+    group_size = q.shape[1] // heads_kv
+    outs, lses = [], []
+    # A few K/V heads at a time: only their gathered keys are held at once.
+    for h0 in range(0, heads_kv, stride):
+        kv_heads, q_heads = slice(h0, h0 + stride), slice(h0 * group_size,
+                                                           (h0 + stride) * group_size)
+        k_all, v_all = (torch.cat(all_gather(t[:, kv_heads].contiguous(),
+                                             group=group))[local_k_slice] for t in (k, v))
+        res = flash_attn_varlen_func(q[:, q_heads], k_all, v_all, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
+                                     softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size, deterministic=deterministic,
+                                     return_attn_probs=return_attn_probs)
+        out = res[0] if isinstance(res, tuple) else res
+        outs.append(out)
+        if isinstance(res, tuple):
+            lses.append(res[1])
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    if not return_attn_probs:
+        return out
+    return out, torch.cat(lses, dim=0) if len(lses) > 1 else lses[0], None
 
 
 def llama3_flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
