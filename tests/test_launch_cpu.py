@@ -251,7 +251,7 @@ for planner in (hopper, ampere):
     assert out.data_ptr() == args[3].data_ptr() and lse.data_ptr() == args[4].data_ptr()
     assert out16.dtype == torch.bfloat16
     # The compiled function takes every field of the record, None ones included: a call
-    # that passes fewer is refused by TVM-FFI on the GPU (the FP8 descales once did that).
+    # that passes fewer is refused by TVM-FFI on the GPU.
     from flash_cute.contract.kernel_args import FwdArgs
     assert len(args) == len(key16_args) == len(FwdArgs._fields), (len(args), len(key16_args))
 print("launched")
