@@ -506,3 +506,23 @@ def test_e5m2_inputs_run_with_an_e4m3_p():
     kinds = {line.split()[1] for line in sass.splitlines() if "QGMMA" in line}
     assert kinds == {"QGMMA.64x128x32.F32.E5M2.E5M2", "QGMMA.64x128x32.F32.E4M3.E5M2"}, kinds
     assert e["spill_bytes"] == 0
+
+
+def test_fp8_host_guards_strides_and_block_scale_tiles():
+    """TMA needs 16-byte strides also on FP8's size-1 dims (16 elements, not 8), and block
+    scales refuse a tile that straddles their 128-token block."""
+    import cutlass
+
+    from flash_cute.arch.hopper.fwd_fp8 import HopperFwdFp8
+    from flash_cute.arch.sm90plus.host import tma_ready
+
+    base = torch.zeros(64, 24, dtype=torch.float8_e4m3fn)
+    odd = base.as_strided((1, 64, 1, 16), (8, 24, 8, 1))   # size-1 dims with 8-byte strides
+    fixed = tma_ready(odd)
+    assert all(s % 16 == 0 for n, s in zip(fixed.shape[:-1], fixed.stride()[:-1]) if n == 1)
+    # The same strides on a 16-bit tensor are 16 bytes already: left as they are.
+    wide = torch.zeros(64, 16, dtype=torch.bfloat16).as_strided((1, 64, 1, 16), (8, 16, 8, 1))
+    assert tma_ready(wide) is wide
+    with pytest.raises(ValueError, match="dividing their 128-token block"):
+        HopperFwdFp8(cutlass.Float8E4M3FN, 128, schedule=(128, 256, 2), block_scales=True)
+    HopperFwdFp8(cutlass.Float8E4M3FN, 128, schedule=(128, 64, 2), block_scales=True)

@@ -304,6 +304,13 @@ for planner, name in ((hopper, "hopper.bwd"), (ampere, "ampere.bwd")):
         post = launches[-1][0]
         assert post.kernel == "hopper.bwd.dq_postprocess" and dict(post.flags)["fp32_out"]
         assert launches[-1][1][1] is dq
+    # No work (no keys): zeros, in float32 too.
+    k0, v0 = k[:, :0], v[:, :0]
+    empty = dataclasses.replace(validate_attention_inputs(q, k0, v0, require_cuda=False),
+                                grads_fp32=True)
+    grads = planner.plan_backward(dout, None, q, k0, v0, out, lse, empty)(
+        dout, None, q, k0, v0, out, lse)
+    assert all(g.dtype == torch.float32 and not g.any() for g in grads), name
 print("launched")
 '''
 

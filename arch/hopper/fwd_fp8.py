@@ -173,6 +173,9 @@ class HopperFwdFp8(HopperFwd):
         # P is e4m3 whatever the inputs' FP8 type (e5m2's 2 mantissa bits would double its
         # rounding); QGMMA takes e4m3 x e5m2.
         self.p_dtype = cutlass.Float8E4M3FN
+        if block_scales and 128 % self.tile_n:
+            raise ValueError(f"block scales need tile_n dividing their 128-token block, got "
+                             f"{self.tile_n}")
         if block_scales and self.score_mod is not None:
             raise NotImplementedError("block scales with softcap: the scale would have to "
                                       "enter before the tanh, per score")

@@ -10,7 +10,8 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     encodes every stride and rejects one that is not a multiple of 16 bytes.
     """
     shape, stride = t.shape, t.stride()
-    if all(s % 8 == 0 or n != 1 for n, s in zip(shape[:-1], stride[:-1])):
+    align = 16 // t.element_size()   # elements in 16 bytes (8 for 16-bit, 16 for FP8)
+    if all(s % align == 0 or n != 1 for n, s in zip(shape[:-1], stride[:-1])):
         return t
     strides, step = [], 1
     for size, st in reversed(list(zip(shape, stride))):

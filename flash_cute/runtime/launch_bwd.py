@@ -95,10 +95,10 @@ class BackwardLaunch:
         self.aux = CapturedTensors(problem, q.device)
         # The measured timeline's record buffer (`python -m flash_cute profile --backward`).
         self.timeline = timeline
+        self.grad_dtype = torch.float32 if problem.grads_fp32 else q.dtype
         if self.no_work:
             return
         deterministic = bool(deterministic)
-        self.grad_dtype = torch.float32 if problem.grads_fp32 else q.dtype
         setup = _backward_setup(plan, problem, q.dtype, deterministic, timeline is not None)
         self.device, self.setup = q.device, setup
         self.scratch = _Scratch(plan.dq_accum.shape(q, problem), lse, plan.row_stats_align)
@@ -158,7 +158,7 @@ class BackwardLaunch:
             if mod_grads is not None:
                 mod_grads += self.aux.gradients(grads)
             # Contiguous, as the kernels' gradients are (the fake implementation says so).
-            return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+            return tuple(t.new_zeros(t.shape, dtype=self.grad_dtype) for t in (q, k, v))
         dq_accum, delta, lse_log2 = self.scratch.alloc()
         self.pre(out, dout, lse, dlse, delta, lse_log2, cu_seqlens_q, seqused_q,
                  self.max_seqlen_q, dq_accum)

@@ -77,6 +77,7 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
     float32 scales (2: FA3's [b, hk] descales; 3: block scales [b, blocks, heads]; 0: none)."""
     rows_q, rows_k, heads, heads_kv, lse_shape, cu = _fake_layout(varlen)
     used_q, used_k = _fake_seqused(*seqused)
+    merged_dtype = out_dtype or dtype   # a split kernel's merged O
     splits, out_dtype = ((dynamic_dim(),), Float32) if split_kv else ((), out_dtype or dtype)
     table = None
     if paged:
@@ -97,7 +98,7 @@ def fake_forward_args(dtype, hdim: int, hdim_v: int, varlen: bool,
         seqused_k=used_k, **_fake_dropout(dropout), num_splits=Int32(1),
         blocks_per_split=Int32(0), page_table=table, k_new=new[0], v_new=new[1],
         append_dropped=new[2],
-        **fake_aux(mods), **(_fake_merged(dtype, rows_q, heads, hdim_v, lse_shape)
+        **fake_aux(mods), **(_fake_merged(merged_dtype, rows_q, heads, hdim_v, lse_shape)
                              if merged else {}),
         timeline=(fake_tensor(Int64, (dynamic_dim(), dynamic_dim(), SLOTS, FIELDS), align=8)
                   if timeline else None),
