@@ -131,9 +131,10 @@ class HopperFwdFp8(HopperFwd):
     wait on V. Varlen and seqused_k: the transpose writes zeros for the keys past seqlen_k
     (they hold the next sequence or unused cache slots; their P is 0, but 0 x NaN is not).
 
-    Takes causal, local windows, softcap, packed GQA, varlen and seqused; no dropout, mods,
-    block masks, split-KV, paged K/V, append or timeline (each refused here and, with a
-    clear message, by the API before any launch).
+    Takes causal, local windows, softcap, packed GQA, varlen, seqused, split-KV (merged in
+    the kernel) and paged K/V; e4m3 or e5m2 inputs (P e4m3 either way). No dropout, mods,
+    block masks, append or timeline (each refused here and, with a clear message, by the API
+    before any launch).
     """
 
     p_max_offset = 8.0  # P x 256 before its e4m3 cast
