@@ -410,6 +410,11 @@ def test_block_scales_run_per_128_tokens_on_the_cpu_and_are_checked():
         flash_attn_fp8(q8, k8, v8, qs, ks[:, :2], vs)
     with pytest.raises(NotImplementedError, match="softcap"):
         flash_attn_fp8(q8, k8, v8, qs, ks, vs, softcap=5.0)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        zeroed = vs.clone()
+        zeroed[1, 2, 0] = bad
+        with pytest.raises(ValueError, match="v_descale must be positive and finite"):
+            flash_attn_fp8(q8, k8, v8, qs, ks, zeroed)
 
 
 def test_fp8_is_a_capability_that_only_the_hopper_pipeline_has():

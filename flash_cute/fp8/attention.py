@@ -75,6 +75,10 @@ def _scales(descales, problem, device) -> tuple:
         elif tuple(d.shape) != shape:
             raise ValueError(f"{name} must be {list(shape)} here ({what}), got "
                              f"{list(d.shape)}")
+        elif _reads_contents(d) and not bool((d > 0).all() and d.isfinite().all()):
+            # A scale divides (V's block scales in O's rescale): 0, negative or not finite
+            # would make O inf or NaN.
+            raise ValueError(f"{name} must be positive and finite everywhere")
         out.append(d.contiguous())
     return tuple(out)
 
@@ -111,6 +115,16 @@ def _problem(q, k, v, lengths, max_seqlen_q, max_seqlen_k, softmax_scale, causal
         seqused_k=used_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         pack_gqa=pack_gqa, num_splits=num_splits, supported_dtypes=FP8_DTYPES,
         supported_hdims=FP8_HDIMS, require_cuda=False)
+
+
+def _reads_contents(t) -> bool:
+    """Whether a scale's values are read on the host: CPU tensors always, CUDA ones with
+    `check_inputs` on (it costs a device sync), never a trace's."""
+    from flash_cute.runtime import plans
+
+    if torch.compiler.is_compiling() or type(t) is not torch.Tensor:
+        return False
+    return t.device.type == "cpu" or plans.content_check_on()
 
 
 def _describe(d) -> str:
