@@ -160,7 +160,9 @@ def _smem_offsets(hdim_v: int, tile_n: int):
     return out
 
 
-@pytest.mark.parametrize("hdim_v, tile_n", [(128, 128), (256, 64), (64, 128)])
+@pytest.mark.parametrize("hdim_v, tile_n", [
+    (128, 128), pytest.param(256, 64, marks=pytest.mark.slow),
+    pytest.param(64, 128, marks=pytest.mark.slow)])
 def test_the_transpose_writes_v_in_the_key_order_of_p(hdim_v, tile_n):
     """A model of `transpose_block` with its own helpers (chunks, key offsets, PRMT selectors,
     the hand-applied swizzle) over random bytes laid out by CuTe's layouts of V and Vᵀ:
@@ -344,6 +346,7 @@ print("launched")
 '''
 
 
+@pytest.mark.slow
 def test_the_fp8_launch_compiles_and_passes_descales_and_a_16_bit_output():
     """The FP8 forward's host path with the compile cache recording (no GPU): the planner's
     launch compiles the kernel for the call's fake tensors (e4m3 in, bf16 or fp16 out, the

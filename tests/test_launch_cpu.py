@@ -315,6 +315,7 @@ print("launched")
 '''
 
 
+@pytest.mark.slow
 def test_grads_fp32_compiles_the_float32_gradient_paths_and_returns_them():
     """The operator's grads_fp32 on CUDA (a ring step's float32 gradients), host path with
     the compile cache recording and each kernel really compiled: the hopper and ampere
