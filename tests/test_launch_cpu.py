@@ -62,12 +62,9 @@ def test_launch_kernel_compiles_through_tvm_ffi_and_passes_torch_values():
     assert proc.returncode == 0 and "recorded" in proc.stdout, proc.stderr[-3000:]
 
 
-_BACKWARD_LAUNCHES = '''
-import torch
-import flash_cute.runtime.jit as jit
-from flash_cute.arch.hopper import planner as api
-from flash_cute.runtime.problem import validate_attention_inputs
-
+# The launch scripts' compile cache: it records each launch's key and values, and with
+# `compile` really compiles each kernel first (for the call's fake tensors).
+_RECORDING = """
 launches = []
 
 
@@ -75,10 +72,22 @@ class Recording:
     generation = 0
 
     def get(self, key, build, options=""):
+        if {compile}:
+            build()
         return lambda *args: launches.append((key, args))
 
 
 jit.compile_cache = Recording()
+"""
+
+
+_BACKWARD_LAUNCHES = '''
+import torch
+import flash_cute.runtime.jit as jit
+from flash_cute.arch.hopper import planner as api
+from flash_cute.runtime.problem import validate_attention_inputs
+
+''' + _RECORDING.format(compile=False) + '''
 for varlen, causal in ((False, True), (True, False), (False, False)):
     for _ in range(2):
         if varlen:
@@ -222,17 +231,7 @@ from flash_cute.arch.ampere import planner as ampere
 from flash_cute.arch.hopper import planner as hopper
 from flash_cute.runtime.problem import validate_attention_inputs
 
-launches = []
-
-
-class Recording:
-    generation = 0
-
-    def get(self, key, build, options=""):
-        return lambda *args: launches.append((key, args))
-
-
-jit.compile_cache = Recording()
+''' + _RECORDING.format(compile=False) + '''
 # The per-stream split scratch asks the CUDA runtime for the stream (a CPU build stubs it).
 torch.cuda.is_current_stream_capturing = lambda: False
 torch._C._cuda_getCurrentRawStream = lambda index: 0
@@ -277,18 +276,7 @@ from flash_cute.arch.ampere import planner as ampere
 from flash_cute.arch.hopper import planner as hopper
 from flash_cute.runtime.problem import validate_attention_inputs
 
-launches = []
-
-
-class Recording:
-    generation = 0
-
-    def get(self, key, build, options=""):
-        build()   # the real compile, for the call's fake tensors
-        return lambda *args: launches.append((key, args))
-
-
-jit.compile_cache = Recording()
+''' + _RECORDING.format(compile=True) + '''
 q, k, v = (torch.randn(2, 37, 4, 128, dtype=torch.bfloat16) for _ in range(3))
 problem = validate_attention_inputs(q, k, v, causal=True, require_cuda=False)
 wide = dataclasses.replace(problem, grads_fp32=True)

@@ -379,9 +379,15 @@ class HopperFwd:
                                            self.out_dtype, 1)
         return sQ, sK, sV, sO
 
+    def _vt_layout(self):
+        """A second V tile, transposed for the PV GEMM (the FP8 forward's); None here."""
+        return None
+
     def _shared_storage(self, layouts):
-        """The CTA's shared memory, as `config.smem_bytes` sizes it."""
+        """The CTA's shared memory, as `config.smem_bytes` sizes it (with a transposed V ring
+        and its barriers where `_vt_layout` gives one)."""
         sQ_layout, sK_layout, sV_layout, sO_layout = layouts
+        sVt_layout = self._vt_layout()
         stages, dtype = self.kv_stages, self.dtype
 
         @cute.struct
@@ -389,25 +395,31 @@ class HopperFwd:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            if sVt_layout is not None:
+                mbar_vt: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             if self.split_kv:
                 merge_flag: cute.struct.MemRange[cutlass.Int32, 1]
             sQ: smem_tile(dtype, sQ_layout)
             sK: smem_tile(dtype, sK_layout)
             sV: smem_tile(dtype, sV_layout)
+            if sVt_layout is not None:
+                sVt: smem_tile(dtype, sVt_layout)
             if self.o_tile == "own":
                 sO: smem_tile(self.out_dtype, sO_layout)
 
         return SharedStorage
 
     def _tiled_mmas(self):
-        """S = Q Kᵀ (both from shared memory, K-major) and O = P V (P from registers, V
-        MN-major); one 64-row WGMMA atom per consumer warpgroup."""
+        """S = Q Kᵀ (both from shared memory, K-major) and O = P V (P, of `p_dtype`, from
+        registers; V MN-major as loaded, or K-major where V is transposed, `_vt_layout`); one
+        64-row WGMMA atom per consumer warpgroup."""
         atoms = (self.num_wg, 1, 1)
+        v_major = OperandMajorMode.MN if self._vt_layout() is None else OperandMajorMode.K
         mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, atoms,
             (64, self.tile_n))
         mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, atoms,
+            self.p_dtype, self.dtype, OperandMajorMode.K, v_major, Float32, atoms,
             (64, self.hdim_v), a_source=warpgroup.OperandSource.RMEM)
         return mma_qk, mma_pv
 

@@ -27,11 +27,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Uint32, pipeline
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from flash_cute.arch.sm90plus.convert import pack_quad_e4m3
-from flash_cute.arch.sm90plus.tma import smem_tile
 from flash_cute.blocks.dsl_state import DslState
 from flash_cute.blocks.layouts import acc_to_mn
 from flash_cute.blocks.seqlen import SeqInfo
@@ -204,39 +203,6 @@ class HopperFwdFp8(HopperFwd):
         return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR,
                                              (self.tile_m, self.hdim_v, self.tile_n), self.dtype,
                                              self.kv_stages)
-
-    def _shared_storage(self, layouts):
-        sQ_layout, sK_layout, sV_layout, sO_layout = layouts
-        sVt_layout = self._vt_layout()
-        stages, dtype = self.kv_stages, self.dtype
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_vt: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            if self.split_kv:
-                merge_flag: cute.struct.MemRange[cutlass.Int32, 1]
-            sQ: smem_tile(dtype, sQ_layout)
-            sK: smem_tile(dtype, sK_layout)
-            sV: smem_tile(dtype, sV_layout)
-            sVt: smem_tile(dtype, sVt_layout)
-            if self.o_tile == "own":
-                sO: smem_tile(self.out_dtype, sO_layout)
-
-        return SharedStorage
-
-    def _tiled_mmas(self):
-        """S = Q Kᵀ and O = P Vᵀ, FP8 WGMMA: both B operands K-major, P from registers."""
-        atoms = (self.num_wg, 1, 1)
-        mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, atoms,
-            (64, self.tile_n))
-        mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.p_dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, atoms,
-            (64, self.hdim_v), a_source=warpgroup.OperandSource.RMEM)
-        return mma_qk, mma_pv
 
     # ---------------------------------------------------------------- device side
 
