@@ -135,8 +135,8 @@ def _prmt(a: int, b: int, sel: int) -> int:
 
 def _smem_offsets(hdim_v: int, tile_n: int):
     """Byte offsets (swizzle applied by CuTe) of V's tile as loaded, (d, key, stage 1), and of
-    its transpose, (d, a, stage 1), from the kernel's own layouts, and each layout's outer
-    offset and swizzle parameters."""
+    its transpose, (d, a, stage 1), from the kernel's own layouts; each layout's outer
+    offsets of stage 0 and of (0, 0, stage 1), and its swizzle parameters."""
     import cutlass.cute as cute
 
     from flash_cute.arch.hopper.fwd_fp8 import HopperFwdFp8
@@ -152,8 +152,9 @@ def _smem_offsets(hdim_v: int, tile_n: int):
             sw = layout.inner
             out[name] = ({(d, x): layout((d, x, 1)) for d in range(hdim_v)
                           for x in range(tile_n)},
-                         {(d, x): layout.outer((d, x, 1)) for d in range(hdim_v)
+                         {(d, x): layout.outer((d, x, 0)) for d in range(hdim_v)
                           for x in range(tile_n)},
+                         layout.outer((0, 0, 1)),
                          (sw.num_bits, sw.num_base, sw.num_shift))
 
     trace()
@@ -164,20 +165,32 @@ def _smem_offsets(hdim_v: int, tile_n: int):
     (128, 128), pytest.param(256, 64, marks=pytest.mark.slow),
     pytest.param(64, 128, marks=pytest.mark.slow)])
 def test_the_transpose_writes_v_in_the_key_order_of_p(hdim_v, tile_n):
-    """A model of `transpose_block` with its own helpers (chunks, key offsets, PRMT selectors,
-    the hand-applied swizzle) over random bytes laid out by CuTe's layouts of V and Vᵀ:
-    every chunk is visited once, the hand swizzle is CuTe's, and Vᵀ(d, a) = V(π(a), d)."""
+    """A model of `transpose_block` with its own helpers (lane and row coordinates, key
+    offsets, PRMT selectors, the hand-applied swizzle) over random bytes laid out by CuTe's
+    layouts of V and Vᵀ, in stage 1: each warp's rows, each lane's word found once and XORed
+    with the row's; every chunk is visited once, each word so found is CuTe's, and
+    Vᵀ(d, a) = V(π(a), d)."""
     from flash_cute.arch.hopper.fwd_fp8 import (
         KEY_OFFSETS,
+        TRANSPOSE_WARPS,
         chunk_coords,
+        first_key,
         key_order,
+        lane_coords,
         swizzled,
         transposed_words,
+        warp_coords,
     )
 
     layouts = _smem_offsets(hdim_v, tile_n)
-    for full, outer, params in layouts.values():
-        assert all(swizzled(outer[k], *params) == full[k] for k in full)
+    for full, outer, stage_off, params in layouts.values():
+        assert all(swizzled(outer[k] + stage_off, *params) == full[k] for k in full)
+
+    def word(name, lane_crd, row_crd):  # the kernel's `_Words._index`, stage 1
+        _, outer, stage_off, params = layouts[name]
+        lane_word, row_word = (swizzled(outer[c], *params) >> 2 for c in (lane_crd, row_crd))
+        return 4 * ((lane_word ^ row_word) + (swizzled(stage_off, *params) >> 2))
+
     v_full, vt_full = layouts["v"][0], layouts["vt"][0]
     rng = random.Random(hdim_v * tile_n)
     size = max(max(v_full.values()), max(vt_full.values())) + 4
@@ -185,18 +198,29 @@ def test_the_transpose_writes_v_in_the_key_order_of_p(hdim_v, tile_n):
     v = {(d, key): rng.randrange(256) for d in range(hdim_v) for key in range(tile_n)}
     for (d, key), byte in v.items():
         src[v_full[(d, key)]] = byte
-    word = lambda buf, off: int.from_bytes(buf[off:off + 4], "little")  # noqa: E731
+    load = lambda buf, off: int.from_bytes(buf[off:off + 4], "little")  # noqa: E731
     seen = set()
-    n_u, n_v = hdim_v // 4, tile_n // 4
-    for c in range(n_u * n_v):
-        d0, col = chunk_coords(c, n_v // 8)
-        seen.add((d0, col))
-        key0 = 16 * (col // 4) + 2 * (col % 4)
-        words = [word(src, v_full[(d0, key0 + off)]) for off in KEY_OFFSETS]
-        for j, out in enumerate(transposed_words(_prmt, words)):
-            off = vt_full[(d0 + j, 4 * col)]
-            dst[off:off + 4] = out.to_bytes(4, "little")
-    assert seen == {(4 * u, col) for u in range(n_u) for col in range(n_v)}
+    rows, v_groups = hdim_v * tile_n // 512, tile_n // 32
+    for warp in range(TRANSPOSE_WARPS):
+        for w in range(warp, rows, TRANSPOSE_WARPS):
+            d_row, v_row = warp_coords(w, v_groups)
+            for lane in range(32):
+                d_lane, v_lane = lane_coords(lane)
+                d0, col = chunk_coords(lane + 32 * w, v_groups)
+                assert (d0, col) == (d_lane + d_row, v_lane + v_row)
+                seen.add((d0, col))
+                key0 = first_key(col)
+                assert key0 == first_key(v_lane) + 4 * v_row
+                words = []
+                for off in KEY_OFFSETS:
+                    at = word("v", (d_lane, first_key(v_lane)), (d_row, 4 * v_row + off))
+                    assert at == v_full[(d0, key0 + off)]
+                    words.append(load(src, at))
+                for j, out in enumerate(transposed_words(_prmt, words)):
+                    at = word("vt", (d_lane, 4 * v_lane), (d_row + j, 4 * v_row))
+                    assert at == vt_full[(d0 + j, 4 * col)]
+                    dst[at:at + 4] = out.to_bytes(4, "little")
+    assert seen == {(4 * u, col) for u in range(hdim_v // 4) for col in range(tile_n // 4)}
     pi = key_order(tile_n)
     for d in range(hdim_v):
         for a in range(tile_n):
@@ -534,3 +558,4 @@ def test_fp8_host_guards_strides_and_block_scale_tiles():
     with pytest.raises(ValueError, match="dividing their 128-token block"):
         HopperFwdFp8(cutlass.Float8E4M3FN, 128, schedule=(128, 256, 2), block_scales=True)
     HopperFwdFp8(cutlass.Float8E4M3FN, 128, schedule=(128, 64, 2), block_scales=True)
+

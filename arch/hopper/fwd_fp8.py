@@ -62,14 +62,28 @@ def key_order(tile_n: int) -> list:
     return [16 * (a // 16) + 2 * ((a % 16) // 4) + KEY_OFFSETS[a % 4] for a in range(tile_n)]
 
 
-def chunk_coords(c, v_groups: int):
-    """(d0, v) of transpose chunk c (head dims d0..d0+3, columns 4v..4v+3): lane bits
-    (d0 / 4 mod 4, v mod 4, v / 4 mod 2), then the rest of the columns, then the head dims.
-    Works on Python ints and DSL integers alike."""
-    lane, w = c % 32, c // 32
-    v = (lane >> 2) % 4 + 4 * (lane >> 4) + 8 * (w % v_groups)
-    d0 = 4 * (lane % 4 + 4 * (w // v_groups))
-    return d0, v
+def lane_coords(lane):
+    """(d0, v) of a lane's chunks before their warp-wide part (`chunk_coords`): lane bits
+    (d0 / 4 mod 4, v mod 4, v / 4 mod 2). Python ints and DSL integers alike."""
+    return 4 * (lane % 4), (lane >> 2) % 4 + 4 * (lane >> 4)
+
+
+def warp_coords(w: int, v_groups: int):
+    """(d0, v) that chunk row w (32 chunks, one a lane) adds to its lanes' own: the rest of
+    the columns, then the head dims. Their bits are disjoint from `lane_coords`', so a
+    chunk's offsets are the lane's XOR the row's (`_Words`), and the row's are constants."""
+    return 16 * (w // v_groups), 8 * (w % v_groups)
+
+
+def chunk_coords(c: int, v_groups: int):
+    """(d0, v) of transpose chunk c = lane + 32 w: head dims d0..d0+3, columns 4v..4v+3."""
+    (d_lane, v_lane), (d_row, v_row) = lane_coords(c % 32), warp_coords(c // 32, v_groups)
+    return d_lane + d_row, v_lane + v_row
+
+
+def first_key(v):
+    """The key that column 4v of the permuted tile carries (π(4v))."""
+    return 16 * (v // 4) + 2 * (v % 4)
 
 
 def transposed_words(prmt, words):
@@ -270,17 +284,22 @@ class HopperFwdFp8(HopperFwd):
     @cute.jit
     def assist(self, storage, pipes, tiles):
         """Producer warps 1..3 over this CTA's tiles: each K/V block's V to Vᵀ."""
-        tid = cute.arch.thread_idx()[0] - 32
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                self.kv_stages)
         vt_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                 self.kv_stages)
-        step = functools.partial(self.transpose_tile, storage, pipes, tiles, tid)
+        sV_layout, sVt_layout = self._smem_layouts()[2], self._vt_layout()
+        lane = cute.arch.lane_idx()
+        d0, v = lane_coords(lane)
+        ends = (_words(storage.sV, sV_layout).at_lane(d0, first_key(v)),
+                _words(storage.sVt, sVt_layout).at_lane(d0, 4 * v))
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - 1
+        step = functools.partial(self.transpose_tile, pipes, tiles, ends, first_key(v), warp)
         for_each_tile(tiles, self.persistent, step, (v_state, vt_state))
 
     @cute.jit
-    def transpose_tile(self, storage, pipes, tiles, tid: Int32, tile: Int32, v_state,
-                       vt_state):
+    def transpose_tile(self, pipes, tiles, ends, lane_key: Int32, warp: Int32, tile: Int32,
+                       v_state, vt_state):
         """The tile's blocks, in the producer's order (right to left)."""
         _, _, pipe_v, pipe_vt = pipes
         m_block, head, _, seq, split = tiles.at(tile)
@@ -290,8 +309,8 @@ class HopperFwdFp8(HopperFwd):
                 n_block = rng.n_block_max - 1 - i
                 pipe_v.consumer_wait(v_state)
                 pipe_vt.producer_acquire(vt_state)
-                self.transpose_block(storage, v_state.index, tid,
-                                     seq.seqlen_k - n_block * self.tile_n)
+                self.transpose_block(ends, v_state.index, warp,
+                                     seq.seqlen_k - n_block * self.tile_n - lane_key)
                 # Vᵀ was written through the generic proxy; the WGMMA reads the async one.
                 cute.arch.fence_view_async_shared()
                 cute.arch.sync_warp()
@@ -302,31 +321,32 @@ class HopperFwdFp8(HopperFwd):
         return v_state, vt_state
 
     @cute.jit
-    def transpose_block(self, storage, stage: Int32, tid: Int32, valid_keys: Int32):
+    def transpose_block(self, ends, stage: Int32, warp: Int32, valid_keys: Int32):
         """Vᵀ[stage](d, a) = V[stage](π(a), d), in 4 x 4-byte chunks: a thread reads four
         32-bit words (head dims d0..d0+3 of the keys π(a0..a0+3)), transposes their bytes
-        with PRMT and writes four words (columns a0..a0+3 of rows d0..d0+3). Lanes take
-        chunks so that both the reads and the swizzled writes are at most 2-way bank
-        conflicted (lane bits: d0 / 4 mod 4, a0 / 4 mod 4, a0 / 16 mod 2). Keys at or past
-        `valid_keys` are written as 0 (varlen and seqused_k only)."""
-        sV_layout, sVt_layout = self._smem_layouts()[2], self._vt_layout()
-        src = _words(storage.sV, sV_layout)
-        dst = _words(storage.sVt, sVt_layout)
-        n_u, n_v = self.hdim_v // 4, self.tile_n // 4
+        with PRMT and writes four words (columns a0..a0+3 of rows d0..d0+3). Chunk rows (32
+        chunks, one a lane) go round the warps, unrolled, so that every offset is the
+        lane's, found once, XOR a constant. Lanes take chunks so that both the reads and the
+        swizzled writes are at most 2-way bank conflicted (`lane_coords`). Keys at or past
+        the lane's `valid_keys` are written as 0 (varlen and seqused_k only)."""
+        src, dst = ends
+        rows, v_groups = self.hdim_v * self.tile_n // 512, self.tile_n // 32
         zero_tail = self.varlen or self.has_seqused_k or self.page_size > 0
-        for c in cutlass.range(tid, n_u * n_v, 32 * TRANSPOSE_WARPS, unroll=1):
-            d0, v = chunk_coords(c, n_v // 8)
-            key0 = 16 * (v // 4) + 2 * (v % 4)
-            words = [Int32(0)] * 4
-            for i in cutlass.range_constexpr(4):
-                key = key0 + KEY_OFFSETS[i]
-                word = src.load((d0, key, stage))
-                if cutlass.const_expr(zero_tail):
-                    word = Int32(0) if key >= valid_keys else word
-                words[i] = word
-            out = transposed_words(lambda a, b, sel: Int32(cute.arch.prmt(a, b, sel)), words)
-            for j in cutlass.range_constexpr(4):
-                dst.store((d0 + j, 4 * v, stage), out[j])
+        for k in cutlass.range_constexpr(TRANSPOSE_WARPS):
+            if warp == k:
+                for w in cutlass.range_constexpr(k, rows, TRANSPOSE_WARPS):
+                    d0, v = warp_coords(w, v_groups)
+                    words = [Int32(0)] * 4
+                    for i in cutlass.range_constexpr(4):
+                        key = 4 * v + KEY_OFFSETS[i]
+                        word = src.load(stage, (d0, key))
+                        if cutlass.const_expr(zero_tail):
+                            word = Int32(0) if key >= valid_keys else word
+                        words[i] = word
+                    out = transposed_words(lambda a, b, sel: Int32(cute.arch.prmt(a, b, sel)),
+                                           words)
+                    for j in cutlass.range_constexpr(4):
+                        dst.store(stage, (d0 + j, 4 * v), out[j])
 
 
 class BlockScaledStep(SoftmaxStep):
@@ -386,25 +406,38 @@ class BlockScaledStep(SoftmaxStep):
 
 
 class _Words(DslState):
-    """32-bit words of a swizzled byte tile in shared memory, by the coordinate of their first
-    byte: the outer layout gives the byte offset, the swizzle (a function of the offset's
-    bits) is applied by hand, since recasting a swizzled tensor to 32-bit drops its
-    swizzle."""
+    """32-bit words of a swizzled byte tile (d, x, stage) in shared memory, found from one
+    lane's word (`at_lane`) by a constant: a CuTe Swizzle is linear over XOR, and so are
+    these outer layouts over coordinates whose bits are disjoint (the transpose's lane and
+    row parts), so word(lane + row) = word(lane) ^ word(row); the transpose's model test
+    checks it for each schedule. The swizzle is applied by hand, since recasting a swizzled
+    tensor to 32-bit drops it."""
 
-    def __init__(self, words: cute.Tensor, layout: cute.ComposedLayout):
+    def __init__(self, words: cute.Tensor, layout: cute.ComposedLayout, lane=None):
         self.words, self.outer = words, layout.outer
         swizzle = layout.inner
         self.bits, self.base, self.shift = swizzle.num_bits, swizzle.num_base, swizzle.num_shift
+        # The lane's word at (d, x) of stage 0, where `lane` = (d, x) gives one.
+        self.lane_word = None if lane is None else Int32(self.word_of((*lane, 0)))
+        self.layout = layout
 
-    def _index(self, coord):
-        offset = Int32(cute.crd2idx(coord, self.outer))
+    def word_of(self, coord):
+        """The word (an index) at `coord` = (d, x, stage): DSL or Python integers."""
+        offset = cute.crd2idx(coord, self.outer)
         return swizzled(offset, self.bits, self.base, self.shift) >> 2
 
-    def load(self, coord) -> Int32:
-        return Int32(self.words[self._index(coord)])
+    def at_lane(self, d, x) -> "_Words":
+        """These words, addressed from the lane's own at (d, x)."""
+        return _Words(self.words, self.layout, (d, x))
 
-    def store(self, coord, value: Int32):
-        self.words[self._index(coord)] = Uint32(value)
+    def _index(self, stage: Int32, row):
+        return (self.lane_word ^ self.word_of((*row, 0))) + stage * self.word_of((0, 0, 1))
+
+    def load(self, stage: Int32, row) -> Int32:
+        return Int32(self.words[self._index(stage, row)])
+
+    def store(self, stage: Int32, row, value: Int32):
+        self.words[self._index(stage, row)] = Uint32(value)
 
 
 def _words(field, layout) -> _Words:
