@@ -47,7 +47,7 @@ def test_the_fp8_forward_cross_compiles_to_qgmma_without_spills():
         # P comes from registers: the PV QGMMAs name a register A operand.
         assert any("QGMMA" in line and ", R" in line.split("QGMMA", 1)[1].split("gdesc")[0]
                    for line in sass.splitlines())
-        assert not check(from_dict(e["pipeline"]), sass)
+        assert not check(from_dict(e["pipeline"]), sass, e["registers"])
         roles = {r["name"]: r["registers"] for r in e["pipeline"]["roles"]}
         assert roles == {"producer": 40, "transpose": 40, "consumer": 232}
 
@@ -559,3 +559,21 @@ def test_fp8_host_guards_strides_and_block_scale_tiles():
         HopperFwdFp8(cutlass.Float8E4M3FN, 128, schedule=(128, 256, 2), block_scales=True)
     HopperFwdFp8(cutlass.Float8E4M3FN, 128, schedule=(128, 64, 2), block_scales=True)
 
+
+def test_role_budgets_fit_the_ctas_register_pool():
+    """Every Hopper kernel's setmaxnreg budgets fit the registers the CTA gets at launch; the
+    FP8 forward's (32, 240), which overflows it by 8 a thread-row (the consumers would wait
+    forever for registers), is refused before any compile."""
+    from flash_cute.arch.hopper import config
+
+    for wgs, budgets in config.ROLE_REGISTERS.items():
+        config.check_role_registers(*budgets, wgs, config.CTAS_PER_SM.get(wgs, 1))
+    for wgs, budgets in config.PAGED_ROLE_REGISTERS.items():
+        config.check_role_registers(*budgets, wgs)
+    config.check_role_registers(*config.FP8_ROLE_REGISTERS, 2)
+    config.check_role_registers(config.BWD_PRODUCER_REGISTERS, config.BWD_CONSUMER_REGISTERS,
+                                config.BWD_CONSUMER_WARPGROUPS)
+    with pytest.raises(ValueError, match="exceed"):
+        config.check_role_registers(32, 240, 2)
+    with pytest.raises(ValueError, match="exceed"):
+        config.check_role_registers(24, 240, 1, ctas_per_sm=2)

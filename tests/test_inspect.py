@@ -186,7 +186,7 @@ def _check_pipelines(configs):
         if e["kernel"].endswith((".fwd", ".bwd")) and "." not in e["kernel"].split(".", 1)[1]:
             assert "pipeline" in e, (e["kernel"], e["target"])
             sass = Path(e["artifacts"]["sass"]).read_text()
-            problems = check(from_dict(e["pipeline"]), sass)
+            problems = check(from_dict(e["pipeline"]), sass, e["registers"])
             assert not problems, (e["kernel"], e["target"], e["config"], problems)
             # A kernel reads the global timer exactly when compiled to record its timeline.
             assert sass_facts(sass)["global_timer"] == bool(e["config"].get("timeline")), \
@@ -259,7 +259,9 @@ def test_the_pipeline_check_catches_a_wrong_declaration():
     roles = (Role("producer", (0, 1, 2, 3), "loads", 24, 0),
              Role("consumer", (4, 5, 6, 7), "math", 240, 1))
     good = Pipeline("k", "sm_90a", roles, (Buffer("S", "RMEM", 1, "consumer", "consumer", "-"),))
-    assert check(good, sass) == []
+    assert check(good, sass) == [] and check(good, sass, registers=132) == []
+    # Budgets past the CTA's pool: the consumers' TRY_ALLOC would wait forever.
+    assert check(good, sass, registers=128)
     assert check(replace(good, roles=(roles[0], replace(roles[1], registers=232))), sass)
     assert check(good, sass.splitlines()[0])
     assert check(replace(good, buffers=(Buffer("S", "TMEM", 1, "consumer", "consumer", "-"),)),

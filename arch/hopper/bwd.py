@@ -79,6 +79,7 @@ from .config import (
     BwdSchedule,
     bwd_mma_splits,
     bwd_smem_plan,
+    check_role_registers,
     do_stages,
     dq_swapped,
     ds_stored_before_dv,
@@ -228,6 +229,8 @@ class HopperBwd:
                              f"{self.dq_tma}")
         self.num_threads = BWD_NUM_THREADS
         self.num_consumer_threads = 128 * BWD_CONSUMER_WARPGROUPS
+        check_role_registers(BWD_PRODUCER_REGISTERS, BWD_CONSUMER_REGISTERS,
+                             BWD_CONSUMER_WARPGROUPS)
         self.deterministic = deterministic
         set_kernel_switches(self, variant)
         # LSE₂ and Δ tiles by TMA; varlen reads them from global memory (D-HB-STATSTMA).

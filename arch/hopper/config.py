@@ -20,6 +20,19 @@ CTA_PAIR_SMEM = 228 * 1024 // 2 - 1024
 # (`paged.PagedBlocks.load_all`); 8 registers move to it from each consumer thread.
 PAGED_ROLE_REGISTERS = {2: (40, 232)}
 BWD_PRODUCER_REGISTERS, BWD_CONSUMER_REGISTERS = ROLE_REGISTERS[BWD_CONSUMER_WARPGROUPS]
+REGISTER_FILE = 65536
+
+
+def check_role_registers(producer: int, consumer: int, consumer_wgs: int,
+                         ctas_per_sm: int = 1):
+    """setmaxnreg only moves registers within the CTA's pool: the launch's registers a thread
+    (the register file over the SM's threads, in steps of 8) times its threads. Budgets past
+    it leave the consumers' increase waiting forever, a hang no compiler reports."""
+    threads = 128 * (1 + consumer_wgs)
+    launch = REGISTER_FILE // (ctas_per_sm * threads) // 8 * 8
+    if producer + consumer * consumer_wgs > launch * (1 + consumer_wgs):
+        raise ValueError(f"setmaxnreg budgets {producer} + {consumer_wgs} x {consumer} exceed "
+                         f"the CTA's {1 + consumer_wgs} x {launch} registers a thread")
 
 
 class FwdSchedule(NamedTuple):

@@ -74,6 +74,7 @@ from .config import (
     ROLE_REGISTERS,
     SMEM_CAPACITY,
     FwdSchedule,
+    check_role_registers,
     o_smem_tile,
     smem_bytes,
 )
@@ -202,6 +203,8 @@ class HopperFwd:
         if self.page_size and self.num_wg in PAGED_ROLE_REGISTERS:
             self.producer_registers, self.consumer_registers = PAGED_ROLE_REGISTERS[self.num_wg]
         self.ctas_per_sm = CTAS_PER_SM.get(self.num_wg, 1)
+        check_role_registers(self.producer_registers, self.consumer_registers, self.num_wg,
+                             self.ctas_per_sm)
         if self.num_wg == 3 and not self.persistent:
             raise ValueError("192-row tiles run persistent only (one CTA per tile spills "
                              "at 160 registers)")

@@ -38,7 +38,13 @@ from flash_cute.blocks.work_loop import for_each_tile
 from flash_cute.contract.kernel_args import FwdArgs
 from flash_cute.contract.variant import Variant
 
-from .config import FP8_ROLE_REGISTERS, FP8_SCHEDULES, SMEM_CAPACITY, fp8_smem_bytes
+from .config import (
+    FP8_ROLE_REGISTERS,
+    FP8_SCHEDULES,
+    SMEM_CAPACITY,
+    check_role_registers,
+    fp8_smem_bytes,
+)
 from .fwd import HopperFwd, SoftmaxStep, WgmmaOperands
 
 # The producer warpgroup's warps that transpose V (warp 0 issues the TMA loads).
@@ -197,6 +203,7 @@ class HopperFwdFp8(HopperFwd):
             raise ValueError(f"FP8 tiles are 128 rows by a multiple of 32 keys that divides "
                              f"128 or is a multiple of it, got {self.tile_m} x {self.tile_n}")
         self.producer_registers, self.consumer_registers = FP8_ROLE_REGISTERS
+        check_role_registers(*FP8_ROLE_REGISTERS, self.num_wg, self.ctas_per_sm)
         self.o_tile = "none" if self._rows_past_sequence else "own"
         if self.smem_bytes > SMEM_CAPACITY:
             raise ValueError(f"FP8 schedule {self._smem_schedule} needs {self.smem_bytes} B "

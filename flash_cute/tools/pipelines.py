@@ -5,6 +5,9 @@ machine code shows of the roles and the memories.
   are at least as many instructions as distinct budgets and at most one per warpgroup (the
   consumer warpgroups of the hopper kernels share one code path); a kernel that declares no
   budget has no USETMAXREG, and its rule puts all warps in one role.
+* the register pool: setmaxnreg only moves registers within the CTA's allocation (the
+  launch's registers per thread times its threads), so the budgets, one per warpgroup, must
+  fit in it (past it, a TRY_ALLOC spins forever).
 * tensor memory: allocated (UTCATOMSWS.FIND_AND_SET, tcgen05.alloc) exactly when a buffer
   lives in TMEM.
 * the global timer: read only by a kernel compiled to record its timeline.
@@ -26,8 +29,9 @@ def sass_facts(sass: str) -> dict:
             "global_timer": "SR_GLOBALTIMER" in sass}
 
 
-def check(pipeline: Pipeline, sass: str) -> list:
-    """The ways `pipeline` disagrees with the kernel's SASS text (empty: none)."""
+def check(pipeline: Pipeline, sass: str, registers: int | None = None) -> list:
+    """The ways `pipeline` disagrees with the kernel's SASS text (empty: none); `registers`,
+    the compiled kernel's per thread, adds the register pool's check."""
     facts = sass_facts(sass)
     found = facts["setmaxnreg"]
     budgets = pipeline.budgets()
@@ -39,6 +43,10 @@ def check(pipeline: Pipeline, sass: str) -> list:
         if not len(set(budgets.values())) <= len(found) <= len(budgets):
             problems.append(f"{len(found)} USETMAXREG for {len(budgets)} warpgroups of "
                             f"{len(set(budgets.values()))} budgets")
+        if registers is not None and sum(budgets.values()) > registers * len(budgets):
+            problems.append(f"setmaxnreg budgets {budgets} need {sum(budgets.values())} "
+                            f"registers a thread-row; the CTA holds {registers} x "
+                            f"{len(budgets)}")
     else:
         if found:
             problems.append(f"USETMAXREG {found} in a kernel that declares no budget")
