@@ -162,8 +162,9 @@ def _smem_offsets(hdim_v: int, tile_n: int):
 
 
 @pytest.mark.parametrize("hdim_v, tile_n", [
-    (128, 128), pytest.param(256, 64, marks=pytest.mark.slow),
-    pytest.param(64, 128, marks=pytest.mark.slow)])
+    (128, 224), pytest.param(128, 128, marks=pytest.mark.slow),
+    pytest.param(128, 192, marks=pytest.mark.slow), pytest.param(256, 128, marks=pytest.mark.slow),
+    pytest.param(256, 64, marks=pytest.mark.slow), pytest.param(64, 128, marks=pytest.mark.slow)])
 def test_the_transpose_writes_v_in_the_key_order_of_p(hdim_v, tile_n):
     """A model of `transpose_block` with its own helpers (lane and row coordinates, key
     offsets, PRMT selectors, the hand-applied swizzle) over random bytes laid out by CuTe's
@@ -577,3 +578,38 @@ def test_role_budgets_fit_the_ctas_register_pool():
         config.check_role_registers(32, 240, 2)
     with pytest.raises(ValueError, match="exceed"):
         config.check_role_registers(24, 240, 1, ctas_per_sm=2)
+
+
+def test_fp8_output_tiles_borrow_the_vt_ring_only_where_their_own_does_not_fit():
+    """O's staging tile (bf16, twice Q's e4m3 size): its own where it fits, else the Vᵀ ring
+    when that holds it and the kernel is not persistent (the ring is idle after the last
+    block only then); refused otherwise."""
+    from flash_cute.arch.hopper.config import fp8_o_tile
+
+    assert fp8_o_tile(128, 128, (128, 128, 2), False, False) == "own"
+    assert fp8_o_tile(128, 128, (128, 224, 2), False, False) == "own"
+    assert fp8_o_tile(256, 256, (128, 128, 2), False, False) == "vt"
+    assert fp8_o_tile(256, 256, (128, 128, 2), True, False) == "none"
+    with pytest.raises(ValueError, match="fits neither"):
+        fp8_o_tile(256, 256, (128, 128, 2), False, True)
+    with pytest.raises(ValueError, match="fits neither"):
+        fp8_o_tile(256, 256, (128, 96, 2), False, False)
+
+
+@pytest.mark.slow
+def test_wider_fp8_key_tiles_cross_compile():
+    """FA3's 128 x 224 at hdim 128 without spills; 128 keys at hdim 256, O staged in the Vᵀ
+    ring (shared memory without an O tile of its own)."""
+    from flash_cute.arch.hopper.config import fp8_smem_bytes
+    from flash_cute.tools.xcompile import cross_compile
+
+    configs = _fp8_configs({"e4m3 d128/128 128x224x2+intra_wg_overlap+pingpong causal",
+                            "e4m3 d256/256 128x128x2+intra_wg_overlap causal"})
+    assert len(configs) == 2
+    for e in cross_compile(configs, targets=["sm_90a"]):
+        assert "error" not in e, e.get("error")
+        assert e["sass"].get("QGMMA", 0) > 0
+        if e["config"]["hdim"] == 128:
+            assert e["spill_bytes"] == 0
+        else:
+            assert e["smem_bytes"] < fp8_smem_bytes(256, 256, (128, 128, 2), True)

@@ -172,6 +172,22 @@ FP8_SUPPORTED_HDIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 FP8_ROLE_REGISTERS = (40, 232)
 
 
+def fp8_o_tile(hdim: int, hdim_v: int, schedule: tuple, rows_past_sequence: bool,
+               persistent: bool, out_bytes: int = 2) -> str:
+    """Where the FP8 forward stages O for its TMA store (`o_smem_tile`'s choices, with "vt",
+    the Vᵀ ring, in place of Q's tile, which is half O's size): "none", "own", or "vt" where
+    an own tile does not fit (not persistent: the ring must be idle after the last block)."""
+    if rows_past_sequence:
+        return "none"
+    tile_m, tile_n, stages = schedule[:3]
+    if fp8_smem_bytes(hdim, hdim_v, schedule, True, out_bytes) <= SMEM_CAPACITY:
+        return "own"
+    if persistent or tile_n * stages < tile_m * out_bytes:
+        raise ValueError(f"FP8 schedule {tuple(schedule)}: O's tile fits neither on its own "
+                         f"nor in the Vᵀ ring")
+    return "vt"
+
+
 def fp8_smem_bytes(hdim: int, hdim_v: int, schedule: tuple, own_o: bool,
                    out_bytes: int = 2) -> int:
     """Dynamic shared memory of one FP8 forward CTA, laid out as `HopperFwdFp8`'s

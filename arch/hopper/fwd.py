@@ -382,6 +382,15 @@ class HopperFwd:
                                            self.out_dtype, 1)
         return sQ, sK, sV, sO
 
+    def _o_smem(self, storage, sO_layout):
+        """The tile the epilogue stages O in for its TMA store (`o_tile`), or None."""
+        sO = None
+        if cutlass.const_expr(self.o_tile == "own"):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        elif cutlass.const_expr(self.o_tile == "q"):
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        return sO
+
     def _vt_layout(self):
         """A second V tile, transposed for the PV GEMM (the FP8 forward's); None here."""
         return None
@@ -457,11 +466,7 @@ class HopperFwd:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sV_mma = self._v_operand(storage, sV)
-        sO = None
-        if cutlass.const_expr(self.o_tile == "own"):
-            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        elif cutlass.const_expr(self.o_tile == "q"):
-            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sO = self._o_smem(storage, sO_layout)
         tiles = WorkTiles(self, num_m_blocks, section, mQ, mK, (mCuSeqlensQ, mCuSeqlensK),
                           (mSeqUsedQ, mSeqUsedK), window_left, window_right, max_seqlen_q,
                           (num_splits, blocks_per_split), mPageTable, block_mask)
@@ -1032,7 +1037,8 @@ class OutputStore(DslState):
         cfg = self.cfg
         r_o = cute.make_rmem_tensor_like(acc_o, cfg.out_dtype)
         r_o.store(acc_o.load().to(cfg.out_dtype))
-        if cutlass.const_expr(cfg.persistent or cfg.o_tile == "q"):
+        if cutlass.const_expr(cfg.persistent or cfg.o_tile != "own"):
+            # A tile that O borrows may still be read by the other warpgroup's last WGMMA.
             if self.is_store_warp:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             self.barrier.arrive_and_wait()

@@ -43,6 +43,7 @@ from .config import (
     FP8_SCHEDULES,
     SMEM_CAPACITY,
     check_role_registers,
+    fp8_o_tile,
     fp8_smem_bytes,
 )
 from .fwd import HopperFwd, SoftmaxStep, WgmmaOperands
@@ -199,12 +200,14 @@ class HopperFwdFp8(HopperFwd):
         if block_scales and self.score_mod is not None:
             raise NotImplementedError("block scales with softcap: the scale would have to "
                                       "enter before the tanh, per score")
-        if self.num_wg != 2 or self.tile_n % 32 or (128 % self.tile_n and self.tile_n % 128):
-            raise ValueError(f"FP8 tiles are 128 rows by a multiple of 32 keys that divides "
-                             f"128 or is a multiple of it, got {self.tile_m} x {self.tile_n}")
+        if self.num_wg != 2 or self.tile_n % 32:
+            raise ValueError(f"FP8 tiles are 128 rows by a multiple of 32 keys, got "
+                             f"{self.tile_m} x {self.tile_n}")
         self.producer_registers, self.consumer_registers = FP8_ROLE_REGISTERS
         check_role_registers(*FP8_ROLE_REGISTERS, self.num_wg, self.ctas_per_sm)
-        self.o_tile = "none" if self._rows_past_sequence else "own"
+        self.o_tile = fp8_o_tile(self.hdim, self.hdim_v, self._smem_schedule,
+                                 self._rows_past_sequence, self.persistent,
+                                 self.out_dtype.width // 8)
         if self.smem_bytes > SMEM_CAPACITY:
             raise ValueError(f"FP8 schedule {self._smem_schedule} needs {self.smem_bytes} B "
                              f"of shared memory at hdim {self.hdim}/{self.hdim_v}")
@@ -254,6 +257,15 @@ class HopperFwdFp8(HopperFwd):
 
     def _consumer_pipes(self, pipes):
         return pipes[0], pipes[1], pipes[3]
+
+    def _o_smem(self, storage, sO_layout):
+        """O's staging tile: its own, or the Vᵀ ring (`o_tile` "vt"), idle once the last PV
+        WGMMAs have read it (the epilogue waits for both warpgroups'; no next tile, since
+        "vt" is not persistent)."""
+        if cutlass.const_expr(self.o_tile == "vt"):
+            return storage.sVt.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
+                                          dtype=self.out_dtype)
+        return super()._o_smem(storage, sO_layout)
 
     def _v_operand(self, storage, sV):
         layout = self._vt_layout()
