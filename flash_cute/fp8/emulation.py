@@ -85,7 +85,9 @@ def _emulate(q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, tile_
     l = torch.zeros(b, h, sq, device=dev)
     o = torch.zeros(b, h, sq, v8.shape[3], device=dev)
     log2e = 1.0 / math.log(2.0)
-    for n0 in range(0, sk, tile_n):
+    # Right to left, as the kernel visits K/V blocks: P is rounded to e4m3 against the
+    # running max, so the order decides which max each block's P sees.
+    for n0 in reversed(range(0, sk, tile_n)):
         cols = slice(n0, min(n0 + tile_n, sk))
         kt = k_rep[:, cols] * k_sc[:, cols, :, None]
         s_tile = torch.einsum("bqhd,bkhd->bhqk", q, kt) * scale
