@@ -2,8 +2,10 @@
 through `flash_attn_with_kvcache` as `bench decode` calls it: the default plan against
 variants of it, in interleaved rounds (each round builds every variant's plan afresh).
 
-Variants: `base` (the default); `stages3` (three K/V stages instead of two: at hdim 128 a
-128-row tile with three stages fits 231,424 B of shared memory); `x2` / `half` (twice /
+Variants: `base` (the default: `config.DECODE_PAIR` where the planner's
+`takes_decode_pair` says so); `one` (the head dim's own schedule, one CTA per SM: the
+default before the pair); `stages3` (three K/V stages instead of two: at hdim 128 a 128-row
+tile with three stages fits 231,424 B of shared memory); `x2` / `half` (twice /
 half the heuristic's split count); `nosplit` (num_splits 1); `cta2` (`config.DECODE_PAIR`:
 64-row tiles, one consumer warpgroup, 64-key blocks, two CTAs per SM, the heuristic's splits
 for that occupancy).
@@ -11,7 +13,7 @@ for that occupancy).
 Each cell prints the median GB/s of the rounds, and the rounds' range beneath it.
 
 Usage: python bench/decode_ablation.py [--cells 1x8192,1x32768] [--pages 0,16] [--rounds 3]
-       [--variants base,cta2]
+       [--variants base,one]
 """
 
 import argparse
@@ -25,7 +27,7 @@ from flash_cute.runtime import plans, splits
 from flash_cute.tools.bench.measure import make_timer
 from flash_cute.tools.bench_decode import HDIM, HEADS, HEADS_KV, _paged, cache_bytes, gbps
 
-VARIANTS = ("base", "stages3", "x2", "half", "nosplit", "cta2")
+VARIANTS = ("base", "one", "stages3", "x2", "half", "nosplit", "cta2")
 
 
 class _Override:
@@ -40,6 +42,8 @@ class _Override:
         base_schedule, base_splits = self.fwd_schedule, self.plan_splits
 
         def schedule(*a, **kw):
+            if variant == "one":
+                a, kw = a[:5], {**kw, "decode": False}
             s = base_schedule(*a, **kw)
             if variant == "cta2":
                 return DECODE_PAIR

@@ -2,7 +2,7 @@
 # The GPU run's remaining points that need no new code, in one device call:
 #   bash bench/wave_session.sh [decode|timeline|fa4 ...]     (default: decode timeline)
 #   decode:   the two-CTA decode schedule's GPU test and its ablation against the default
-#             (bench/decode_ablation.py, base and cta2 interleaved, 1 x 8k and 1 x 32k);
+#             (bench/decode_ablation.py, base (the pair) and one interleaved, 1 x 8k and 1 x 32k);
 #   timeline: the hopper forward's and backward's measured warp-role timelines at hdim 128,
 #             8k tokens, causal and not (python -m flash_cute profile);
 #   fa4:      FA4's own tests through the shim (bench/fa4_tests.sh) from $FA4_TESTS
@@ -21,7 +21,7 @@ for part in $parts; do
     decode)
       timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_split_gpu.py \
         -k two_cta 2>&1 | tee "$out/decode_test.log" | tail -3 || status=1
-      timeout 300 python3 bench/decode_ablation.py --cells 1x8192,1x32768 --pages 0,64 --variants base,cta2 \
+      timeout 300 python3 bench/decode_ablation.py --cells 1x8192,1x32768 --pages 0,64 --variants base,one \
         --rounds 5 2>&1 | tee "$out/decode_ablation.log" | tail -20 || status=1 ;;
     timeline)
       for extra in "" "--causal" "--backward" "--backward --causal"; do

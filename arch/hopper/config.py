@@ -57,9 +57,9 @@ FWD_SCHEDULES = {64: FwdSchedule(192, 128, 2, persistent=True), 96: FwdSchedule(
                  192: FwdSchedule(128, 96, 2), 256: FwdSchedule(128, 80, 2, pingpong=False)}
 
 
-# A decode schedule, measured against the default by `bench/decode_ablation.py` (`cta2`), not
-# picked by `fwd_schedule`: 64 rows for a few packed query rows, one consumer warpgroup, 64-key
-# blocks in two stages, two CTAs per SM (`CTAS_PER_SM`).
+# The decode schedule (`fwd_schedule(decode=True)`, D-DECODE-PAIR): 64 rows for a few packed
+# query rows, one consumer warpgroup, 64-key blocks in two stages, two CTAs per SM
+# (`CTAS_PER_SM`).
 DECODE_PAIR = FwdSchedule(64, 64, 2, intra_wg_overlap=True, pingpong=False, persistent=False)
 
 
@@ -98,14 +98,18 @@ def short_causal(causal: bool, rows: int, keys: int, limit: int = SHORT_CAUSAL_R
 
 
 def fwd_schedule(hdim: int, pack: int = 1, rows_past_sequence: bool = False,
-             short: bool = False, dropout: bool = False) -> FwdSchedule:
+                 short: bool = False, dropout: bool = False,
+                 decode: bool = False) -> FwdSchedule:
     """The forward schedule of a head dim for a packing of `pack` heads per tile. A 192-row
     tile takes 128 rows instead where `pack` does not divide 192, or where packed O leaves by
     row stores (`rows_past_sequence`: varlen or seqused_q, see `o_smem_tile`): at 160
     registers ptxas then spills the packed rows' addresses (D-HF-PACK). `short`
     (`short_causal`): a 192-row tile takes 128 rows, and hdim
     256 `SHORT_CAUSAL_TILE_N` key columns. `dropout`: a 192-row tile takes 128 rows (at 160
-    registers the Philox rounds spill)."""
+    registers the Philox rounds spill). `decode` (the planner's `takes_decode_pair`):
+    `DECODE_PAIR`."""
+    if decode:
+        return DECODE_PAIR
     schedule = FWD_SCHEDULES[hdim]
     if dropout and schedule.tile_m > 128:
         schedule = schedule._replace(tile_m=128)

@@ -13,6 +13,7 @@ from .config import (
     BWD_SUPPORTED_HDIMS,
     COMPILE_OPTIONS,
     CTAS_PER_SM,
+    DECODE_PAIR,
     FP8_SCHEDULES,
     FP8_SUPPORTED_HDIMS,
     FWD_SCHEDULES,
@@ -74,21 +75,41 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
     pack = launch.packed_heads(problem, PACK_ROWS, FWD_SCHEDULES[problem.hdim].tile_m)
     short = short_causal(problem.causal, problem.max_seqlen_q * pack, problem.max_seqlen_k)
 
-    def pick(row_stores: bool):
+    def pick(row_stores: bool, decode: bool):
         return tuple(schedule or fwd_schedule(problem.hdim, pack, row_stores, short,
-                                              problem.dropout_p > 0))
+                                              problem.dropout_p > 0, decode))
 
-    chosen = pick(problem.varlen or problem.has_seqused_q)
-    splits = plan_splits(problem, chosen[0], chosen[1], pack, launch.device_sms(q.device),
-                         CTAS_PER_SM.get(chosen[0] // 64, 1))
+    def split(chosen):
+        return plan_splits(problem, chosen[0], chosen[1], pack, launch.device_sms(q.device),
+                           CTAS_PER_SM.get(chosen[0] // 64, 1))
+
+    decode = takes_decode_pair(problem, pack, append is not None or timeline is not None)
+    chosen = pick(problem.varlen or problem.has_seqused_q, decode)
+    splits = split(chosen)
+    if decode and splits is None:
+        # The pair was measured split; unsplit decode keeps the default.
+        decode = False
+        chosen = pick(problem.varlen or problem.has_seqused_q, decode)
+        splits = split(chosen)
     if splits is not None:
         # Split partials leave by row stores (`HopperFwd._rows_past_sequence`).
-        chosen = pick(True)
+        chosen = pick(True, decode)
     return launch_fwd.ForwardLaunch("hopper.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
                                 cu_seqlens_k, seqused_q, seqused_k, chosen, COMPILE_OPTIONS,
                                 target, prepare=tma_ready, pack_gqa=pack, splits=splits,
                                 page_table=page_table, append=append,
                                 merge_in_kernel=True, timeline=timeline)
+
+
+def takes_decode_pair(problem: AttentionProblem, pack: int, extras: bool) -> bool:
+    """Decode that runs `config.DECODE_PAIR` (D-DECODE-PAIR): hdim 128, at most 64 packed
+    query rows, split-KV allowed, and none of what the pair was not measured with (dropout,
+    mods, softcap, windows, an append or a timeline: `extras`; a float32 partial)."""
+    return (problem.hdim == problem.hdim_v == 128
+            and problem.max_seqlen_q * pack <= DECODE_PAIR.tile_m
+            and problem.num_splits != 1 and not problem.partial_out
+            and problem.dropout_p == 0 and problem.mods is None and not problem.softcap
+            and not problem.is_local and not extras)
 
 
 _FP8_KERNEL = launch.KernelRef("flash_cute.arch.hopper.fwd_fp8", "HopperFwdFp8")
