@@ -18,7 +18,9 @@ PHASES = (("waiting", "wait_start", "wait_end"), ("scores GEMM", "qk_issued", "q
           ("softmax", "softmax_start", "softmax_end"), ("output GEMM", "pv_issued", "pv_done"),
           ("epilogue", "epilogue_start", "epilogue_end"))
 GEMMS = ("scores GEMM", "output GEMM")
-SLOTS = 512
+# 185 blocks of 11 records: a whole 8k-token tile of the forward's 128 keys or the
+# backward's 64-row query tiles, and 16k in the forward.
+SLOTS = 2048
 FIELDS = 3
 
 

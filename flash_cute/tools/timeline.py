@@ -114,7 +114,7 @@ def render(records, path, roles=None, title="measured timeline") -> bool:
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p, _, _ in PHASES]
     ax.legend(handles, [p for p, _, _ in PHASES], fontsize=7, loc="lower right")
     numbers = overlap(records, roles)
-    ax.set_title(f"{title}: tensor core busy during {numbers['tensor_core_during_softmax']:.0%}"
+    ax.set_title(f"{title}\ntensor core busy during {numbers['tensor_core_during_softmax']:.0%}"
                  f" of the softmax, {numbers['load_latency_hidden']:.0%} of load latency hidden")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
