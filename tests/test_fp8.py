@@ -5,6 +5,7 @@ emulation against float64 over the dequantized inputs, and FA3's method on its o
 distribution (`bench/fp8_accuracy.py` prints the figures in docs/perf.md)."""
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -42,6 +43,26 @@ def test_incoherent_processing_keeps_q_k_transpose(d):
     assert torch.allclose(torch.einsum("bqhd,bkhd->bhqk", qm, km), want, atol=1e-10)
     assert not torch.allclose(qm, q)                 # it does move the entries
     assert torch.equal(incoherent(q, k, seed=7)[0], qm)
+
+
+@pytest.mark.slow
+def test_the_fused_incoherent_transform_is_one_kernel_equal_to_the_butterflies():
+    """`incoherent(fused=True)` (CUDA's default) compiles the sign flip and every butterfly
+    stage into one kernel (Inductor's C++ here, Triton on CUDA), with the butterflies'
+    values; a new number of rows reuses it, and a single row runs."""
+    from torch._inductor.utils import run_and_get_code
+
+    from flash_cute.fp8.incoherent import _fused_signed_fwht, random_signs
+
+    q, k = torch.randn(2, 37, 4, 128), torch.randn(2, 53, 2, 128)
+    for fused, plain in zip(incoherent(q, k, 3, fused=True), incoherent(q, k, 3, fused=False)):
+        assert torch.allclose(fused, plain, atol=1e-6)
+    _, code = run_and_get_code(_fused_signed_fwht, torch.randn(5, 9, 128),
+                               random_signs(128, 3))
+    assert len(set(re.findall(r"cpp_fused_\w+|triton_\w+_fused_\w+", "".join(code)))) == 1
+    one = torch.randn(1, 1, 1, 128)
+    assert torch.allclose(incoherent(one, one, 3, fused=True)[0],
+                          incoherent(one, one, 3, fused=False)[0], atol=1e-6)
 
 
 @pytest.mark.parametrize("block", [128, None])

@@ -91,3 +91,21 @@ def test_the_fp8_kernels_features_are_within_the_emulations_error(case):
     ref, _ = attention_ref(*deq, **ref_kw)
     emu, _ = emulate(*cpu((q8, k8, v8)), *cpu(per_head), block=None, **kw)
     _check(out, ref, emu)
+
+
+def test_incoherent_runs_one_fused_kernel_on_cuda():
+    """On CUDA `incoherent` is one Triton kernel per tensor (sign flip and every butterfly
+    stage fused), with the torch butterflies' values."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from flash_cute.fp8 import incoherent
+    from flash_cute.fp8.incoherent import _fused_signed_fwht, random_signs
+
+    q = torch.randn(2, 1000, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 1037, 2, 128, device="cuda", dtype=torch.bfloat16)
+    for fused, plain in zip(incoherent(q, k, 5), incoherent(q, k, 5, fused=False)):
+        assert torch.allclose(fused.float(), plain.float(), atol=2e-2, rtol=2e-2)
+    _, code = run_and_get_code(_fused_signed_fwht, q, random_signs(128, 5, "cuda", q.dtype))
+    assert len(set(re.findall(r"triton_\w+_fused_\w+", "".join(code)))) == 1

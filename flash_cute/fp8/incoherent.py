@@ -1,8 +1,10 @@
 """Incoherent processing (FA3): Q and K multiplied by M = D·H/√d, D a random ±1 diagonal and
 H the d × d Hadamard matrix, before quantizing. M is orthogonal, so (QM)(KM)ᵀ = QKᵀ, and it
 spreads a few large entries of a row over all of them, which per-block scales then fit.
-On the CPU, H is applied as the fast Walsh–Hadamard transform: log2(d) butterfly stages of
-torch operations, never a dense matmul."""
+H is applied as the fast Walsh–Hadamard transform: log2(d) butterfly stages of torch
+operations, never a dense matmul. On CUDA the stages and the sign flip run as one kernel:
+the same function through torch.compile, whose Inductor fuses the pointwise stages (one pass
+over the rows instead of log2(d) + 1)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,28 @@ def random_signs(d: int, seed: int, device=None, dtype=torch.float32) -> torch.T
     return signs.to(device=device, dtype=dtype)
 
 
-def incoherent(q: torch.Tensor, k: torch.Tensor, seed: int = 0):
-    """(Q·M, K·M) along the head dim (last), M = diag(±1)·H/√d from `seed`: QKᵀ unchanged."""
+def _signed_fwht(rows: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    return fwht(rows * signs)
+
+
+_FUSED = {}
+
+
+def _fused_signed_fwht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """`fwht(x * signs)` as one compiled kernel: rows [n, d] with n dynamic, so a new batch or
+    length reuses it (one compile per head dim and dtype)."""
+    if "fn" not in _FUSED:
+        _FUSED["fn"] = torch.compile(_signed_fwht, fullgraph=True)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > 1:  # a single row is specialized by the compiler whatever we mark
+        torch._dynamo.mark_dynamic(rows, 0)
+    return _FUSED["fn"](rows, signs).reshape(x.shape)
+
+
+def incoherent(q: torch.Tensor, k: torch.Tensor, seed: int = 0, fused=None):
+    """(Q·M, K·M) along the head dim (last), M = diag(±1)·H/√d from `seed`: QKᵀ unchanged.
+    `fused` (default: on CUDA) runs each as one compiled kernel, else the torch butterflies."""
     signs = random_signs(q.shape[-1], seed, q.device, q.dtype)
-    return fwht(q * signs), fwht(k * signs)
+    transform = _fused_signed_fwht if (q.is_cuda if fused is None else fused) else \
+        lambda x, s: fwht(x * s)
+    return transform(q, signs), transform(k, signs)
