@@ -536,3 +536,23 @@ def test_sass_text_diff_ignores_symbol_names_only():
     changed = moved.replace("FADD", "FMUL")
     assert diff.normalised(old) == diff.normalised(moved)
     assert diff.normalised(old) != diff.normalised(changed)
+
+
+def test_fp8_cells_run_ours_on_e4m3_and_mark_the_others_unavailable():
+    """`--dtype e4m3`: forward cells only; inputs quantized per (batch, head), the reference
+    run on their dequantized values; flash_cute takes the descales (the CPU runs the FP8
+    emulation), within FP8's tolerance, and a provider without an FP8 path is n/a."""
+    args = parse(["--dtype", "e4m3", "--quick"])
+    assert {c.direction for c in bench.selected_configs(args)} == {"fwd"}
+    assert bench.selected_configs(parse(["--dtype", "e4m3", "--direction", "bwd"])) == []
+    torch.manual_seed(0)
+    c = cell(direction="fwd", causal=True, batch=1, seqlen=64, nheads=2, hdim=64)
+    providers = [bench.load_provider(n) for n in ("flash_cute", "sdpa_flash")]
+    out = {r["provider"]: r for r in bench.run_cell(
+        c, providers, torch.float8_e4m3fn, fake_timer, device="cpu",
+        reference_provider=bench.load_provider("sdpa_flash"))}
+    ours = out["flash_cute"]
+    assert ours["status"] == "ok" and ours["reference"] == "sdpa_flash"
+    assert 0 < ours["max_abs_diff"] < 0.1 and not ours["wrong"]
+    assert out["sdpa_flash"]["status"] == "unavailable"
+    assert out["sdpa_flash"]["reason"] == "no FP8 path"

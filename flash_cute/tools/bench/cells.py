@@ -10,19 +10,37 @@ from typing import Callable, Sequence
 
 from flash_cute.tools.bench.grid import BenchConfig
 from flash_cute.tools.bench.providers import Provider, Unavailable, classify_error
-from flash_cute.tools.bench.records import make_record
+from flash_cute.tools.bench.records import FP8_WRONG_TOL, WRONG_TOL, make_record
 
 
 def make_inputs(cell: BenchConfig, dtype, device: str = "cuda"):
-    """Fresh random q, k, v (requires_grad for bwd cells) and dout, all [b, s, h, d]."""
+    """Fresh random q, k, v (requires_grad for bwd cells) and dout, all [b, s, h, d]. An FP8
+    `dtype` (forward only): bf16 draws quantized per (batch, head), each FP8 tensor carrying
+    its `descale` and its bf16 `dequantized` value (the reference's input)."""
     import torch
 
     shape = (cell.batch, cell.seqlen, cell.nheads, cell.hdim)
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        return (*(_fp8_input(torch.randn(shape, device=device, dtype=torch.bfloat16), dtype)
+                  for _ in range(3)), None)
     grad = cell.direction == "bwd"
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=grad)
                for _ in range(3))
     dout = torch.randn(shape, device=device, dtype=dtype) if grad else None
     return q, k, v, dout
+
+
+def _fp8_input(x, dtype):
+    from flash_cute.fp8 import dequantize_fp8, quantize_fp8
+
+    x8, scale = quantize_fp8(x, block=None, dtype=dtype)
+    x8.descale = scale
+    x8.dequantized = dequantize_fp8(x8, scale, block=None).to(x.dtype)
+    return x8
+
+
+def is_fp8(t) -> bool:
+    return getattr(t, "descale", None) is not None
 
 
 def math_reference(q, k, v, causal: bool, max_bytes: int = 1 << 31):
@@ -127,6 +145,10 @@ def bench_provider(provider: Provider, cell: BenchConfig, inputs, ref, timer,
     if provider.unavailable:
         return make_record(cell, provider.name, "unavailable", reason=provider.unavailable)
     q, k, v, dout = inputs
+    fp8 = is_fp8(q)
+    if fp8 and not provider.fp8:
+        return make_record(cell, provider.name, "unavailable", reason="no FP8 path")
+    tol = FP8_WRONG_TOL if fp8 else WRONG_TOL
     diff = gdiff = None
     out = fn = None
     try:
@@ -146,11 +168,12 @@ def bench_provider(provider: Provider, cell: BenchConfig, inputs, ref, timer,
                 gdiff = grad_rel_diff(first, ref_grads)
             first = None
             ms = timer(fn)
-        return make_record(cell, provider.name, "ok", ms=ms, max_abs_diff=diff, grad_rel_diff=gdiff)
+        return make_record(cell, provider.name, "ok", ms=ms, max_abs_diff=diff, grad_rel_diff=gdiff,
+                           wrong_tol=tol)
     except Exception as exc:
         status, reason = classify_error(exc)
         return make_record(cell, provider.name, status, max_abs_diff=diff, reason=reason,
-                           grad_rel_diff=gdiff)
+                           grad_rel_diff=gdiff, wrong_tol=tol)
     finally:
         del out, fn
         _free(device)
@@ -172,7 +195,8 @@ def run_cell(cell: BenchConfig, providers: Sequence[Provider], dtype, timer,
     """All providers on one cell, on the same fresh inputs; records carry the name of
     the reference used for the sanity check."""
     inputs = make_inputs(cell, dtype, device)
-    ref, ref_name = reference_output(*inputs[:3], cell.causal, reference_provider)
+    plain = [getattr(t, "dequantized", t) for t in inputs[:3]]
+    ref, ref_name = reference_output(*plain, cell.causal, reference_provider)
     ref_grads = None
     if cell.direction == "bwd":
         ref_grads = reference_grads(*inputs, cell.causal, reference_provider)

@@ -36,7 +36,7 @@ from flash_cute.tools.bench.report import (
 )
 
 ARCHS = ("auto", "ampere", "hopper", "blackwell")
-DTYPES = ("bf16", "fp16")
+DTYPES = ("bf16", "fp16", "e4m3")
 
 CUDA_MESSAGE = "bench needs a CUDA GPU; use `python -m flash_cute inspect` on a CPU-only machine"
 
@@ -99,9 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def selected_configs(args: argparse.Namespace) -> list[BenchConfig]:
-    """The grid cells selected by --quick and the filters."""
-    return filter_grid(make_grid(args.quick), args.hdim, args.seqlen,
-                       args.causal, args.direction)
+    """The grid cells selected by --quick and the filters (FP8: the forward only)."""
+    direction = args.direction
+    if getattr(args, "dtype", "bf16") == "e4m3":
+        direction = "fwd" if direction in ("fwd", "both") else "none"
+    return filter_grid(make_grid(args.quick), args.hdim, args.seqlen, args.causal, direction)
 
 
 def settings_of(args: argparse.Namespace) -> dict:
@@ -142,7 +144,8 @@ def _run_on_gpu(args: argparse.Namespace, configs: list[BenchConfig], timer,
     json_path = os.path.join(out_dir, "bench.json")
     env = environment_info(device)
     env.update(dtype=args.dtype, arch=args.arch)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
+             "e4m3": torch.float8_e4m3fn}[args.dtype]
     providers = [load_provider(name, args.arch) for name in args.providers]
     # The sanity-check reference is sdpa_flash even when it is not benchmarked.
     reference = next((p for p in providers if p.name == "sdpa_flash"), None)

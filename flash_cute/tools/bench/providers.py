@@ -28,13 +28,15 @@ class Provider:
     output; with requires_grad inputs the output carries the autograd graph, which is
     how the backward pass is timed. `context()` is entered around all calls of a cell
     (e.g. the SDPA backend selection) so it is not part of the timed callable.
-    `unavailable` holds the reason when the provider cannot run at all.
+    `unavailable` holds the reason when the provider cannot run at all. `fp8`: it takes
+    e4m3 inputs with their descales (`cells.make_inputs` hangs them on the tensors).
     """
 
     name: str
     forward: Callable | None = None
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     unavailable: str | None = None
+    fp8: bool = False
 
 
 def _first(result):
@@ -54,9 +56,11 @@ def load_flash_cute(arch: str = "auto") -> Provider:
     kwargs = {} if arch == "auto" else {"arch": arch}
 
     def forward(q, k, v, causal):
-        return _first(func(q, k, v, causal=causal, **kwargs))
+        descales = {f"{n}_descale": t.descale for n, t in zip("qkv", (q, k, v))
+                    if getattr(t, "descale", None) is not None}
+        return _first(func(q, k, v, causal=causal, **kwargs, **descales))
 
-    return Provider("flash_cute", forward)
+    return Provider("flash_cute", forward, fp8=True)
 
 
 def load_fa4() -> Provider:
