@@ -597,19 +597,15 @@ def test_fp8_output_tiles_borrow_the_vt_ring_only_where_their_own_does_not_fit()
 
 
 @pytest.mark.slow
-def test_wider_fp8_key_tiles_cross_compile():
-    """FA3's 128 x 224 at hdim 128 without spills; 128 keys at hdim 256, O staged in the Vᵀ
-    ring (shared memory without an O tile of its own)."""
+def test_a_wider_fp8_key_tile_cross_compiles_without_spills():
+    """FA3's 128 x 224 at hdim 128 (registered for inspect): QGMMA, no spills, O in a tile of
+    its own."""
     from flash_cute.arch.hopper.config import fp8_smem_bytes
     from flash_cute.tools.xcompile import cross_compile
 
-    configs = _fp8_configs({"e4m3 d128/128 128x224x2+intra_wg_overlap+pingpong causal",
-                            "e4m3 d256/256 128x128x2+intra_wg_overlap causal"})
-    assert len(configs) == 2
+    configs = _fp8_configs({"e4m3 d128/128 128x224x2+intra_wg_overlap+pingpong causal"})
+    assert len(configs) == 1
     for e in cross_compile(configs, targets=["sm_90a"]):
         assert "error" not in e, e.get("error")
-        assert e["sass"].get("QGMMA", 0) > 0
-        if e["config"]["hdim"] == 128:
-            assert e["spill_bytes"] == 0
-        else:
-            assert e["smem_bytes"] < fp8_smem_bytes(256, 256, (128, 128, 2), True)
+        assert e["sass"].get("QGMMA", 0) > 0 and e["spill_bytes"] == 0
+        assert e["smem_bytes"] >= fp8_smem_bytes(128, 128, (128, 224, 2), True)
