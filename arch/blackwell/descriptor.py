@@ -6,6 +6,8 @@ FLASH_CUTE_ALLOW_UNTESTED=blackwell."""
 from flash_cute.contract import descriptor as caps
 from flash_cute.contract.descriptor import Descriptor
 
+from .config import SUPPORTED_HDIMS
+
 BLACKWELL = Descriptor(
     name="blackwell",
     majors=range(10, 11),
@@ -13,4 +15,5 @@ BLACKWELL = Descriptor(
                             caps.VARLEN, caps.SEQUSED, caps.PACK_GQA, caps.MODS,
                             caps.BLOCK_SPARSE}),
     hardware_tested=False,
+    head_dims=SUPPORTED_HDIMS,
 )

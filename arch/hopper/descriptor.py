@@ -4,6 +4,8 @@ on sm90 only (WGMMA and setmaxnreg exist there alone)."""
 from flash_cute.contract import descriptor as caps
 from flash_cute.contract.descriptor import Descriptor
 
+from .config import BWD_SUPPORTED_HDIMS, FP8_SUPPORTED_HDIMS, SUPPORTED_HDIMS
+
 HOPPER = Descriptor(
     name="hopper",
     majors=range(9, 10),
@@ -18,4 +20,11 @@ HOPPER = Descriptor(
                             caps.GQA, caps.VARLEN, caps.SEQUSED, caps.PACK_GQA,
                             caps.DETERMINISTIC, caps.DROPOUT, caps.APPEND, caps.MODS,
                             caps.BLOCK_SPARSE, caps.FP8}),
+    dtypes=("bf16", "fp16", "e4m3 / e5m2 (forward)"),
+    head_dims=tuple(sorted(SUPPORTED_HDIMS)),
+    backward_head_dims=tuple(sorted(BWD_SUPPORTED_HDIMS)),
+    fp8_head_dims=FP8_SUPPORTED_HDIMS,
+    decode=("split-KV", "paged K/V (pages of 8+ rows read in the kernel)",
+            "new K/V appended in the kernel"),
+    verified="H100 80GB HBM3, 2026-12-06",
 )

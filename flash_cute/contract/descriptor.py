@@ -60,6 +60,21 @@ class Descriptor:
     majors: range
     capabilities: frozenset
     hardware_tested: bool = True
+    # What the support matrix (`flash_cute.tools.support_matrix`, the README's table) shows
+    # beside the capabilities: the input dtypes, the (hdim, hdim_v) pairs of the forward,
+    # the backward and the FP8 forward, the forward's decode paths, and `verified`: the card
+    # and date of the last run of its GPU suite ("" while it has not run on hardware).
+    dtypes: tuple = ("bf16", "fp16")
+    head_dims: tuple = ()
+    backward_head_dims: tuple = ()
+    fp8_head_dims: tuple = ()
+    decode: tuple = ()
+    verified: str = ""
+
+    def __post_init__(self):
+        if self.hardware_tested != bool(self.verified):
+            raise ValueError(f"pipeline {self.name}: hardware_tested and `verified` (where "
+                             "and when it ran) go together")
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,7 @@ class Pipeline:
     plan_backward: Optional[Callable] = None
     takes: Optional[Callable] = None
     hardware_tested: bool = True
+    descriptor: Optional[Descriptor] = None
 
     @classmethod
     def of(cls, descriptor: Descriptor, **entry_points) -> "Pipeline":
@@ -99,7 +115,8 @@ class Pipeline:
         check_supported, and plan_backward / takes where it has them)."""
         return cls(name=descriptor.name, majors=descriptor.majors,
                    capabilities=descriptor.capabilities,
-                   hardware_tested=descriptor.hardware_tested, **entry_points)
+                   hardware_tested=descriptor.hardware_tested, descriptor=descriptor,
+                   **entry_points)
 
     def __post_init__(self):
         if (BACKWARD in self.capabilities) != (self.plan_backward is not None):
