@@ -38,3 +38,27 @@ def test_a_changed_descriptor_changes_its_row():
     assert r["context parallel"] == "ring, Ulysses, forward and backward"
     with pytest.raises(ValueError, match="go together"):
         dataclasses.replace(base, hardware_tested=True)
+
+
+def test_the_main_job_prints_the_row_of_the_gpu_it_found(monkeypatch, capsys):
+    """`python -m flash_cute` on a GPU (its capability monkeypatched) starts with the row of
+    the pipeline dispatch takes there: hopper on 9.0, ampere on 10.0 unless blackwell is
+    allowed, nothing on 7.x."""
+    import argparse
+
+    import torch
+
+    from flash_cute.tools import selfcheck
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test card")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    for name in ("check_score_attention", "check_lse_merge", "check_attention"):
+        monkeypatch.setattr(selfcheck, name, lambda: True)
+    assert selfcheck.run(argparse.Namespace(no_bench=True)) == 0
+    out = capsys.readouterr().out
+    assert "a test card" in out and "  pipeline: hopper" in out and "  FP8: forward" in out
+    assert "  pipeline: ampere" in sm.device_summary(10)
+    monkeypatch.setenv("FLASH_CUTE_ALLOW_UNTESTED", "blackwell")
+    assert "  verified: compile-verified only" in sm.device_summary(10)
+    assert sm.device_summary(7) == "no pipeline runs on compute capability 7.x"

@@ -99,7 +99,10 @@ def run(args) -> int:
         print("check needs a CUDA GPU; use `python -m flash_cute inspect` on a CPU-only machine",
               file=sys.stderr)
         return 2
+    from flash_cute.tools.support_matrix import device_summary
+
     print(f"flash_cute check on {torch.cuda.get_device_name()}")
+    print(device_summary(torch.cuda.get_device_capability()[0]))
     torch.manual_seed(0)
     ok = check_score_attention() & check_lse_merge() & check_attention()
     if not ok:

@@ -72,6 +72,18 @@ def descriptors() -> list:
     return [p.descriptor for p in PIPELINES]
 
 
+def device_summary(major: int) -> str:
+    """The matrix row of the pipeline dispatch takes on a GPU of compute capability
+    `major`.x, one cell a line (what `python -m flash_cute` prints first on a GPU)."""
+    from flash_cute.runtime.dispatch import PIPELINES, admitted
+
+    here = [p for p in PIPELINES if p.runs_on(major) and admitted(p)]
+    if not here:
+        return f"no pipeline runs on compute capability {major}.x"
+    r = row(here[0].descriptor)
+    return "\n".join(f"  {c}: {r[c]}" for c in COLUMNS)
+
+
 def markdown(rows=None) -> str:
     """The matrix as a Markdown table, between the README's markers."""
     rows = [row(d) for d in descriptors()] if rows is None else rows
