@@ -71,3 +71,19 @@ def test_the_readme_is_short_and_the_user_docs_say_nothing_internal():
     internal = re.compile(r"\bD-[A-Z][A-Z0-9-]+|\b[Ii]ssues? #?\d+|\b[Ss]essions? \d+")
     found = [f"{p.relative_to(ROOT)}: {m}" for p in pages for m in internal.findall(p.read_text())]
     assert not found, found
+
+
+def test_the_readme_performance_figure_is_drawn_from_the_latest_grid():
+    """The README's performance block is what `bench/perf_figure.py` makes of docs/perf.md's
+    standard-grid section (its date, card and peers), and the PNG it draws is there."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("perf_figure", ROOT / "bench" / "perf_figure.py")
+    figure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figure)
+    grid = figure.latest_grid((ROOT / "docs" / "perf.md").read_text())
+    assert len(grid["rows"]) >= 48 and grid["providers"][0] == "flash_cute"
+    text = (ROOT / "README.md").read_text()
+    assert figure.START + text.split(figure.START, 1)[1].split(figure.END, 1)[0] + figure.END \
+        == figure.readme_block(grid)
+    assert figure.PNG.read_bytes()[:4] == b"\x89PNG"
