@@ -34,6 +34,24 @@ def flash_attn_combine(
     LSE = −inf. `cu_seqlens`, `seqused` and `virtual_batch_idx` only tell FA4's kernel which
     rows to visit: every row is merged here, so rows past seqused hold whatever their
     partials give, as FA4 leaves them unwritten.
+
+    Args:
+        out_partial: [splits, batch, seqlen, heads, d] or [splits, total_q, heads, d].
+        lse_partial: out_partial's shape without its last dim, float32 (natural log).
+        out: a tensor of the result's shape to write into (optional).
+        out_dtype: the result's dtype (default: out_partial's).
+        cu_seqlens: int32, FA4's (not read: every row is merged).
+        seqused: int32, FA4's (not read).
+        virtual_batch_idx: int32, FA4's (not read).
+        return_lse: also return the merged LSE.
+
+    Returns:
+        (out, lse): out [batch, seqlen, heads, d] in `out_dtype`; lse [batch, seqlen, heads]
+        float32 (float64 for float64 inputs), or None without `return_lse`.
+
+    Raises:
+        ValueError: out_partial neither 4-D nor 5-D, lse_partial or out of the wrong shape.
+        TypeError: an index tensor that is not int32.
     """
     if out_partial.dim() not in (4, 5):
         raise ValueError(f"out_partial must be [splits, batch, seqlen, heads, d] or [splits, "

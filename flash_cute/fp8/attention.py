@@ -153,7 +153,42 @@ def flash_attn_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None,
     ``seqused_k`` gives) serve decode.
 
     CUDA runs the Hopper FP8 kernel (``arch``: a pipeline by name, refused unless it has the
-    FP8 forward); CPU tensors run its emulation."""
+    FP8 forward); CPU tensors run its emulation.
+
+    Args:
+        q: float8_e4m3fn (or e5m2) [b, sq, h, d]; varlen [tq, h, d].
+        k: like q, [b, sk, hk, d] (hk dividing h); paged [pages, page_size, hk, d].
+        v: like k.
+        q_descale: float32 [b, hk] (None: 1.0), or block scales [b, ceil(sq / 128), h].
+        k_descale: float32 [b, hk], or [b, ceil(sk / 128), hk].
+        v_descale: as k_descale.
+        softmax_scale: the scores' scale (default 1 / sqrt(d)).
+        causal: the causal mask, aligned bottom-right.
+        window_size: (left, right), -1 for an unbounded side.
+        softcap: > 0: cap · tanh(S / cap) (per-(batch, head) descales only).
+        cu_seqlens_q: int32 [b + 1], varlen q.
+        cu_seqlens_k: int32 [b + 1], varlen k and v.
+        max_seqlen_q: the longest query sequence (varlen).
+        max_seqlen_k: the longest key sequence (varlen).
+        seqused_q: int32 [b], query rows used per sequence.
+        seqused_k: int32 [b], key rows used per sequence.
+        pack_gqa: tile a K/V head's query heads together (None: the pipeline decides).
+        num_splits: split-KV: 1 none, 0 the heuristic, n > 1 that many.
+        page_table: int32 [b, max_pages] for paged k and v.
+        out_dtype: torch.bfloat16 (default) or torch.float16.
+        return_lse: also return the LSE, float32 [b, h, sq].
+        arch: a pipeline by name, or None for dispatch's choice.
+
+    Returns:
+        O in `out_dtype`, q's shape with v's head dim; or (O, LSE) with `return_lse`.
+
+    Raises:
+        TypeError: inputs that are not FP8, mixed FP8 types, an `out_dtype` or descales of
+            the wrong dtype.
+        ValueError: descales of the wrong shape or device, not positive and finite, or a mix
+            of descales and block scales.
+        NotImplementedError: gradients asked for (forward only), block scales with softcap,
+            a head dim or pipeline without the FP8 forward."""
     descales = (q_descale, k_descale, v_descale)
     check_fp8_inputs(q, k, v, descales, out_dtype)
     if block_scaled(descales) and softcap:

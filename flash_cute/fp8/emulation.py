@@ -49,11 +49,32 @@ def _visible(cols: torch.Tensor, sq: int, sk: int, causal: bool, window) -> torc
 def emulate(q8, k8, v8, q_scale, k_scale, v_scale, causal: bool = False,
             softmax_scale=None, tile_n: int = 128, block=BLOCK, window_size=(None, None),
             softcap: float = 0.0, seqused_k=None):
-    """(O float32 [b, sq, h, dv], LSE float32 [b, h, sq]) of e4m3 q8 [b, sq, h, d], k8 / v8
-    [b, sk, hk, d] with their scales (`quant.quantize_fp8`; `block` None: per (b, head)).
-    Masks align bottom-right, as the kernels do: causal, `window_size` (left, right; None or
-    negative unbounded), and `seqused_k` (int [b]: keys past it unseen, the alignment taken
-    from it). `softcap` > 0: cap·tanh(S / cap) of the scaled scores."""
+    """The FP8 forward's computation in torch, the model its kernel is held to.
+
+    Masks align bottom-right, as the kernels do.
+
+    Args:
+        q8: e4m3 [b, sq, h, d].
+        k8: e4m3 [b, sk, hk, d].
+        v8: e4m3 [b, sk, hk, dv].
+        q_scale: Q's scales (`quantize_fp8`'s): [b, ceil(sq / 128), h], or [b, h] with
+            `block` None.
+        k_scale: K's, [b, ceil(sk / 128), hk] or [b, hk].
+        v_scale: V's, as K's.
+        causal: the causal mask.
+        softmax_scale: the scores' scale (default 1 / sqrt(d)).
+        tile_n: the kernel's key tile: P is rounded to e4m3 against each tile's running max.
+        block: the tokens per scale (None: one per (batch, head)).
+        window_size: (left, right), None or negative for an unbounded side.
+        softcap: > 0: cap · tanh(S / cap) of the scaled scores.
+        seqused_k: int [b]: keys past it unseen, the mask aligned to it.
+
+    Returns:
+        (O float32 [b, sq, h, dv], LSE float32 [b, h, sq]); a row that sees no key has O = 0,
+        LSE = −inf.
+
+    Raises:
+        ValueError: `tile_n` straddles the 128-token scale blocks."""
     if block is not None and BLOCK % tile_n and tile_n % BLOCK:
         raise ValueError(f"tile_n {tile_n} must divide the {BLOCK}-token scale block or be a "
                          f"multiple of it")

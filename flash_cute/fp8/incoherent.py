@@ -14,7 +14,17 @@ import torch
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
-    """The orthonormal Walsh–Hadamard transform of the last dim (a power of two): x · H / √d."""
+    """The orthonormal Walsh–Hadamard transform of the last dim: x · H / √d, in log2(d)
+    butterfly stages.
+
+    Args:
+        x: any shape whose last dim d is a power of two.
+
+    Returns:
+        x's shape and dtype.
+
+    Raises:
+        ValueError: the last dim is not a power of two."""
     d = x.shape[-1]
     if d & (d - 1) or d == 0:
         raise ValueError(f"the Walsh–Hadamard transform needs a power-of-two head dim, got {d}")
@@ -29,7 +39,19 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
 
 
 def random_signs(d: int, seed: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """The ±1 diagonal of M, from `seed` (the same on every call with that seed)."""
+    """The ±1 diagonal of M, from `seed` (the same on every call with that seed).
+
+    Args:
+        d: the head dim.
+        seed: any integer.
+        device: where the result lives (default: the CPU).
+        dtype: its dtype (default: float32).
+
+    Returns:
+        [d] of ±1.
+
+    Raises:
+        Nothing of its own."""
     g = torch.Generator().manual_seed(int(seed))
     signs = torch.randint(0, 2, (d,), generator=g) * 2 - 1
     return signs.to(device=device, dtype=dtype)
@@ -55,7 +77,19 @@ def _fused_signed_fwht(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 def incoherent(q: torch.Tensor, k: torch.Tensor, seed: int = 0, fused=None):
     """(Q·M, K·M) along the head dim (last), M = diag(±1)·H/√d from `seed`: QKᵀ unchanged.
-    `fused` (default: on CUDA) runs each as one compiled kernel, else the torch butterflies."""
+
+    Args:
+        q: [..., d], d a power of two.
+        k: [..., d], the same d.
+        seed: picks the ±1 diagonal (`random_signs`); use the same for q and k.
+        fused: run each transform as one compiled kernel (torch.compile); default: on CUDA
+            tensors. False: the torch butterflies.
+
+    Returns:
+        (q · M, k · M), their shapes and dtypes.
+
+    Raises:
+        ValueError: d is not a power of two."""
     signs = random_signs(q.shape[-1], seed, q.device, q.dtype)
     transform = _fused_signed_fwht if (q.is_cuda if fused is None else fused) else \
         lambda x, s: fwht(x * s)

@@ -18,22 +18,50 @@ BLOCK = 128
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """`x` rounded to float8_e4m3fn, saturating at ±448."""
+    """`x` rounded to float8_e4m3fn, saturating at ±448.
+
+    Args:
+        x: a floating-point tensor, any shape.
+
+    Raises:
+        Nothing of its own (torch's, for a tensor that cannot be cast)."""
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def to_fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn) -> torch.Tensor:
-    """`x` rounded to the FP8 `dtype`, saturating at its largest value."""
+    """`x` rounded to the FP8 `dtype`, saturating at its largest value.
+
+    Args:
+        x: a floating-point tensor, any shape.
+        dtype: torch.float8_e4m3fn (±448) or torch.float8_e5m2 (±57344).
+
+    Raises:
+        TypeError: `dtype` is not one of the two FP8 types."""
+    if dtype not in FP8_MAX:
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     top = FP8_MAX[dtype]
     return x.clamp(-top, top).to(dtype)
 
 
 def quantize_fp8(x: torch.Tensor, block: int = BLOCK, smooth_k: bool = False,
                  dtype=torch.float8_e4m3fn):
-    """(x in `dtype`, scales float32) of x [b, s, h, d]: one scale per `block` tokens of a
-    head, [b, ceil(s / block), h], so that x ≈ x8 · scale; `block` None: one per (batch,
-    head), [b, h] (FA3's descales). `smooth_k`: subtract each head's mean over the sequence
-    first (for K only). `dtype`: torch.float8_e4m3fn (default) or torch.float8_e5m2."""
+    """x quantized to FP8 with its scales, so that x ≈ x8 · scale.
+
+    Args:
+        x: [batch, seqlen, heads, head_dim], any floating dtype.
+        block: tokens per scale, 128 by default: one scale per `block` tokens of a head,
+            float32 [batch, ceil(seqlen / block), heads]; None: one per (batch, head),
+            float32 [batch, heads] (FA3's descales).
+        smooth_k: subtract each head's mean over the sequence first (for K only: softmax
+            does not see it).
+        dtype: torch.float8_e4m3fn (default) or torch.float8_e5m2.
+
+    Returns:
+        (x8, scale): x8 of `dtype`, x's shape; scale float32 as `block` says.
+
+    Raises:
+        TypeError: `dtype` is not an FP8 type.
+        ValueError: `x` is not 4-D."""
     if dtype not in FP8_MAX:
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     top = FP8_MAX[dtype]
@@ -57,7 +85,19 @@ def quantize_fp8(x: torch.Tensor, block: int = BLOCK, smooth_k: bool = False,
 
 
 def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor, block=BLOCK) -> torch.Tensor:
-    """float64 x8 · scale, the values the FP8 kernel computes with."""
+    """float64 x8 · scale, the values the FP8 kernel computes with.
+
+    Args:
+        x8: [batch, seqlen, heads, head_dim] FP8 values (`quantize_fp8`'s).
+        scale: their scales, float32 [batch, ceil(seqlen / block), heads] or, with `block`
+            None, [batch, heads].
+        block: the tokens per scale that `quantize_fp8` used (None: per (batch, head)).
+
+    Returns:
+        float64, x8's shape.
+
+    Raises:
+        Nothing of its own (torch's, for scales whose shape does not broadcast)."""
     x = x8.double()
     if block is None:
         return x * scale.double()[:, None, :, None]

@@ -92,7 +92,16 @@ def check_inputs(on: bool = True) -> bool:
     queue; CPU tensors are checked always. With it off, bad contents never make a kernel
     touch memory outside its tensors (`flash_cute.blocks.seqlen`) and an append that does not
     fit is dropped and counted (`flash_cute.check_status`), but results are meaningless
-    (docs/reliability.md). Returns the previous setting."""
+    (docs/reliability.md).
+
+    Args:
+        on: check from now on (True) or not (False).
+
+    Returns:
+        The previous setting.
+
+    Raises:
+        Nothing of its own; the calls it turns checking on for raise ValueError."""
     previous, _CHECK_INPUTS[0] = _CHECK_INPUTS[0], bool(on)
     return previous
 
@@ -103,7 +112,11 @@ def content_check_on() -> bool:
 
 
 def clear_plans() -> None:
-    """Forget every planned call (the next call of each is validated and planned again)."""
+    """Forget every planned call (the next call of each is validated and planned again), e.g.
+    after changing `FLASH_CUTE_EX2_EMULATION`.
+
+    Raises:
+        Nothing."""
     _PLANS.clear()
     _BWD_PLANS.clear()
 

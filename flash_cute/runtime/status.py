@@ -51,7 +51,20 @@ def check_status(device=None, *, raise_error: bool = True) -> int:
     """Read and clear the dropped-rows counter of `device` (default: the current CUDA device,
     or the CPU without CUDA), one device sync. Returns the rows dropped since the last call;
     with `raise_error` (the default) raises `CacheOverflowError` instead when there were any.
-    Call it where a sync is cheap (after a decode loop, between steps of a scheduler)."""
+    Call it where a sync is cheap (after a decode loop, between steps of a scheduler).
+
+    Args:
+        device: the device whose counter to read (default: the current CUDA device, or the
+            CPU without CUDA).
+        raise_error: raise when rows were dropped (default), instead of returning the count.
+
+    Returns:
+        The rows dropped since the last call (0 when none, or any count without
+        `raise_error`).
+
+    Raises:
+        CacheOverflowError: rows were dropped, with `raise_error`.
+        RuntimeError: called during CUDA graph capture (it reads the counter on the host)."""
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
