@@ -18,12 +18,8 @@ FOREIGN = {"flash_cute.create_block_mask"}
 TO_WRITE = {
     "flash_cute.attention_ref", "flash_cute.flash_attn_func", "flash_cute.flash_attn_varlen_func",
     "flash_cute.flash_attn_with_kvcache", "flash_cute.register_mods",
-    "flash_cute.parallel.causal_work", "flash_cute.parallel.hybrid_attention",
-    "flash_cute.parallel.hybrid_positions", "flash_cute.parallel.min_block_tokens",
-    "flash_cute.parallel.positions", "flash_cute.parallel.ring_attention",
-    "flash_cute.parallel.shard", "flash_cute.parallel.shard_multiple",
-    "flash_cute.parallel.ulysses_attention", "flash_cute.parallel.unshard",
-    "flash_cute.parallel.unshard_parts",
+    "flash_cute.parallel.hybrid_attention", "flash_cute.parallel.ring_attention",
+    "flash_cute.parallel.ulysses_attention",
     *(f"flash_cute.flash_attn_interface.flash_attn{form}_func" for form in (
         "", "_qkvpacked", "_kvpacked", "_varlen", "_varlen_qkvpacked", "_varlen_kvpacked")),
 }

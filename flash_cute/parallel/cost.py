@@ -17,7 +17,22 @@ def min_block_tokens(bandwidth_gbps: float, tflops: float, heads_q: int, heads_k
                      direction: str = "fwd") -> float:
     """The smallest shard length L (tokens per rank) at which a ring step's K/V transfer
     (`bandwidth_gbps`: GB/s of the link, one direction) hides under its attention
-    (`tflops`: the kernel's achieved TFLOP/s). `direction` "fwd" or "bwd"."""
+    (`tflops`: the kernel's achieved TFLOP/s). The head dim cancels.
+
+    Args:
+        bandwidth_gbps: the link's GB/s, one direction.
+        tflops: the attention kernel's achieved TFLOP/s.
+        heads_q: query heads.
+        heads_kv: K/V heads (what travels).
+        bytes_per_element: of K and V (2 for bf16).
+        causal: a causal step does half the work.
+        direction: "fwd", or "bwd" (2.5x the work; fp32 dK and dV travel too).
+
+    Returns:
+        Tokens per rank.
+
+    Raises:
+        ValueError: an unknown direction, or a non-positive argument."""
     if direction not in ("fwd", "bwd"):
         raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
     if min(bandwidth_gbps, tflops, heads_q, heads_kv, bytes_per_element) <= 0:

@@ -19,14 +19,36 @@ LAYOUTS = ("contiguous", "striped", "zigzag")
 
 
 def shard_multiple(layout: str, world: int) -> int:
-    """The multiple a sequence length must be of for `layout` over `world` ranks."""
+    """The multiple a sequence length must be of for `layout` over `world` ranks.
+
+    Args:
+        layout: "contiguous", "striped" or "zigzag".
+        world: the number of ranks.
+
+    Returns:
+        world, or 2 · world for zigzag (each rank holds a head and a tail chunk).
+
+    Raises:
+        ValueError: an unknown layout, or a world that is not a positive int."""
     _check_layout(layout, world)
     return 2 * world if layout == "zigzag" else world
 
 
 def positions(seqlen: int, layout: str, world: int, rank: int) -> torch.Tensor:
-    """int64 [seqlen / world]: the global positions rank `rank` holds, in its local order
-    (increasing). ValueError when `seqlen` is not a multiple of `shard_multiple`."""
+    """The global positions rank `rank` holds, in its local order (increasing).
+
+    Args:
+        seqlen: the full sequence's length.
+        layout: "contiguous", "striped" or "zigzag".
+        world: the number of ranks.
+        rank: this rank, in [0, world).
+
+    Returns:
+        int64 [seqlen / world].
+
+    Raises:
+        ValueError: `seqlen` not a multiple of `shard_multiple`, a rank outside [0, world),
+            or an unknown layout."""
     multiple = shard_multiple(layout, world)
     if seqlen % multiple:
         raise ValueError(f"a sequence of {seqlen} tokens does not shard over {world} ranks in "
@@ -51,7 +73,19 @@ def shard(x: torch.Tensor, layout: str, world: int, rank: int, dim: int = 1) -> 
 
 
 def unshard_parts(parts, layout: str, dim: int = 1) -> torch.Tensor:
-    """The full tensor from every rank's shard (`parts[r]`: rank r's), in global order."""
+    """The full tensor from every rank's shard, in global order (one process, no
+    collective: `unshard` gathers the parts).
+
+    Args:
+        parts: every rank's shard, `parts[r]` rank r's, all of one shape.
+        layout: the layout they were sharded in.
+        dim: their sequence dim.
+
+    Returns:
+        The full tensor, the parts' dtype and device.
+
+    Raises:
+        ValueError: an unknown layout."""
     world = len(parts)
     local = parts[0].shape[dim]
     seqlen = local * world
@@ -67,7 +101,18 @@ def causal_work(seqlen: int, layout: str, world: int) -> list[float]:
     """Per rank, the causal score elements its queries compute over the whole sequence:
     pairs (q, k) with k < q count 1, the diagonal k = q counts 1/2 (the triangle's share of
     a diagonal block, as the kernels' diagonal tiles do about half the work). Exact, from the
-    positions: rank r's work is the sum over its positions t of t + 1/2."""
+    positions: rank r's work is the sum over its positions t of t + 1/2.
+
+    Args:
+        seqlen: the full sequence's length.
+        layout: "contiguous", "striped" or "zigzag".
+        world: the number of ranks.
+
+    Returns:
+        One float per rank.
+
+    Raises:
+        ValueError: as `positions`."""
     return [float((positions(seqlen, layout, world, r).double() + 0.5).sum())
             for r in range(world)]
 

@@ -13,8 +13,24 @@ from flash_cute.parallel import comm, layouts
 def shard(x: torch.Tensor, layout: str = "contiguous", group=None, dim: int = 1,
           mesh_dim=None, cu_seqlens=None) -> torch.Tensor:
     """This rank's shard of the full tensor `x` (the same on every rank) along `dim`, in
-    `layout` over `group` (see `ring.ring_attention`). Packed documents: `cu_seqlens`, the
-    documents' offsets along `dim` (pass dim=0 for [t, h, d])."""
+    `layout` over `group` (see `ring.ring_attention`).
+
+    Args:
+        x: the full tensor, the same on every rank.
+        layout: "contiguous" (default), "striped" or "zigzag".
+        group: a ProcessGroup or a DeviceMesh (default: the world).
+        dim: the sequence dim (1 for [b, s, h, d]; 0 for packed [t, h, d]).
+        mesh_dim: the DeviceMesh dim, when `group` is a mesh of more than one.
+        cu_seqlens: packed documents' offsets along `dim` (int32 [docs + 1]): each
+            document is sharded on its own.
+
+    Returns:
+        This rank's shard (a copy), on x's device.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: a length the layout cannot shard, an unknown layout, or a mesh without
+            `mesh_dim`."""
     group = comm.resolve_group(group, mesh_dim)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = layouts.positions(x.shape[dim], layout, world, rank) if cu_seqlens is None else \
@@ -25,7 +41,22 @@ def shard(x: torch.Tensor, layout: str = "contiguous", group=None, dim: int = 1,
 def unshard(x: torch.Tensor, layout: str = "contiguous", group=None, dim: int = 1,
             mesh_dim=None, cu_seqlens=None) -> torch.Tensor:
     """The full tensor from every rank's shard `x` along `dim` (an all-gather; no
-    gradient)."""
+    gradient).
+
+    Args:
+        x: this rank's shard.
+        layout: the layout it was sharded in.
+        group: a ProcessGroup or a DeviceMesh (default: the world).
+        dim: the sequence dim.
+        mesh_dim: the DeviceMesh dim, when `group` is a mesh of more than one.
+        cu_seqlens: the packed documents' offsets along `dim` in the full tensor.
+
+    Returns:
+        The full tensor, on every rank.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: an unknown layout, or a mesh without `mesh_dim`."""
     group = comm.resolve_group(group, mesh_dim)
     world = dist.get_world_size(group)
     parts = [torch.empty_like(x) for _ in range(world)]

@@ -150,7 +150,21 @@ def hybrid_attention(q, k, v, mesh, ring_dim="ring", ulysses_dim="ulysses",
 def hybrid_positions(seqlen: int, layout: str, ring_world: int, uly_world: int, ring_rank: int,
                      uly_rank: int) -> torch.Tensor:
     """The global positions rank (ring_rank, uly_rank) of a hybrid holds: the uly_rank-th
-    contiguous piece of ring shard ring_rank."""
+    contiguous piece of ring shard ring_rank.
+
+    Args:
+        seqlen: the full sequence's length.
+        layout: the ring's layout.
+        ring_world: ranks in the ring.
+        uly_world: ranks in each Ulysses group.
+        ring_rank: this rank's place in the ring.
+        uly_rank: this rank's place in its Ulysses group.
+
+    Returns:
+        int64 [seqlen / (ring_world · uly_world)].
+
+    Raises:
+        ValueError: as `positions`, for the ring's shard."""
     ring_shard = layouts.positions(seqlen, layout, ring_world, ring_rank)
     piece = ring_shard.shape[0] // uly_world
     return ring_shard[uly_rank * piece:(uly_rank + 1) * piece]
