@@ -16,8 +16,8 @@ MODULES = ("flash_cute", "flash_cute.fp8", "flash_cute.parallel",
 # torch's own function, re-exported as it is (its docstring is torch's).
 FOREIGN = {"flash_cute.create_block_mask"}
 TO_WRITE = {
-    "flash_cute.attention_ref", "flash_cute.flash_attn_func", "flash_cute.flash_attn_varlen_func",
-    "flash_cute.flash_attn_with_kvcache", "flash_cute.register_mods",
+    "flash_cute.flash_attn_func", "flash_cute.flash_attn_varlen_func",
+    "flash_cute.flash_attn_with_kvcache",
     "flash_cute.parallel.hybrid_attention", "flash_cute.parallel.ring_attention",
     "flash_cute.parallel.ulysses_attention",
     *(f"flash_cute.flash_attn_interface.flash_attn{form}_func" for form in (

@@ -342,6 +342,30 @@ def attention_ref(
     Shapes: ``out`` [batch, seqlen_q, nheads, hdim_v], ``lse`` [batch, nheads,
     seqlen_q]; varlen: ``out`` [total_q, nheads, hdim_v], ``lse`` [nheads, total_q].
     ``seqused_q`` / ``seqused_k``: see the module docstring.
+
+    Args:
+        q: [batch, seqlen_q, nheads, hdim]; varlen [total_q, nheads, hdim].
+        k: [batch, seqlen_k, nheads_kv, hdim] (nheads_kv dividing nheads); varlen
+            [total_k, nheads_kv, hdim].
+        v: like k, with head dim hdim_v.
+        softmax_scale: the scores' scale (default 1 / sqrt(hdim)).
+        causal: the causal mask, aligned bottom-right.
+        window_size: (left, right), None for an unbounded side.
+        softcap: > 0: cap · tanh(S / cap) of the scaled scores.
+        cu_seqlens_q: int32 [batch + 1] (varlen; with cu_seqlens_k).
+        cu_seqlens_k: int32 [batch + 1].
+        seqused_q: int32 [batch], query rows used per sequence.
+        seqused_k: int32 [batch], key rows used per sequence.
+        mode: "float64" (default), "float32" or "native" (above).
+        variant: traced mods (above), or None.
+        dropout: (p, rng_seed), or None.
+
+    Returns:
+        (out, lse), shaped as above.
+
+    Raises:
+        ValueError: an unknown mode; q, k and v of different ranks, batches or head dims;
+            one of cu_seqlens_q / cu_seqlens_k without the other.
     """
     _mode_dtypes(mode, q.dtype)  # validates mode
     varlen = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)

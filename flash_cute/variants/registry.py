@@ -51,7 +51,20 @@ def register(score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] 
              block_mask=None) -> int:
     """The registry key of a call's mods (0 for none), the operators' `variant` argument:
     the same functions (and block mask object) get the same key, traced once. A block mask's
-    mask mod stands in for a missing `mask_mod`; its entry goes when the block mask does."""
+    mask mod stands in for a missing `mask_mod`; its entry goes when the block mask does.
+    Call it before `torch.compile` traces a call with these mods (a trace cannot run the
+    tracer), or make one eager call.
+
+    Args:
+        score_mod: FlexAttention's `score_mod(score, b, h, q_idx, kv_idx)`, or None.
+        mask_mod: FlexAttention's `mask_mod(b, h, q_idx, kv_idx)`, or None.
+        block_mask: a FlexAttention `BlockMask` (`flash_cute.create_block_mask`), or None.
+
+    Returns:
+        The key (an int; 0 when all three are None).
+
+    Raises:
+        UnsupportedMod: a mod uses an operation outside the tracer's subset, naming it."""
     if score_mod is None and mask_mod is None and block_mask is None:
         return 0
     ident = (score_mod, mask_mod, None if block_mask is None else id(block_mask))
