@@ -12,9 +12,10 @@ probabilities and the dropout mask are not returned). They run flash-cute's kern
 ``dropout_p`` > 0 is dropout in the kernels, forward and backward, with FA2's scaling (kept
 weights times 1 / (1 - p)); the keep decision takes 16 random bits per element (not FA2's
 8), so an element is kept with probability exactly ``flash_cute.reference.rng.keep_probability(p)``,
-within 2^-17 of 1 - p, and the masks are not FA2's bit for bit. Not built yet, refused with
-NotImplementedError: block_table (paged KV, the decode issue). alibi_slopes runs where flash-cute's
-mods run (CPU tensors today; the GPU kernels refuse it until the variants issue).
+within 2^-17 of 1 - p, and the masks are not FA2's bit for bit. ``block_table`` in the varlen
+function is refused with NotImplementedError (``flash_attn_with_kvcache(block_table=...)``
+reads paged caches). ``alibi_slopes`` runs where flash-cute's mods run: the CPU reference and
+the ampere and hopper kernels.
 """
 
 from flash_cute.api import interface
@@ -103,3 +104,46 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes,
         **_common(dropout_p, softmax_scale, causal, window_size, softcap, deterministic))
     return _result(out, lse, return_attn_probs)
+
+
+# The parameters every function shares, FA2's, appended to each docstring below.
+_SHARED = """
+    dropout_p: dropout of the attention weights (FA2's scaling), 0 for none.
+    softmax_scale: the scores' scale (default 1 / sqrt(d)).
+    causal: the causal mask, aligned bottom-right.
+    window_size: (left, right), -1 for an unbounded side.
+    softcap: > 0: cap · tanh(S / cap); <= 0 off.
+    alibi_slopes: float32 [h] or [b, h], FA2's ALiBi.
+    deterministic: a bitwise reproducible backward (the hopper pipeline's).
+    return_attn_probs: return (out, softmax_lse, None) instead of out.
+
+Returns:
+    out, q's shape with v's head dim; or (out, softmax_lse, None) with
+    `return_attn_probs` (softmax_lse float32 [b, h, sq], varlen [h, total_q]).
+
+Raises:
+    TypeError, ValueError: inputs flash_cute.flash_attn_func refuses (dtypes, shapes,
+        devices, cu_seqlens), before any launch.
+    NotImplementedError: a feature the GPU's pipeline lacks (deterministic=True on the
+        ampere pipeline, a head dim without a kernel); block_table (varlen).
+"""
+_ARGS = {
+    flash_attn_qkvpacked_func: "qkv: [b, s, 3, h, d].",
+    flash_attn_kvpacked_func: "q: [b, sq, h, d].\n    kv: [b, sk, 2, h_kv, d].",
+    flash_attn_func: "q: [b, sq, h, d], bf16 or fp16.\n    k: [b, sk, h_kv, d], h_kv dividing "
+                     "h.\n    v: like k.",
+    flash_attn_varlen_qkvpacked_func: "qkv: [total, 3, h, d].\n    cu_seqlens: int32 [b + "
+                                      "1].\n    max_seqlen: the longest sequence.",
+    flash_attn_varlen_kvpacked_func: "q: [total_q, h, d].\n    kv: [total_k, 2, h_kv, d]."
+                                     "\n    cu_seqlens_q: int32 [b + 1].\n    cu_seqlens_k: "
+                                     "int32 [b + 1].\n    max_seqlen_q: the longest query "
+                                     "sequence.\n    max_seqlen_k: the longest key sequence.",
+    flash_attn_varlen_func: "q: [total_q, h, d].\n    k: [total_k, h_kv, d].\n    v: like k."
+                            "\n    cu_seqlens_q: int32 [b + 1].\n    cu_seqlens_k: int32 [b "
+                            "+ 1].\n    max_seqlen_q: the longest query sequence.\n    "
+                            "max_seqlen_k: the longest key sequence.\n    block_table: "
+                            "refused (FA2's paged form).",
+}
+for _fn, _own in _ARGS.items():
+    _fn.__doc__ = f"{_fn.__doc__}\n\nArgs:\n    {_own}{_SHARED}"
+

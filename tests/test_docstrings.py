@@ -18,8 +18,6 @@ FOREIGN = {"flash_cute.create_block_mask"}
 TO_WRITE = {
     "flash_cute.flash_attn_func", "flash_cute.flash_attn_varlen_func",
     "flash_cute.flash_attn_with_kvcache",
-    *(f"flash_cute.flash_attn_interface.flash_attn{form}_func" for form in (
-        "", "_qkvpacked", "_kvpacked", "_varlen", "_varlen_qkvpacked", "_varlen_kvpacked")),
 }
 
 
