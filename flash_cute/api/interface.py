@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from flash_cute.api import ops  # noqa: F401 - registers torch.ops.flash_cute
+from flash_cute.api.params import document
 from flash_cute.reference.rng import draw_seed
 from flash_cute.runtime import paging, plans  # noqa: F401 - ops registers torch.ops.flash_cute
 from flash_cute.runtime.cache_contents import check_page_entries, host_copies
@@ -735,3 +736,7 @@ def _options(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, sof
             raise TypeError(f"arch must be None or a pipeline name, got {arch!r}")
     return (max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right, softcap, pack_gqa,
             bool(deterministic), arch)
+
+
+document(flash_attn_func)
+document(flash_attn_varlen_func)

@@ -35,6 +35,7 @@ from typing import Optional, Union
 import torch
 
 from flash_cute.api.interface import _eager, attend_and_append, flash_attn_varlen_func
+from flash_cute.api.params import document
 from flash_cute.runtime import paging, plans, status
 from flash_cute.runtime.cache_contents import check_cache_contents
 from flash_cute.runtime.checks import is_fake
@@ -276,3 +277,9 @@ def _rotate(x, cos, sin, positions, interleaved: bool):
         x1, x2 = rot[..., :half], rot[..., half:]
         out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return torch.cat((out.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+document(flash_attn_with_kvcache,
+         k="[batch, seqlen_new, nheads_kv, hdim]: new keys written into the cache at "
+           "cache_seqlens before attending (None: none).",
+         v="like k: the new values.")
