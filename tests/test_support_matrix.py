@@ -62,3 +62,49 @@ def test_the_main_job_prints_the_row_of_the_gpu_it_found(monkeypatch, capsys):
     monkeypatch.setenv("FLASH_CUTE_ALLOW_UNTESTED", "blackwell")
     assert "  verified: compile-verified only" in sm.device_summary(10)
     assert sm.device_summary(7) == "no pipeline runs on compute capability 7.x"
+
+
+def _refusals():
+    """(file, line, literal text) of every NotImplementedError raised in a public path, its
+    message's constant parts joined (f-string fields as {})."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "flash_cute" / "flash_attn_interface.py",
+             *(f for d in ("api", "runtime", "fp8", "parallel", "integrations", "variants")
+               for f in (root / "flash_cute" / d).glob("*.py")),
+             *root.glob("arch/*/planner.py")]
+
+    def text(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.JoinedStr):
+            return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            return (text(node.left) or "") + (text(node.right) or "")
+        return None
+
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
+                    getattr(node.exc.func, "id", None) == "NotImplementedError":
+                yield (path.relative_to(root), node.lineno,
+                       text(node.exc.args[0]) if node.exc.args else None)
+
+
+def test_every_refusal_names_a_gap_the_matrix_lists():
+    """Each NotImplementedError of a public path names a term of the README's support block:
+    a `NOT_BUILT` entry (rendered under the matrix), a capability as messages spell it, or a
+    matrix term (head dims, compute capability, ...)."""
+    from flash_cute.contract.limits import MATRIX_TERMS, NOT_BUILT
+
+    block = sm.readme_copy(sm.README.read_text())
+    assert all(what in block for _, what in NOT_BUILT)
+    terms = [t for t, _ in NOT_BUILT] + list(MATRIX_TERMS) + \
+        [caps.spelled(c) for c in caps._SPELLED]
+    found = list(_refusals())
+    assert len(found) > 25
+    unnamed = [(str(f), line, msg) for f, line, msg in found
+               if msg is None or not any(t.lower() in msg.lower() for t in terms)]
+    assert not unnamed, unnamed

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from flash_cute.contract import descriptor as caps
+from flash_cute.contract.limits import NOT_BUILT
 
 START, END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -89,7 +90,8 @@ def markdown(rows=None) -> str:
     rows = [row(d) for d in descriptors()] if rows is None else rows
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r[c] for c in COLUMNS) + " |" for r in rows]
-    return "\n".join([START, *lines, END])
+    gaps = "Not built yet, each refused by name: " + "; ".join(t for _, t in NOT_BUILT) + "."
+    return "\n".join([START, *lines, "", gaps, END])
 
 
 def readme_copy(text: str) -> str:
