@@ -49,7 +49,7 @@ def test_incoherent_processing_keeps_q_k_transpose(d):
 def test_the_fused_incoherent_transform_is_one_kernel_equal_to_the_butterflies():
     """`incoherent(fused=True)` (CUDA's default) compiles the sign flip and every butterfly
     stage into one kernel (Inductor's C++ here, Triton on CUDA), with the butterflies'
-    values; a new number of rows reuses it, and a single row runs."""
+    values; a single row runs, and so does a call inside a caller's torch.compile."""
     from torch._inductor.utils import run_and_get_code
 
     from flash_cute.fp8.incoherent import _fused_signed_fwht, random_signs
@@ -63,6 +63,10 @@ def test_the_fused_incoherent_transform_is_one_kernel_equal_to_the_butterflies()
     one = torch.randn(1, 1, 1, 128)
     assert torch.allclose(incoherent(one, one, 3, fused=True)[0],
                           incoherent(one, one, 3, fused=False)[0], atol=1e-6)
+    # Inside a caller's torch.compile, fused or not (the sign draw, a torch.Generator, runs
+    # eagerly at a graph break).
+    traced = torch.compile(lambda a, b: incoherent(a, b, 3, fused=True))
+    assert torch.allclose(traced(q, k)[0], incoherent(q, k, 3, fused=False)[0], atol=1e-6)
 
 
 @pytest.mark.parametrize("block", [128, None])

@@ -91,6 +91,8 @@ def incoherent(q: torch.Tensor, k: torch.Tensor, seed: int = 0, fused=None):
     Raises:
         ValueError: d is not a power of two."""
     signs = random_signs(q.shape[-1], seed, q.device, q.dtype)
-    transform = _fused_signed_fwht if (q.is_cuda if fused is None else fused) else \
-        lambda x, s: fwht(x * s)
+    # Inside a caller's torch.compile the butterflies are traced and fused with the rest
+    # (a compiled function within the trace could not mark its rows dynamic).
+    fused = (q.is_cuda if fused is None else fused) and not torch.compiler.is_compiling()
+    transform = _fused_signed_fwht if fused else lambda x, s: fwht(x * s)
     return transform(q, signs), transform(k, signs)
