@@ -127,10 +127,10 @@ def test_hopper_fwd_refuses_schedules_it_cannot_run():
 
 
 def test_decode_dispatch_takes_the_two_cta_pair_where_it_was_measured(monkeypatch):
-    """`plan_forward` gives `DECODE_PAIR` to split decode at hdim 128 (one query, 32 heads on
-    8: 4 packed rows; also causal and 16 queries), and the head dim's own schedule to what
-    the pair was not measured with: no split (num_splits 1, or a batch the heuristic leaves
-    unsplit), more than 64 packed rows, softcap, a window, hdim 64."""
+    """`plan_forward` gives `DECODE_PAIR` to split decode of one sequence at hdim 128 (one
+    query, 32 heads on 8: 4 packed rows; also causal, and 2 queries), and the head dim's own
+    schedule to what the pair was not measured with: no split (num_splits 1), a batch of
+    2 or 64, more than 8 packed rows, softcap, a window, hdim 64."""
     import torch
 
     from flash_cute.arch.hopper import planner as api
@@ -141,9 +141,10 @@ def test_decode_dispatch_takes_the_two_cta_pair_where_it_was_measured(monkeypatc
     monkeypatch.setattr(jit, "current_target", lambda: "sm_90a")
     monkeypatch.setattr(launch_fwd, "ForwardLaunch",
                         lambda *a, **kw: seen.append(tuple(a[10]) == tuple(DECODE_PAIR)))
-    cases = [(1, 1, 128, {}, True), (1, 16, 128, {"causal": True}, True),
+    cases = [(1, 1, 128, {}, True), (1, 2, 128, {"causal": True}, True),
              (1, 1, 128, {"num_splits": 1}, False), (64, 1, 128, {}, False),
-             (1, 17, 128, {}, False), (1, 1, 128, {"softcap": 30.0}, False),
+             (2, 1, 128, {}, False), (1, 3, 128, {}, False),
+             (1, 1, 128, {"softcap": 30.0}, False),
              (1, 1, 128, {"window_size": (1024, 0)}, False), (1, 1, 64, {}, False)]
     for batch, sq, d, kw, _ in cases:
         q = torch.randn(batch, sq, 32, d, dtype=torch.bfloat16)

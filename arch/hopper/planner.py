@@ -13,7 +13,6 @@ from .config import (
     BWD_SUPPORTED_HDIMS,
     COMPILE_OPTIONS,
     CTAS_PER_SM,
-    DECODE_PAIR,
     FP8_SCHEDULES,
     FP8_SUPPORTED_HDIMS,
     FWD_SCHEDULES,
@@ -83,7 +82,9 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
         return plan_splits(problem, chosen[0], chosen[1], pack, launch.device_sms(q.device),
                            CTAS_PER_SM.get(chosen[0] // 64, 1))
 
-    decode = takes_decode_pair(problem, pack, append is not None or timeline is not None)
+    page_rows = k.shape[1] if page_table is not None else None
+    decode = takes_decode_pair(problem, pack, append is not None or timeline is not None,
+                               page_rows)
     chosen = pick(problem.varlen or problem.has_seqused_q, decode)
     splits = split(chosen)
     if decode and splits is None:
@@ -101,15 +102,22 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
                                 merge_in_kernel=True, timeline=timeline)
 
 
-def takes_decode_pair(problem: AttentionProblem, pack: int, extras: bool) -> bool:
-    """Decode that runs `config.DECODE_PAIR` (D-DECODE-PAIR): hdim 128, at most 64 packed
-    query rows, split-KV allowed, and none of what the pair was not measured with (dropout,
-    mods, softcap, windows, an append or a timeline: `extras`; a float32 partial)."""
-    return (problem.hdim == problem.hdim_v == 128
-            and problem.max_seqlen_q * pack <= DECODE_PAIR.tile_m
+def takes_decode_pair(problem: AttentionProblem, pack: int, extras: bool,
+                      page_rows=None) -> bool:
+    """Decode that runs `config.DECODE_PAIR` (D-DECODE-PAIR), where it was measured: one
+    padded sequence at hdim 128, at most `PAIR_ROWS` packed query rows, split-KV allowed, a
+    dense cache or pages of 16 to 64 rows (`page_rows`), and none of dropout, mods, softcap,
+    windows, an append or a timeline (`extras`), or a float32 partial."""
+    return (problem.hdim == problem.hdim_v == 128 and problem.batch == 1
+            and not problem.varlen and problem.max_seqlen_q * pack <= PAIR_ROWS
+            and (page_rows is None or 16 <= page_rows <= 64)
             and problem.num_splits != 1 and not problem.partial_out
             and problem.dropout_p == 0 and problem.mods is None and not problem.softcap
             and not problem.is_local and not extras)
+
+
+# Packed query rows the pair was measured with: one query of 4 heads per K/V head.
+PAIR_ROWS = 8
 
 
 _FP8_KERNEL = launch.KernelRef("flash_cute.arch.hopper.fwd_fp8", "HopperFwdFp8")
