@@ -62,12 +62,12 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
 
 
 def test_the_readme_is_short_and_the_user_docs_say_nothing_internal():
-    """The README fits in 150 lines; the README and the user pages (the guide, the changelog,
-    the parallel and reliability pages) name no issue, session or decision code (those live
-    in docs/decisions.md and docs/perf.md)."""
+    """The README fits in 150 lines; the README and the user pages (the guide, the changelog)
+    name no issue, session or decision code (those live in docs/decisions.md and
+    docs/perf.md)."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
-    pages = [ROOT / "README.md", ROOT / "docs" / "CHANGELOG.md", ROOT / "docs" / "parallel.md",
-             ROOT / "docs" / "reliability.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
+    pages = [ROOT / "README.md", ROOT / "docs" / "CHANGELOG.md",
+             *sorted((ROOT / "docs" / "guide").glob("*.md"))]
     internal = re.compile(r"\bD-[A-Z][A-Z0-9-]+|\b[Ii]ssues? #?\d+|\b[Ss]essions? \d+")
     found = [f"{p.relative_to(ROOT)}: {m}" for p in pages for m in internal.findall(p.read_text())]
     assert not found, found

@@ -25,7 +25,7 @@ _VARLEN = dict(_BASE, kind="varlen", packed=True, lens_q=[0], lens_k=[0], traili
                bwd=False)
 REGRESSIONS = {
     # The CPU path refused packed q rows past cu_seqlens_q[-1]; the kernels give them O = 0
-    # and LSE = -inf, as docs/reliability.md says.
+    # and LSE = -inf, as docs/guide/reliability.md says.
     "rows past cu_seqlens_q": dict(_VARLEN, trailing=3),
     # A learnable sink gives a padding row (past seqused_q) LSE = sink, as a keyless row.
     "sink on a padding row": dict(_VARLEN, packed=False, seqused_q=True, seqused_k=True,

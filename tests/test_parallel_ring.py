@@ -342,7 +342,7 @@ def test_sixteen_bit_partials_fail_the_rule_as_the_ring_grows_and_float32_ones_d
     """One process, no group: the ring simulated over w = 2 ... 32 (contiguous shards, V
     centred on 1, as activations are not on 0). The 16-bit ring's error grows with w and
     fails the FlashAttention rule at some w <= 32; the float32 ring passes at every w, that
-    one included. docs/parallel.md has the table (`bench/ring_precision.py`)."""
+    one included. docs/guide/parallel.md has the table (`bench/ring_precision.py`)."""
     from flash_cute.parallel.precision import simulate_ring
     from flash_cute.reference.attention import attention_ref, tolerance_check
 

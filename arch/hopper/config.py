@@ -164,8 +164,9 @@ def smem_bytes(hdim: int, hdim_v: int, schedule: tuple, rows_past_sequence: bool
 
 # ---------------------------------------------------------------- FP8 forward
 
-# hdim -> the FP8 forward's schedule. FP8 WGMMA takes K = 32, and a K/V tile must not straddle
-# the 128-token block of a block scale, so tile_n is a multiple of 32 dividing 128; 128-row
+# hdim -> the FP8 forward's schedule. FP8 WGMMA takes K = 32, so tile_n is a multiple of 32; a
+# K/V tile must not straddle the 128-token block of a block scale, so with block scales it
+# also divides 128 (D-FP8-TILE); 128-row
 # tiles (two consumer warpgroups). hdim 256 takes 64 keys so that Q, two stages each of K, V
 # and its transpose, and O's own tile fit.
 FP8_SCHEDULES = {64: FwdSchedule(128, 128, 2), 128: FwdSchedule(128, 128, 2),

@@ -24,7 +24,7 @@ HOPPER = Descriptor(
     head_dims=tuple(sorted(SUPPORTED_HDIMS)),
     backward_head_dims=tuple(sorted(BWD_SUPPORTED_HDIMS)),
     fp8_head_dims=FP8_SUPPORTED_HDIMS,
-    decode=("split-KV", "paged K/V (pages of 8+ rows read in the kernel)",
+    decode=("split-KV", "paged K/V (pages of a power of two from 8 rows read in the kernel)",
             "new K/V appended in the kernel"),
     verified="H100 80GB HBM3, 2026-12-06",
 )

@@ -271,10 +271,10 @@ def flash_attn_varlen_func(
     values should lie in [0, span] and be at most max_seqlen. Index contents are not read on
     the host (that needs a device sync) unless `check_inputs` is on; the kernels clamp them to
     the tensors instead, so bad values give meaningless results but no fault
-    (docs/reliability.md). Causal and local masks align bottom-right to the *used* lengths. Query
-    rows past seqused_q[b] get out = 0 and lse = -inf, as a row that sees no key (flash-attn leaves
-    them unwritten, so any value there meets its contract), and dq = 0; keys past seqused_k[b]
-    get dk = dv = 0. ``pack_gqa`` as in `flash_attn_func`.
+    (docs/guide/reliability.md). Causal and local masks align bottom-right to the *used*
+    lengths. Query rows past seqused_q[b] get out = 0 and lse = -inf, as a row that sees no
+    key (flash-attn leaves them unwritten, so any value there meets its contract), and
+    dq = 0; keys past seqused_k[b] get dk = dv = 0. ``pack_gqa`` as in `flash_attn_func`.
 
     * mixed: cu_seqlens for one side only, the other padded [batch, seqlen, heads, d] (a
       packed prompt against a padded KV cache, or the reverse), each side with or without its

@@ -27,7 +27,7 @@ Index contents are checked before anything is written on CPU tensors, and on CUD
 clamped into the cache and page table (never read or written outside them), and an appended
 row that does not fit (its position outside the capacity, its page or cache entry not one of
 the cache) is dropped, never written over a cached row, and counted in the status word that
-`flash_cute.check_status()` reads (docs/reliability.md). alibi_slopes runs where
+`flash_cute.check_status()` reads (docs/guide/reliability.md). alibi_slopes runs where
 flash-cute's mods run (CPU tensors for now)."""
 
 from typing import Optional, Union

@@ -8,7 +8,7 @@
 * `local`: the attention each rank runs (the operators, or exact float64 for tests).
 * `cost.min_block_tokens`: the shard length at which the ring's transfers hide.
 
-docs/parallel.md describes the layouts, the cost model and the usage.
+docs/guide/parallel.md describes the layouts, the cost model and the usage.
 """
 
 from flash_cute.parallel.cost import min_block_tokens

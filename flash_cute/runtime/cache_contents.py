@@ -5,7 +5,7 @@ With the check off, CUDA calls clamp these contents into the tensors (no access 
 and drop appended rows that do not fit (`flash_cute.runtime.status`); the check reads them to
 the host in one transfer (one device sync) and raises ValueError naming the tensor, the entry
 and its valid range, before anything is written. It runs on CPU tensors always (no sync to
-save there), and on CUDA tensors with `flash_cute.check_inputs(True)`. docs/reliability.md
+save there), and on CUDA tensors with `flash_cute.check_inputs(True)`. docs/guide/reliability.md
 lists what each bad content gives either way.
 
 A page table's entries are checked where a sequence uses them: the first

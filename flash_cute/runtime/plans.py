@@ -92,7 +92,7 @@ def check_inputs(on: bool = True) -> bool:
     queue; CPU tensors are checked always. With it off, bad contents never make a kernel
     touch memory outside its tensors (`flash_cute.blocks.seqlen`) and an append that does not
     fit is dropped and counted (`flash_cute.check_status`), but results are meaningless
-    (docs/reliability.md).
+    (docs/guide/reliability.md).
 
     Args:
         on: check from now on (True) or not (False).
