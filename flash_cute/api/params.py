@@ -83,10 +83,12 @@ RAISES = """Raises:
         anywhere (qv, gathered K/V), naming it and the pipelines that have it."""
 
 
-def document(fn, **own) -> None:
-    """Append the Args (in `fn`'s signature order; `own` overrides the shared descriptions)
-    and Raises sections to `fn`'s docstring."""
+def document(fn, returns: str = "", raises: str = RAISES, **own) -> None:
+    """Append the Args (in `fn`'s signature order; `own` overrides the shared descriptions),
+    Returns (`returns`, when given) and Raises sections to `fn`'s docstring."""
     described = {**PARAMS, **own}
     names = [p for p in inspect.signature(fn).parameters if p in described]
     args = "\n".join(f"    {name}: {described[name]}" for name in names)
-    fn.__doc__ = f"{inspect.cleandoc(fn.__doc__ or '')}\n\nArgs:\n{args}\n\n{RAISES}"
+    returns = f"Returns:\n    {returns}\n\n" if returns else ""
+    fn.__doc__ = (f"{inspect.cleandoc(fn.__doc__ or '')}\n\nArgs:\n{args}\n\n{returns}"
+                  f"{raises}")

@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from flash_cute.api.params import document
 from flash_cute.parallel import comm, layouts
 from flash_cute.parallel.local import (
     LocalAttention,
@@ -247,41 +248,7 @@ def ring_attention(q, k, v, group=None, layout: str = "contiguous", causal: bool
     that seed does. Differentiable. `mode`: "ring" (K/V blocks travel round
     the ring) or "allgather" (Llama 3's: all K/V gathered on every rank). `local`: the
     local attention (`flash_cute.parallel.local`; default the operators). Returns out (and
-    the LSE, [b, h, s_local] or [h, t_local], with `return_lse`).
-
-    Args:
-        q: this rank's shard, [b, s_local, h, d], or packed [t_local, h, d].
-        k: [b, s_local, hk, d] (hk dividing h), or packed [t_local, hk, d].
-        v: like k.
-        group: a ProcessGroup, a DeviceMesh (with `mesh_dim`), or None for the world.
-        layout: "contiguous" (default), "striped" or "zigzag".
-        causal: the causal mask, at global positions.
-        window_size: (left, right), -1 for an unbounded side, at global positions.
-        softcap: > 0: cap · tanh(S / cap).
-        softmax_scale: the scores' scale (default 1 / sqrt(d)).
-        learnable_sink: float32 [h], FA4's per-head sink logit (with its gradient).
-        score_mod: FlexAttention's `score_mod(score, b, h, q_idx, kv_idx)`, at global
-            positions.
-        mask_mod: FlexAttention's `mask_mod(b, h, q_idx, kv_idx)`, at global positions.
-        dropout_p: dropout of the attention weights, drawn at global coordinates.
-        return_lse: also return the LSE.
-        mesh_dim: the DeviceMesh dim, when `group` is a mesh of more than one.
-        local: the local attention (`flash_cute.parallel.local`), default the operators.
-        cu_seqlens: int32, the packed documents' global offsets.
-        mode: "ring" (default) or "allgather".
-        dropout_seed: rank 0's seed for the dropout decisions (default: one it draws).
-
-    Returns:
-        out, this rank's rows in q's dtype; or (out, lse) with `return_lse`.
-
-    Raises:
-        ValueError: on every rank, when any rank's input is refused (a length the layout
-            cannot shard, an unknown layout or mode, a dropout_p outside [0, 1), shapes the
-            local attention cannot take) or the ranks' headers (shapes, dtypes, layout,
-            options) disagree.
-        RuntimeError: torch.distributed is not initialized.
-        NotImplementedError: dropout with the operators inside the ring (pass
-            `local=Float64Local()`)."""
+    the LSE, [b, h, s_local] or [h, t_local], with `return_lse`)."""
     group = comm.resolve_group(group, mesh_dim)
     world = torch.distributed.get_world_size(group)
     packed = cu_seqlens is not None
@@ -319,5 +286,36 @@ def ring_attention(q, k, v, group=None, layout: str = "contiguous", causal: bool
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
 
+
+# The context-parallel functions' own parameters (`api.params.document` adds the shared ones).
+CP_ARGS = dict(
+    q="this rank's shard, [b, s_local, h, d], or packed [t_local, h, d].",
+    k="[b, s_local, hk, d] (hk dividing h), or packed [t_local, hk, d].",
+    v="like k.",
+    group="a ProcessGroup, a DeviceMesh (with mesh_dim), or None for the world.",
+    layout="\"contiguous\" (default), \"striped\" or \"zigzag\".",
+    causal="the causal mask, at global positions.",
+    window_size="(left, right), -1 for an unbounded side, at global positions.",
+    score_mod="FlexAttention's score_mod(score, b, h, q_idx, kv_idx), at global positions.",
+    mask_mod="FlexAttention's mask_mod(b, h, q_idx, kv_idx), at global positions.",
+    dropout_p="dropout of the attention weights, drawn at global coordinates.",
+    mesh_dim="the DeviceMesh dim, when group is a mesh of more than one.",
+    local="the local attention (flash_cute.parallel.local), default the operators.",
+    cu_seqlens="int32, the packed documents' global offsets.",
+    mode="\"ring\" (default) or \"allgather\".",
+    dropout_seed="rank 0's seed for the dropout decisions (default: one it draws).",
+    return_lse="also return the LSE, [b, h, s_local] or [h, t_local].",
+)
+CP_RETURNS = "out, this rank's rows in q's dtype; or (out, lse) with return_lse."
+CP_RAISES = """Raises:
+    ValueError: on every rank, when any rank's input is refused (a length the layout cannot
+        shard, an unknown layout or mode, a dropout_p outside [0, 1), shapes the local
+        attention cannot take; for Ulysses, a group size that does not divide the K/V heads,
+        before any collective) or the ranks' headers (shapes, dtypes, layout, options)
+        disagree.
+    RuntimeError: torch.distributed is not initialized.
+    NotImplementedError: dropout with the operators inside the ring (pass
+        local=Float64Local())."""
+document(ring_attention, CP_RETURNS, CP_RAISES, **CP_ARGS)
 
 __all__ = ["ring_attention"]

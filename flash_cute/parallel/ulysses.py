@@ -16,9 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 
+from flash_cute.api.params import document
 from flash_cute.parallel import comm, layouts
 from flash_cute.parallel.local import LocalAttention, spec_of
 from flash_cute.parallel.ring import (
+    CP_ARGS,
+    CP_RAISES,
+    CP_RETURNS,
     Shards,
     _RingAttention,
     concat_rows,
@@ -87,36 +91,7 @@ def ulysses_attention(q, k, v, group=None, layout: str = "contiguous", causal: b
                       local=None, dropout_seed=None):
     """Attention over a sequence sharded in `layout` across the ranks of `group`, by two
     all-to-alls (DeepSpeed-Ulysses). Arguments and result as `ring.ring_attention`'s; the
-    group's size must divide the K/V heads.
-
-    Args:
-        q: this rank's shard, [b, s_local, h, d].
-        k: [b, s_local, hk, d], hk a multiple of the group's size.
-        v: like k.
-        group: a ProcessGroup, a DeviceMesh (with `mesh_dim`), or None for the world.
-        layout: the shards' layout.
-        causal: the causal mask, at global positions.
-        window_size: (left, right), -1 for an unbounded side, at global positions.
-        softcap: > 0: cap · tanh(S / cap).
-        softmax_scale: the scores' scale (default 1 / sqrt(d)).
-        learnable_sink: float32 [h], FA4's per-head sink logit (with its gradient).
-        score_mod: FlexAttention's `score_mod(score, b, h, q_idx, kv_idx)`, at global
-            positions.
-        mask_mod: FlexAttention's `mask_mod(b, h, q_idx, kv_idx)`, at global positions.
-        dropout_p: dropout of the attention weights, drawn at global coordinates.
-        return_lse: also return the LSE.
-        mesh_dim: the DeviceMesh dim, when `group` is a mesh of more than one.
-        local: the local attention, default the operators.
-        dropout_seed: rank 0's seed for the dropout decisions.
-
-    Returns:
-        out, this rank's rows; or (out, lse) with `return_lse`.
-
-    Raises:
-        ValueError: on every rank, when the group's size does not divide the K/V heads
-            (raised before any collective), a rank's input is refused, or the ranks'
-            headers disagree.
-        RuntimeError: torch.distributed is not initialized."""
+    group's size must divide the K/V heads."""
     group = comm.resolve_group(group, mesh_dim)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     error = ulysses_refusal(q, k, v, layout, world) or dropout_refusal(dropout_p)
@@ -140,35 +115,7 @@ def hybrid_attention(q, k, v, mesh, ring_dim="ring", ulysses_dim="ulysses",
                      return_lse: bool = False, local=None, dropout_seed=None):
     """Ulysses inside each group of `mesh`'s `ulysses_dim`, the ring (in `layout`) across
     `ring_dim`: a 2-D DeviceMesh. Rank (r, u) holds sub-shard u of ring shard r
-    (`hybrid_shard`). The Ulysses degree must divide the K/V heads.
-
-    Args:
-        q: this rank's sub-shard, [b, s_local, h, d].
-        k: [b, s_local, hk, d].
-        v: like k.
-        mesh: a 2-D DeviceMesh.
-        ring_dim: the mesh dim the ring runs across.
-        ulysses_dim: the mesh dim of the Ulysses groups.
-        layout: the ring's layout.
-        causal: the causal mask, at global positions.
-        window_size: (left, right), -1 for an unbounded side, at global positions.
-        softcap: > 0: cap · tanh(S / cap).
-        softmax_scale: the scores' scale (default 1 / sqrt(d)).
-        learnable_sink: float32 [h], FA4's per-head sink logit (with its gradient).
-        score_mod: FlexAttention's `score_mod(score, b, h, q_idx, kv_idx)`, at global
-            positions.
-        mask_mod: FlexAttention's `mask_mod(b, h, q_idx, kv_idx)`, at global positions.
-        dropout_p: dropout of the attention weights, drawn at global coordinates.
-        return_lse: also return the LSE.
-        local: the local attention, default the operators.
-        dropout_seed: rank 0's seed for the dropout decisions.
-
-    Returns:
-        out, this rank's rows; or (out, lse) with `return_lse`.
-
-    Raises:
-        ValueError: on every rank, as `ring.ring_attention` and `ulysses_attention` do.
-        RuntimeError: torch.distributed is not initialized."""
+    (`hybrid_shard`). The Ulysses degree must divide the K/V heads."""
     ring_group = mesh.get_group(ring_dim)
     uly_group = mesh.get_group(ulysses_dim)
     ring_world, uly_world = dist.get_world_size(ring_group), dist.get_world_size(uly_group)
@@ -225,3 +172,11 @@ def hybrid_positions(seqlen: int, layout: str, ring_world: int, uly_world: int, 
     ring_shard = layouts.positions(seqlen, layout, ring_world, ring_rank)
     piece = ring_shard.shape[0] // uly_world
     return ring_shard[uly_rank * piece:(uly_rank + 1) * piece]
+
+
+document(ulysses_attention, CP_RETURNS, CP_RAISES,
+         **{**CP_ARGS, "k": "[b, s_local, hk, d], hk a multiple of the group's size."})
+document(hybrid_attention, CP_RETURNS, CP_RAISES, **{
+    **CP_ARGS, "q": "this rank's sub-shard, [b, s_local, h, d].",
+    "mesh": "a 2-D DeviceMesh.", "ring_dim": "the mesh dim the ring runs across.",
+    "ulysses_dim": "the mesh dim of the Ulysses groups (its size divides the K/V heads)."})
