@@ -65,3 +65,13 @@ def test_a_guide_page_runs_with_its_slow_examples(page, tmp_path):
     """One process a page: an example that forks ranks must fork before the process has
     started torch's thread pools (a fork after them can deadlock the children)."""
     _run([page], slow=True, tmp_path=tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the guide's GPU examples need CUDA")
+def test_the_guide_pages_gpu_examples_run(tmp_path):
+    """The examples marked for the GPU (with their pages' CPU ones, which they build on), in
+    the GPU suite."""
+    pages = [p for p in PAGES if any(mark == "gpu" for mark, _, _ in blocks(p))]
+    assert pages
+    _run(pages, slow=False, tmp_path=tmp_path)
