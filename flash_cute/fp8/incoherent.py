@@ -94,5 +94,5 @@ def incoherent(q: torch.Tensor, k: torch.Tensor, seed: int = 0, fused=None):
     # Inside a caller's torch.compile the butterflies are traced and fused with the rest
     # (a compiled function within the trace could not mark its rows dynamic).
     fused = (q.is_cuda if fused is None else fused) and not torch.compiler.is_compiling()
-    transform = _fused_signed_fwht if fused else lambda x, s: fwht(x * s)
+    transform = _fused_signed_fwht if fused else _signed_fwht
     return transform(q, signs), transform(k, signs)
