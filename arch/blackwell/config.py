@@ -6,6 +6,8 @@ so the budgets are checked on the host (`tests/test_blackwell.py`) without compi
 
 from typing import NamedTuple
 
+from flash_cute.contract.block_range import block_range
+
 # Shared memory per CTA on sm100 (B200): 227 KiB usable of 228, the kernel's static 1 KiB
 # (the DSL's) included.
 SMEM_CAPACITY = 232448
@@ -100,3 +102,243 @@ def smem_bytes(hdim: int, hdim_v: int, schedule: FwdSchedule) -> int:
 
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+# ------------------------------------------------------------------------------ the backward
+#
+# A cluster of `cta_group` CTAs (the pair when 2) owns a K/V tile of cta_group x tile_n rows
+# and walks the query tiles that see it. Each CTA holds its own tile_n rows of K and V (the
+# MMAs' A operand, M split by CTA); the B operands are split by N between the pair, so each
+# CTA loads half of every Q, dO and Kᵀ tile (`pair_*` below). Why each choice: docs/decisions.md
+# (D-BW-BWD-*).
+
+
+class BwdSchedule(NamedTuple):
+    """tile_m: query rows per step; tile_n: K/V rows per CTA; q_stages: depth of the Q (and
+    LSE) ring; cta_group: CTAs per MMA (2: tcgen05 cta_group::2, the K/V tile spans the pair);
+    cluster: the launch's cluster shape; do_stages: depth of the dO (and Δ) ring; dq_chunk:
+    fp32 columns of dQ per reduce-add; dq_stages: depth of the dQ staging ring in shared
+    memory."""
+    tile_m: int
+    tile_n: int
+    q_stages: int
+    cta_group: int = 1
+    cluster: tuple = (1, 1, 1)
+    do_stages: int = 1
+    dq_chunk: int = 32
+    dq_stages: int = 2
+
+
+# (hdim, hdim_v) -> schedule. hdim 64 runs one CTA per K/V tile (D-BW-BWD-1CTA); from 128 up
+# the pair shares each 256-row K/V tile (D-BW-BWD-PAIR).
+BWD_SCHEDULES = {
+    (64, 64): BwdSchedule(128, 128, 2, 1, (1, 1, 1), 1, 32, 2),
+    (128, 128): BwdSchedule(128, 128, 1, 2, (2, 1, 1), 1, 16, 2),
+    (192, 128): BwdSchedule(128, 128, 1, 2, (2, 1, 1), 1, 32, 1),
+}
+BWD_HDIMS = tuple(sorted(BWD_SCHEDULES))
+# Registers per thread of each warpgroup in the backward (setmaxnreg, summing to 4 x 128):
+# dQ reduce (warps 0..3), compute 0 (4..7), compute 1 (8..11), MMA / load / relay / idle.
+BWD_ROLE_REGISTERS = (128, 136, 136, 112)
+
+
+def acc_columns(m: int, n: int, cta_group: int) -> int:
+    """TMEM columns per CTA of an fp32 accumulator of an (m x n) tcgen05 MMA: one lane a row
+    with one CTA or with the pair at m = 256 (each CTA holds its 128 rows); with the pair at
+    m = 128 each CTA holds 64 rows, folded into 128 lanes by halves of n."""
+    if cta_group == 2 and m == 128:
+        return n // 2
+    return n
+
+
+class BwdTmemPlan(NamedTuple):
+    """First TMEM column of each accumulator (fp32) of one CTA: Sᵀ, dPᵀ, dV, dK, dQ; Pᵀ and
+    dSᵀ (16-bit, two per column, `tile_m / 2` columns) take the lower half of Sᵀ's and dPᵀ's
+    columns. `width` maps each name to its columns, `columns` is the allocation."""
+    s: int
+    dp: int
+    dv: int
+    dk: int
+    dq: int
+    width: dict
+    columns: int
+
+    def region(self, name: str) -> range:
+        start = {"p": self.s, "ds": self.dp}.get(name, getattr(self, name, None))
+        return range(start, start + self.width[name])
+
+
+def bwd_tmem_plan(hdim: int, hdim_v: int, schedule: BwdSchedule) -> BwdTmemPlan:
+    """dV and dK (live for the whole K/V tile) from column 0; then Sᵀ, dPᵀ and dQ (live for
+    one query tile) side by side where they fit. Where they do not, dQ takes the columns that
+    die first: Sᵀ's upper half (dead once Pᵀ is written below it) when dPᵀ still fits beside
+    Sᵀ, else dPᵀ moves over Sᵀ's upper half and dQ ends the plan over the dead part of dPᵀ
+    (dSᵀ, in dPᵀ's lower half, is read by the dK MMA before the dQ MMA writes: one thread
+    issues both, in order). `tests/test_blackwell_bwd_model.py` replays a step's accesses
+    against this plan."""
+    g, tm = schedule.cta_group, schedule.tile_m
+    m = g * schedule.tile_n
+    width = {"s": acc_columns(m, tm, g), "dp": acc_columns(m, tm, g),
+             "dv": acc_columns(m, hdim_v, g), "dk": acc_columns(m, hdim, g),
+             "dq": acc_columns(tm, hdim, g)}
+    width["p"], width["ds"] = width["s"] // 2, width["dp"] // 2
+    dv, dk = 0, width["dv"]
+    s = dk + width["dk"]
+    dp = s + width["s"]
+    dq = dp + width["dp"]
+    if dq + width["dq"] > TMEM_COLUMNS:
+        if width["dq"] <= width["s"] - width["p"]:
+            dq = s + width["p"]  # over Sᵀ's upper half
+        else:
+            dp = s + width["p"]  # dPᵀ over Sᵀ's upper half, dQ over dPᵀ's end
+            dq = TMEM_COLUMNS - width["dq"]
+    used = max(dq + width["dq"], dp + width["dp"])
+    if used > TMEM_COLUMNS:
+        raise ValueError(f"tensor memory: {used} columns needed, {TMEM_COLUMNS} exist")
+    columns = 32
+    while columns < used:
+        columns *= 2
+    return BwdTmemPlan(s, dp, dv, dk, dq, width, columns)
+
+
+def bwd_smem_slots(hdim: int, hdim_v: int, schedule: BwdSchedule, elem_bytes: int = 2) -> dict:
+    """Shared-memory buffers of one CTA of the backward, name -> bytes, each 1 KiB-aligned
+    (swizzled MMA operands). K and V (A operands, this CTA's rows) stay for the whole K/V
+    tile and hold dK and dV for the epilogue. Q, dO and Kᵀ are B operands: with the pair each
+    CTA holds its half of N, so Sᵀ = K Qᵀ takes tile_m / 2 query rows of Q while dK = dSᵀ Q
+    takes hdim / 2 columns of all tile_m rows ("qt"; "dot" and "kt" likewise). With one CTA
+    those are the same tiles read through MN-major views. Where the separate Qᵀ and dOᵀ
+    slots do not fit, Qᵀ (dOᵀ) is loaded into Q's (dO's) slot once the Sᵀ (dPᵀ) MMA has read
+    it ("qt", "dot" absent: `shares_transposed`). dS is the dQ MMA's A operand: tile_m / 2
+    query rows of the pair's 2·tile_n keys, half of it written by the peer CTA."""
+    g, tm, tn = schedule.cta_group, schedule.tile_m, schedule.tile_n
+    slots = {"k": tn * hdim * elem_bytes, "v": tn * hdim_v * elem_bytes,
+             "q": schedule.q_stages * (tm // g) * hdim * elem_bytes,
+             "do": schedule.do_stages * (tm // g) * hdim_v * elem_bytes,
+             "ds": (tm // g) * (g * tn) * elem_bytes,
+             "dq": (tm // g) * schedule.dq_chunk * 4 * schedule.dq_stages}
+    if g > 1:
+        slots["kt"] = (hdim // g) * (g * tn) * elem_bytes
+        transposed = {"qt": schedule.q_stages * tm * (hdim // g) * elem_bytes,
+                      "dot": schedule.do_stages * tm * (hdim_v // g) * elem_bytes}
+        if _slots_total({**slots, **transposed}, schedule) + STATIC_SMEM <= SMEM_CAPACITY:
+            slots.update(transposed)
+    return slots
+
+
+def _bwd_barriers(schedule: BwdSchedule) -> int:
+    """Bytes of the mbarriers and the TMEM address word: full/empty pairs of the Q, dO, LSE,
+    Δ and dQ rings, then Sᵀ, dPᵀ, Pᵀ, dSᵀ (with the peer's half), dQ full/empty, dK/dV done,
+    the TMEM dealloc barrier, and the address."""
+    rings = 2 * (2 * schedule.q_stages + 2 * schedule.do_stages + schedule.dq_stages)
+    return 8 * (rings + 2 + 12) + 4
+
+
+def _slots_total(slots: dict, schedule: BwdSchedule) -> int:
+    head = _align(_bwd_barriers(schedule), 16) + 4 * schedule.tile_m * (
+        schedule.q_stages + schedule.do_stages)  # LSE and Δ, fp32 per query row
+    return _align(head, 1024) + sum(_align(b, 1024) for b in slots.values())
+
+
+def bwd_smem_bytes(hdim: int, hdim_v: int, schedule: BwdSchedule) -> int:
+    """Dynamic shared memory of the backward's SharedStorage (`bwd_smem_slots` after the
+    barriers and the LSE and Δ rows); the 1 KiB static comes on top (`STATIC_SMEM`)."""
+    return _slots_total(bwd_smem_slots(hdim, hdim_v, schedule), schedule)
+
+
+def shares_transposed(hdim: int, hdim_v: int, schedule: BwdSchedule) -> bool:
+    """Whether Qᵀ and dOᵀ are loaded into Q's and dO's slots (`bwd_smem_slots`)."""
+    return schedule.cta_group > 1 and "qt" not in bwd_smem_slots(hdim, hdim_v, schedule)
+
+
+# The pair's work split. Pure integer arithmetic, so the kernel (on DSL integers) and the
+# float64 model of the split (`tests/test_blackwell_bwd_model.py`) call the same functions.
+
+def pair_kv_first(n_tile, rank, schedule: BwdSchedule):
+    """First K/V row of CTA `rank` of the cluster that owns K/V tile `n_tile` (of
+    cta_group x tile_n rows): the rows of its Sᵀ, dPᵀ, dK and dV (the MMAs' M half)."""
+    return (n_tile * schedule.cta_group + rank) * schedule.tile_n
+
+
+def pair_q_first(m_block, rank, schedule: BwdSchedule):
+    """First query row of query tile `m_block` that CTA `rank` loads for the Sᵀ and dPᵀ MMAs
+    (their B operand's N half: tile_m / cta_group rows, with all hdim columns) and whose dQ it
+    computes (the dQ MMA's M half) and adds."""
+    return m_block * schedule.tile_m + rank * (schedule.tile_m // schedule.cta_group)
+
+
+def pair_col_first(rank, hdim: int, schedule: BwdSchedule):
+    """First column of Qᵀ, dOᵀ and Kᵀ that CTA `rank` loads for the dK, dV and dQ MMAs (their B
+    operand's N half: hdim / cta_group columns, all rows)."""
+    return rank * (hdim // schedule.cta_group)
+
+
+def pair_exchange_first(rank, schedule: BwdSchedule):
+    """Where CTA `rank`'s dS reaches the dQ MMA: the keys of its rows (tile_n of them) start at
+    this column of dS (query rows x the pair's keys) in both CTAs' shared memory. It writes
+    the query rows of its own half there, and those of the peer's half at the same place in
+    the peer's dS (distributed shared memory, signalled on the peer's mbarrier)."""
+    return rank * schedule.tile_n
+
+
+def pair_tiles(seqlen_k, schedule: BwdSchedule):
+    """K/V tiles (clusters) of a sequence: ceil(seqlen_k / (cta_group x tile_n))."""
+    span = schedule.cta_group * schedule.tile_n
+    return (seqlen_k + span - 1) // span
+
+
+def dq_turn_of_pair(n_tile, m_block, schedule: BwdSchedule, seqlen_q, seqlen_k, causal: bool,
+                    window_left=None, window_right=None, *, imin=min, imax=max):
+    """Deterministic dQ: the place of K/V tile `n_tile` among the tiles that add into query
+    tile `m_block`, counted in clusters, not CTAs: both CTAs of a cluster add disjoint query
+    rows (`pair_q_first`), each through its own semaphore (one per query tile and rank), so
+    the turn a CTA waits for is its cluster's place. The tiles that see `m_block` are exactly
+    `block_range` at the cluster's key span (tight, like `m_block_range`), so every turn is
+    taken."""
+    rng = block_range(m_block, schedule.tile_m, schedule.cta_group * schedule.tile_n, seqlen_q,
+                      seqlen_k, causal, window_left, window_right, imin=imin, imax=imax)
+    return n_tile - rng.n_block_min
+
+
+# One query tile's TMEM accesses in the backward, in each role's program order: (event, role,
+# reads, writes). The MMAs read Pᵀ and dSᵀ from TMEM (the dV and dK MMAs' A operand); the dQ
+# MMA reads dS from shared memory.
+BWD_TMEM_STEP = (
+    ("S", "mma", (), ("s",)),
+    ("dP", "mma", (), ("dp",)),
+    ("dV", "mma", ("p", "dv"), ("dv",)),
+    ("dK", "mma", ("ds", "dk"), ("dk",)),
+    ("dQ", "mma", (), ("dq",)),
+    ("load S", "compute", ("s",), ()),
+    ("store P", "compute", (), ("p",)),
+    ("load dP", "compute", ("dp",), ()),
+    ("store dS", "compute", (), ("ds",)),
+    ("load dQ", "reduce", ("dq",), ()),
+)
+# The barriers every plan has, as (signalling event, waiting event, steps later): Sᵀ full,
+# dPᵀ full, Pᵀ full, dSᵀ full (this CTA's and, for dQ, the peer's half), dQ full, dQ empty.
+BWD_TMEM_BARRIERS = (
+    ("S", "load S", 0), ("dP", "load dP", 0), ("store P", "dV", 0), ("store dS", "dK", 0),
+    ("store dS", "dQ", 0), ("dQ", "load dQ", 0), ("load dQ", "dQ", 1),
+)
+
+
+def _overlap(plan: BwdTmemPlan, a: str, b: str) -> bool:
+    ra, rb = plan.region(a), plan.region(b)
+    return ra.start < rb.stop and rb.start < ra.stop
+
+
+def bwd_tmem_waits(plan: BwdTmemPlan) -> dict:
+    """The waits a plan's aliasing adds to `BWD_TMEM_BARRIERS`, name -> (signalling event,
+    waiting event, steps later) where needed: "s_read" (the dPᵀ MMA waits until Sᵀ is in the
+    compute warps' registers: dPᵀ lies over Sᵀ's upper half) and "dq_read" (the next Sᵀ MMA
+    waits until the reduce warps hold dQ: dQ lies over Sᵀ's or dPᵀ's columns, and the dPᵀ
+    MMA comes after the Sᵀ one). The kernel takes these from here;
+    `tests/test_blackwell_bwd_model.py` replays the step against the plan with and without
+    them."""
+    waits = {}
+    if _overlap(plan, "dp", "s"):
+        waits["s_read"] = ("load S", "dP", 0)
+    if _overlap(plan, "dq", "s") or _overlap(plan, "dq", "dp"):
+        waits["dq_read"] = ("load dQ", "S", 1)
+    return waits
