@@ -9,8 +9,9 @@
 * a float64 model of the pair's work split: each CTA computes Sᵀ, dPᵀ, dV and dK for its own
   keys and dQ for its own query half from the dS its peer sends, with the row and column
   splits and the dQ turns of `config`; it reproduces float64 gradients (causal, local, GQA,
-  varlen with seqused), and in float32 with the per-rank semaphores it is bitwise the same
-  under shuffled CTA interleavings, where without them it is not.
+  varlen with seqused), and in float32 with the semaphores (counted per cluster,
+  `dq_turn_ready`) it is bitwise the same under shuffled CTA interleavings, where without
+  them it is not, and with turns counted in CTAs it hangs.
 
 Nothing here has run on Blackwell hardware; the kernel's own checks are its cross-compiles
 (`tests/test_blackwell.py`)."""
@@ -55,7 +56,7 @@ def test_every_backward_schedule_fits_sm100(dims, schedule):
     smem = config.bwd_smem_bytes(hdim, hdim_v, schedule) + config.STATIC_SMEM
     assert smem <= config.SMEM_CAPACITY, (dims, smem)
     assert hdim % g == 0 and hdim_v % g == 0 and schedule.tile_m % (2 * g) == 0
-    assert (hdim // g) % schedule.dq_chunk == 0
+    assert (config.acc_columns(schedule.tile_m, hdim, g)) % schedule.dq_chunk == 0
     assert sum(config.BWD_ROLE_REGISTERS) == 4 * 128
     assert all(r % 8 == 0 for r in config.BWD_ROLE_REGISTERS)
 
@@ -167,7 +168,7 @@ class _Sequence:
 
 
 def _cta(seq, head, n_tile, rank, sched, scale, causal, window, dq_accum, dk, dv, mailbox,
-         semaphores, dtype):
+         semaphores, dtype, ready):
     """One CTA of the pair as a generator of its synchronization points: ("wait", test) until
     test() holds, then the step continues. Its arithmetic is the model of its MMAs."""
     g, tm, tn = sched.cta_group, sched.tile_m, sched.tile_n
@@ -217,9 +218,9 @@ def _cta(seq, head, n_tile, rank, sched, scale, causal, window, dq_accum, dk, dv
         dq_part = torch.cat([(sds @ kt[:, c]) * scale for c in cols_k], 1)
         turn = config.dq_turn_of_pair(n_tile, m, sched, sq, sk, causal, left,
                                       0 if causal else right)
-        key = (id(seq), head, m, rank)
+        key = (id(seq), head, m)
         if semaphores is not None:
-            yield ("wait", lambda: semaphores.get(key, 0) == turn)
+            yield ("wait", lambda: ready(semaphores.get(key, 0), turn, sched))
         if len(halves[rank]):
             dq_accum[halves[rank], head] += dq_part.to(dq_accum.dtype)
         if semaphores is not None:
@@ -232,7 +233,8 @@ def _span(first, count, limit):
     return torch.arange(first, max(first, min(first + count, limit)))
 
 
-def _run(seqs, sched, scale, causal, window, dtype, rng, deterministic=True):
+def _run(seqs, sched, scale, causal, window, dtype, rng, deterministic=True,
+         ready=config.dq_turn_ready):
     """Every CTA of every (sequence, head, K/V tile) interleaved at random; returns per
     sequence (dq, dk, dv) in `dtype`."""
     grads, ctas = [], []
@@ -248,7 +250,7 @@ def _run(seqs, sched, scale, causal, window, dtype, rng, deterministic=True):
             for n_tile in range(config.pair_tiles(sk, sched)):
                 for rank in range(sched.cta_group):
                     ctas.append(_cta(seq, head, n_tile, rank, sched, scale, causal, window,
-                                     g[0], g[1], g[2], mailbox, semaphores, dtype))
+                                     g[0], g[1], g[2], mailbox, semaphores, dtype, ready))
     waiting = {i: None for i in range(len(ctas))}
     while waiting:
         ready = [i for i, test in waiting.items() if test is None or test()]
@@ -332,20 +334,20 @@ def test_the_pair_split_reproduces_float64_gradients(dims, causal, window, heads
             assert torch.allclose(a, b, rtol=1e-10, atol=1e-10), (name, (a - b).abs().max())
 
 
-def _float32_dq(seed, deterministic):
+def _float32_dq(seed, deterministic, ready=config.dq_turn_ready):
     dims = (128, 128)
     sched = config.BWD_SCHEDULES[dims]
     (q, k, v, dout), = _inputs(dims, [(200, 1100)], 1, 1, seed=3)
     out, lse = attention_ref(q, k, v, cu_seqlens_q=_cu([200]), cu_seqlens_k=_cu([1100]))
     seq = _Sequence(*(t.float() for t in (q, k, v, dout, out)), lse.float())
     grads = _run([seq], sched, 1 / math.sqrt(128), False, (None, None), torch.float32,
-                 random.Random(seed), deterministic)
+                 random.Random(seed), deterministic, ready)
     return grads[0][0]
 
 
 def test_deterministic_dq_is_bitwise_stable_under_shuffled_ctas():
-    """Five K/V tiles add into each query tile; with the per-rank semaphores the adds run in
-    turn order whatever the interleaving."""
+    """Five K/V tiles add into each query tile; with the semaphores counted per cluster the
+    adds run in turn order whatever the interleaving."""
     first = _float32_dq(0, True)
     for seed in range(1, 6):
         assert torch.equal(_float32_dq(seed, True), first), seed
@@ -355,3 +357,10 @@ def test_without_the_semaphores_the_order_shows():
     """The negative control: the same runs with the turns switched off differ in bits."""
     runs = [_float32_dq(seed, False) for seed in range(6)]
     assert any(not torch.equal(r, runs[0]) for r in runs[1:])
+
+
+def test_turns_counted_in_ctas_hang_the_second_cluster():
+    """The pair's known trap: a semaphore that counts CTAs, waited for as if it counted
+    clusters (semaphore == turn), lets the first cluster go and then never matches."""
+    with pytest.raises(AssertionError, match="deadlock"):
+        _float32_dq(0, True, ready=lambda value, turn, sched: value == turn)

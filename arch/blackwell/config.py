@@ -114,11 +114,10 @@ def _align(n: int, to: int) -> int:
 
 
 class BwdSchedule(NamedTuple):
-    """tile_m: query rows per step; tile_n: K/V rows per CTA; q_stages: depth of the Q (and
-    LSE) ring; cta_group: CTAs per MMA (2: tcgen05 cta_group::2, the K/V tile spans the pair);
-    cluster: the launch's cluster shape; do_stages: depth of the dO (and Δ) ring; dq_chunk:
-    fp32 columns of dQ per reduce-add; dq_stages: depth of the dQ staging ring in shared
-    memory."""
+    """tile_m: query rows per step; tile_n: K/V rows per CTA; q_stages: depth of the Q ring;
+    cta_group: CTAs per MMA (2: tcgen05 cta_group::2, the K/V tile spans the pair); cluster:
+    the launch's cluster shape; do_stages: depth of the dO ring; dq_chunk: dQ columns the
+    reduce warps move from TMEM at once."""
     tile_m: int
     tile_n: int
     q_stages: int
@@ -126,15 +125,14 @@ class BwdSchedule(NamedTuple):
     cluster: tuple = (1, 1, 1)
     do_stages: int = 1
     dq_chunk: int = 32
-    dq_stages: int = 2
 
 
 # (hdim, hdim_v) -> schedule. hdim 64 runs one CTA per K/V tile (D-BW-BWD-1CTA); from 128 up
 # the pair shares each 256-row K/V tile (D-BW-BWD-PAIR).
 BWD_SCHEDULES = {
-    (64, 64): BwdSchedule(128, 128, 2, 1, (1, 1, 1), 1, 32, 2),
-    (128, 128): BwdSchedule(128, 128, 1, 2, (2, 1, 1), 1, 16, 2),
-    (192, 128): BwdSchedule(128, 128, 1, 2, (2, 1, 1), 1, 32, 1),
+    (64, 64): BwdSchedule(128, 128, 2, 1, (1, 1, 1), 1, 32),
+    (128, 128): BwdSchedule(128, 128, 1, 2, (2, 1, 1), 1, 32),
+    (192, 128): BwdSchedule(128, 128, 1, 2, (2, 1, 1), 1, 32),
 }
 BWD_HDIMS = tuple(sorted(BWD_SCHEDULES))
 # Registers per thread of each warpgroup in the backward (setmaxnreg, summing to 4 x 128):
@@ -202,23 +200,24 @@ def bwd_tmem_plan(hdim: int, hdim_v: int, schedule: BwdSchedule) -> BwdTmemPlan:
 
 
 def bwd_smem_slots(hdim: int, hdim_v: int, schedule: BwdSchedule, elem_bytes: int = 2) -> dict:
-    """Shared-memory buffers of one CTA of the backward, name -> bytes, each 1 KiB-aligned
+    """Shared-memory tiles of one CTA of the backward, name -> bytes, each 1 KiB-aligned
     (swizzled MMA operands). K and V (A operands, this CTA's rows) stay for the whole K/V
-    tile and hold dK and dV for the epilogue. Q, dO and Kᵀ are B operands: with the pair each
-    CTA holds its half of N, so Sᵀ = K Qᵀ takes tile_m / 2 query rows of Q while dK = dSᵀ Q
-    takes hdim / 2 columns of all tile_m rows ("qt"; "dot" and "kt" likewise). With one CTA
-    those are the same tiles read through MN-major views. Where the separate Qᵀ and dOᵀ
-    slots do not fit, Qᵀ (dOᵀ) is loaded into Q's (dO's) slot once the Sᵀ (dPᵀ) MMA has read
-    it ("qt", "dot" absent: `shares_transposed`). dS is the dQ MMA's A operand: tile_m / 2
-    query rows of the pair's 2·tile_n keys, half of it written by the peer CTA."""
+    tile. Q, dO and Kᵀ are B operands: with the pair each CTA holds its half of N, so Sᵀ = K Qᵀ
+    takes tile_m / 2 query rows of Q while dK = dSᵀ Q takes hdim / 2 columns of all tile_m
+    rows ("qt"; "dot" and "kt" likewise). With one CTA those are the same tiles read through
+    MN-major views. Where the separate Qᵀ and dOᵀ tiles do not fit, Qᵀ (dOᵀ) is loaded into
+    Q's (dO's) slot once the Sᵀ (dPᵀ) MMA has read it ("qt", "dot" absent:
+    `shares_transposed`). "ds" is the dQ MMA's A operand: tile_m / cta_group query rows of the
+    cluster's keys; with the pair, "xchg" stages the rows this CTA computes for the peer,
+    which one bulk copy then sends (`pair.copy_to_peer`)."""
     g, tm, tn = schedule.cta_group, schedule.tile_m, schedule.tile_n
     slots = {"k": tn * hdim * elem_bytes, "v": tn * hdim_v * elem_bytes,
              "q": schedule.q_stages * (tm // g) * hdim * elem_bytes,
              "do": schedule.do_stages * (tm // g) * hdim_v * elem_bytes,
-             "ds": (tm // g) * (g * tn) * elem_bytes,
-             "dq": (tm // g) * schedule.dq_chunk * 4 * schedule.dq_stages}
+             "ds": (tm // g) * (g * tn) * elem_bytes}
     if g > 1:
         slots["kt"] = (hdim // g) * (g * tn) * elem_bytes
+        slots["xchg"] = (tm // g) * tn * elem_bytes
         transposed = {"qt": schedule.q_stages * tm * (hdim // g) * elem_bytes,
                       "dot": schedule.do_stages * tm * (hdim_v // g) * elem_bytes}
         if _slots_total({**slots, **transposed}, schedule) + STATIC_SMEM <= SMEM_CAPACITY:
@@ -226,23 +225,31 @@ def bwd_smem_slots(hdim: int, hdim_v: int, schedule: BwdSchedule, elem_bytes: in
     return slots
 
 
-def _bwd_barriers(schedule: BwdSchedule) -> int:
-    """Bytes of the mbarriers and the TMEM address word: full/empty pairs of the Q, dO, LSE,
-    Δ and dQ rings, then Sᵀ, dPᵀ, Pᵀ, dSᵀ (with the peer's half), dQ full/empty, dK/dV done,
-    the TMEM dealloc barrier, and the address."""
-    rings = 2 * (2 * schedule.q_stages + 2 * schedule.do_stages + schedule.dq_stages)
-    return 8 * (rings + 2 + 12) + 4
+def bwd_barrier_count(schedule: BwdSchedule, separate_transposed: bool) -> int:
+    """mbarriers of the backward: full/empty pairs of the K/V, Q and dO rings (and of the Qᵀ
+    and dOᵀ rings when they have their own tiles), the handshakes (`pair.COUNT`, 11) and the
+    pair's TMEM dealloc barrier."""
+    rings = 1 + schedule.q_stages + schedule.do_stages
+    if separate_transposed:
+        rings += schedule.q_stages + schedule.do_stages
+    return 2 * rings + 11 + 1
+
+
+def _head_bytes(schedule: BwdSchedule, separate_transposed: bool) -> int:
+    """The barriers, the TMEM address word, then LSE₂ and Δ of the step's queries (fp32, two
+    buffers)."""
+    bars = 8 * bwd_barrier_count(schedule, separate_transposed) + 4
+    return _align(bars, 16) + 2 * 2 * 4 * schedule.tile_m
 
 
 def _slots_total(slots: dict, schedule: BwdSchedule) -> int:
-    head = _align(_bwd_barriers(schedule), 16) + 4 * schedule.tile_m * (
-        schedule.q_stages + schedule.do_stages)  # LSE and Δ, fp32 per query row
+    head = _head_bytes(schedule, "qt" in slots)
     return _align(head, 1024) + sum(_align(b, 1024) for b in slots.values())
 
 
 def bwd_smem_bytes(hdim: int, hdim_v: int, schedule: BwdSchedule) -> int:
-    """Dynamic shared memory of the backward's SharedStorage (`bwd_smem_slots` after the
-    barriers and the LSE and Δ rows); the 1 KiB static comes on top (`STATIC_SMEM`)."""
+    """Dynamic shared memory of the backward's SharedStorage (`bwd_smem_slots` after
+    `_head_bytes`); the 1 KiB static comes on top (`STATIC_SMEM`)."""
     return _slots_total(bwd_smem_slots(hdim, hdim_v, schedule), schedule)
 
 
@@ -290,14 +297,22 @@ def pair_tiles(seqlen_k, schedule: BwdSchedule):
 def dq_turn_of_pair(n_tile, m_block, schedule: BwdSchedule, seqlen_q, seqlen_k, causal: bool,
                     window_left=None, window_right=None, *, imin=min, imax=max):
     """Deterministic dQ: the place of K/V tile `n_tile` among the tiles that add into query
-    tile `m_block`, counted in clusters, not CTAs: both CTAs of a cluster add disjoint query
-    rows (`pair_q_first`), each through its own semaphore (one per query tile and rank), so
-    the turn a CTA waits for is its cluster's place. The tiles that see `m_block` are exactly
+    tile `m_block`, counted in clusters, not CTAs. The tiles that see `m_block` are exactly
     `block_range` at the cluster's key span (tight, like `m_block_range`), so every turn is
     taken."""
     rng = block_range(m_block, schedule.tile_m, schedule.cta_group * schedule.tile_n, seqlen_q,
                       seqlen_k, causal, window_left, window_right, imin=imin, imax=imax)
     return n_tile - rng.n_block_min
+
+
+def dq_turn_ready(semaphore, turn, schedule: BwdSchedule):
+    """Whether a CTA whose cluster has turn `turn` may add its dQ rows of a query tile, the
+    tile's semaphore reading `semaphore`. Every CTA adds 1 once its add is complete, so the
+    semaphore counts CTAs; a turn is taken by the cluster's `cta_group` CTAs, which add
+    disjoint query rows (`pair_q_first`) and may go together: the turn has come once the
+    clusters before have all added, semaphore // cta_group == turn. (Waiting for semaphore
+    == turn, turns counted in CTAs, would hang the second cluster.)"""
+    return semaphore // schedule.cta_group == turn
 
 
 # One query tile's TMEM accesses in the backward, in each role's program order: (event, role,
