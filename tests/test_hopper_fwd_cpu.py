@@ -39,6 +39,27 @@ def test_the_decode_pair_fits_two_ctas_per_sm():
     assert smem_bytes(128, 128, DECODE_PAIR, True) <= CTA_PAIR_SMEM
 
 
+def test_the_decode_pair_keeps_seqlen_k_per_split_batch_invariant():
+    """The pair runs for one sequence only; where the caller fixed the split length, which
+    promises a sequence's bits whatever batch it is in, it does not run even then."""
+    import torch
+
+    from flash_cute.arch.hopper.planner import takes_decode_pair
+    from flash_cute.runtime.problem import validate_attention_inputs
+
+    q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16)
+    k = torch.randn(1, 8192, 8, 128, dtype=torch.bfloat16)
+
+    def problem(batch, **kw):
+        return validate_attention_inputs(q.expand(batch, -1, -1, -1),
+                                         k.expand(batch, -1, -1, -1),
+                                         k.expand(batch, -1, -1, -1), require_cuda=False,
+                                         num_splits=0, **kw)
+    assert takes_decode_pair(problem(1), 4, False)
+    assert not takes_decode_pair(problem(3), 4, False)
+    assert not takes_decode_pair(problem(1, seqlen_k_per_split=1024), 4, False)
+
+
 @pytest.mark.parametrize("hdim,hdim_v", sorted(SUPPORTED_HDIMS))
 @pytest.mark.parametrize("rows_past_sequence", [False, True])
 def test_every_schedule_fits_shared_memory(hdim, hdim_v, rows_past_sequence):

@@ -107,8 +107,11 @@ def takes_decode_pair(problem: AttentionProblem, pack: int, extras: bool,
     """Decode that runs `config.DECODE_PAIR` (D-DECODE-PAIR), where it was measured: one
     padded sequence at hdim 128, at most `PAIR_ROWS` packed query rows, split-KV allowed, a
     dense cache or pages of 16 to 64 rows (`page_rows`), and none of dropout, mods, softcap,
-    windows, an append or a timeline (`extras`), or a float32 partial."""
+    windows, an append or a timeline (`extras`), or a float32 partial. Not with
+    `seqlen_k_per_split`, whose promise is that a sequence's bits do not depend on the batch
+    beside it: a batch of one would otherwise run the pair, and a larger one not."""
     return (problem.hdim == problem.hdim_v == 128 and problem.batch == 1
+            and problem.seqlen_k_per_split is None
             and not problem.varlen and problem.max_seqlen_q * pack <= PAIR_ROWS
             and (page_rows is None or 16 <= page_rows <= 64)
             and problem.num_splits != 1 and not problem.partial_out
