@@ -10,7 +10,7 @@
   keys and dQ for its own query half from the dS its peer sends, with the row and column
   splits and the dQ turns of `config`; it reproduces float64 gradients (causal, local, GQA,
   varlen with seqused), and in float32 with the semaphores (counted per cluster,
-  `dq_turn_ready`) it is bitwise the same under shuffled CTA interleavings, where without
+  `dq_turn_pending`) it is bitwise the same under shuffled CTA interleavings, where without
   them it is not, and with turns counted in CTAs it hangs.
 
 Nothing here has run on Blackwell hardware; the kernel's own checks are its cross-compiles
@@ -168,7 +168,7 @@ class _Sequence:
 
 
 def _cta(seq, head, n_tile, rank, sched, scale, causal, window, dq_accum, dk, dv, mailbox,
-         semaphores, dtype, ready):
+         semaphores, dtype, pending):
     """One CTA of the pair as a generator of its synchronization points: ("wait", test) until
     test() holds, then the step continues. Its arithmetic is the model of its MMAs."""
     g, tm, tn = sched.cta_group, sched.tile_m, sched.tile_n
@@ -220,7 +220,7 @@ def _cta(seq, head, n_tile, rank, sched, scale, causal, window, dq_accum, dk, dv
                                       0 if causal else right)
         key = (id(seq), head, m)
         if semaphores is not None:
-            yield ("wait", lambda: ready(semaphores.get(key, 0), turn, sched))
+            yield ("wait", lambda: not pending(semaphores.get(key, 0), turn, sched))
         if len(halves[rank]):
             dq_accum[halves[rank], head] += dq_part.to(dq_accum.dtype)
         if semaphores is not None:
@@ -234,7 +234,7 @@ def _span(first, count, limit):
 
 
 def _run(seqs, sched, scale, causal, window, dtype, rng, deterministic=True,
-         ready=config.dq_turn_ready):
+         pending=config.dq_turn_pending):
     """Every CTA of every (sequence, head, K/V tile) interleaved at random; returns per
     sequence (dq, dk, dv) in `dtype`."""
     grads, ctas = [], []
@@ -250,7 +250,7 @@ def _run(seqs, sched, scale, causal, window, dtype, rng, deterministic=True,
             for n_tile in range(config.pair_tiles(sk, sched)):
                 for rank in range(sched.cta_group):
                     ctas.append(_cta(seq, head, n_tile, rank, sched, scale, causal, window,
-                                     g[0], g[1], g[2], mailbox, semaphores, dtype, ready))
+                                     g[0], g[1], g[2], mailbox, semaphores, dtype, pending))
     waiting = {i: None for i in range(len(ctas))}
     while waiting:
         ready = [i for i, test in waiting.items() if test is None or test()]
@@ -334,14 +334,14 @@ def test_the_pair_split_reproduces_float64_gradients(dims, causal, window, heads
             assert torch.allclose(a, b, rtol=1e-10, atol=1e-10), (name, (a - b).abs().max())
 
 
-def _float32_dq(seed, deterministic, ready=config.dq_turn_ready):
+def _float32_dq(seed, deterministic, pending=config.dq_turn_pending):
     dims = (128, 128)
     sched = config.BWD_SCHEDULES[dims]
     (q, k, v, dout), = _inputs(dims, [(200, 1100)], 1, 1, seed=3)
     out, lse = attention_ref(q, k, v, cu_seqlens_q=_cu([200]), cu_seqlens_k=_cu([1100]))
     seq = _Sequence(*(t.float() for t in (q, k, v, dout, out)), lse.float())
     grads = _run([seq], sched, 1 / math.sqrt(128), False, (None, None), torch.float32,
-                 random.Random(seed), deterministic, ready)
+                 random.Random(seed), deterministic, pending)
     return grads[0][0]
 
 
@@ -363,4 +363,4 @@ def test_turns_counted_in_ctas_hang_the_second_cluster():
     """The pair's known trap: a semaphore that counts CTAs, waited for as if it counted
     clusters (semaphore == turn), lets the first cluster go and then never matches."""
     with pytest.raises(AssertionError, match="deadlock"):
-        _float32_dq(0, True, ready=lambda value, turn, sched: value == turn)
+        _float32_dq(0, True, pending=lambda value, turn, sched: value != turn)

@@ -137,7 +137,7 @@ BWD_SCHEDULES = {
 BWD_HDIMS = tuple(sorted(BWD_SCHEDULES))
 # Registers per thread of each warpgroup in the backward (setmaxnreg, summing to 4 x 128):
 # dQ reduce (warps 0..3), compute 0 (4..7), compute 1 (8..11), MMA / load / relay / idle.
-BWD_ROLE_REGISTERS = (128, 136, 136, 112)
+BWD_ROLE_REGISTERS = (64, 152, 152, 144)
 
 
 def acc_columns(m: int, n: int, cta_group: int) -> int:
@@ -305,14 +305,14 @@ def dq_turn_of_pair(n_tile, m_block, schedule: BwdSchedule, seqlen_q, seqlen_k, 
     return n_tile - rng.n_block_min
 
 
-def dq_turn_ready(semaphore, turn, schedule: BwdSchedule):
-    """Whether a CTA whose cluster has turn `turn` may add its dQ rows of a query tile, the
-    tile's semaphore reading `semaphore`. Every CTA adds 1 once its add is complete, so the
-    semaphore counts CTAs; a turn is taken by the cluster's `cta_group` CTAs, which add
-    disjoint query rows (`pair_q_first`) and may go together: the turn has come once the
-    clusters before have all added, semaphore // cta_group == turn. (Waiting for semaphore
-    == turn, turns counted in CTAs, would hang the second cluster.)"""
-    return semaphore // schedule.cta_group == turn
+def dq_turn_pending(semaphore, turn, schedule: BwdSchedule):
+    """Whether a CTA whose cluster has turn `turn` must still wait to add its dQ rows of a
+    query tile, the tile's semaphore reading `semaphore`. Every CTA adds 1 once its add is
+    complete, so the semaphore counts CTAs; a turn is taken by the cluster's `cta_group` CTAs,
+    which add disjoint query rows (`pair_q_first`) and may go together: the turn has come
+    once the clusters before have all added, semaphore // cta_group == turn. (Waiting for
+    semaphore == turn, turns counted in CTAs, would hang the second cluster.)"""
+    return semaphore // schedule.cta_group != turn
 
 
 # One query tile's TMEM accesses in the backward, in each role's program order: (event, role,

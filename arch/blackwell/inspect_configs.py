@@ -53,3 +53,26 @@ def _fwd_configs():
 
 
 CONFIGS = _fwd_configs()
+
+
+def build_bwd(entry):
+    """Fake padded or varlen tensors with dynamic batch, heads and lengths; dQaccum like q, dK
+    and dV in the input dtype (fp32 with `dkv_fp32`, as GQA's launch gives them)."""
+    from flash_cute.runtime.jit import DTYPES
+    from flash_cute.tools.fake_args import fake_backward_args
+    from flash_cute.tools.kernel_config import CompileSpec, variant_from_flags
+
+    from .bwd import BlackwellBwd
+
+    dtype = DTYPES[entry.dtype]
+    flags = entry.flag_dict
+    kernel = BlackwellBwd(dtype, entry.hdim, entry.hdim_v, variant_from_flags(flags),
+                          schedule=tuple(entry.schedule),
+                          deterministic=flags.get("deterministic", False))
+    args = fake_backward_args(dtype, entry.hdim, entry.hdim_v, kernel.varlen,
+                              dkv_fp32=flags.get("dkv_fp32", False),
+                              semaphores=kernel.deterministic,
+                              seqused=(kernel.has_seqused_q, kernel.has_seqused_k),
+                              mods=kernel.mods)
+    return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
+                       options=COMPILE_OPTIONS)

@@ -1,0 +1,171 @@
+"""What the blackwell backward's CTAs say to each other: the raw mbarriers between its roles
+within a CTA and across the pair (a cluster of two running tcgen05 cta_group::2 MMAs), and
+the bulk copy that hands the peer its half of dS.
+
+With the pair only the leader (rank 0) issues MMAs, so every "MMA may go on" barrier lives in
+the leader and both CTAs' threads arrive on it; every "MMA done" barrier lives in both CTAs and
+one tcgen05.commit signals both (a multicast mask). One CTA alone uses the same barriers
+locally. Phases are carried by the waiters (`BlackwellBwd` docstring)."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import tcgen05
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from flash_cute.blocks.dsl_state import DslState
+
+LEADER = 0
+# The barriers, by index into one MemRange of mbarriers.
+S_FULL, DP_FULL, S_READ, P_FULL, DS_FULL, SDS_FULL, SDS_EMPTY, DQ_FULL, DQ_READ, DKV_FULL, \
+    PEER_SDS = range(11)
+COUNT = 11
+# Warps of each arriving role per CTA (one elected lane a warp arrives).
+COMPUTE_WARPS = 8
+REDUCE_WARPS = 4
+
+
+def arrival_counts(cta_group: int) -> dict:
+    """Arrivals that complete each barrier's phase. "MMA done" ones: one tcgen05.commit.
+    The leader's "MMA may go on" ones: every arriving warp of both CTAs. dS in shared memory
+    (SDS_FULL, per CTA): its local writers' warps, and with the pair the peer's copy, whose
+    sender arms the bytes with one arrival of its own."""
+    g = cta_group
+    local_writers = COMPUTE_WARPS // g
+    return {S_FULL: 1, DP_FULL: 1, SDS_EMPTY: 1, DQ_FULL: 1, DKV_FULL: 1,
+            S_READ: COMPUTE_WARPS * g, P_FULL: COMPUTE_WARPS * g, DS_FULL: COMPUTE_WARPS * g,
+            DQ_READ: REDUCE_WARPS * g, SDS_FULL: local_writers + (g - 1), PEER_SDS: 1}
+
+
+class PairSync(DslState):
+    """The CTA's handshake barriers (`arrival_counts`), and how each role reaches them."""
+
+    def __init__(self, bars: cute.Pointer, cta_group: int):
+        self.bars = bars
+        self.cta_group = cta_group
+
+    @property
+    def pair(self) -> bool:
+        return self.cta_group == 2
+
+    @cute.jit
+    def init(self, warp_idx: Int32):
+        counts = arrival_counts(self.cta_group)
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(COUNT):
+                    cute.arch.mbarrier_init(self.bars + i, counts[i])
+
+    def wait(self, i: int, phase: Int32):
+        cute.arch.mbarrier_wait(self.bars + i, phase)
+
+    @cute.jit
+    def commit(self, i: int):
+        """From the MMA warp: barrier `i` of both CTAs (of this one alone) completes when the
+        MMAs issued so far are done."""
+        with cute.arch.elect_one():
+            if cutlass.const_expr(self.pair):
+                tcgen05.commit(self.bars + i, 0b11, tcgen05.CtaGroup.TWO)
+            else:
+                tcgen05.commit(self.bars + i)
+
+    @cute.jit
+    def arrive_leader(self, i: int):
+        """One arrival per warp on the leader's barrier `i` (this CTA's alone)."""
+        with cute.arch.elect_one():
+            if cutlass.const_expr(self.pair):
+                cute.arch.mbarrier_arrive(self.bars + i, peer_cta_rank_in_cluster=LEADER)
+            else:
+                cute.arch.mbarrier_arrive(self.bars + i)
+
+    @cute.jit
+    def arrive_local(self, i: int):
+        """One arrival per warp on this CTA's barrier `i`."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(self.bars + i)
+
+    def arm_peer(self, i: int, peer: Int32, num_bytes: int):
+        """One lane: an arrival on the peer's barrier `i` that expects `num_bytes` of copy."""
+        cute.arch.mbarrier_arrive_and_expect_tx(self.bars + i, num_bytes,
+                                                peer_cta_rank_in_cluster=peer)
+
+
+@dsl_user_op
+def block_x(*, loc=None, ip=None) -> Int32:
+    """blockIdx.x read where it is used (volatile, so the compiler does not keep one read
+    from the kernel's start live through every role)."""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %ctaid.x;", "=r",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def copy_to_peer(src: cute.Pointer, dst: cute.Pointer, bar: cute.Pointer, num_bytes: int,
+                 peer: Int32, *, loc=None, ip=None):
+    """One lane: `num_bytes` of this CTA's shared memory at `src` into the peer CTA's at the
+    offset of `dst`, completing on the peer's mbarrier at the offset of `bar` (both mapped
+    into the cluster's window, as the instruction requires of both)."""
+    dst_cluster = cute.arch.map_dsmem_ptr(dst, peer, loc=loc, ip=ip)
+    bar_cluster = cute.arch.map_dsmem_ptr(bar, peer, loc=loc, ip=ip)
+    args = [Int32(dst_cluster.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
+            Int32(src.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
+            Int32(bar_cluster.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
+            Int32(num_bytes).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, args,
+                    "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes "
+                    "[$0], [$1], $3, [$2];", "r,r,r,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+class TmaRing(DslState):
+    """A ring of TMA-filled stages the MMA warp consumes (full / empty mbarrier pairs), as
+    `PipelineTmaUmma` has it, with what depends on the CTA's rank read where it is used:
+    the full barrier counts one arrival, the leader's, which arms both CTAs' bytes (a
+    cta_group::2 TMA completes on the leader's barrier); the empty barrier completes on the
+    MMA warp's tcgen05.commit, sent to both CTAs."""
+
+    def __init__(self, bars: cute.Pointer, stages: int, tx_bytes: int, cta_group: int):
+        self.full = bars
+        self.empty = bars + stages
+        self.stages, self.tx_bytes, self.cta_group = stages, tx_bytes, cta_group
+
+    @cute.jit
+    def init(self, warp_idx: Int32):
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(self.full + i, 1)
+                    cute.arch.mbarrier_init(self.empty + i, 1)
+
+    @cute.jit
+    def producer_acquire(self, state):
+        """Wait for the stage to be free, then (the leader) arm its full barrier."""
+        cute.arch.mbarrier_wait(self.empty + state.index, state.phase)
+        if block_x() % self.cta_group == LEADER:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(self.full + state.index,
+                                                        self.tx_bytes)
+
+    def barrier(self, state) -> cute.Pointer:
+        return self.full + state.index
+
+    def consumer_wait(self, state):
+        cute.arch.mbarrier_wait(self.full + state.index, state.phase)
+
+    @cute.jit
+    def consumer_release(self, state):
+        """The stage frees once the MMAs issued so far have read it."""
+        with cute.arch.elect_one():
+            if cutlass.const_expr(self.cta_group == 2):
+                tcgen05.commit(self.empty + state.index, 0b11, tcgen05.CtaGroup.TWO)
+            else:
+                tcgen05.commit(self.empty + state.index)
+
+    @cute.jit
+    def producer_tail(self, state):
+        """Before the CTA exits: every stage's last release has landed (a commit may not
+        arrive on the barrier of a CTA that has left)."""
+        for _ in cutlass.range_constexpr(self.stages):
+            cute.arch.mbarrier_wait(self.empty + state.index, state.phase)
+            state.advance()
