@@ -69,7 +69,7 @@ _REDUCE_BARRIER = 6
 # Columns of dK / dV a compute thread moves from TMEM at once in the epilogue, and of dPᵀ
 # per pass of dS (registers: P's 64 columns stay beside one chunk).
 _EPI_CHUNK = 16
-_DS_CHUNK = 16
+_DS_CHUNK = 8
 _LANE = 1 << 16  # a TMEM address's lane step
 _MMA_NAMES = ("s", "dp", "dv", "dk", "dq")
 
@@ -365,6 +365,8 @@ class BlackwellBwd:
             ring.init(warp_idx)
         sync = pair.PairSync(storage.sync_bars.data_ptr(), self.cta_group)
         sync.init(warp_idx)
+        # Its constructor initializes the pair's TMEM dealloc barrier, with the others.
+        tmem = self._tmem_allocator(storage, True)
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.pair):
             # The peer's first remote arrivals need this CTA's barriers initialized.
@@ -373,7 +375,6 @@ class BlackwellBwd:
         else:
             cute.arch.sync_threads()
 
-        tmem = self._tmem_allocator(storage, True)
         if warp_idx == _MMA_WARP:
             tmem.allocate(self.tmem.columns)
         tmem.wait_for_alloc()

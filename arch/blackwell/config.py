@@ -137,7 +137,7 @@ BWD_SCHEDULES = {
 BWD_HDIMS = tuple(sorted(BWD_SCHEDULES))
 # Registers per thread of each warpgroup in the backward (setmaxnreg, summing to 4 x 128):
 # dQ reduce (warps 0..3), compute 0 (4..7), compute 1 (8..11), MMA / load / relay / idle.
-BWD_ROLE_REGISTERS = (64, 152, 152, 144)
+BWD_ROLE_REGISTERS = (88, 152, 152, 120)
 
 
 def acc_columns(m: int, n: int, cta_group: int) -> int:

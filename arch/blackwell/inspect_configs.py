@@ -1,8 +1,9 @@
-"""The blackwell pipeline's kernel configs for `inspect` (sm_100a, compile-verified only)."""
+"""The blackwell pipeline's kernel configs for `inspect` (sm_100a, compile-verified only): the
+forward's and the backward's."""
 
 from flash_cute.tools.kernel_config import KernelConfig, config_flags
 
-from .config import COMPILE_OPTIONS, FWD_SCHEDULES, default_ex2_per16
+from .config import BWD_SCHEDULES, COMPILE_OPTIONS, FWD_SCHEDULES, default_ex2_per16
 
 TARGETS = ("sm_100a",)
 
@@ -52,7 +53,32 @@ def _fwd_configs():
     return tuple(out)
 
 
-CONFIGS = _fwd_configs()
+def _bwd_configs():
+    out = []
+    plain = {"causal": False, "local": False, "softcap": False, "varlen": False}
+    for (d, dv), flags in [((64, 64), {}), ((64, 64), {"causal": True, "fp16": True}),
+                           ((64, 64), {"varlen": True, "seqused_q": True}),
+                           ((64, 64), {"causal": True, "deterministic": True}),
+                           ((128, 128), {}), ((128, 128), {"causal": True}),
+                           ((128, 128), {"local": True, "softcap": True}),
+                           ((128, 128), {"causal": True, "varlen": True, "seqused_k": True}),
+                           ((128, 128), {"causal": True, "deterministic": True}),
+                           # GQA: fp32 dK and dV per query head, summed by the launch.
+                           ((128, 128), {"causal": True, "dkv_fp32": True}),
+                           ((192, 128), {}), ((192, 128), {"causal": True}),
+                           ((192, 128), {"causal": True, "varlen": True, "seqused_q": True}),
+                           ((192, 128), {"deterministic": True}),
+                           # Traced and FA4-form mods, and a block mask.
+                           ((128, 128), {"causal": True, "mods": "alibi"}),
+                           ((128, 128), {"mods": "document"}),
+                           ((128, 128), {"varlen": True, "mods": "alibi_document"}),
+                           ((64, 64), {"mods": "fa4_softcap_causal"}),
+                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
+        dtype = "fp16" if flags.pop("fp16", False) else "bf16"
+        out.append(KernelConfig("blackwell.bwd", TARGETS, dtype, d, dv, BWD_SCHEDULES[(d, dv)],
+                                build_bwd, config_flags(**{**plain, **flags})))
+    return tuple(out)
+
 
 
 def build_bwd(entry):
@@ -76,3 +102,6 @@ def build_bwd(entry):
                               mods=kernel.mods)
     return CompileSpec(kernel, args, dynamic_smem_bytes=kernel.smem_bytes,
                        options=COMPILE_OPTIONS)
+
+
+CONFIGS = _fwd_configs() + _bwd_configs()

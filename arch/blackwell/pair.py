@@ -38,6 +38,16 @@ def arrival_counts(cta_group: int) -> dict:
             DQ_READ: REDUCE_WARPS * g, SDS_FULL: local_writers + (g - 1), PEER_SDS: 1}
 
 
+@cute.jit
+def wait(bar: cute.Pointer, phase: Int32):
+    """Wait for the mbarrier's phase of parity `phase` to complete: a try-wait loop in line,
+    where `mbarrier_wait`'s retry path sits out of line and keeps the barrier's address
+    alive across the whole kernel (ptxas spilled it)."""
+    done = cute.arch.mbarrier_try_wait(bar, phase)
+    while not done:
+        done = cute.arch.mbarrier_try_wait(bar, phase)
+
+
 class PairSync(DslState):
     """The CTA's handshake barriers (`arrival_counts`), and how each role reaches them."""
 
@@ -58,7 +68,7 @@ class PairSync(DslState):
                     cute.arch.mbarrier_init(self.bars + i, counts[i])
 
     def wait(self, i: int, phase: Int32):
-        cute.arch.mbarrier_wait(self.bars + i, phase)
+        wait(self.bars + i, phase)
 
     @cute.jit
     def commit(self, i: int):
@@ -141,7 +151,7 @@ class TmaRing(DslState):
     @cute.jit
     def producer_acquire(self, state):
         """Wait for the stage to be free, then (the leader) arm its full barrier."""
-        cute.arch.mbarrier_wait(self.empty + state.index, state.phase)
+        wait(self.empty + state.index, state.phase)
         if block_x() % self.cta_group == LEADER:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(self.full + state.index,
@@ -151,7 +161,7 @@ class TmaRing(DslState):
         return self.full + state.index
 
     def consumer_wait(self, state):
-        cute.arch.mbarrier_wait(self.full + state.index, state.phase)
+        wait(self.full + state.index, state.phase)
 
     @cute.jit
     def consumer_release(self, state):
@@ -167,5 +177,5 @@ class TmaRing(DslState):
         """Before the CTA exits: every stage's last release has landed (a commit may not
         arrive on the barrier of a CTA that has left)."""
         for _ in cutlass.range_constexpr(self.stages):
-            cute.arch.mbarrier_wait(self.empty + state.index, state.phase)
+            wait(self.empty + state.index, state.phase)
             state.advance()

@@ -1,10 +1,11 @@
-"""The blackwell forward's pipeline as data (`flash_cute.contract.pipeline`): tcgen05 MMAs
-issued by one warp into tensor memory, two softmax warpgroups and a correction warpgroup.
-Compile-verified only."""
+"""The blackwell forward's and backward's pipelines as data (`flash_cute.contract.pipeline`):
+tcgen05 MMAs issued by one warp into tensor memory; the forward's two softmax warpgroups and
+correction warpgroup, the backward's dQ reduce and two compute warpgroups. Compile-verified
+only."""
 
 from flash_cute.contract.pipeline import Buffer, Pipeline, Role
 
-from .config import ROLE_REGISTERS
+from .config import BWD_ROLE_REGISTERS, ROLE_REGISTERS
 
 RULE = ("warp specialization by warpgroup, setmaxnreg per warpgroup; TMEM lanes bind a warp "
         "to its quarter of the rows, so the row roles come in aligned groups of four warps")
@@ -32,3 +33,49 @@ def forward(kernel) -> Pipeline:
                Buffer("LSE", "RMEM", 1, "correction", "global", "row stores"))
     return Pipeline("blackwell.fwd", "sm_100a", roles, buffers, RULE,
                     ("compile-verified only",))
+
+
+BWD_RULE = ("warp specialization by warpgroup, setmaxnreg per warpgroup; TMEM lanes bind a "
+            "warp to its quarter of the keys; with the pair only the leader CTA's MMA warp "
+            "issues, and the peer CTA's signals reach it by remote arrivals and its relay warp")
+
+
+def backward(kernel) -> Pipeline:
+    """`BlackwellBwd`: a K/V tile per cluster (one CTA, or the pair's cta_group::2 MMAs),
+    Sᵀ, dPᵀ, dV, dK and dQ in tensor memory."""
+    reduce, compute0, compute1, rest = BWD_ROLE_REGISTERS
+    pair = kernel.cta_group == 2
+    roles = (Role("dQ reduce", (0, 1, 2, 3), "dQ from TMEM, fp32 atomics into dQaccum "
+                  "(deterministic: in the cluster's turn)", reduce, 0),
+             Role("compute 0", (4, 5, 6, 7), "query columns 0..63 of Sᵀ and dPᵀ: P and dS to "
+                  "TMEM, dS to shared memory (the pair: this CTA's or the peer's); dV, dK "
+                  "out", compute0, 1),
+             Role("compute 1", (8, 9, 10, 11), "query columns 64..127: the same", compute1, 2),
+             Role("MMA", (12,), "the leader: every tcgen05 MMA (cta_group::2 with the pair); "
+                  "allocates and frees TMEM", rest, 3),
+             Role("load", (13,), "TMA of K, V (and Kᵀ) once, Q and dO (and Qᵀ, dOᵀ) per "
+                  "query tile", rest, 3),
+             Role("relay", (14,), "the pair's CTA 1: its dS complete → the leader's MMA"
+                  if pair else "idle (one CTA)", rest, 3),
+             Role("idle", (15,), "the MMA and load warps' warpgroup mate", rest, 3))
+    ring = "TMA; mbarrier ring: bytes full (the leader's) / tcgen05.commit empty (both CTAs)"
+    handshake = "raw mbarriers (`pair.PairSync`): commits to both CTAs, arrivals on the leader"
+    buffers = [Buffer("K", "SMEM", 1, "load", "MMA", ring),
+               Buffer("V", "SMEM", 1, "load", "MMA", ring),
+               Buffer("Q", "SMEM", kernel.q_stages, "load", "MMA", ring),
+               Buffer("dO", "SMEM", kernel.do_stages, "load", "MMA", ring),
+               Buffer("LSE", "SMEM", 2, "compute 0", "compute 0", "named barrier per step"),
+               Buffer("S", "TMEM", 1, "MMA", "compute 0 + compute 1", "S_FULL / S_READ; "
+                      + handshake),
+               Buffer("P", "TMEM", 1, "compute 0 + compute 1", "MMA", "P_FULL"),
+               Buffer("dS", "TMEM", 1, "compute 0 + compute 1", "MMA", "DS_FULL"),
+               Buffer("dS", "SMEM", 1, "compute 0 + compute 1", "MMA",
+                      "SDS_FULL (+ the peer's bulk copy and PEER_SDS) / SDS_EMPTY"),
+               Buffer("dQ", "TMEM", 1, "MMA", "dQ reduce", "DQ_FULL / DQ_READ"),
+               Buffer("dQ", "GMEM", 1, "dQ reduce", "global", "fp32 atomics"),
+               Buffer("dV", "TMEM", 1, "MMA", "compute 0 + compute 1", "DKV_FULL"),
+               Buffer("dK", "TMEM", 1, "MMA", "compute 0 + compute 1", "DKV_FULL"),
+               Buffer("dK", "RMEM", 1, "compute 0 + compute 1", "global", "row stores")]
+    return Pipeline("blackwell.bwd", "sm_100a", roles, tuple(buffers), BWD_RULE,
+                    ("compile-verified only",
+                     f"cta_group {kernel.cta_group}, cluster {kernel.schedule.cluster}"))

@@ -20,9 +20,9 @@ from flash_cute.tools.registry import TARGETS, registered_configs
 
 # The representative kernels of each target: its own pipeline's forward and, where it exists,
 # backward, bf16, hdim 128, causal (the blackwell forward with its default software exp2
-# share, compile-verified only).
+# share; blackwell's are compile-verified only).
 REPRESENTATIVE = {"sm_80": ("ampere.fwd", "ampere.bwd"), "sm_90a": ("hopper.fwd", "hopper.bwd"),
-                  "sm_100a": ("blackwell.fwd",)}
+                  "sm_100a": ("blackwell.fwd", "blackwell.bwd")}
 _REPRESENTATIVE_FLAGS = {"causal": True, "local": False, "softcap": False, "varlen": False}
 _REPRESENTATIVE_NUMBERS = {"blackwell.fwd": {"ex2_emu": 2}}
 # Per-target limits the resources are shown against: registers a thread, shared memory a CTA.
@@ -33,7 +33,10 @@ _FAMILIES = (("MMA", ("HMMA", "HGMMA", "QGMMA", "UTCHMMA", "UTCQMMA")),
              ("TMEM", ("LDTM", "STTM", "UTCBAR")),
              ("MUFU.EX2", ("MUFU.EX2",)),
              ("FFMA", ("FFMA",)))
-_TABLE_OPS = ("HMMA", "HGMMA", "QGMMA", "UTCHMMA", "LDGSTS", "UTMALDG", "MUFU.EX2", "FFMA")
+_TABLE_OPS = ("HMMA", "HGMMA", "QGMMA", "UTCHMMA", "UTCHMMA.2CTA", "UTCATOMSWS.2CTA.FIND_AND_SET",
+              "LDGSTS", "UTMALDG", "MUFU.EX2", "FFMA")
+# Column heads: the pair's MMAs and its TMEM allocation (cta_group::2) count on their own.
+_TABLE_HEADS = {"MUFU.EX2": "EX2", "UTCHMMA.2CTA": "2CTA", "UTCATOMSWS.2CTA.FIND_AND_SET": "alloc2"}
 
 
 def add_arguments(parser):
@@ -95,10 +98,10 @@ def _error_line(entry: dict) -> str:
 def format_table(entries: list) -> str:
     """One row per (kernel, config, target), at most 100 columns: the config label wraps onto
     its own line above its numbers."""
-    head = ["target", "regs", "smem", "spill"] + [op.split(".")[0] if op != "MUFU.EX2" else "EX2"
+    head = ["target", "regs", "smem", "spill"] + [_TABLE_HEADS.get(op, op.split(".")[0])
                                                   for op in _TABLE_OPS]
     lines = []
-    widths = [7, 4, 6, 5] + [6] * len(_TABLE_OPS)
+    widths = [7, 4, 6, 5] + [5] * len(_TABLE_OPS)
     fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     lines.append(fmt(head))
     last = None

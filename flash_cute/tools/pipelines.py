@@ -8,8 +8,8 @@ machine code shows of the roles and the memories.
 * the register pool: setmaxnreg only moves registers within the CTA's allocation (the
   launch's registers per thread times its threads), so the budgets, one per warpgroup, must
   fit in it (past it, a TRY_ALLOC spins forever).
-* tensor memory: allocated (UTCATOMSWS.FIND_AND_SET, tcgen05.alloc) exactly when a buffer
-  lives in TMEM.
+* tensor memory: allocated (UTCATOMSWS.FIND_AND_SET, tcgen05.alloc; the pair's
+  UTCATOMSWS.2CTA.FIND_AND_SET) exactly when a buffer lives in TMEM.
 * the global timer: read only by a kernel compiled to record its timeline.
 """
 
@@ -25,7 +25,8 @@ _SETMAXREG = re.compile(r"USETMAXREG\.(?:TRY_ALLOC|DEALLOC)\.CTAPOOL\s+(?:UP\d+,
 def sass_facts(sass: str) -> dict:
     """What the SASS text says about roles and memories."""
     return {"setmaxnreg": [int(v, 16) for v in _SETMAXREG.findall(sass)],
-            "tmem_alloc": "UTCATOMSWS.FIND_AND_SET" in sass,
+            "tmem_alloc": ("UTCATOMSWS.FIND_AND_SET" in sass
+                           or "UTCATOMSWS.2CTA.FIND_AND_SET" in sass),
             "global_timer": "SR_GLOBALTIMER" in sass}
 
 

@@ -34,7 +34,8 @@ def primitives(entry: dict) -> dict:
                         if any(op == o or op.startswith(o + ".") for o in ops))
     out["2-CTA forms"] = sum(n for op, n in sass.items() if "2CTA" in op)
     out["TMEM allocation"] = sum(n for op, n in sass.items()
-                                 if op.startswith("UTCATOMSWS.FIND_AND_SET"))
+                                 if op.startswith(("UTCATOMSWS.FIND_AND_SET",
+                                                   "UTCATOMSWS.2CTA.FIND_AND_SET")))
     share = entry["config"].get("ex2_emu") or 0
     out["exp2 in software"] = f"{share}/16 of the exponentials" if share else "none"
     return out

@@ -17,9 +17,14 @@ from elftools.elf.elffile import ELFFile
 # Opcodes whose modifiers matter enough to be counted on their own as well.
 # WARPGROUP.DEPBAR (a wait on in-flight WGMMAs) tells whether ptxas serialized the WGMMAs.
 # FADD2.FTZ.RM: the packed round-down split of sm100's software exp2 (`exp2_emulated_pair`);
-# UTCATOMSWS.FIND_AND_SET / .AND: sm100's tensor-memory allocation and release.
+# UTCATOMSWS.FIND_AND_SET / .AND: sm100's tensor-memory allocation and release; the pair's
+# allocation (cta_group::2) disassembles as UTCATOMSWS.2CTA.FIND_AND_SET.ALIGN, its release as
+# the same UTCATOMSWS.AND after a handshake on the dealloc mbarrier; UTMALDG.4D.2CTA: a TMA
+# load of the pair (completing on the leader's barrier); UBLKCP.S.S: a bulk copy into the
+# peer CTA's shared memory.
 FULL_FORM_OPCODES = ("MUFU.EX2", "UTCHMMA.2CTA", "WARPGROUP.DEPBAR", "IMAD.WIDE",
-                     "FADD2.FTZ.RM", "UTCATOMSWS.FIND_AND_SET", "UTCATOMSWS.AND")
+                     "FADD2.FTZ.RM", "UTCATOMSWS.FIND_AND_SET", "UTCATOMSWS.AND",
+                     "UTCATOMSWS.2CTA.FIND_AND_SET", "UTMALDG.4D.2CTA", "UBLKCP.S.S")
 
 _SASS_INSTR = re.compile(
     r"/\*[0-9a-f]{4,}\*/\s+(?:\{\s*)?(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)"
