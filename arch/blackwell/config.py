@@ -227,12 +227,12 @@ def bwd_smem_slots(hdim: int, hdim_v: int, schedule: BwdSchedule, elem_bytes: in
 
 def bwd_barrier_count(schedule: BwdSchedule, separate_transposed: bool) -> int:
     """mbarriers of the backward: full/empty pairs of the K/V, Q and dO rings (and of the Qᵀ
-    and dOᵀ rings when they have their own tiles), the handshakes (`pair.COUNT`, 11) and the
+    and dOᵀ rings when they have their own tiles), the handshakes (`BWD_BARRIERS`) and the
     pair's TMEM dealloc barrier."""
     rings = 1 + schedule.q_stages + schedule.do_stages
     if separate_transposed:
         rings += schedule.q_stages + schedule.do_stages
-    return 2 * rings + 11 + 1
+    return 2 * rings + len(BWD_BARRIERS) + 1
 
 
 def _head_bytes(schedule: BwdSchedule, separate_transposed: bool) -> int:
@@ -357,3 +357,24 @@ def bwd_tmem_waits(plan: BwdTmemPlan) -> dict:
     if _overlap(plan, "dq", "s") or _overlap(plan, "dq", "dp"):
         waits["dq_read"] = ("load dQ", "S", 1)
     return waits
+
+
+# The backward's handshake barriers (`pair.PairSync`), by index into one MemRange.
+BWD_BARRIERS = ("S_FULL", "DP_FULL", "S_READ", "P_FULL", "DS_FULL", "SDS_FULL", "SDS_EMPTY",
+                "DQ_FULL", "DQ_READ", "DKV_FULL", "PEER_SDS")
+# Warps of each arriving role per CTA (one elected lane a warp arrives).
+BWD_COMPUTE_WARPS = 8
+BWD_REDUCE_WARPS = 4
+
+
+def bwd_arrival_counts(cta_group: int) -> dict:
+    """Arrivals that complete each handshake barrier's phase. "MMA done" ones (S_FULL,
+    DP_FULL, SDS_EMPTY, DQ_FULL, DKV_FULL): one tcgen05.commit, sent to both CTAs. The
+    leader's "MMA may go on" ones: every arriving warp of both CTAs. dS in shared memory
+    (SDS_FULL, per CTA): its local writers' warps, and with the pair the peer's arm of its
+    copy's bytes. PEER_SDS (the leader's): the relay's one arrival."""
+    g = cta_group
+    return {"S_FULL": 1, "DP_FULL": 1, "SDS_EMPTY": 1, "DQ_FULL": 1, "DKV_FULL": 1,
+            "S_READ": BWD_COMPUTE_WARPS * g, "P_FULL": BWD_COMPUTE_WARPS * g,
+            "DS_FULL": BWD_COMPUTE_WARPS * g, "DQ_READ": BWD_REDUCE_WARPS * g,
+            "SDS_FULL": BWD_COMPUTE_WARPS // g + (g - 1), "PEER_SDS": 1}

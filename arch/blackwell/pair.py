@@ -16,26 +16,13 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flash_cute.blocks.dsl_state import DslState
 
+from .config import BWD_BARRIERS, bwd_arrival_counts
+
 LEADER = 0
-# The barriers, by index into one MemRange of mbarriers.
+# The barriers, by index into one MemRange of mbarriers (`config.BWD_BARRIERS`).
 S_FULL, DP_FULL, S_READ, P_FULL, DS_FULL, SDS_FULL, SDS_EMPTY, DQ_FULL, DQ_READ, DKV_FULL, \
-    PEER_SDS = range(11)
-COUNT = 11
-# Warps of each arriving role per CTA (one elected lane a warp arrives).
-COMPUTE_WARPS = 8
-REDUCE_WARPS = 4
-
-
-def arrival_counts(cta_group: int) -> dict:
-    """Arrivals that complete each barrier's phase. "MMA done" ones: one tcgen05.commit.
-    The leader's "MMA may go on" ones: every arriving warp of both CTAs. dS in shared memory
-    (SDS_FULL, per CTA): its local writers' warps, and with the pair the peer's copy, whose
-    sender arms the bytes with one arrival of its own."""
-    g = cta_group
-    local_writers = COMPUTE_WARPS // g
-    return {S_FULL: 1, DP_FULL: 1, SDS_EMPTY: 1, DQ_FULL: 1, DKV_FULL: 1,
-            S_READ: COMPUTE_WARPS * g, P_FULL: COMPUTE_WARPS * g, DS_FULL: COMPUTE_WARPS * g,
-            DQ_READ: REDUCE_WARPS * g, SDS_FULL: local_writers + (g - 1), PEER_SDS: 1}
+    PEER_SDS = range(len(BWD_BARRIERS))
+COUNT = len(BWD_BARRIERS)
 
 
 @cute.jit
@@ -49,7 +36,8 @@ def wait(bar: cute.Pointer, phase: Int32):
 
 
 class PairSync(DslState):
-    """The CTA's handshake barriers (`arrival_counts`), and how each role reaches them."""
+    """The CTA's handshake barriers (`config.bwd_arrival_counts`), and how each role reaches
+    them."""
 
     def __init__(self, bars: cute.Pointer, cta_group: int):
         self.bars = bars
@@ -61,11 +49,11 @@ class PairSync(DslState):
 
     @cute.jit
     def init(self, warp_idx: Int32):
-        counts = arrival_counts(self.cta_group)
+        counts = bwd_arrival_counts(self.cta_group)
         if warp_idx == 0:
             with cute.arch.elect_one():
-                for i in cutlass.range_constexpr(COUNT):
-                    cute.arch.mbarrier_init(self.bars + i, counts[i])
+                for i, name in enumerate(BWD_BARRIERS):
+                    cute.arch.mbarrier_init(self.bars + i, counts[name])
 
     def wait(self, i: int, phase: Int32):
         wait(self.bars + i, phase)
