@@ -3,13 +3,16 @@ of each cluster is a generator of the barrier operations it performs, in the ker
 (`BlackwellBwd` docstring), with the arrival counts (`config.bwd_arrival_counts`), the waits
 the TMEM plan adds (`config.bwd_tmem_waits`) and the dQ turns (`config.dq_turn_of_pair`,
 `dq_turn_pending`) the kernel takes from its config; TMA loads and the copy of dS to the
-peer land at random later times. A scheduler interleaves everything at random over
-clusters with varied query-tile counts (0 included) and checks: no deadlock, no waiter
+peer land at random later times. A scheduler interleaves everything at random, each role at
+a random speed of its own, over clusters with varied query-tile counts (0 included) and
+checks: no deadlock, no waiter
 lapped (a phase completing unseen), every arrival in the phase it is meant for (no barrier
 left with a partial phase), both CTAs allocate and free their tensor memory, the leader's
 dQ MMA of a query tile comes after both CTAs' dS of it (what the relay carries), and with
 deterministic dQ the adds into each query tile come in the order of the clusters' turns.
-MMAs complete when issued, so a tcgen05.commit arrives at once."""
+MMAs complete when issued, so a tcgen05.commit arrives at once. Negative controls: turns
+counted in CTAs hang; without the wait for dQ's read, or for the relay, the model sees the
+fault."""
 
 import random
 
