@@ -39,7 +39,7 @@ def test_default_exp2_share_is_fa4s_per_case():
 
 def test_blackwell_runs_only_when_named(capability):
     """Not hardware-tested: on a 10.x device dispatch picks the ampere code unless
-    arch="blackwell" names it; its backward then runs in a pipeline that has one."""
+    arch="blackwell" names it; its backward then runs in its own backward."""
     from flash_cute.runtime.dispatch import AMPERE, BLACKWELL
     from flash_cute.runtime.problem import validate_attention_inputs
 
@@ -50,7 +50,8 @@ def test_blackwell_runs_only_when_named(capability):
     assert not BLACKWELL.hardware_tested
     assert dispatch.select_pipeline(device, None, problem) is AMPERE
     assert dispatch.select_pipeline(device, "blackwell", problem) is BLACKWELL
-    assert dispatch.select_backward_pipeline(device, BLACKWELL, problem) is AMPERE
+    assert dispatch.select_backward_pipeline(device, BLACKWELL, problem) is BLACKWELL
+    assert dispatch.select_backward_pipeline(device, AMPERE, problem) is AMPERE
     capability(9, 0)
     with pytest.raises(ValueError, match="runs on compute capability 10"):
         dispatch.select_pipeline(device, "blackwell", problem)
@@ -296,3 +297,116 @@ def test_check_pipeline_catches_an_early_exit_and_a_missing_free():
     leak = "\n".join(ln for ln in lines if "UTCATOMSWS.AND" not in ln)
     with pytest.raises(AssertionError):
         check_pipeline(leak)
+
+
+# ---------------------------------------------------------------- the backward's host side
+
+def test_compute_capability_10_3_compiles_for_the_family_target():
+    """sm_100a cubins do not load on 10.3 (B300): its kernels compile for sm_100f, which the
+    blackwell planners take beside sm_100a."""
+    from flash_cute.arch.blackwell.planner import TARGETS
+    from flash_cute.runtime.jit import target_of
+
+    assert target_of(10, 0) == "sm_100a" and target_of(10, 3) == "sm_100f"
+    assert target_of(9, 0) == "sm_90a" and target_of(8, 6) == "sm_80"
+    assert set(TARGETS) == {"sm_100a", "sm_100f"}
+
+
+def test_every_capability_the_descriptor_claims_reaches_a_backward_that_takes_it():
+    """One capability set for both directions: each feature a call can bring to the
+    blackwell backward builds its kernel (no ValueError), and what it refuses is refused by
+    the planner first, by name."""
+    import cutlass
+
+    from flash_cute.arch.blackwell.bwd import BlackwellBwd
+    from flash_cute.contract import descriptor as caps
+    from flash_cute.contract.variant import Variant
+    from flash_cute.runtime.dispatch import BLACKWELL
+    from flash_cute.variants import registry
+    from flash_cute.variants.kernel_view import kernel_mods
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    mods = kernel_mods(registry.lookup(registry.register(None, causal)), False)[0]
+    variants = {caps.CAUSAL: Variant(causal=True), caps.LOCAL: Variant(window_left=True,
+                                                                       window_right=True),
+                caps.SOFTCAP: Variant(softcap=True), caps.VARLEN: Variant(varlen=True),
+                caps.SEQUSED: Variant(seqused_q=True, seqused_k=True),
+                caps.MODS: Variant(mods=mods)}
+    assert caps.BACKWARD in BLACKWELL.capabilities and BLACKWELL.has_backward
+    for cap, variant in variants.items():
+        for dims in ((64, 64), (128, 128), (192, 128)):
+            BlackwellBwd(cutlass.BFloat16, *dims, variant)
+    BlackwellBwd(cutlass.Float16, 128, 128, Variant(causal=True), deterministic=True)
+    for refused in (Variant(dropout=True), Variant(pack_gqa=4)):
+        with pytest.raises(ValueError, match="no .* yet"):
+            BlackwellBwd(cutlass.BFloat16, 128, 128, refused)
+    assert caps.DROPOUT not in BLACKWELL.capabilities
+
+
+def test_the_backward_refuses_learnable_captured_tensors_by_name():
+    import dataclasses
+
+    from flash_cute.arch.blackwell.planner import check_supported
+    from flash_cute.runtime.problem import validate_attention_inputs
+
+    q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    problem = validate_attention_inputs(q, q, q, require_cuda=False)
+    check_supported(problem, backward=True)
+    with pytest.raises(NotImplementedError, match="learnable captured tensors"):
+        check_supported(dataclasses.replace(problem, mod_grads=True), backward=True)
+    q = torch.randn(1, 64, 2, 96, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="head dims"):
+        check_supported(validate_attention_inputs(q, q, q, require_cuda=False), backward=True)
+
+
+def test_a_block_mask_reaches_the_pair_padded_with_empty_key_tiles():
+    """The pair reads the block-mask ranges and states of two 128-key tiles: a backward's key
+    tiles come padded to whole clusters, the padding empty, so those reads stay inside."""
+    import dataclasses
+
+    from flash_cute import create_block_mask
+    from flash_cute.runtime import launch
+    from flash_cute.runtime.problem import validate_attention_inputs
+    from flash_cute.variants import registry
+    from flash_cute.variants.block_mask import EMPTY
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    q = torch.randn(1, 300, 2, 128, dtype=torch.bfloat16)      # 3 key tiles of 128
+    block_mask = create_block_mask(causal, 1, 1, 300, 300, device="cpu")
+    problem = dataclasses.replace(
+        validate_attention_inputs(q, q, q, require_cuda=False),
+        mods=registry.lookup(registry.register(None, causal, block_mask)))
+    plain = launch.SparseTiles(problem, (128, 128), backward=True).tensors
+    states, ranges = launch.SparseTiles(problem, (128, 128), backward=True,
+                                        key_tiles_per_cta=2).tensors
+    assert plain[0].shape[3] == 3 and states.shape[3] == 4 and ranges.shape[2] == 4
+    assert torch.equal(states[..., :3], plain[0]) and torch.equal(ranges[:, :, :3], plain[1])
+    assert (states[..., 3] == EMPTY).all() and (ranges[:, :, 3] == 0).all()
+
+
+@pytest.mark.slow
+def test_the_family_target_cross_compiles_what_runs_on_10_3(tmp_path):
+    """sm_100f: the blackwell forward and backward (and the ampere code dispatch runs by
+    default on 10.x) cross-compile for the family target, on tcgen05 where they were (the
+    registry's configs, compiled by its worker for a target they do not list)."""
+    from pathlib import Path
+
+    from test_inspect import known_spill
+
+    from flash_cute.tools.registry import CONFIGS as ALL
+    from flash_cute.tools.sass import opcode_counts
+    from flash_cute.tools.xcompile import _run_worker
+
+    picks = [next(i for i, c in enumerate(ALL) if c.kernel == kernel and c.hdim == 128)
+             for kernel in ("blackwell.fwd", "blackwell.bwd", "ampere.fwd")]
+    results = _run_worker("sm_100f", picks, tmp_path, 900, lambda r: None)
+    assert len(results) == 3 and not any("error" in r for r in results), results
+    for r in results:
+        ops = opcode_counts(Path(r["artifacts"]["sass"]).read_text())
+        assert (ops.get("UTCHMMA", 0) > 0) == r["kernel"].startswith("blackwell"), r["kernel"]
+        # The spills pinned for sm_100a hold on the family target too.
+        assert r["spill_bytes"] == (known_spill({**r, "target": "sm_100a"}) or 0), r["kernel"]

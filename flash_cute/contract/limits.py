@@ -28,6 +28,8 @@ NOT_BUILT = (
     ("dropout inside the ring", "dropout with the kernels inside a context-parallel ring"),
     ("partial_out", "float32 partial outputs on a pipeline without split-KV"),
     ("runs on sm_", "a pipeline on other GPUs than its own (the GPUs column)"),
+    ("learnable captured tensors", "the gradients of a score mod's learnable captured "
+                                   "tensors in the blackwell backward"),
 )
 # Terms of the matrix itself that a refusal may name instead; "pipelines that support it"
 # ends dispatch's capability message, whose subject is a capability's spelled name.

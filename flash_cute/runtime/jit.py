@@ -118,7 +118,8 @@ compile_cache = CompileCache()
 
 def current_target() -> str:
     """The SM target of this process, for cache keys and target checks: CUTE_DSL_ARCH, else
-    the current GPU's family (sm_80 for any 8.x, sm_90a for 9.0, sm_100a for 10.x)."""
+    the current GPU's (sm_80 for any 8.x, sm_90a for 9.0, sm_100a for 10.0, the family
+    target sm_100f for the rest of 10.x: sm_100a cubins do not load on 10.3)."""
     env = os.environ.get("CUTE_DSL_ARCH")
     if env:
         return env
@@ -132,7 +133,14 @@ def _target_label(device_index: int) -> str:
     from flash_cute.runtime.device import device_capability
 
     major, minor = device_capability(device_index)
-    return {8: "sm_80", 9: "sm_90a", 10: "sm_100a"}.get(major, f"sm_{major}{minor}")
+    return target_of(major, minor)
+
+
+def target_of(major: int, minor: int) -> str:
+    """The SM target the kernels of compute capability major.minor compile for."""
+    if major == 10:
+        return "sm_100a" if minor == 0 else "sm_100f"
+    return {8: "sm_80", 9: "sm_90a"}.get(major, f"sm_{major}{minor}")
 
 
 def dynamic_dim(divisibility: int = 1):

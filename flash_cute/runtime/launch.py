@@ -193,9 +193,11 @@ class SparseTiles:
     out once per launch: the tile states and the ranges of non-empty tiles, per query tile
     for a forward, per key tile for a `backward` (None, None without a block mask). A forward
     whose CTA walks `q_tiles_per_cta` query tiles at once gets the query tiles padded to a
-    multiple of it, empty (the padding tiles' rows are past every sequence)."""
+    multiple of it, a backward whose cluster walks `key_tiles_per_cta` key tiles the key
+    tiles, empty (the padding tiles' rows are past every sequence)."""
 
-    def __init__(self, problem, tile, backward: bool, q_tiles_per_cta: int = 1):
+    def __init__(self, problem, tile, backward: bool, q_tiles_per_cta: int = 1,
+                 key_tiles_per_cta: int = 1):
         self.tensors = (None, None)
         mods = problem.mods
         if mods is None or mods.block_states is None:
@@ -209,6 +211,10 @@ class SparseTiles:
         if pad and not backward:
             states = torch.nn.functional.pad(states, (0, 0, 0, pad), value=EMPTY)
             fwd = torch.nn.functional.pad(fwd, (0, 0, 0, pad)).contiguous()
+        pad = -states.shape[3] % key_tiles_per_cta
+        if pad and backward:
+            states = torch.nn.functional.pad(states, (0, pad), value=EMPTY)
+            bwd = torch.nn.functional.pad(bwd, (0, 0, 0, pad)).contiguous()
         self.tensors = (states.contiguous(), bwd if backward else fwd)
 
     def fields(self) -> dict:

@@ -60,7 +60,7 @@ class BackwardPlan(NamedTuple):
     target)`, a `finish(dq_accum, cu_seqlens_q) -> dq`), with the byte alignment the kernel may
     assume of it (`align`); `row_stats_align`: the same for Δ and LSE·log2 e, whose rows (one
     per head) are then padded so every row starts that aligned (a TMA needs 16-byte
-    strides)."""
+    strides); `key_tiles_per_cta`: see below."""
     name: str
     kernel_cls: object
     schedule: tuple
@@ -69,6 +69,9 @@ class BackwardPlan(NamedTuple):
     prepare: Optional[Callable] = None
     dq_accum: object = RowDqAccum()
     row_stats_align: int = 4
+    # Key tiles a CTA's cluster walks at once (the blackwell pair: 2): a block mask's key
+    # tiles come padded to a multiple of it, empty (`launch.SparseTiles`).
+    key_tiles_per_cta: int = 1
 
 
 class BackwardLaunch:
@@ -121,7 +124,8 @@ class BackwardLaunch:
         varlen, align = problem.varlen, plan.row_stats_align
         drop = dropout_scalars(problem)
         self.dropout, self.dropout_scalars = problem.dropout_p > 0, tuple(drop.values())
-        self.sparse = SparseTiles(problem, plan.schedule[:2], backward=True)
+        self.sparse = SparseTiles(problem, plan.schedule[:2], backward=True,
+                                  key_tiles_per_cta=plan.key_tiles_per_cta)
         args = BwdArgs(q=TensorArg(q), k=TensorArg(k), v=TensorArg(v), dout=TensorArg(dout),
                        lse_log2=TensorArg(lse_log2, align), delta=TensorArg(delta, align),
                        dq_accum=TensorArg(dq_accum, plan.dq_accum.align),
