@@ -85,7 +85,7 @@ def test_a_plan_that_cannot_fit_is_refused():
 STEPS = 3
 
 
-def _happens_before(plan, waits):
+def _happens_before(plan, waits, barriers=None):
     """Edges between (event, step) nodes over STEPS query tiles: each role's program order
     (the step's events, then the next step's), the barriers, and `waits`."""
     order = {}
@@ -96,7 +96,9 @@ def _happens_before(plan, waits):
     for seq in order.values():
         for a, b in zip(seq, seq[1:]):
             edges[a].add(b)
-    for src, dst, later in list(config.BWD_TMEM_BARRIERS) + list(waits.values()):
+    extra = [edge for group in waits.values() for edge in group]
+    for src, dst, later in list(config.BWD_TMEM_BARRIERS if barriers is None else barriers) \
+            + extra:
         for step in range(STEPS - later):
             edges[(src, step)].add((dst, step + later))
     reach = {}
@@ -110,10 +112,10 @@ def _happens_before(plan, waits):
     return lambda a, b: b in reachable(a)
 
 
-def _stale_reads(plan, waits):
+def _stale_reads(plan, waits, barriers=None):
     """Reads that may see a write other than their own step's producer: a write to an
     overlapping column not ordered before that producer or after the read."""
-    hb = _happens_before(plan, waits)
+    hb = _happens_before(plan, waits, barriers)
     writes = [((e, s), w) for s in range(STEPS) for e, _, _, ws in config.BWD_TMEM_STEP
               for w in ws]
     producer = {w: e for e, _, _, ws in config.BWD_TMEM_STEP for w in ws}
@@ -123,7 +125,7 @@ def _stale_reads(plan, waits):
             for r in reads:
                 if r in ("dv", "dk"):
                     continue  # accumulators: checked by the plan test (no sharer)
-                src = (producer[r], step)
+                src = (producer.get(r) or producer[r.split(".")[0]], step)
                 for node, w in writes:
                     if node == src or not set(plan.region(w)) & set(plan.region(r)):
                         continue
@@ -153,6 +155,35 @@ def test_the_waits_follow_the_aliasing():
     assert set(config.bwd_tmem_waits(plans[(64, 64)])) == set()
     assert set(config.bwd_tmem_waits(plans[(128, 128)])) == {"dq_read"}
     assert set(config.bwd_tmem_waits(plans[(192, 128)])) == {"s_read", "dq_read"}
+
+
+@pytest.mark.parametrize("dims,schedule", SCHEDULES)
+def test_compute_1_waits_for_compute_0s_loads_of_s(dims, schedule):
+    """Compute 1's P words lie over compute 0's columns 32..63 of Sᵀ: without the named
+    barrier between them (`BlackwellBwd._in_order`) the replay sees compute 0 read a P
+    word."""
+    plan = config.bwd_tmem_plan(*dims, schedule)
+    waits = config.bwd_tmem_waits(plan)
+    without = [b for b in config.BWD_TMEM_BARRIERS if b != ("load S 0", "store P 1", 0)]
+    assert any("load S 0" in r and "store P 1" in r for r in _stale_reads(plan, waits, without))
+
+
+@pytest.mark.parametrize("wg", [0, 1])
+def test_each_ds_word_lands_on_a_chunk_already_loaded(wg):
+    """Within a warpgroup the dS words go out chunk by chunk, in `chunk_of`'s order: every
+    word lies over dPᵀ columns of this warpgroup's that it has loaded (the dPᵀ columns of
+    the other warpgroup it never touches)."""
+    sched = config.BWD_SCHEDULES[(128, 128)]
+    plan = config.bwd_tmem_plan(128, 128, sched)
+    chunk, chunks = 8, 64 // 8
+    mine = plan.region(f"dp.{wg}")
+    loaded = set()
+    for c in range(chunks):
+        k = config.chunk_of(c, wg, chunks)
+        loaded |= {mine.start + k * chunk + j for j in range(chunk)}
+        for j in range(0, chunk, 2):
+            word = config.ds_words_first(plan, wg, k * chunk + j)
+            assert word in mine and word in loaded, (wg, c, word)
 
 
 # ------------------------------------------------------------------------------ the split

@@ -217,6 +217,7 @@ class Run:
                 target.arrive(1, expect=1)
                 self.later(lambda t=target: t.complete_tx(1))
         if tiles:
+            yield from wait(mine["SDS_EMPTY"])  # the last dQ MMA's, met before the exit
             yield from wait(mine["DKV_FULL"])
 
     def reduce(self, c, r):

@@ -198,12 +198,14 @@ def _check_pipelines(configs):
 def test_the_kernel_docstrings_show_their_declared_budgets():
     """Each kernel class's role table (its docstring) shows the setmaxnreg budgets its
     declared pipeline has, for the representative configs: the docstring and the data agree."""
+    from flash_cute.arch.blackwell.bwd import BlackwellBwd
     from flash_cute.arch.blackwell.fwd import BlackwellFwd
     from flash_cute.arch.hopper.bwd import HopperBwd
     from flash_cute.arch.hopper.fwd import HopperFwd
     from flash_cute.tools.inspection import representative_configs
 
-    classes = {"hopper.fwd": HopperFwd, "hopper.bwd": HopperBwd, "blackwell.fwd": BlackwellFwd}
+    classes = {"hopper.fwd": HopperFwd, "hopper.bwd": HopperBwd, "blackwell.fwd": BlackwellFwd,
+               "blackwell.bwd": BlackwellBwd}
     for entry in representative_configs(TARGETS):
         if entry.kernel not in classes:
             continue
@@ -225,7 +227,8 @@ def test_the_declared_pipelines_agree_with_the_sass_of_the_representative_kernel
 @pytest.mark.slow
 def test_the_declared_pipelines_agree_with_the_sass_of_every_registered_config():
     configs = [c for c in CONFIGS if c.kernel in ("ampere.fwd", "ampere.bwd", "hopper.fwd",
-                                                  "hopper.bwd", "blackwell.fwd")]
+                                                  "hopper.bwd", "blackwell.fwd",
+                                                  "blackwell.bwd")]
     assert _check_pipelines(configs) >= len(configs)
 
 
@@ -734,10 +737,10 @@ def test_the_report_shows_each_pipelines_roles_residency_and_primitives(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     page = (tmp_path / "report.html").read_text()
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
-    assert len(pngs) == 5 and page.count("data:image/png;base64,") == 5
+    assert len(pngs) == 6 and page.count("data:image/png;base64,") == 6
     sections = dict(re.findall(r"<h2 id='([a-z.]+)'>(.*?)(?=<h2 |</body>)", page, re.S))
     assert set(sections) == {"ampere.fwd", "ampere.bwd", "hopper.fwd", "hopper.bwd",
-                             "blackwell.fwd"}
+                             "blackwell.fwd", "blackwell.bwd"}
 
     def count(section, primitive):
         found = re.search(rf"<td>{re.escape(primitive)}</td><td>(\d+)</td>", section)
@@ -761,6 +764,11 @@ def test_the_report_shows_each_pipelines_roles_residency_and_primitives(tmp_path
     assert count(sections["ampere.fwd"], "mma.sync") > 0
     assert "what changed from hopper.fwd" in sections["blackwell.fwd"]
     assert "S moves from RMEM to TMEM" in sections["blackwell.fwd"]
+    # The backward's pair: its 2-CTA forms and the relay role.
+    assert "<td>relay</td>" in sections["blackwell.bwd"]
+    assert count(sections["blackwell.bwd"], "2-CTA forms") > 0
+    assert count(sections["blackwell.bwd"], "TMEM allocation") > 0
+    assert resident(sections["blackwell.bwd"], "dQ") == ["GMEM", "TMEM"]
 
 
 def test_the_timeline_switch_reads_the_global_timer():

@@ -48,8 +48,10 @@ from .config import (
     bwd_smem_bytes,
     bwd_tmem_plan,
     bwd_tmem_waits,
+    chunk_of,
     dq_turn_of_pair,
     dq_turn_pending,
+    ds_words_first,
     pair_exchange_first,
     pair_kv_first,
     pair_q_first,
@@ -66,6 +68,8 @@ _TMEM_ALLOC_BARRIER = 1
 _STATS_BARRIER = 2  # and 3
 _XCHG_BARRIER = 4  # and 5
 _REDUCE_BARRIER = 6
+# Compute 0's loads of Sᵀ before compute 1's stores of P words (`_in_order`).
+_S_ORDER_BARRIER = 7
 # Columns of dK / dV a compute thread moves from TMEM at once in the epilogue, and of dPᵀ
 # per pass of dS (registers: P's 64 columns stay beside one chunk).
 _EPI_CHUNK = 16
@@ -81,17 +85,17 @@ class BlackwellBwd:
 
     | warps  | warpgroup | registers | role                                                 |
     |--------|-----------|-----------|------------------------------------------------------|
-    | 0..3   | 0         | 128       | dQ reduce: dQ from TMEM, fp32 atomics into dQaccum   |
+    | 0..3   | 0         | 88        | dQ reduce: dQ from TMEM, fp32 atomics into dQaccum   |
     |        |           |           | (deterministic: in the query tile's turn)            |
-    | 4..7   | 1         | 136       | compute 0: query columns 0..63 of Sᵀ and dPᵀ, one key |
+    | 4..7   | 1         | 160       | compute 0: query columns 0..63 of Sᵀ and dPᵀ, one key |
     |        |           |           | a thread: P, dS to TMEM, dS to shared memory; then   |
     |        |           |           | dV and dK's first half of columns out                |
-    | 8..11  | 2         | 136       | compute 1: query columns 64..127, and the second half |
-    | 12     | 3         | 112       | MMA (the leader CTA only): every tcgen05 MMA; TMEM   |
-    | 13     | 3         | 112       | load: TMA of K, V (and Kᵀ) once, Q, dO (and Qᵀ, dOᵀ) |
+    | 8..11  | 2         | 160       | compute 1: query columns 64..127, and the second half |
+    | 12     | 3         | 104       | MMA (the leader CTA only): every tcgen05 MMA; TMEM   |
+    | 13     | 3         | 104       | load: TMA of K, V (and Kᵀ) once, Q, dO (and Qᵀ, dOᵀ) |
     |        |           |           | per query tile                                       |
-    | 14     | 3         | 112       | relay (the pair's CTA 1): its dS complete → leader   |
-    | 15     | 3         | 112       | idle                                                 |
+    | 14     | 3         | 104       | relay (the pair's CTA 1): its dS complete → leader   |
+    | 15     | 3         | 104       | idle                                                 |
 
     The pair (hdim ≥ 128, cluster 2 x 1 x 1): each CTA holds its 128 keys of K and V (the
     MMAs' M half) and half of every B operand (`config.pair_*`): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ take
@@ -391,9 +395,15 @@ class BlackwellBwd:
             self.reduce_role(Work(self, *where), sync, tmem_ptr, mdQaccum, mdQsem)
         elif warp_idx < _MMA_WARP:
             cute.arch.setmaxregister_increase(BWD_ROLE_REGISTERS[1])
-            self.compute_role(Work(self, *where), sync, tmem_ptr, Smem(self, storage, layouts),
-                              storage, mLSElog2, mDelta, mdK, mdV, softmax_scale, scale_log2,
-                              mod_scale, aux)
+            # Each warpgroup's own code: its query columns, chunk order and turn at the
+            # named barriers are compile-time.
+            compute = (Work(self, *where), sync, tmem_ptr, Smem(self, storage, layouts),
+                       storage, mLSElog2, mDelta, mdK, mdV, softmax_scale, scale_log2,
+                       mod_scale, aux)
+            if warp_idx < _COMPUTE_WARP + 4:
+                self.compute_role(*compute, 0)
+            else:
+                self.compute_role(*compute, 1)
         else:
             cute.arch.setmaxregister_decrease(BWD_ROLE_REGISTERS[3])
             if warp_idx == _MMA_WARP:
@@ -599,9 +609,9 @@ class BlackwellBwd:
 
     @cute.jit
     def compute_role(self, work, sync, tmem_ptr, smem, storage, mLSElog2, mDelta, mdK, mdV,
-                     softmax_scale: Float32, scale_log2: Float32, mod_scale: Float32, aux):
-        tid = cute.arch.thread_idx()[0] - 32 * _COMPUTE_WARP
-        wg, lane = tid // 128, tid % 128
+                     softmax_scale: Float32, scale_log2: Float32, mod_scale: Float32, aux,
+                     wg: cutlass.Constexpr[int]):
+        lane = cute.arch.thread_idx()[0] % 128
         rows = TmemRows(tmem_ptr)
         stats = storage.stats.get_tensor(cute.make_layout((self.wg_cols, 2, 2, 2)))
         if work.has_steps:
@@ -621,34 +631,51 @@ class BlackwellBwd:
                 state = scores.tile_state(m, n_cta)
                 rng = mask.block_range(m)
                 sync.wait(pair.S_FULL, phase)
-                for c in cutlass.range_constexpr(self.wg_cols // _DS_CHUNK):
-                    self._probs(rP, c, rows, wg, lane, stats, buf, scores, m, n_cta, rng,
-                                state, scale_log2, sync)
+                # The key row's 64 columns first, all of them: compute 1's P words land in
+                # Sᵀ's columns 32..63, compute 0's to read (`_in_order`). Chunk c of the
+                # row is its query columns `chunk_of(c, wg)`, in `rP` and in what follows.
+                chunks = self.wg_cols // _DS_CHUNK
+                for c in cutlass.range_constexpr(chunks):
+                    self._load_chunk(rP, rows, self.tmem.s + wg * self.wg_cols, c,
+                                     chunk_of(c, wg, chunks), lane)
+                cute.arch.fence_view_async_tmem_load()
+                sync.arrive_leader(pair.S_READ)
+                self._in_order(_S_ORDER_BARRIER, wg)
+                for c in cutlass.range_constexpr(chunks):
+                    self._probs(rP, c, chunk_of(c, wg, chunks), rows, wg, lane, stats, buf,
+                                scores, m, n_cta, rng, state, scale_log2)
                 cute.arch.fence_view_async_tmem_store()
                 sync.arrive_leader(pair.P_FULL)
                 # dS from dPᵀ in chunks, each at once to TMEM (dSᵀ, the dK MMA's operand) and
                 # to shared memory (dS, the dQ MMA's): the dQ MMA of the previous query tile
-                # must be done with the latter first.
+                # must be done with the latter first. Each warpgroup's dS words lie over its
+                # own dPᵀ columns, of chunks it has loaded (`chunk_of`'s order,
+                # `ds_words_first`).
                 if i > 0:
                     sync.wait(pair.SDS_EMPTY, phase ^ 1)
                 sync.wait(pair.DP_FULL, phase)
-                for c in cutlass.range_constexpr(self.wg_cols // _DS_CHUNK):
-                    first = wg * self.wg_cols + c * _DS_CHUNK
-                    rdP = rows.load(self.tmem.dp + first, _DS_CHUNK, lane)
-                    self._ds(rdP, rP, stats, buf, wg, c * _DS_CHUNK)
-                    rows.store_halves(self.tmem.dp + first // 2, rdP, lane, self.dtype)
-                    self._write_ds(rdP, smem, wg, lane, work.rank, c)
+                for c in cutlass.range_constexpr(chunks):
+                    k = chunk_of(c, wg, chunks)
+                    rdP = rows.load(self.tmem.dp + wg * self.wg_cols + k * _DS_CHUNK,
+                                    _DS_CHUNK, lane)
+                    self._ds(rdP, rP, stats, buf, wg, c, k)
+                    rows.store_halves(ds_words_first(self.tmem, wg, k * _DS_CHUNK), rdP, lane,
+                                      self.dtype)
+                    self._write_ds(rdP, smem, wg, lane, work.rank, k)
                 cute.arch.fence_view_async_tmem_store()
                 sync.arrive_leader(pair.DS_FULL)
                 self._ds_done(smem, sync, wg, lane, work.rank)
                 phase = phase ^ 1
+            # The last dQ MMA's commit of SDS_EMPTY reaches this CTA too: met here, none is
+            # left in flight when the CTA exits.
+            sync.wait(pair.SDS_EMPTY, phase ^ 1)
             sync.wait(pair.DKV_FULL, 0)
         self._epilogue(work, rows, mdV, self.tmem.dv, self.hdim_v, Float32(1.0), wg, lane)
         self._epilogue(work, rows, mdK, self.tmem.dk, self.hdim, softmax_scale, wg, lane)
 
     @cute.jit
-    def _stage_stats(self, stats, buf: Int32, wg: Int32, lane: Int32, m: Int32, seq, head,
-                     mLSElog2, mDelta):
+    def _stage_stats(self, stats, buf: Int32, wg: cutlass.Constexpr[int], lane: Int32,
+                     m: Int32, seq, head, mLSElog2, mDelta):
         """The warpgroup's query rows' LSE₂ (threads 0..63) and Δ (64..127) into shared
         memory, +inf and 0 past the sequence so that P = 0 and dS = 0 there; the buffers
         alternate by query tile, so one barrier per tile orders the writes after the last
@@ -666,19 +693,17 @@ class BlackwellBwd:
         pipeline.NamedBarrier(barrier_id=_STATS_BARRIER + wg, num_threads=128).arrive_and_wait()
 
     @cute.jit
-    def _probs(self, rP, chunk: int, rows, wg: Int32, lane: Int32, stats, buf: Int32, scores,
-               m: Int32, n_cta: Int32, rng, state, scale_log2: Float32, sync):
-        """Chunk `chunk` (`_DS_CHUNK` query columns) of this thread's key row of Sᵀ: from
-        TMEM (after the last chunk, S_READ), the score seam (`Scores.prepare`: mods, mask),
-        P = exp2(S·scale_log2 − LSE₂) to TMEM in 16-bit, and into `rP` P times the score
-        mod's derivative (softcap's 1 − tanh², a traced mod's from the seam), all dS needs
-        of them; the derivative lives beside one chunk, not beside the row."""
+    def _probs(self, rP, slot: int, chunk, rows, wg: cutlass.Constexpr[int], lane: Int32,
+               stats, buf: Int32, scores, m: Int32, n_cta: Int32, rng, state,
+               scale_log2: Float32):
+        """In place on `rP`'s `slot`, this thread's Sᵀ at query-column chunk `chunk` (of
+        `_DS_CHUNK` columns): the score seam (`Scores.prepare`: mods, mask), P =
+        exp2(S·scale_log2 − LSE₂) to TMEM in 16-bit, then P times the score mod's derivative
+        (softcap's 1 − tanh², a traced mod's from the seam), all dS needs of it; the
+        derivative lives beside one chunk, not beside the row."""
         first = chunk * _DS_CHUNK
         column = wg * self.wg_cols + first
-        rS = rows.load(self.tmem.s + column, _DS_CHUNK, lane)
-        if cutlass.const_expr(chunk == self.wg_cols // _DS_CHUNK - 1):
-            cute.arch.fence_view_async_tmem_load()
-            sync.arrive_leader(pair.S_READ)
+        rS = cute.make_tensor(rP.iterator + slot * _DS_CHUNK, cute.make_layout(_DS_CHUNK))
         grad = cute.make_rmem_tensor(_DS_CHUNK, Float32)
         traced = scores.needs_grad
         view = cute.make_tensor(rS.iterator, cute.make_layout((_DS_CHUNK, 1)))
@@ -697,18 +722,38 @@ class BlackwellBwd:
         rows.store_halves(self.tmem.s + column // 2, rS, lane, self.dtype)
         if cutlass.const_expr(traced or by_value):
             rS.store(rS.load() * grad.load())
+
+    @cute.jit
+    def _load_chunk(self, dst, rows, column, slot: int, chunk, lane: Int32):
+        """Query-column chunk `chunk` of this thread's row from TMEM (columns from `column`)
+        into `dst`'s `slot`."""
+        got = rows.load(column + chunk * _DS_CHUNK, _DS_CHUNK, lane)
         for j in cutlass.range_constexpr(_DS_CHUNK):
-            rP[first + j] = rS[j]
+            dst[slot * _DS_CHUNK + j] = got[j]
 
     @cute.jit
-    def _ds(self, rdP, rP, stats, buf: Int32, wg: Int32, first: int):
-        """In place: a chunk of dP (columns `first`..) → dS = P ∘ (dP − Δ), P here times the
-        softcap's derivative where there is one (`_probs`)."""
+    def _in_order(self, barrier_id: int, wg: cutlass.Constexpr[int]):
+        """Compute 1 goes on once compute 0 has arrived (both warpgroups, 256 threads): the
+        16-bit P words of compute 1's query columns lie over compute 0's fp32 Sᵀ columns.
+        Reused every query tile: compute 0 cannot arrive for the next before compute 1 has
+        passed, since the next tile's Sᵀ waits for this tile's dS of both."""
+        barrier = pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=256)
+        if cutlass.const_expr(wg == 0):
+            barrier.arrive()
+        else:
+            barrier.arrive_and_wait()
+
+    @cute.jit
+    def _ds(self, rdP, rP, stats, buf: Int32, wg: cutlass.Constexpr[int], slot: int, chunk):
+        """In place: dP at query-column chunk `chunk` → dS = P ∘ (dP − Δ), P from `rP`'s
+        `slot`, there times the softcap's derivative where there is one (`_probs`)."""
+        first = chunk * _DS_CHUNK
         for j in cutlass.range_constexpr(cute.size(rdP)):
-            rdP[j] = rP[first + j] * (rdP[j] - stats[first + j, 1, wg, buf])
+            rdP[j] = rP[slot * _DS_CHUNK + j] * (rdP[j] - stats[first + j, 1, wg, buf])
 
     @cute.jit
-    def _write_ds(self, rdS, smem, wg: Int32, lane: Int32, rank: Int32, chunk: int):
+    def _write_ds(self, rdS, smem, wg: cutlass.Constexpr[int], lane: Int32, rank: Int32,
+                  chunk: int):
         """A chunk of dS of this thread's key for the warpgroup's query rows into the dQ MMA's
         operand: with one CTA, or in the warpgroup of this CTA's rank, into its own dS; in
         the other warpgroup of the pair into the stage the peer's copy leaves from."""
@@ -725,7 +770,7 @@ class BlackwellBwd:
                 cute.autovec_copy(half, smem.ds_row(smem.sXchg, 0, lane, chunk))
 
     @cute.jit
-    def _ds_done(self, smem, sync, wg: Int32, lane: Int32, rank: Int32):
+    def _ds_done(self, smem, sync, wg: cutlass.Constexpr[int], lane: Int32, rank: Int32):
         """The warpgroup's dS rows are written: visible to the MMAs (async proxy), then one
         arrival per warp on this CTA's SDS_FULL, or for the peer's rows one lane arms the
         peer's SDS_FULL with their bytes and bulk-copies them over."""
@@ -755,7 +800,7 @@ class BlackwellBwd:
 
     @cute.jit
     def _epilogue(self, work, rows, m_out, column: int, width: int, scale: Float32,
-                  wg: Int32, lane: Int32):
+                  wg: cutlass.Constexpr[int], lane: Int32):
         """dV (or dK · scale) of this thread's key, the warpgroup's half of the columns, from
         TMEM (zero where the tile had no query tile) to global memory, keys past seqlen_k
         skipped; fp32 for GQA (summed over a group by the launch)."""
@@ -844,8 +889,7 @@ class BlackwellBwd:
             for _ in cutlass.range(work.m_max - work.m_min, unroll=1):
                 sync.wait(pair.SDS_FULL, phase)
                 with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive(sync.bars + pair.PEER_SDS,
-                                              peer_cta_rank_in_cluster=pair.LEADER)
+                    sync.relay(pair.PEER_SDS)
                 phase = phase ^ 1
 
 
@@ -1071,4 +1115,4 @@ class TmemAcc(DslState):
         self.s, self.dp = acc("s", plan.s), acc("dp", plan.dp)
         self.dv, self.dk, self.dq = acc("dv", plan.dv), acc("dk", plan.dk), acc("dq", plan.dq)
         self.p_operand = operand("dv", "p", plan.s)
-        self.ds_operand = operand("dk", "dst", plan.dp)
+        self.ds_operand = operand("dk", "dst", plan.region("ds").start)

@@ -137,7 +137,7 @@ BWD_SCHEDULES = {
 BWD_HDIMS = tuple(sorted(BWD_SCHEDULES))
 # Registers per thread of each warpgroup in the backward (setmaxnreg, summing to 4 x 128):
 # dQ reduce (warps 0..3), compute 0 (4..7), compute 1 (8..11), MMA / load / relay / idle.
-BWD_ROLE_REGISTERS = (88, 152, 152, 120)
+BWD_ROLE_REGISTERS = (88, 160, 160, 104)
 
 
 def acc_columns(m: int, n: int, cta_group: int) -> int:
@@ -150,9 +150,12 @@ def acc_columns(m: int, n: int, cta_group: int) -> int:
 
 
 class BwdTmemPlan(NamedTuple):
-    """First TMEM column of each accumulator (fp32) of one CTA: Sᵀ, dPᵀ, dV, dK, dQ; Pᵀ and
-    dSᵀ (16-bit, two per column, `tile_m / 2` columns) take the lower half of Sᵀ's and dPᵀ's
-    columns. `width` maps each name to its columns, `columns` is the allocation."""
+    """First TMEM column of each accumulator (fp32) of one CTA: Sᵀ, dPᵀ, dV, dK, dQ; Pᵀ
+    (16-bit, two per column, `tile_m / 2` columns) takes the lower half of Sᵀ's columns, dSᵀ
+    the middle half of dPᵀ's (from a quarter in: each compute warpgroup's words then lie over
+    its own query columns of dPᵀ, `ds_words_first`). `width` maps each name to its columns,
+    `columns` is the allocation. A name with a part, "s.1", is compute warpgroup 1's half of
+    that region (`region`)."""
     s: int
     dp: int
     dv: int
@@ -162,8 +165,14 @@ class BwdTmemPlan(NamedTuple):
     columns: int
 
     def region(self, name: str) -> range:
-        start = {"p": self.s, "ds": self.dp}.get(name, getattr(self, name, None))
-        return range(start, start + self.width[name])
+        base, _, part = name.partition(".")
+        start = {"p": self.s, "ds": self.dp + self.width["dp"] // 4}.get(
+            base, getattr(self, base, None))
+        width = self.width[base]
+        if part:
+            width //= 2
+            start += int(part) * width
+        return range(start, start + width)
 
 
 def bwd_tmem_plan(hdim: int, hdim_v: int, schedule: BwdSchedule) -> BwdTmemPlan:
@@ -316,26 +325,50 @@ def dq_turn_pending(semaphore, turn, schedule: BwdSchedule):
 
 
 # One query tile's TMEM accesses in the backward, in each role's program order: (event, role,
-# reads, writes). The MMAs read Pᵀ and dSᵀ from TMEM (the dV and dK MMAs' A operand); the dQ
-# MMA reads dS from shared memory.
+# reads, writes); compute warpgroup w's halves are "s.w" and the like (`BwdTmemPlan.region`).
+# The MMAs read Pᵀ and dSᵀ from TMEM (the dV and dK MMAs' A operand); the dQ MMA reads dS
+# from shared memory.
 BWD_TMEM_STEP = (
     ("S", "mma", (), ("s",)),
     ("dP", "mma", (), ("dp",)),
-    ("dV", "mma", ("p", "dv"), ("dv",)),
-    ("dK", "mma", ("ds", "dk"), ("dk",)),
+    ("dV", "mma", ("p.0", "p.1", "dv"), ("dv",)),
+    ("dK", "mma", ("ds.0", "ds.1", "dk"), ("dk",)),
     ("dQ", "mma", (), ("dq",)),
-    ("load S", "compute", ("s",), ()),
-    ("store P", "compute", (), ("p",)),
-    ("load dP", "compute", ("dp",), ()),
-    ("store dS", "compute", (), ("ds",)),
+    ("load S 0", "compute 0", ("s.0",), ()),
+    ("store P 0", "compute 0", (), ("p.0",)),
+    ("load dP 0", "compute 0", ("dp.0",), ()),
+    ("store dS 0", "compute 0", (), ("ds.0",)),
+    ("load S 1", "compute 1", ("s.1",), ()),
+    ("store P 1", "compute 1", (), ("p.1",)),
+    ("load dP 1", "compute 1", ("dp.1",), ()),
+    ("store dS 1", "compute 1", (), ("ds.1",)),
     ("load dQ", "reduce", ("dq",), ()),
 )
 # The barriers every plan has, as (signalling event, waiting event, steps later): Sᵀ full,
-# dPᵀ full, Pᵀ full, dSᵀ full (this CTA's and, for dQ, the peer's half), dQ full, dQ empty.
+# dPᵀ full, Pᵀ full, dSᵀ full (this CTA's and, for dQ, the peer's half), dQ full, dQ empty;
+# and compute 1's P waiting for compute 0's Sᵀ (its words lie over compute 0's columns 32..,
+# a named barrier, `BlackwellBwd._in_order`).
 BWD_TMEM_BARRIERS = (
-    ("S", "load S", 0), ("dP", "load dP", 0), ("store P", "dV", 0), ("store dS", "dK", 0),
-    ("store dS", "dQ", 0), ("dQ", "load dQ", 0), ("load dQ", "dQ", 1),
+    ("S", "load S 0", 0), ("S", "load S 1", 0), ("dP", "load dP 0", 0),
+    ("dP", "load dP 1", 0), ("store P 0", "dV", 0), ("store P 1", "dV", 0),
+    ("store dS 0", "dK", 0), ("store dS 1", "dK", 0), ("store dS 0", "dQ", 0),
+    ("store dS 1", "dQ", 0), ("dQ", "load dQ", 0), ("load dQ", "dQ", 1),
+    ("load S 0", "store P 1", 0),
 )
+
+
+def chunk_of(c, wg, chunks: int):
+    """The query-column chunk (of `chunks`) compute warpgroup `wg` handles at its c-th pass:
+    ascending for warpgroup 1, descending for 0, so that each dS word a pass stores lies
+    over dPᵀ columns of a chunk already loaded (`ds_words_first`). Integer arithmetic: the
+    kernel calls it with a run-time `wg`."""
+    return c + (1 - wg) * (chunks - 1 - 2 * c)
+
+
+def ds_words_first(plan: BwdTmemPlan, wg: int, query_col: int) -> int:
+    """The TMEM column holding dSᵀ's word of query column `query_col` (of the warpgroup's 64,
+    two 16-bit values a column) for compute warpgroup `wg`."""
+    return plan.region("ds").start + (wg * plan.width["dp"] // 2 + query_col) // 2
 
 
 def _overlap(plan: BwdTmemPlan, a: str, b: str) -> bool:
@@ -344,18 +377,18 @@ def _overlap(plan: BwdTmemPlan, a: str, b: str) -> bool:
 
 
 def bwd_tmem_waits(plan: BwdTmemPlan) -> dict:
-    """The waits a plan's aliasing adds to `BWD_TMEM_BARRIERS`, name -> (signalling event,
-    waiting event, steps later) where needed: "s_read" (the dPᵀ MMA waits until Sᵀ is in the
-    compute warps' registers: dPᵀ lies over Sᵀ's upper half) and "dq_read" (the next Sᵀ MMA
-    waits until the reduce warps hold dQ: dQ lies over Sᵀ's or dPᵀ's columns, and the dPᵀ
-    MMA comes after the Sᵀ one). The kernel takes these from here;
+    """The waits a plan's aliasing adds to `BWD_TMEM_BARRIERS`, name -> the edges (signalling
+    event, waiting event, steps later) where needed: "s_read" (the dPᵀ MMA waits until both
+    compute warpgroups hold their Sᵀ: dPᵀ lies over Sᵀ's upper half) and "dq_read" (the next
+    Sᵀ MMA waits until the reduce warps hold dQ: dQ lies over Sᵀ's or dPᵀ's columns, and the
+    dPᵀ MMA comes after the Sᵀ one). The kernel takes these from here;
     `tests/test_blackwell_bwd_model.py` replays the step against the plan with and without
     them."""
     waits = {}
     if _overlap(plan, "dp", "s"):
-        waits["s_read"] = ("load S", "dP", 0)
+        waits["s_read"] = (("load S 0", "dP", 0), ("load S 1", "dP", 0))
     if _overlap(plan, "dq", "s") or _overlap(plan, "dq", "dp"):
-        waits["dq_read"] = ("load dQ", "S", 1)
+        waits["dq_read"] = (("load dQ", "S", 1),)
     return waits
 
 

@@ -10,7 +10,7 @@ locally. Phases are carried by the waiters (`BlackwellBwd` docstring)."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import tcgen05
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -19,6 +19,9 @@ from flash_cute.blocks.dsl_state import DslState
 from .config import BWD_BARRIERS, bwd_arrival_counts
 
 LEADER = 0
+# Arrivals on another CTA's barrier hand over data (TMEM, shared memory) at cluster scope, as
+# the DSL asks of DSMEM hand-offs.
+_CLUSTER = nvvm.MemScopeKind.CLUSTER
 # The barriers, by index into one MemRange of mbarriers (`config.BWD_BARRIERS`).
 S_FULL, DP_FULL, S_READ, P_FULL, DS_FULL, SDS_FULL, SDS_EMPTY, DQ_FULL, DQ_READ, DKV_FULL, \
     PEER_SDS = range(len(BWD_BARRIERS))
@@ -73,7 +76,8 @@ class PairSync(DslState):
         """One arrival per warp on the leader's barrier `i` (this CTA's alone)."""
         with cute.arch.elect_one():
             if cutlass.const_expr(self.pair):
-                cute.arch.mbarrier_arrive(self.bars + i, peer_cta_rank_in_cluster=LEADER)
+                cute.arch.mbarrier_arrive(self.bars + i, peer_cta_rank_in_cluster=LEADER,
+                                          scope=_CLUSTER)
             else:
                 cute.arch.mbarrier_arrive(self.bars + i)
 
@@ -83,10 +87,15 @@ class PairSync(DslState):
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive(self.bars + i)
 
+    def relay(self, i: int):
+        """One lane: an arrival on the leader's barrier `i` from the peer CTA."""
+        cute.arch.mbarrier_arrive(self.bars + i, peer_cta_rank_in_cluster=LEADER,
+                                  scope=_CLUSTER)
+
     def arm_peer(self, i: int, peer: Int32, num_bytes: int):
         """One lane: an arrival on the peer's barrier `i` that expects `num_bytes` of copy."""
         cute.arch.mbarrier_arrive_and_expect_tx(self.bars + i, num_bytes,
-                                                peer_cta_rank_in_cluster=peer)
+                                                peer_cta_rank_in_cluster=peer, scope=_CLUSTER)
 
 
 @dsl_user_op
