@@ -101,7 +101,7 @@ def test_deterministic_backward_is_refused_by_name_where_dq_uses_atomics(capabil
                                              deterministic=True) is HOPPER
     with pytest.raises(NotImplementedError, match="deterministic=True: not supported by the "
                                                   "ampere pipeline yet; pipelines that "
-                                                  "support it: hopper, blackwell"):
+                                                  "support it: blackwell, hopper"):
         dispatch.select_backward_pipeline(torch.device("cuda"), AMPERE, problem,
                                           deterministic=True)
 

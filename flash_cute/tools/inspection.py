@@ -33,10 +33,17 @@ _FAMILIES = (("MMA", ("HMMA", "HGMMA", "QGMMA", "UTCHMMA", "UTCQMMA")),
              ("TMEM", ("LDTM", "STTM", "UTCBAR")),
              ("MUFU.EX2", ("MUFU.EX2",)),
              ("FFMA", ("FFMA",)))
-_TABLE_OPS = ("HMMA", "HGMMA", "QGMMA", "UTCHMMA", "UTCHMMA.2CTA", "UTCATOMSWS.2CTA.FIND_AND_SET",
-              "LDGSTS", "UTMALDG", "MUFU.EX2", "FFMA")
-# Column heads: the pair's MMAs and its TMEM allocation (cta_group::2) count on their own.
-_TABLE_HEADS = {"MUFU.EX2": "EX2", "UTCHMMA.2CTA": "2CTA", "UTCATOMSWS.2CTA.FIND_AND_SET": "alloc2"}
+_TABLE_OPS = ("HMMA", "HGMMA", "QGMMA", "UTCHMMA", "2CTA", "LDGSTS", "UTMALDG", "MUFU.EX2", "FFMA")
+_TABLE_HEADS = {"MUFU.EX2": "EX2"}
+# The pair's forms (cta_group::2) in one column: its MMAs / its TMEM allocations.
+_PAIR_FORMS = ("UTCHMMA.2CTA", "UTCATOMSWS.2CTA.FIND_AND_SET")
+
+
+def _cell(sass: dict, op: str) -> str:
+    if op == "2CTA":
+        mma, alloc = (sass.get(form, 0) for form in _PAIR_FORMS)
+        return f"{mma}/{alloc}" if mma or alloc else "0"
+    return str(sass.get(op, 0))
 
 
 def add_arguments(parser):
@@ -97,11 +104,12 @@ def _error_line(entry: dict) -> str:
 
 def format_table(entries: list) -> str:
     """One row per (kernel, config, target), at most 100 columns: the config label wraps onto
-    its own line above its numbers."""
-    head = ["target", "regs", "smem", "spill"] + [_TABLE_HEADS.get(op, op.split(".")[0])
-                                                  for op in _TABLE_OPS]
+    its own line above its numbers; "2CTA" is the pair's MMAs / its TMEM allocations
+    (cta_group::2)."""
+    ops_head = [_TABLE_HEADS.get(op, op) for op in _TABLE_OPS]
+    head = ["target", "regs", "smem", "spill"] + ops_head
     lines = []
-    widths = [7, 4, 6, 5] + [5] * len(_TABLE_OPS)
+    widths = [7, 4, 6, 5] + [max(5, len(h)) for h in ops_head]
     fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     lines.append(fmt(head))
     last = None
@@ -113,7 +121,7 @@ def format_table(entries: list) -> str:
         if "error" in e:
             lines.append(f"{e['target']:>7}  {_error_line(e)}")
             continue
-        ops = [str(e["sass"].get(op, 0)) for op in _TABLE_OPS]
+        ops = [_cell(e["sass"], op) for op in _TABLE_OPS]
         lines.append(fmt([e["target"], str(e["registers"]), str(e["smem_bytes"]),
                           str(e["spill_bytes"])] + ops))
     return "\n".join(lines)
