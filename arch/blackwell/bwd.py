@@ -112,8 +112,13 @@ class BlackwellBwd:
     | dV                                     | 0    | 0            | 0                      |
     | dK                                     | 64   | 128          | 128                    |
     | Sᵀ (Pᵀ 16-bit in its lower half)        | 128  | 256          | 320                    |
-    | dPᵀ (dSᵀ in its lower half)             | 256  | 384          | 384 (over Sᵀ's upper)  |
+    | dPᵀ (dSᵀ from a quarter in)             | 256  | 384          | 384 (over Sᵀ's upper)  |
     | dQ                                     | 384  | 320 (Sᵀ's upper) | 416 (dPᵀ's end)    |
+
+    Two 16-bit values share a column: compute 1's P words lie over compute 0's Sᵀ columns
+    32..63, so compute 1 stores them after compute 0 has loaded (a named barrier); dSᵀ's
+    words start a quarter into dPᵀ, over each warpgroup's own columns, stored in
+    `config.chunk_of`'s order over chunks already read (D-BW-BWD-WORDS).
 
     | barrier (`pair`)  | where  | arrivals             | meaning                            |
     |-------------------|--------|----------------------|------------------------------------|
