@@ -124,7 +124,10 @@ def incoherent(q: torch.Tensor, k: torch.Tensor, seed: int = 0, fused=None):
         (q · M, k · M), their shapes and dtypes.
 
     Raises:
-        ValueError: d is not a power of two."""
+        ValueError: d is not a power of two; fused=True with CPU tensors."""
+    if fused and not q.is_cuda:
+        raise ValueError("incoherent(fused=True) runs a Triton kernel: it needs CUDA tensors "
+                         "(the CPU runs the butterflies, fused=None or False)")
     signs = random_signs(q.shape[-1], seed, q.device, q.dtype)
     # Inside a caller's torch.compile the butterflies are traced and fused with the rest.
     fused = (q.is_cuda if fused is None else fused) and not torch.compiler.is_compiling()
