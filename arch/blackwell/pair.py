@@ -32,7 +32,7 @@ COUNT = len(BWD_BARRIERS)
 def wait(bar: cute.Pointer, phase: Int32):
     """Wait for the mbarrier's phase of parity `phase` to complete: a try-wait loop in line,
     where `mbarrier_wait`'s retry path sits out of line and keeps the barrier's address
-    alive across the whole kernel (ptxas spilled it)."""
+    alive across the whole kernel (D-BW-BWD-REGS)."""
     done = cute.arch.mbarrier_try_wait(bar, phase)
     while not done:
         done = cute.arch.mbarrier_try_wait(bar, phase)
