@@ -248,29 +248,35 @@ def test_blackwell_takes_mods_and_block_masks():
     assert not BLACKWELL.hardware_tested
 
 
-def test_a_block_mask_reaches_the_256_row_tiles_padded_with_empty_query_tiles():
-    """The blackwell CTA walks two 128-row Q tiles: a block mask's tiles come padded to whole
-    CTA tiles, the padding empty (its rows are past every sequence), so the kernel's reads of
-    a second Q tile's state and range stay inside the tensors."""
+def _causal_block_mask_tiles(backward: bool, **pad):
+    """A causal block mask over 300 x 300 (3 tiles of 128 each way) as `SparseTiles` gives
+    it, plain and padded by `pad` (`q_tiles_per_cta` or `key_tiles_per_cta`)."""
     import dataclasses
 
     from flash_cute import create_block_mask
     from flash_cute.runtime import launch
     from flash_cute.runtime.problem import validate_attention_inputs
     from flash_cute.variants import registry
-    from flash_cute.variants.block_mask import EMPTY
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
 
-    q = torch.randn(1, 300, 2, 128, dtype=torch.bfloat16)      # 3 query tiles of 128
+    q = torch.randn(1, 300, 2, 128, dtype=torch.bfloat16)
     block_mask = create_block_mask(causal, 1, 1, 300, 300, device="cpu")
     problem = dataclasses.replace(
         validate_attention_inputs(q, q, q, require_cuda=False),
         mods=registry.lookup(registry.register(None, causal, block_mask)))
-    plain = launch.SparseTiles(problem, (128, 128), backward=False).tensors
-    states, ranges = launch.SparseTiles(problem, (128, 128), backward=False,
-                                        q_tiles_per_cta=2).tensors
+    return (launch.SparseTiles(problem, (128, 128), backward=backward).tensors,
+            launch.SparseTiles(problem, (128, 128), backward=backward, **pad).tensors)
+
+
+def test_a_block_mask_reaches_the_256_row_tiles_padded_with_empty_query_tiles():
+    """The blackwell CTA walks two 128-row Q tiles: a block mask's tiles come padded to whole
+    CTA tiles, the padding empty (its rows are past every sequence), so the kernel's reads of
+    a second Q tile's state and range stay inside the tensors."""
+    from flash_cute.variants.block_mask import EMPTY
+
+    plain, (states, ranges) = _causal_block_mask_tiles(False, q_tiles_per_cta=2)
     assert plain[0].shape[2] == 3 and states.shape[2] == 4 and ranges.shape[2] == 4
     assert torch.equal(states[:, :, :3], plain[0]) and torch.equal(ranges[:, :, :3], plain[1])
     assert (states[:, :, 3] == EMPTY).all() and (ranges[:, :, 3] == 0).all()
@@ -367,25 +373,9 @@ def test_the_backward_refuses_learnable_captured_tensors_by_name():
 def test_a_block_mask_reaches_the_pair_padded_with_empty_key_tiles():
     """The pair reads the block-mask ranges and states of two 128-key tiles: a backward's key
     tiles come padded to whole clusters, the padding empty, so those reads stay inside."""
-    import dataclasses
-
-    from flash_cute import create_block_mask
-    from flash_cute.runtime import launch
-    from flash_cute.runtime.problem import validate_attention_inputs
-    from flash_cute.variants import registry
     from flash_cute.variants.block_mask import EMPTY
 
-    def causal(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx
-
-    q = torch.randn(1, 300, 2, 128, dtype=torch.bfloat16)      # 3 key tiles of 128
-    block_mask = create_block_mask(causal, 1, 1, 300, 300, device="cpu")
-    problem = dataclasses.replace(
-        validate_attention_inputs(q, q, q, require_cuda=False),
-        mods=registry.lookup(registry.register(None, causal, block_mask)))
-    plain = launch.SparseTiles(problem, (128, 128), backward=True).tensors
-    states, ranges = launch.SparseTiles(problem, (128, 128), backward=True,
-                                        key_tiles_per_cta=2).tensors
+    plain, (states, ranges) = _causal_block_mask_tiles(True, key_tiles_per_cta=2)
     assert plain[0].shape[3] == 3 and states.shape[3] == 4 and ranges.shape[2] == 4
     assert torch.equal(states[..., :3], plain[0]) and torch.equal(ranges[:, :, :3], plain[1])
     assert (states[..., 3] == EMPTY).all() and (ranges[:, :, 3] == 0).all()

@@ -17,6 +17,7 @@ fault."""
 import random
 
 import pytest
+from test_blackwell_protocol import Waiter
 
 from flash_cute.arch.blackwell import config
 from flash_cute.contract.block_range import m_block_range
@@ -26,6 +27,9 @@ WG_WARPS = 4
 
 
 class Barrier:
+    """The forward model's barrier with the transaction bytes the pair's TMA and peer copy
+    complete (`Waiter` is the forward model's)."""
+
     def __init__(self, name: str, count: int):
         self.name, self.count = name, count
         self.pending = self.tx = self.completed = 0
@@ -45,22 +49,9 @@ class Barrier:
             self.pending, self.completed = 0, self.completed + 1
 
 
-class Waiter:
-    """A role's view of a barrier: how many completions it has consumed."""
-
-    def __init__(self, barrier: Barrier, start: int = 0):
-        self.barrier, self.seen = barrier, start
-
-    def ready(self) -> bool:
-        return self.barrier.completed > self.seen
-
-    def take(self):
-        assert self.barrier.completed == self.seen + 1, \
-            f"{self.barrier.name}: a waiter was lapped (a phase completed unseen)"
-        self.seen += 1
-
-
 def wait(waiter):
+    """Yield until `waiter`'s barrier completes a phase, then take it (this scheduler asks
+    the test it is given)."""
     yield ("wait", waiter.ready)
     waiter.take()
 

@@ -554,32 +554,20 @@ class BlackwellBwd:
                 if cutlass.const_expr(self.pair):
                     rings["do"].consumer_release(do)
                     do.advance()
+                # dV += Pᵀ dOᵀ and dK += dSᵀ Qᵀ: the transposed tiles from their own rings, or
+                # the next stage of Q's and dO's (the pair), or the same stage (one CTA).
+                dv = (mmas["dv"], acc.dv, acc.p_operand, frags["dot"], i > 0)
+                dk = (mmas["dk"], acc.dk, acc.ds_operand, frags["qt"], i > 0)
                 if cutlass.const_expr(self.separate_t):
-                    rings["dot"].consumer_wait(do_t)
-                    self._gemm_after(sync, pair.P_FULL, phase, mmas["dv"], acc.dv,
-                                     acc.p_operand, frags["dot"], do_t.index, i > 0)
-                    rings["dot"].consumer_release(do_t)
-                    do_t.advance()
+                    do_t = self._gemm_transposed(rings["dot"], do_t, True, sync, pair.P_FULL,
+                                                 phase, *dv)
+                    qt = self._gemm_transposed(rings["qt"], qt, True, sync, pair.DS_FULL,
+                                               phase, *dk)
                 else:
-                    if cutlass.const_expr(self.pair):
-                        rings["do"].consumer_wait(do)
-                    self._gemm_after(sync, pair.P_FULL, phase, mmas["dv"], acc.dv,
-                                     acc.p_operand, frags["dot"], do.index, i > 0)
-                    rings["do"].consumer_release(do)
-                    do.advance()
-                if cutlass.const_expr(self.separate_t):
-                    rings["qt"].consumer_wait(qt)
-                    self._gemm_after(sync, pair.DS_FULL, phase, mmas["dk"], acc.dk,
-                                     acc.ds_operand, frags["qt"], qt.index, i > 0)
-                    rings["qt"].consumer_release(qt)
-                    qt.advance()
-                else:
-                    if cutlass.const_expr(self.pair):
-                        rings["q"].consumer_wait(q)
-                    self._gemm_after(sync, pair.DS_FULL, phase, mmas["dk"], acc.dk,
-                                     acc.ds_operand, frags["qt"], q.index, i > 0)
-                    rings["q"].consumer_release(q)
-                    q.advance()
+                    do = self._gemm_transposed(rings["do"], do, self.pair, sync, pair.P_FULL,
+                                               phase, *dv)
+                    q = self._gemm_transposed(rings["q"], q, self.pair, sync, pair.DS_FULL,
+                                              phase, *dk)
                 # dQ = dS K: this CTA's dS, and the peer's (its relay).
                 sync.wait(pair.SDS_FULL, phase)
                 if cutlass.const_expr(self.pair):
@@ -596,11 +584,18 @@ class BlackwellBwd:
             rings["kv"].consumer_release(kv)
 
     @cute.jit
-    def _gemm_after(self, sync, bar: int, phase: Int32, mma, acc, a_frag, b_frags,
-                    stage: Int32, accumulate):
-        """dV or dK: once the compute warps' Pᵀ or dSᵀ is in TMEM (`bar`), accumulate."""
+    def _gemm_transposed(self, ring, state, wait: cutlass.Constexpr[bool], sync, bar: int,
+                         phase: Int32, mma, acc, a_frag, b_frags, accumulate):
+        """dV or dK from the stage `state` of `ring` (waited for first when `wait`), once the
+        compute warps' Pᵀ or dSᵀ is in TMEM (`bar`); the stage is released after. Returns
+        the advanced state."""
+        if cutlass.const_expr(wait):
+            ring.consumer_wait(state)
         sync.wait(bar, phase)
-        self._gemm(mma, acc, a_frag, b_frags[None, None, None, stage], accumulate)
+        self._gemm(mma, acc, a_frag, b_frags[None, None, None, state.index], accumulate)
+        ring.consumer_release(state)
+        state.advance()
+        return state
 
     @cute.jit
     def _gemm(self, mma, acc, a_frag, b_frag, accumulate):
