@@ -3,6 +3,7 @@ cuDNN's and FlashAttention-2's (SDPA) in the same run, plus the backward schedul
 could take at hdim 128.
 
     python bench/dropout.py [--hdim 64,128] [--seqlen 2048,8192] [--causal 0,1] [--p 0.1]
+                            [--frames] [--no-peers]
 
 Prints TFLOP/s (4·b·h·s²·d, ÷2 causal; bwd 2.5×), the median of `--rounds` interleaved
 rounds with their spread, and for each flash-cute row its time against flash-cute without
@@ -46,6 +47,27 @@ def _ours(causal, p):
     return lambda q, k, v: flash_attn_func(q, k, v, causal=causal, dropout_p=p)[0]
 
 
+# Frames of a context-parallel ring step (`rng.framed_seed`): a zigzag shard whose Philox
+# groups stay whole, and a striped one (a Philox block per element).
+FRAMES = {"groups": dict(q_first=4096, k_first=1024, stride=1),
+          "strided": dict(q_first=1, k_first=1, stride=4)}
+
+
+def _ours_framed(causal, p, frame):
+    """flash-cute through the operator with a framed seed (the ring's local call)."""
+    seeds = {}
+
+    def run(q, k, v):
+        if q.device not in seeds:    # one seed, made once: timing the kernels, not its copy
+            seeds[q.device] = rng.framed_seed(rng.draw_seed(q.device), heads=q.shape[2],
+                                              **FRAMES[frame])
+        seed = seeds[q.device]
+        options = (None, None, None, causal, None, None, 0.0, None, False, None)
+        return torch.ops.flash_cute.fwd(q, k, v, None, None, None, None, *options, True, 0, p,
+                                        seed)[0]
+    return run
+
+
 def _hopper_bwd(q, k, v, causal, p, schedule):
     """The hopper backward with dropout under `schedule` (the forward's outputs fixed)."""
     problem = validate_attention_inputs(q, k, v, causal=causal, dropout_p=p)
@@ -63,6 +85,9 @@ def main():
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--p", type=float, default=0.1)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--frames", action="store_true",
+                    help="also flash-cute with framed seeds (a ring step's draws)")
+    ap.add_argument("--no-peers", action="store_true", help="flash-cute's rows only")
     args = ap.parse_args()
     timer = make_timer(25, 100)
     rows = []
@@ -75,20 +100,25 @@ def main():
                            for _ in range(3))
                 flops = 4 * batch * nheads * seqlen * seqlen * hdim / (2 if causal else 1)
                 fns = {}
-                for name, run in (("flash_cute p=0", _ours(causal, 0.0)),
-                                  (f"flash_cute p={args.p}", _ours(causal, args.p)),
-                                  ("cudnn p=0", _sdpa(SDPBackend.CUDNN_ATTENTION, causal, 0.0)),
+                providers = [("flash_cute p=0", _ours(causal, 0.0)),
+                             (f"flash_cute p={args.p}", _ours(causal, args.p))]
+                if args.frames:
+                    providers += [(f"flash_cute p={args.p} frame={f}",
+                                   _ours_framed(causal, args.p, f)) for f in FRAMES]
+                if not args.no_peers:
+                    providers += [("cudnn p=0", _sdpa(SDPBackend.CUDNN_ATTENTION, causal, 0.0)),
                                   (f"cudnn p={args.p}",
                                    _sdpa(SDPBackend.CUDNN_ATTENTION, causal, args.p)),
                                   (f"fa2 p={args.p}",
-                                   _sdpa(SDPBackend.FLASH_ATTENTION, causal, args.p))):
+                                   _sdpa(SDPBackend.FLASH_ATTENTION, causal, args.p))]
+                for name, run in providers:
                     try:
                         fwd, bwd = _fwd_bwd(run, q, k, v)
                     except RuntimeError as e:  # a backend that refuses the shape
                         print(f"{name}: {type(e).__name__}: {str(e)[:120]}")
                         continue
                     fns[("fwd", name)], fns[("bwd", name)] = fwd, bwd
-                if hdim == 128:
+                if hdim == 128 and not args.no_peers:
                     for tile_m, swap in ((80, True), (64, True), (64, False)):
                         sched = BWD_SCHEDULES[128]._replace(tile_m=tile_m, swap_sdp=swap)
                         name = f"flash_cute p={args.p} bwd {tile_m}{'+swap' if swap else ''}"

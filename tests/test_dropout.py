@@ -162,3 +162,43 @@ def test_fa2_module_passes_dropout_to_the_kernels():
     out, lse, probs = fa2(q, k, v, 0.2, return_attn_probs=True)
     torch.manual_seed(4)
     assert torch.equal(out, flash_attn_func(q, k, v, dropout_p=0.2)[0]) and probs is None
+
+
+@pytest.mark.parametrize("frame", [dict(q_first=16, k_first=32, stride=1),
+                                   dict(q_first=5, k_first=3, stride=1),
+                                   dict(q_first=2, k_first=1, stride=3)])
+def test_a_framed_seed_draws_the_larger_attentions_decisions(frame):
+    """A call framed inside a larger attention (rows first + stride · i, heads and batch
+    entries offset) draws exactly that attention's decisions there."""
+    seed = rng.draw_seed("cpu")
+    whole = rng.keep_mask(seed, 0.4, range(4), 7, 80, 90)
+    framed = rng.framed_seed(seed, head_offset=2, batch_offset=1, heads=7, **frame)
+    got = rng.keep_mask(framed, 0.4, range(2), 3, 20, 24)
+    rows = frame["q_first"] + frame["stride"] * torch.arange(20)
+    cols = frame["k_first"] + frame["stride"] * torch.arange(24)
+    assert torch.equal(got, whole[1:3, 2:5][:, :, rows][:, :, :, cols])
+    assert framed.numel() == (6 if frame["stride"] == 1 and frame["q_first"] % 16 == 0 and
+                              frame["k_first"] % 16 == 0 else 7)
+    assert rng.frame_of(framed, 3) == dict(head_offset=2, batch_offset=1, heads=7, **frame)
+    # The identity frame is the plain seed.
+    plain = rng.framed_seed(seed, heads=3)
+    assert torch.equal(rng.keep_mask(plain, 0.4, range(2), 3, 20, 24),
+                       rng.keep_mask(seed, 0.4, range(2), 3, 20, 24))
+
+
+def test_framed_seeds_are_checked():
+    seed = rng.draw_seed("cpu")
+    for bad in (dict(stride=0, heads=1), dict(heads=0), dict(q_first=-1, heads=2),
+                dict(k_first=2 ** 31, heads=2), dict(q_first=1.5, heads=2)):
+        with pytest.raises(ValueError, match="dropout frame"):
+            rng.framed_seed(seed, **bad)
+    q = torch.randn(1, 8, 2, 64, dtype=BF16)
+    options = (None, None, None, False, None, None, 0.0, None, False, None)
+    with pytest.raises(ValueError, match=r"\[6\] or \[7\] with a frame"):
+        torch.ops.flash_cute.fwd(q, q, q, None, None, None, None, *options, False, 0, 0.1,
+                                 torch.zeros(3, dtype=torch.int64))
+    framed = rng.framed_seed(seed, q_first=8, k_first=8, heads=2)
+    out = torch.ops.flash_cute.fwd(q, q, q, None, None, None, None, *options, False, 0, 0.1,
+                                   framed)[0]
+    assert not torch.equal(out, torch.ops.flash_cute.fwd(
+        q, q, q, None, None, None, None, *options, False, 0, 0.1, seed)[0])

@@ -176,3 +176,44 @@ def test_fa2_module_dropout_runs_the_kernels():
     _check("O", out, ref, nat)
     out.float().sum().backward()
     assert qkv.grad.isfinite().all()
+
+
+# Frames (`rng.framed_seed`): whole Philox groups (stride 1, first positions multiples of 16),
+# shifted groups, and a stride (a striped ring step).
+FRAMES = [dict(q_first=32, k_first=48, stride=1, head_offset=2, batch_offset=1, heads=8),
+          dict(q_first=5, k_first=19, stride=1, head_offset=0, batch_offset=3, heads=3),
+          dict(q_first=2, k_first=1, stride=3, head_offset=1, batch_offset=0, heads=5)]
+
+
+def _op_options(arch, causal=False):
+    return (None, None, None, causal, None, None, 0.0, None, False, arch)
+
+
+@pytest.mark.parametrize("arch", ["hopper", "ampere"])
+@pytest.mark.parametrize("frame", FRAMES, ids=["groups", "shifted", "strided"])
+def test_a_framed_seed_draws_the_framed_positions_bit_for_bit(arch, frame):
+    """The mask readout of `_mask_readout` through the operator with a framed seed: the
+    kernels draw the decisions of the frame's positions in the larger attention."""
+    q = torch.zeros(2, 300, 3, 128, device="cuda", dtype=BF16)
+    k = torch.zeros(2, 128, 1, 128, device="cuda", dtype=BF16)
+    v = torch.eye(128, device="cuda", dtype=BF16).view(1, 128, 1, 128).expand(2, -1, -1, -1)
+    seed = rng.framed_seed(rng.draw_seed("cuda"), **frame)
+    out = torch.ops.flash_cute.fwd(q, k, v.contiguous(), None, None, None, None,
+                                   *_op_options(arch), False, 0, 0.5, seed)[0]
+    expected = rng.keep_mask(seed, 0.5, range(2), 3, 300, 128, device="cuda")
+    assert torch.equal(out.transpose(1, 2) != 0, expected)
+    assert not torch.equal(expected, rng.keep_mask(seed[:1], 0.5, range(2), 3, 300, 128,
+                                                   device="cuda"))
+
+
+@pytest.mark.parametrize("arch,d", [("hopper", 128), ("hopper", 64), ("ampere", 128)])
+@pytest.mark.parametrize("frame", FRAMES, ids=["groups", "shifted", "strided"])
+def test_framed_forward_and_backward_against_float64_with_the_same_mask(arch, d, frame):
+    torch.manual_seed(d + frame["q_first"])
+    q = torch.randn(2, 211, 4, d, device="cuda", dtype=BF16, requires_grad=True)
+    k, v = (torch.randn(2, 300, 2, d, device="cuda", dtype=BF16, requires_grad=True)
+            for _ in range(2))
+    seed = rng.framed_seed(rng.draw_seed("cuda"), **{**frame, "heads": frame["heads"] + 4})
+    out = torch.ops.flash_cute.fwd(q, k, v, None, None, None, None, *_op_options(arch, True),
+                                   True, 0, P, seed)[0]
+    _check_with_mask(out, (q, k, v), seed, causal=True)

@@ -74,8 +74,18 @@ KNOWN_MOD_SPILLS = {("hopper.bwd", "sm_90a", "softcap", 128): 48,
 KNOWN_TIMELINE_SPILLS = {("hopper.bwd", True): 16, ("hopper.bwd", False): 24}
 
 
+# Dropout at a ring step's coordinates (D-CP-DROPOUT): the hopper hdim-128 causal forward
+# spills 8 B with a plain seed too (its long-lived tile values, once per tile), and any frame's
+# element-at-a-time draws cost the hopper backward's consumers a few registers.
+KNOWN_FRAME_SPILLS = {("hopper.fwd", 128, "shift"): 8, ("hopper.fwd", 128, "frame"): 8,
+                      ("hopper.bwd", 128, "frame"): 32, ("hopper.bwd", 64, "frame"): 64}
+
+
 def known_spill(e: dict):
     """The accepted spill bytes of an inspected entry (None: none accepted)."""
+    frame = e["config"].get("dropout")
+    if frame in ("shift", "frame"):
+        return KNOWN_FRAME_SPILLS.get((e["kernel"], e["config"]["hdim"], frame), 0)
     if e["config"].get("timeline"):
         return KNOWN_TIMELINE_SPILLS.get((e["kernel"], e["config"]["causal"]), 0)
     mods = e["config"].get("mods")

@@ -368,7 +368,9 @@ def test_every_compile_time_switch_is_in_the_cache_key():
 
     seen = {}
     mods = {"mods": [None, example_spec("alibi"), example_spec("document")]}
-    choices = [mods.get(f.name) or ([1, 4] if f.type in (int, "int") else [False, True])
+    kinds = {int: [1, 4], "int": [1, 4], str: ["", "shift", "frame"],
+             "str": ["", "shift", "frame"]}
+    choices = [mods.get(f.name) or kinds.get(f.type, [False, True])
                for f in dataclasses.fields(Variant)]
     for values in itertools.product(*choices):
         try:

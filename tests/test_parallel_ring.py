@@ -223,26 +223,36 @@ def _operator_cases(rank, world):
     import flash_cute
     from flash_cute.parallel import positions, ring_attention
     from flash_cute.reference.attention import tolerance_check
+    from flash_cute.reference.rng import draw_seed
 
     results = {}
-    for layout, causal, window, mods in (("zigzag", True, (-1, -1), "none"),
-                                         ("striped", False, (6, 2), "none"),
-                                         ("contiguous", True, (9, 0), "none"),
-                                         ("striped", True, (-1, -1), "bias"),
-                                         ("zigzag", False, (-1, -1), "documents")):
+    for layout, causal, window, mods, drop in (("zigzag", True, (-1, -1), "none", 0.0),
+                                               ("striped", False, (6, 2), "none", 0.0),
+                                               ("contiguous", True, (9, 0), "none", 0.0),
+                                               ("striped", True, (-1, -1), "bias", 0.0),
+                                               ("zigzag", False, (-1, -1), "documents", 0.0),
+                                               ("zigzag", True, (-1, -1), "none", 0.3),
+                                               ("striped", False, (6, 2), "bias", 0.2)):
         seqlen = 8 * world
         score_mod, mask_mod = MODS[mods]
         kw = dict(causal=causal, window_size=window, score_mod=score_mod, mask_mod=mask_mod)
         (q, k, v, dout), _ = _inputs({"seed": 3}, seqlen, torch.bfloat16)
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        single = flash_cute.flash_attn_func(*leaves, **kw)
+        # The single-process call draws its seed from torch's generator: the ring is
+        # given that seed, so both drop the same weights.
+        torch.manual_seed(11)
+        seed = int(draw_seed("cpu").item())
+        torch.manual_seed(11)
+        single = flash_cute.flash_attn_func(*leaves, dropout_p=drop, **kw)
         single = single[0] if isinstance(single, tuple) else single
         (single.float() * dout.float()).sum().backward()
         exact = [t.double().requires_grad_(True) for t in (q, k, v)]
-        out64, _ = model(*exact, causal, window, score_mod=score_mod, mask_mod=mask_mod)
+        out64, _ = model(*exact, causal, window, score_mod=score_mod, mask_mod=mask_mod,
+                         dropout=(drop, seed) if drop else None)
         (out64 * dout.double()).sum().backward()
         pos = positions(seqlen, layout, world, rank)
         mine = [t[:, pos].clone().requires_grad_(True) for t in (q, k, v)]
+        kw.update(dropout_p=drop, dropout_seed=seed)
         out = ring_attention(*mine, layout=layout, **kw)
         (out.float() * dout[:, pos].float()).sum().backward()
         with torch.no_grad():   # inference: the forward alone, nothing saved

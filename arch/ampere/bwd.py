@@ -189,8 +189,8 @@ class AmpereBwd:
                 # With warps side by side in N a thread's 8-column atoms are 32 columns
                 # apart (`mma.tiled_mma`), not in pairs.
                 drop = Dropout(mSeed, keep_threshold, dropout_scale,
-                               batch * mQ.shape[-2] + head, self.tile_m, self.tile_n,
-                               aligned=self.warps_sdp[1] == 1)
+                               (batch, head, mQ.shape[-2]), self.tile_m, self.tile_n,
+                               aligned=self.warps_sdp[1] == 1, framed=self.dropout_frame)
             step = BwdStep(self, tidx, seq, mma_sdp, mma_dq, mLSElog2, mDelta, mdQaccum, head,
                            sP, sdS, scale_log2, mod_scale, win_left, win_right, drop, aux,
                            states)

@@ -182,7 +182,8 @@ class AmpereFwd:
             drop = None
             if cutlass.const_expr(self.dropout):
                 drop = Dropout(mSeed, keep_threshold, dropout_scale,
-                               batch * mQ.shape[-2] + head, self.tile_m, self.tile_n)
+                               (batch, head, mQ.shape[-2]), self.tile_m, self.tile_n,
+                               framed=self.dropout_frame)
 
             thr_qk = copy_qk.get_slice(tidx)
             thr_v = copy_v.get_slice(tidx)

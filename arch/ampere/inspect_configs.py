@@ -54,6 +54,9 @@ def _fwd_configs():
                                          "seqused_k": True}),
                            ((128, 128), {"dropout": True}),
                            ((64, 64), {"causal": True, "varlen": True, "dropout": True}),
+                           # Dropout at a ring step's global coordinates (`rng.framed_seed`).
+                           ((128, 128), {"causal": True, "dropout": "shift"}),
+                           ((64, 64), {"varlen": True, "dropout": "frame"}),
                            # Split-KV decode: cache lengths (seqused_k), causal, varlen.
                            ((128, 128), {"causal": True, "seqused_k": True, "split_kv": True}),
                            ((64, 64), {"varlen": True, "seqused_k": True, "split_kv": True}),
@@ -88,6 +91,8 @@ def _bwd_configs():
                            ((128, 128), {"dropout": True}),
                            ((64, 64), {"causal": True, "varlen": True, "softcap": True,
                                        "dropout": True}),
+                           ((128, 128), {"causal": True, "dropout": "shift"}),
+                           ((128, 128), {"causal": True, "dropout": "frame"}),
                            ((128, 128), {"causal": True, "mods": "alibi"}),
                            # FA4-form mods (`fa4_mod_examples`): a derivative from dual
                            # numbers with a mask mod, and an aux tensor.

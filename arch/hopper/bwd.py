@@ -523,8 +523,9 @@ class HopperBwd:
             return None
         seed, threshold, scale, nheads = dropout_args
         wg_cols = self.tile_n // self.splits["sdp"][1]
-        return Dropout(seed, threshold, scale, seq.batch * nheads + head, self.tile_m,
-                       self.tile_n, rows_first=not self.swap_sdp, aligned=wg_cols % 16 == 0)
+        return Dropout(seed, threshold, scale, (seq.batch, head, nheads), self.tile_m,
+                       self.tile_n, rows_first=not self.swap_sdp, aligned=wg_cols % 16 == 0,
+                       framed=self.dropout_frame)
 
     @cute.jit
     def store_dkv(self, step, mmas, tidx, seq, smem, mdK, mdV, head, n_block, softmax_scale):

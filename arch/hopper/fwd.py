@@ -691,8 +691,8 @@ class HopperFwd:
         if cutlass.const_expr(not self.dropout):
             return None
         seed, threshold, scale, nheads = dropout_args
-        return Dropout(seed, threshold, scale, seq.batch * nheads + head, self.tile_m,
-                       self.tile_n)
+        return Dropout(seed, threshold, scale, (seq.batch, head, nheads), self.tile_m,
+                       self.tile_n, framed=self.dropout_frame)
 
     @cute.jit
     def clear_v_tail(self, sV, pipe_v, v_state, n_block: Int32, seqlen_k: Int32):

@@ -122,6 +122,10 @@ def _fwd_configs():
                            ((128, 128), {"dropout": True}),
                            ((128, 128), {"causal": True, "varlen": True, "dropout": True}),
                            ((64, 64), {"causal": True, "dropout": True}),
+                           # Dropout at a ring step's global coordinates (`rng.framed_seed`).
+                           ((128, 128), {"causal": True, "dropout": "shift"}),
+                           ((128, 128), {"causal": True, "dropout": "frame"}),
+                           ((64, 64), {"varlen": True, "dropout": "frame"}),
                            # Split-KV decode: packed GQA, causal, cache lengths (seqused_k).
                            ((128, 128), {"split_kv": True, "pack_gqa": 4}),
                            ((128, 128), {"causal": True, "seqused_k": True, "split_kv": True,
@@ -247,6 +251,9 @@ def _bwd_configs():
                            ((64, 64), {"causal": True, "dropout": True}),
                            ((128, 128), {"softcap": True, "dropout": True}),
                            ((256, 256), {"causal": True, "dropout": True}),
+                           ((128, 128), {"causal": True, "dropout": "shift"}),
+                           ((128, 128), {"causal": True, "dropout": "frame"}),
+                           ((64, 64), {"varlen": True, "dropout": "frame"}),
                            # Traced mods: biases (derivative 1), a mask, a derivative kept
                            # in registers (softcap as a mod).
                            ((128, 128), {"causal": True, "mods": "alibi"}),

@@ -20,6 +20,11 @@ backward use one group walk. Two fragment orders are known (`rows_first`):
 
 The group's counter comes from its first element's coordinates; the kernels' tests compare
 whole outputs against the reference's mask (`rng.keep_mask`), which checks the orders.
+
+A framed seed (`rng.framed_seed`) moves the coordinates into a larger attention. A shift by
+multiples of 16 keeps every group whole: the walk runs as it is, from shifted tile corners.
+Any other frame (a stride, as a striped ring step has) scatters the groups, so each element
+draws its own block, one at a time, into a register bit array that the visits then read.
 """
 
 import cutlass
@@ -27,7 +32,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, Uint64
 
 from flash_cute.blocks.dsl_state import DslState
-from flash_cute.contract.constants import PHILOX_M, PHILOX_ROUNDS, PHILOX_W
+from flash_cute.contract.constants import (
+    DROPOUT_FRAME,
+    DROPOUT_SHIFT,
+    PHILOX_M,
+    PHILOX_ROUNDS,
+    PHILOX_W,
+)
 
 
 @cute.jit
@@ -49,19 +60,37 @@ def philox(c0: Uint32, c1: Uint32, c2: Uint32, c3: Uint32, k0: Uint32, k1: Uint3
 
 
 class Dropout(DslState):
-    """One thread's dropout for one (batch entry, query head): `seed` the int32 [2] key words,
-    `threshold` keep_threshold(p) << 16 (an Int32 run-time value), `batch_head` b · nheads + h.
+    """One thread's dropout for one (batch entry, query head): `seed` the int32 view of the
+    call's seed (`rng.draw_seed`, or `rng.framed_seed` with `framed`), `threshold`
+    keep_threshold(p) << 16 (an Int32 run-time value), `stream` (b, h, the call's heads).
     `scale` 1 / (1 - p) is kept for the caller (O's, dV's and dS's factor)."""
 
-    def __init__(self, seed: cute.Tensor, threshold: Int32, scale, batch_head: Int32,
-                 tile_m: int, tile_n: int, rows_first: bool = True, aligned: bool = True):
+    def __init__(self, seed: cute.Tensor, threshold: Int32, scale, stream: tuple,
+                 tile_m: int, tile_n: int, rows_first: bool = True, aligned: bool = True,
+                 framed: str = ""):
+        batch, head, nheads = stream
         self.k0, self.k1 = Uint32(seed[0]), Uint32(seed[1])
         self.threshold, self.scale = Uint32(threshold), scale
-        self.batch_head = Uint32(batch_head)
         self.tile_m, self.tile_n, self.rows_first = tile_m, tile_n, rows_first
         # False: a thread's key columns start at a multiple of 8 but not of 16 (a warpgroup
         # holding 24 of 48 keys), so its 8-column atoms do not pair up into groups.
         self.aligned = aligned
+        # The seed's frame ("shift", "frame"; "" none: `contract.constants`).
+        self.framed = framed
+        if framed:
+            fields = DROPOUT_SHIFT if framed == "shift" else DROPOUT_FRAME
+            # The int64 fields' low words.
+            field = {name: Int32(seed[2 + 2 * i]) for i, name in enumerate(fields)}
+            self.batch_head = Uint32((batch + field["batch_offset"]) * field["heads"]
+                                     + field["head_offset"] + head)
+            if framed == "shift":
+                self.q_first = Int32(16) * field["q_first_16"]
+                self.k_first = Int32(16) * field["k_first_16"]
+            else:
+                self.q_first, self.k_first = field["q_first"], field["k_first"]
+                self.stride = field["stride"]
+        else:
+            self.batch_head = Uint32(batch * nheads + head)
 
     @cute.jit
     def _words(self, q: Int32, k: Int32):
@@ -71,8 +100,58 @@ class Dropout(DslState):
     def for_each(self, coord_mn: cute.Tensor, m_block: Int32, n_block: Int32, visit):
         """visit(r, c, keep) for every element (r, c) of the thread's (rows, cols) fragment of
         score tile (m_block, n_block), `coord_mn` its tile coordinates (query, key)."""
-        rows, cols = cute.size(coord_mn, mode=[0]), cute.size(coord_mn, mode=[1])
         q0, k0 = m_block * self.tile_m, n_block * self.tile_n
+        if cutlass.const_expr(self.framed != "frame"):
+            if cutlass.const_expr(self.framed == "shift"):
+                q0, k0 = q0 + self.q_first, k0 + self.k_first
+            self._walk(coord_mn, q0, k0, visit)
+        else:
+            # The decisions first, as bits, then the caller's visit over constant indices.
+            keeps = self._framed_keeps(coord_mn, q0, k0)
+            cols = cute.size(coord_mn, mode=[1])
+            for r in cutlass.range_constexpr(cute.size(coord_mn, mode=[0])):
+                for c in cutlass.range_constexpr(cols):
+                    i = r * cols + c
+                    bit = (keeps[i // 32] >> Uint32(i % 32)) & Uint32(1)
+                    visit(r, c, bit != Uint32(0))
+
+    @cute.jit
+    def _framed_keeps(self, coord_mn: cute.Tensor, q0: Int32, k0: Int32) -> cute.Tensor:
+        """Any frame's decisions for the fragment, bit r · cols + c of a register array: the
+        frame's positions (a stride, or starts off the groups) scatter the groups, so each
+        element draws its own Philox block, one element at a time (unrolled over the
+        fragment, the blocks would run out of registers beside the accumulators)."""
+        rows, cols = cute.size(coord_mn, mode=[0]), cute.size(coord_mn, mode=[1])
+        words = (rows * cols + 31) // 32
+        keeps = cute.make_rmem_tensor(words, Uint32)
+        for w in cutlass.range_constexpr(words):
+            keeps[w] = Uint32(0)
+        for i in cutlass.range(rows * cols, unroll=1):
+            crd = coord_mn[i // cols, i % cols]
+            keep = self._keep_at(self.q_first + self.stride * (q0 + crd[0]),
+                                 self.k_first + self.stride * (k0 + crd[1]))
+            bit = Uint32(cutlass.select_(keep, Uint32(1), Uint32(0))) << Uint32(i % 32)
+            # Every word by a constant index, so the array stays in registers.
+            for w in cutlass.range_constexpr(words):
+                keeps[w] = keeps[w] | Uint32(cutlass.select_(i // 32 == w, bit, Uint32(0)))
+        return keeps
+
+    @cute.jit
+    def _keep_at(self, qg: Int32, kg: Int32):
+        """The decision of one element at position (qg, kg) of the framed attention, from
+        its own Philox block (`flash_cute.reference.rng`'s rule)."""
+        w = self._words(qg & Int32(~8), kg & Int32(~9))
+        upper_k = (kg & Int32(8)) != Int32(0)
+        low_pair = Uint32(cutlass.select_(upper_k, w[1], w[0]))
+        high_pair = Uint32(cutlass.select_(upper_k, w[3], w[2]))
+        word = Uint32(cutlass.select_((qg & Int32(8)) != Int32(0), high_pair, low_pair))
+        bits = Uint32(cutlass.select_((kg & Int32(1)) != Int32(0), word, word << Uint32(16)))
+        return bits < self.threshold
+
+    @cute.jit
+    def _walk(self, coord_mn: cute.Tensor, q0: Int32, k0: Int32, visit):
+        """The group walk over the fragment, its tile's first position (q0, k0)."""
+        rows, cols = cute.size(coord_mn, mode=[0]), cute.size(coord_mn, mode=[1])
         if cutlass.const_expr(self.rows_first and not self.aligned):
             # One group per 8-column atom, half of it used: which half of the group's words
             # the atom takes is the key's bit 3, known at run time.

@@ -115,6 +115,7 @@ def set_kernel_switches(kernel, variant) -> None:
     kernel.has_seqused_k = variant.seqused_k
     kernel.pack_gqa = variant.pack_gqa
     kernel.dropout = variant.dropout
+    kernel.dropout_frame = variant.dropout_frame
     kernel.split_kv = variant.split_kv
     kernel.page_size = variant.page_size
     kernel.append = variant.append

@@ -10,6 +10,25 @@ PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 PHILOX_ROUNDS = 10
 
+# A framed dropout seed (int64): the seed, then where a call's elements sit in a larger
+# attention, so that its keep decisions are that attention's (a context-parallel ring step's
+# local kernels take one). Head h of batch entry b draws the stream (b + batch_offset) ·
+# heads + head_offset + h. Two forms, told apart by their length (no value need be read on
+# the host):
+# * a shift, int64 [1 + 5]: query row i is position 16 · q_first_16 + i, keys alike. Starts
+#   at multiples of 16 keep the kernels' Philox groups whole: they draw as fast as unframed.
+# * any frame, int64 [1 + 6]: query row i is position q_first + stride · i, keys alike; the
+#   kernels draw a Philox block per element.
+# A plain seed (int64 [1]) is the shift (0, 0, 0, 0, the call's own heads).
+DROPOUT_SHIFT = ("q_first_16", "k_first_16", "head_offset", "batch_offset", "heads")
+DROPOUT_FRAME = ("q_first", "k_first", "stride", "head_offset", "batch_offset", "heads")
+
+
+def dropout_frame_kind(seed_numel: int) -> str:
+    """"" (a plain seed), "shift" or "frame", from a seed tensor's length (None: no form)."""
+    return {1: "", 1 + len(DROPOUT_SHIFT): "shift", 1 + len(DROPOUT_FRAME): "frame"}.get(
+        seed_numel)
+
 
 def keep_threshold(dropout_p: float) -> int:
     """t with keep ⇔ (16 random bits) < t: round((1 - p) · 2^16), at most 65535 (so a

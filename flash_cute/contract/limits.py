@@ -25,7 +25,6 @@ NOT_BUILT = (
                       "tile"),
     ("packed (varlen) layout", "a packed (varlen) side with a padded one, unless "
                                "cu_seqlens says how"),
-    ("dropout inside the ring", "dropout with the kernels inside a context-parallel ring"),
     ("partial_out", "float32 partial outputs on a pipeline without split-KV"),
     ("runs on sm_", "a pipeline on other GPUs than its own (the GPUs column)"),
     ("learnable captured tensors", "the gradients of a score mod's learnable captured "

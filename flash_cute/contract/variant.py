@@ -6,7 +6,9 @@ lengths) stay kernel arguments. `flags()` is the variant's part of a CompileKey.
 compiled with None in their record fields (their values stay run-time). `pack_gqa` is the number of
 query heads a tile packs into its rows (1: none; see `flash_cute.runtime.launch.packed_heads`).
 `dropout`: the kernel drops attention weights (`flash_cute.blocks.dropout`; p, the seed and the
-scale are run-time). `split_kv`: the forward writes fp32 partial results per key split for
+scale are run-time); `dropout_frame` ("shift", "frame"; "" none) the form of the seed's frame,
+the coordinates in a larger attention where a ring step's kernel draws (`constants`).
+`split_kv`: the forward writes fp32 partial results per key split for
 `flash_cute.blocks.lse_merge` (split-KV; the split count and size are run-time). `page_size` > 0: K
 and V are a paged cache [pages, page_size, heads_kv, d] read through a page table (its rows are
 compile-time, the table and its lengths run-time; seqused_k gives the lengths). `append`: the
@@ -46,6 +48,8 @@ class Variant:
     seqused_k: bool = False
     pack_gqa: int = 1
     dropout: bool = False
+    # Dropout's seed carries a coordinate frame: "shift" or "frame" (`constants`; "" none).
+    dropout_frame: str = ""
     split_kv: bool = False
     page_size: int = 0
     append: bool = False
@@ -58,6 +62,9 @@ class Variant:
         # Causal is the window (left, 0): a right window on top of it means nothing.
         if self.causal and self.window_right:
             object.__setattr__(self, "window_right", False)
+        # A seed's frame means nothing without dropout.
+        if not self.dropout and self.dropout_frame:
+            object.__setattr__(self, "dropout_frame", "")
         if self.softcap and self.mods is not None and self.mods.score is not None:
             raise ValueError("softcap with a traced score mod: write the softcap inside the mod "
                              "(flash_cute.variants.examples.softcap)")
@@ -68,7 +75,7 @@ class Variant:
                  ("seqused_k", self.seqused_k))
         # Only where they are on, so the other kernels keep their keys.
         flags += (("pack_gqa", self.pack_gqa),) if self.pack_gqa > 1 else ()
-        flags += (("dropout", True),) if self.dropout else ()
+        flags += (("dropout", self.dropout_frame or True),) if self.dropout else ()
         flags += (("split_kv", True),) if self.split_kv else ()
         flags += (("page", self.page_size),) if self.page_size else ()
         flags += (("append", True),) if self.append else ()

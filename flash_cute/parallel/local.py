@@ -292,20 +292,30 @@ def band_call(qr: Run, kr: Run, spec: Spec) -> Optional[BandCall]:
 
 class OperatorLocal:
     """The library's operators inside the ring, one call per visible pair of runs, the
-    pairs of one query run merged by their LSE, in float32. Mods: not yet (Float64Local
-    runs them)."""
+    pairs of one query run merged by their LSE, in float32. Mods and dropout see global
+    coordinates: the mods through `GlobalMods`, dropout through a framed seed."""
 
     partial_dtype = torch.float32
-
-    def _check(self, q, spec: Spec):
-        if spec.dropout_p:
-            raise NotImplementedError("dropout inside the ring runs with the float64 local "
-                                      "attention (Float64Local) for now: the operators draw "
-                                      "their decisions at positions local to each call")
 
     def _options(self, spec: Spec, call: BandCall):
         window = tuple(-1 if w is None else w for w in (call.left, call.right))
         return (None, None, spec.softmax_scale, False, *window, spec.softcap, None, False, None)
+
+    def _dropout(self, spec: Spec, call: BandCall, device) -> tuple:
+        """(dropout_p, rng_seed) of a call: the ring's seed framed at the call's global
+        coordinates (`rng.framed_seed`), so the kernels draw single-process attention's
+        decisions."""
+        if not spec.dropout_p:
+            return 0.0, None
+        from flash_cute.reference.rng import framed_seed
+
+        seed = framed_seed(torch.tensor([spec.seed], dtype=torch.int64), call.q_first,
+                           call.k_first, call.stride, spec.head_offset, max(call.doc, 0),
+                           spec.heads)
+        if torch.device(device).type == "cuda":
+            # From pinned memory, without waiting for the device's queue.
+            seed = seed.pin_memory().to(device, non_blocking=True)
+        return spec.dropout_p, seed
 
     def _variant(self, spec: Spec, call: BandCall) -> int:
         """The registry key of the call's mods at global coordinates (0 without mods)."""
@@ -317,7 +327,6 @@ class OperatorLocal:
         return mods.key
 
     def forward(self, q, k, v, qr: Rows, kr: Rows, spec: Spec):
-        self._check(q, spec)
         b, sq, h = q.shape[:3]
         out = torch.zeros(b, sq, h, v.shape[3], dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, sq), -math.inf, dtype=torch.float32, device=q.device)
@@ -325,13 +334,13 @@ class OperatorLocal:
             o, l_ = torch.ops.flash_cute.fwd(
                 q[:, call.q0:call.q1], k[:, call.k0:call.k1], v[:, call.k0:call.k1],
                 None, None, None, None, *self._options(spec, call), False,
-                self._variant(spec, call), 0.0, None, 1, None, None, True)
+                self._variant(spec, call), *self._dropout(spec, call, q.device), 1, None, None,
+                True)
             rows = slice(call.q0, call.q1)
             out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows], o, l_)
         return out, lse
 
     def backward(self, dout, delta, q, k, v, lse, qr: Rows, kr: Rows, spec: Spec):
-        self._check(q, spec)
         dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device)
                       for t in (q, k, v))
         # The operator takes Δ as rowsum(dO ∘ O) − dLSE: an O of one column holding Δ and
@@ -342,7 +351,8 @@ class OperatorLocal:
             g = torch.ops.flash_cute.bwd(
                 dout[:, rows], dlse, q[:, rows], k[:, cols], v[:, cols], out_eq,
                 lse[:, :, rows].float().contiguous(), None, None, None, None,
-                *self._options(spec, call), self._variant(spec, call), 0.0, None, False, True)
+                *self._options(spec, call), self._variant(spec, call),
+                *self._dropout(spec, call, q.device), False, True)
             dq[:, rows] += g[0]
             dk[:, cols] += g[1]
             dv[:, cols] += g[2]

@@ -313,9 +313,7 @@ CP_RAISES = """Raises:
         attention cannot take; for Ulysses, a group size that does not divide the K/V heads,
         before any collective) or the ranks' headers (shapes, dtypes, layout, options)
         disagree.
-    RuntimeError: torch.distributed is not initialized.
-    NotImplementedError: dropout with the operators inside the ring (pass
-        local=Float64Local())."""
+    RuntimeError: torch.distributed is not initialized."""
 document(ring_attention, CP_RETURNS, CP_RAISES, **CP_ARGS)
 
 __all__ = ["ring_attention"]

@@ -18,6 +18,10 @@ So one block serves the eight elements ``{q, q+8} x {k, k+1, k+8, k+9}`` a threa
 mma.sync / WGMMA accumulator layout (rows q and q+8, column pairs 8 apart), and four of them
 in the transposed (Sᵀ) layout of the Hopper backward.
 
+A framed seed (`framed_seed`; `flash_cute.contract.constants`) places a call inside a larger
+attention: its rows are positions first + stride · i there, its heads and batch entries
+offset, so a context-parallel ring step's kernels draw the whole sequence's decisions.
+
 The seed is drawn on the device by torch's own generator (`draw_seed`), so it follows
 torch.manual_seed, and under CUDA-graph capture torch's graph-safe generator state gives every
 replay a fresh seed; the kernels read it from device memory, never as a host constant.
@@ -25,7 +29,15 @@ replay a fresh seed; the kernels read it from device memory, never as a host con
 
 import torch
 
-from flash_cute.contract.constants import PHILOX_M, PHILOX_ROUNDS, PHILOX_W, keep_threshold
+from flash_cute.contract.constants import (
+    DROPOUT_FRAME,
+    DROPOUT_SHIFT,
+    PHILOX_M,
+    PHILOX_ROUNDS,
+    PHILOX_W,
+    dropout_frame_kind,
+    keep_threshold,
+)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -68,6 +80,8 @@ def random16(seed: torch.Tensor, batch_head: torch.Tensor, q: torch.Tensor, k: t
     and `k`), as the kernels draw them."""
     key = seed_words(seed)
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    # The kernels' coordinates are 32-bit: a framed call's positions wrap as theirs do.
+    q, k, batch_head = q & _MASK32, k & _MASK32, batch_head & _MASK32
     words = philox4x32((k & ~9, q & ~8, batch_head, zero), key)
     which = 2 * ((q >> 3) & 1) + ((k >> 3) & 1)
     stacked = torch.stack(torch.broadcast_tensors(*words), dim=0)
@@ -76,17 +90,51 @@ def random16(seed: torch.Tensor, batch_head: torch.Tensor, q: torch.Tensor, k: t
     return (word >> (16 * (k & 1))) & 0xFFFF
 
 
+def framed_seed(seed: torch.Tensor, q_first: int = 0, k_first: int = 0, stride: int = 1,
+                head_offset: int = 0, batch_offset: int = 0, heads: int = 1) -> torch.Tensor:
+    """`seed` (int64 [1]) with a coordinate frame (`contract.constants`): a call whose query
+    row i is position q_first + stride · i of a larger attention (keys alike), whose head h
+    is head_offset + h of its `heads`, and whose batch entry b is batch_offset + b, draws that
+    attention's decisions. A shift whose starts are multiples of 16 takes the short form
+    (`DROPOUT_SHIFT`), which the kernels draw as fast as a plain seed. Values are 32-bit:
+    0 ≤ each < 2^31."""
+    frame = (q_first, k_first, stride, head_offset, batch_offset, heads)
+    if not all(isinstance(x, int) and 0 <= x < 2 ** 31 for x in frame) or stride < 1 or \
+            heads < 1:
+        raise ValueError(f"a dropout frame takes 32-bit non-negative ints, stride and heads ≥ "
+                         f"1: got {dict(zip(DROPOUT_FRAME, frame))}")
+    if stride == 1 and q_first % 16 == 0 and k_first % 16 == 0:
+        frame = (q_first // 16, k_first // 16, head_offset, batch_offset, heads)
+    tail = torch.tensor(frame, dtype=torch.int64, device=seed.device)
+    return torch.cat([seed.reshape(1), tail])
+
+
+def frame_of(seed: torch.Tensor, nheads: int) -> dict:
+    """A seed's frame as `DROPOUT_FRAME`'s fields (ints); a plain seed's is the identity."""
+    values = seed.reshape(-1)[1:].tolist()
+    kind = dropout_frame_kind(seed.numel())
+    if kind == "frame":
+        return dict(zip(DROPOUT_FRAME, values))
+    shift = dict(zip(DROPOUT_SHIFT, values or (0, 0, 0, 0, nheads)))
+    return dict(q_first=16 * shift["q_first_16"], k_first=16 * shift["k_first_16"], stride=1,
+                head_offset=shift["head_offset"], batch_offset=shift["batch_offset"],
+                heads=shift["heads"])
+
+
 def keep_mask(seed: torch.Tensor, dropout_p: float, batch_index, nheads: int, seqlen_q: int,
               seqlen_k: int, device=None) -> torch.Tensor:
     """The keep decisions [len(batch_index), nheads, seqlen_q, seqlen_k] (bool) of the batch
-    entries (or varlen sequences) `batch_index`, for positions from 0 in each."""
+    entries (or varlen sequences) `batch_index`, for positions from 0 in each, or where a
+    framed seed (`framed_seed`) places them."""
     device = seed.device if device is None else device
-    b = torch.as_tensor(list(batch_index), dtype=torch.int64, device=device)
-    h = torch.arange(nheads, dtype=torch.int64, device=device)
-    q = torch.arange(seqlen_q, dtype=torch.int64, device=device)
-    k = torch.arange(seqlen_k, dtype=torch.int64, device=device)
-    bh = (b[:, None] * nheads + h[None, :])[:, :, None, None]
-    return random16(seed.to(device), bh, q[:, None], k[None, :]) < keep_threshold(dropout_p)
+    f = frame_of(seed, nheads)
+    b = torch.as_tensor(list(batch_index), dtype=torch.int64, device=device) + f["batch_offset"]
+    h = torch.arange(nheads, dtype=torch.int64, device=device) + f["head_offset"]
+    q = torch.arange(seqlen_q, dtype=torch.int64, device=device) * f["stride"] + f["q_first"]
+    k = torch.arange(seqlen_k, dtype=torch.int64, device=device) * f["stride"] + f["k_first"]
+    bh = (b[:, None] * f["heads"] + h[None, :])[:, :, None, None]
+    return random16(seed.reshape(-1)[:1].to(device), bh, q[:, None], k[None, :]) < \
+        keep_threshold(dropout_p)
 
 
 def draw_seed(device) -> torch.Tensor:

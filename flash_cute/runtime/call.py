@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 
+from flash_cute.contract.constants import DROPOUT_FRAME, DROPOUT_SHIFT, dropout_frame_kind
 from flash_cute.runtime import paging
 from flash_cute.runtime.problem import validate_attention_inputs, validate_backward_inputs
 from flash_cute.variants import derivative, kernel_view, registry
@@ -71,6 +72,9 @@ def validate_call(q, k, v, lengths: tuple, options: tuple, require_cuda: bool = 
         require_cuda=require_cuda)
     if problem.dropout_p > 0:
         check_seed(dropout[1], q)
+        kind = dropout_frame_kind(dropout[1].numel())
+        if kind:
+            problem = dataclasses.replace(problem, dropout_frame=kind)
     return problem
 
 
@@ -94,12 +98,18 @@ def paged_view(q, k, v, lengths, page_table, require_cuda: bool):
 
 
 def check_seed(rng_seed, q) -> None:
+    """A seed is int64 [1] (`rng.draw_seed`), or longer with a frame (`rng.framed_seed`, its
+    two forms told apart by length; a frame moves only the draws' coordinates, never an
+    address, so its values are not read here: that would wait for the device)."""
     if not (isinstance(rng_seed, torch.Tensor) and rng_seed.dtype == torch.int64
-            and rng_seed.shape == (1,) and rng_seed.device == q.device):
+            and rng_seed.dim() == 1 and dropout_frame_kind(rng_seed.numel()) is not None
+            and rng_seed.device == q.device and rng_seed.is_contiguous()):
         got = (f"{rng_seed.dtype} {tuple(rng_seed.shape)} on {rng_seed.device}"
                if isinstance(rng_seed, torch.Tensor) else type(rng_seed).__name__)
         raise ValueError(f"dropout_p > 0 needs rng_seed, an int64 [1] tensor on q's device "
-                         f"({q.device}; `flash_cute.reference.rng.draw_seed`), got {got}")
+                         f"({q.device}; `flash_cute.reference.rng.draw_seed`), or int64 "
+                         f"[{1 + len(DROPOUT_SHIFT)}] or [{1 + len(DROPOUT_FRAME)}] with a "
+                         f"frame (`rng.framed_seed`), got {got}")
 
 
 def with_mods(problem, key: int, q, grads: bool = False):

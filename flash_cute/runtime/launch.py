@@ -34,7 +34,9 @@ def variant_of(problem, pack_gqa: int = 1, split_kv: bool = False,
                    window_right=problem.window_right is not None and not problem.causal,
                    softcap=problem.softcap > 0, varlen=problem.varlen,
                    seqused_q=problem.has_seqused_q, seqused_k=problem.has_seqused_k,
-                   pack_gqa=pack_gqa, dropout=problem.dropout_p > 0, split_kv=split_kv,
+                   pack_gqa=pack_gqa, dropout=problem.dropout_p > 0,
+                   dropout_frame=problem.dropout_frame if problem.dropout_p > 0 else "",
+                   split_kv=split_kv,
                    page_size=page_size, append=append, ex2_per16=ex2_per16, mods=mods)
 
 
@@ -225,7 +227,8 @@ class SparseTiles:
 
 
 def seed_words(rng_seed, dropout: bool):
-    """The kernels' view of a dropout seed (int64 [1], `rng.draw_seed`): int32 [2]."""
+    """The kernels' view of a dropout seed (int64 [1], `rng.draw_seed`, or [7] with its frame,
+    `rng.framed_seed`): int32 [2] or [14], the 64-bit values' low words first."""
     if not dropout:
         return None
     if rng_seed is None:

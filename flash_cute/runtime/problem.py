@@ -110,6 +110,8 @@ class AttentionProblem:
     has_seqused_k: bool = False
     pack_gqa: bool | None = None
     dropout_p: float = 0.0
+    # The seed's coordinate frame: "", "shift" or "frame" (`contract.constants`).
+    dropout_frame: str = ""
     # Split-KV request (FA4's meaning): 1 none, 0 the heuristic, n > 1 n splits; the
     # pipeline decides what runs (`flash_cute.runtime.splits.plan_splits`).
     num_splits: int = 1

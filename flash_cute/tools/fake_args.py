@@ -7,6 +7,7 @@ from typing import Optional
 import cutlass
 from cutlass import Float32, Int32, Int64
 
+from flash_cute.contract.constants import DROPOUT_FRAME
 from flash_cute.contract.kernel_args import AUX_ALIGN, SCALAR_FIELDS, BwdArgs, FwdArgs, aux_fields
 from flash_cute.contract.timeline import FIELDS, SLOTS
 from flash_cute.runtime.jit import dynamic_dim, fake_tensor
@@ -35,7 +36,9 @@ def fake_aux(mods) -> dict:
 
 
 def _fake_dropout(dropout: bool) -> dict:
-    return {"rng_seed": fake_tensor(Int32, (2,), align=4) if dropout else None,
+    # The int32 view of a seed with its frame (`rng.framed_seed`); a plain seed reads words 0-1.
+    words = 2 * (1 + len(DROPOUT_FRAME))
+    return {"rng_seed": fake_tensor(Int32, (words,), align=4) if dropout else None,
             "keep_threshold": Int32(0), "dropout_scale": Float32(1.0)}
 
 

@@ -108,7 +108,10 @@ def variant_from_flags(flags: dict) -> Variant:
                    softcap=flags.get("softcap", False), varlen=flags.get("varlen", False),
                    seqused_q=flags.get("seqused_q", False),
                    seqused_k=flags.get("seqused_k", False),
-                   pack_gqa=flags.get("pack_gqa", 1), dropout=flags.get("dropout", False),
+                   pack_gqa=flags.get("pack_gqa", 1),
+                   dropout=bool(flags.get("dropout", False)),
+                   dropout_frame=flags.get("dropout") if flags.get("dropout") in ("shift", "frame")
+                   else "",
                    split_kv=flags.get("split_kv", False), page_size=flags.get("page", 0),
                    append=flags.get("append", False), ex2_per16=flags.get("ex2_emu", 0),
                    timeline=flags.get("timeline", False),
