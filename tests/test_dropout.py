@@ -123,9 +123,14 @@ def test_varlen_dropout_draws_per_sequence_positions():
         assert (out[lo:hi].double() - ref[0]).abs().max() < 2e-2
 
 
-def test_opcheck_with_dropout():
+@pytest.mark.parametrize("frame", [None, dict(q_first=32, heads=4),
+                                   dict(q_first=3, stride=2, heads=4)])
+def test_opcheck_with_dropout(frame):
+    """The operator with a plain seed and with each form of a framed one (the fake
+    implementation and autograd take them as the real one does)."""
     q, k, v = (torch.randn(2, 19, 2, 64, dtype=BF16, requires_grad=True) for _ in range(3))
     seed = rng.draw_seed("cpu")
+    seed = seed if frame is None else rng.framed_seed(seed, **frame)
     options = (None, None, None, True, None, None, 0.0, None, False, None)
     torch.library.opcheck(torch.ops.flash_cute.fwd,
                           (q, k, v, None, None, None, None, *options, True, 0, 0.3, seed))

@@ -25,9 +25,13 @@ DROPOUT_FRAME = ("q_first", "k_first", "stride", "head_offset", "batch_offset", 
 
 
 def dropout_frame_kind(seed_numel: int) -> str:
-    """"" (a plain seed), "shift" or "frame", from a seed tensor's length (None: no form)."""
-    return {1: "", 1 + len(DROPOUT_SHIFT): "shift", 1 + len(DROPOUT_FRAME): "frame"}.get(
-        seed_numel)
+    """"" (a plain seed), "shift" or "frame", from a seed tensor's length (None: no form).
+    Compared, not hashed: under torch.compile the length is a symbolic int."""
+    for kind, length in (("", 1), ("shift", 1 + len(DROPOUT_SHIFT)),
+                         ("frame", 1 + len(DROPOUT_FRAME))):
+        if seed_numel == length:
+            return kind
+    return None
 
 
 def keep_threshold(dropout_p: float) -> int:
