@@ -78,21 +78,19 @@ class Dropout(DslState):
         # The seed's frame ("shift", "frame"; "" none: `contract.constants`).
         self.framed = framed
         if framed:
-            self.seed = seed
-            self.batch_head = Uint32((batch + self._frame("batch_offset")) * self._frame("heads")
-                                     + self._frame("head_offset") + head)
-            if framed == "frame":
-                self.q_first, self.k_first = self._frame("q_first"), self._frame("k_first")
-                self.stride = self._frame("stride")
+            fields = DROPOUT_SHIFT if framed == "shift" else DROPOUT_FRAME
+            # The int64 fields' low words.
+            field = {name: Int32(seed[2 + 2 * i]) for i, name in enumerate(fields)}
+            self.batch_head = Uint32((batch + field["batch_offset"]) * field["heads"]
+                                     + field["head_offset"] + head)
+            if framed == "shift":
+                self.q_first = Int32(16) * field["q_first_16"]
+                self.k_first = Int32(16) * field["k_first_16"]
+            else:
+                self.q_first, self.k_first = field["q_first"], field["k_first"]
+                self.stride = field["stride"]
         else:
             self.batch_head = Uint32(batch * nheads + head)
-
-    def _frame(self, name: str) -> Int32:
-        """A field of the seed's frame (its int64's low word). A shift's starts are read
-        where the walk uses them: kept in registers through the main loop, they spill the
-        ampere backward."""
-        fields = DROPOUT_SHIFT if self.framed == "shift" else DROPOUT_FRAME
-        return Int32(self.seed[2 + 2 * fields.index(name)])
 
     @cute.jit
     def _words(self, q: Int32, k: Int32):
@@ -105,8 +103,7 @@ class Dropout(DslState):
         q0, k0 = m_block * self.tile_m, n_block * self.tile_n
         if cutlass.const_expr(self.framed != "frame"):
             if cutlass.const_expr(self.framed == "shift"):
-                q0 = q0 + Int32(16) * self._frame("q_first_16")
-                k0 = k0 + Int32(16) * self._frame("k_first_16")
+                q0, k0 = q0 + self.q_first, k0 + self.k_first
             self._walk(coord_mn, q0, k0, visit)
         else:
             # The decisions first, as bits, then the caller's visit over constant indices.
