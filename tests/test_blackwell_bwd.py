@@ -20,7 +20,7 @@ def _ops(sass: str) -> list:
     return [op for op in ops if op and not op.startswith(("//", ".", "{", "}"))]
 
 
-def check_bwd_pipeline(sass: str, pair: bool) -> dict:
+def check_bwd_pipeline(sass: str, pair: bool, tails: bool = False) -> dict:
     """Static checks of the backward's synchronization (none needs hardware); returns the
     opcodes of each role's section.
 
@@ -37,6 +37,8 @@ def check_bwd_pipeline(sass: str, pair: bool) -> dict:
       memory (a bulk copy, UBLKCP.S.S) also signals the peer (a remote arrive that carries
       the expected bytes, SYNCS.ARRIVE.TRANS64.RED with no .A1T0 / .ART0), and the relay's
       remote arrival is in the last section; every MMA and TMA load is the pair's form.
+    * `tails` (varlen, seqused): the last section also zeroes rows in shared memory (the tail
+      warp's STS) and fences them to the async proxy before its arrivals.
 
     It does not prove that the phases agree: that rests on every role walking the same query
     tiles (`BlackwellBwd` docstring), the protocol model
@@ -79,6 +81,9 @@ def check_bwd_pipeline(sass: str, pair: bool) -> dict:
     assert has(last, r"^UTCHMMA\.2CTA" if pair else r"^UTCHMMA")
     for name in _ROLES[:2]:
         assert not has(name, r"^UTCHMMA") and not has(name, r"^UTMALDG"), name
+    if tails:
+        assert has(last, r"\bSTS") and has(last, r"^FENCE\.VIEW\.ASYNC\.S"), \
+            "the tail warp's zeros, fenced to the tensor cores"
     if pair:
         assert not any(re.match(r"^UTCHMMA(?!\.2CTA)", op) for op in ops), "one-CTA MMA"
         assert all(re.search("2CTA", op) for op in ops if op.startswith("UTMALDG"))
@@ -116,7 +121,9 @@ def _check(entry, art):
     assert summary["spill_bytes"] == (spill or 0), (entry.label, summary["spill_bytes"])
     kernel = entry.builder(entry).fn
     assert check_declared(kernel.pipeline(), art.sass, summary["registers"]) == []
-    check_bwd_pipeline(art.sass, pair)
+    flags = entry.flag_dict
+    check_bwd_pipeline(art.sass, pair, any(flags.get(f) for f in ("varlen", "seqused_q",
+                                                                    "seqused_k")))
 
 
 @pytest.mark.slow
@@ -157,6 +164,8 @@ def test_check_bwd_pipeline_catches_an_early_exit_a_missing_free_and_an_unsignal
     entry = next(c for c in BWD if c.hdim == 128 and not any(c.flag_dict.values()))
     sass = compile_for_target(entry, "sm_100a").sass
     check_bwd_pipeline(sass, True)
+    with pytest.raises(AssertionError, match="tail warp's zeros"):
+        check_bwd_pipeline(sass, True, tails=True)   # compiled without varlen or seqused
     lines = sass.splitlines()
     first_role = next(i for i, ln in enumerate(lines) if "USETMAXREG" in ln)
     early = "\n".join(lines[:first_role + 1] + ["        /*0000*/   EXIT ;"]

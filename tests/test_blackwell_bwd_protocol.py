@@ -57,19 +57,20 @@ def wait(waiter):
 
 
 class Cta:
-    """One CTA's barriers: its rings' full / empty pairs and its handshakes."""
+    """One CTA's barriers: its rings' full / empty / ready barriers and its handshakes."""
 
     def __init__(self, name, cta_group, stages: dict):
         counts = config.bwd_arrival_counts(cta_group)
         self.sync = {b: Barrier(f"{name}.{b}", counts[b]) for b in config.BWD_BARRIERS}
         self.rings = {r: ([Barrier(f"{name}.{r}.full[{i}]", 1) for i in range(n)],
-                          [Barrier(f"{name}.{r}.empty[{i}]", 1) for i in range(n)])
+                          [Barrier(f"{name}.{r}.empty[{i}]", 1) for i in range(n)],
+                          [Barrier(f"{name}.{r}.ready[{i}]", cta_group) for i in range(n)])
                       for r, n in stages.items()}
         self.tmem = []
 
 
 class Run:
-    def __init__(self, sched, hdims, steps, deterministic, pending, rng):
+    def __init__(self, sched, hdims, steps, deterministic, pending, rng, tails=False):
         self.sched, self.g = sched, sched.cta_group
         self.plan = config.bwd_tmem_plan(*hdims, sched)
         self.waits = config.bwd_tmem_waits(self.plan)
@@ -85,6 +86,12 @@ class Run:
         self.semaphores, self.adds, self.events = {}, [], []
         self.asyncs = []
         self.omit = set()  # waits the negative controls drop
+        # Varlen or seqused: the tail warps acknowledge every stage (`BlackwellBwd.tail_role`)
+        # and the MMA takes a stage by its ready barrier; `acked` / `taken`: when each CTA
+        # acknowledged, and the MMA took, each use of each stage.
+        self.tails = tails
+        self.acked, self.taken = {}, {}
+        self.t = 0  # the scheduler's steps
 
     # ------------------------------------------------------------------ helpers
     def leader(self, c):
@@ -138,9 +145,12 @@ class Run:
         heads = {ring: 0 for ring in lead.rings}
         sync = {b: Waiter(lead.sync[b]) for b in config.BWD_BARRIERS}
 
+        readies = {ring: [Waiter(b) for b in lead.rings[ring][2]] for ring in lead.rings}
+
         def take(ring):
             i = heads[ring] % len(fulls[ring])
-            yield from wait(fulls[ring][i])
+            yield from wait((readies if self.tails else fulls)[ring][i])
+            self.taken[(c, ring, heads[ring])] = self.t
             return i
 
         def release(ring):
@@ -225,6 +235,35 @@ class Run:
             if self.deterministic:
                 self.semaphores[m] = self.semaphores.get(m, 0) + 1
 
+    def tail(self, c, r):
+        """The tail warp: each stage in the load warp's order, once landed (the leader: its
+        full barrier, both CTAs' bytes, passed on to the peer's full barrier; the peer: that
+        arrival), zeroed where it runs past the sequence, then acknowledged on the leader's
+        ready barrier."""
+        cta, lead = self.ctas[c][r], self.leader(c)
+        own = {ring: [Waiter(b) for b in cta.rings[ring][0]] for ring in cta.rings}
+        heads = {ring: 0 for ring in cta.rings}
+
+        def ack(ring):
+            i = heads[ring] % len(own[ring])
+            yield from wait(own[ring][i])
+            if r == LEADER and self.g == 2 and "LANDED" not in self.omit:
+                self.ctas[c][1].rings[ring][0][i].arrive()
+            self.acked.setdefault((c, ring, heads[ring]), []).append(self.t)
+            lead.rings[ring][2][i].arrive()
+            heads[ring] += 1
+
+        tiles, _ = self.steps[c]
+        if tiles:
+            yield from ack("kv")
+            for _ in tiles:
+                yield from ack("q")
+                if self.separate or self.shared:
+                    yield from ack("qt" if self.separate else "q")
+                yield from ack("do")
+                if self.separate or self.shared:
+                    yield from ack("dot" if self.separate else "do")
+
     def relay(self, c):
         local = Waiter(self.ctas[c][1].sync["SDS_FULL"])
         for _ in self.steps[c][0]:
@@ -240,6 +279,8 @@ class Run:
             roles.append(self.mma(c))
         elif self.g == 2:
             roles.append(self.relay(c))
+        if self.tails:
+            roles.append(self.tail(c, r))
         return roles
 
     def simulate(self):
@@ -258,6 +299,7 @@ class Run:
                 continue
             assert ready, f"deadlock: {sorted(waiting)} wait"
             key = self.rng.choices(ready, [speed[k] for k in ready])[0]
+            self.t += 1
             try:
                 _, waiting[key] = next(roles[key])
             except StopIteration:
@@ -305,8 +347,8 @@ def test_random_interleavings_finish_in_step(dims, seqlen_q, seqlen_k, causal, w
                 assert cta.tmem == ["alloc", "free"]
                 for bar in cta.sync.values():
                     assert bar.pending == 0 and bar.tx == 0, bar.name
-                for fulls, empties in cta.rings.values():
-                    assert all(b.pending == 0 for b in fulls + empties)
+                for fulls, empties, readies in cta.rings.values():
+                    assert all(b.pending == 0 for b in fulls + empties + readies)
         # The leader's dQ MMA of step i: both CTAs' dS of it are in shared memory.
         for _, c, i, completed in run.events:
             assert all(done >= i + 1 for done in completed), (c, i, completed)
@@ -358,3 +400,37 @@ def test_the_model_sees_a_missing_wait():
     assert _failures({"DQ_READ"}) > 0
     assert _failures({"PEER_SDS"}) > 0
     assert _failures(()) == 0
+
+
+@pytest.mark.parametrize("dims,seqlen_q,seqlen_k,causal,window", CASES)
+def test_tail_warps_acknowledge_every_stage_before_the_mma_takes_it(dims, seqlen_q, seqlen_k,
+                                                                      causal, window):
+    """Varlen or seqused: each CTA's tail warp acknowledges every stage in the load warp's
+    order, and the MMA takes each use of each stage only after both CTAs' acknowledgments
+    (the rows past the sequence zeroed in both); nothing deadlocks or laps, every ready
+    barrier's phases close."""
+    sched = config.BWD_SCHEDULES[dims]
+    clusters = _clusters(sched, seqlen_q, seqlen_k, causal, window)
+    for seed in range(10):
+        run = Run(sched, dims, clusters, False, config.dq_turn_pending, random.Random(seed),
+                  tails=True).simulate()
+        assert run.taken and set(run.taken) == set(run.acked)
+        for use, at in run.taken.items():
+            acks = run.acked[use]
+            assert len(acks) == sched.cta_group and max(acks) < at, (use, acks, at)
+        for cluster in run.ctas:
+            for cta in cluster:
+                for fulls, empties, readies in cta.rings.values():
+                    assert all(b.pending == 0 for b in fulls + empties + readies)
+
+
+def test_without_the_leaders_word_the_peers_tail_warp_hangs():
+    """The negative control: the peer's full barrier completes only on the leader's
+    arrival (no TMA of the pair lands there); without it the pair deadlocks."""
+    sched = config.BWD_SCHEDULES[(128, 128)]
+    clusters = _clusters(sched, 300, 600, False)
+    run = Run(sched, (128, 128), clusters, False, config.dq_turn_pending, random.Random(0),
+              tails=True)
+    run.omit = {"LANDED"}
+    with pytest.raises(AssertionError, match="deadlock"):
+        run.simulate()

@@ -41,6 +41,7 @@ from . import pair
 from .config import (
     BWD_ROLE_REGISTERS,
     BWD_SCHEDULES,
+    RING_STAGE_BARRIERS,
     SMEM_CAPACITY,
     STATIC_SMEM,
     BwdSchedule,
@@ -63,6 +64,7 @@ _COMPUTE_WARP = 4  # compute w: warps 4 + 4w .. 7 + 4w
 _MMA_WARP = 12
 _LOAD_WARP = 13
 _RELAY_WARP = 14
+_TAIL_WARP = 15
 # Named barriers: TMEM address, each compute warpgroup's LSE₂/Δ rows, the reduce warps.
 _TMEM_ALLOC_BARRIER = 1
 _STATS_BARRIER = 2  # and 3
@@ -95,7 +97,8 @@ class BlackwellBwd:
     | 13     | 3         | 104       | load: TMA of K, V (and Kᵀ) once, Q, dO (and Qᵀ, dOᵀ) |
     |        |           |           | per query tile                                       |
     | 14     | 3         | 104       | relay (the pair's CTA 1): its dS complete → leader   |
-    | 15     | 3         | 104       | idle                                                 |
+    | 15     | 3         | 104       | tail (varlen, seqused): each stage landed, its rows  |
+    |        |           |           | past the sequence zeroed → the leader's ready        |
 
     The pair (hdim ≥ 128, cluster 2 x 1 x 1): each CTA holds its 128 keys of K and V (the
     MMAs' M half) and half of every B operand (`config.pair_*`): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ take
@@ -124,6 +127,10 @@ class BlackwellBwd:
     |-------------------|--------|----------------------|------------------------------------|
     | K/V, Q, dO rings  | both   | TMA bytes / commit   | PipelineTmaUmma (pair: the leader's |
     | (Qᵀ, dOᵀ rings)   |        |                      | full barrier counts both CTAs')    |
+    | ring ready        | leader | tail warp x g        | varlen, seqused: the stage's rows  |
+    |                   |        |                      | past the sequence zeroed; the MMA  |
+    |                   |        |                      | waits for it instead of full (the  |
+    |                   |        |                      | peer's full: the leader's arrival) |
     | S_FULL, DP_FULL   | both   | 1 commit (multicast) | Sᵀ / dPᵀ of the step in TMEM        |
     | S_READ            | leader | compute warps x g    | Sᵀ in registers (dPᵀ may overwrite) |
     | P_FULL, DS_FULL   | leader | compute warps x g    | Pᵀ / dSᵀ in TMEM: dV / dK may run    |
@@ -176,6 +183,9 @@ class BlackwellBwd:
         self.separate_t = self.pair and not self.shared_t
         self.deterministic = deterministic
         self.block_sparse = bool(getattr(self.mods, "sparse", False))
+        # Rows past a sequence inside the tensors (varlen, seqused): zeroed before the MMAs
+        # read them (`tail_role`); elsewhere a TMA zero-fills past the tensor's end.
+        self.tails = self.varlen or self.has_seqused_q or self.has_seqused_k
         self.num_threads = 512
         # Query rows of a CTA's half (the dQ MMA's M half) and of a compute warpgroup.
         self.half_m = self.tile_m // self.cta_group
@@ -328,12 +338,12 @@ class BlackwellBwd:
 
         @cute.struct
         class SharedStorage:
-            kv_bars: cute.struct.MemRange[cutlass.Int64, 2]
-            q_bars: cute.struct.MemRange[cutlass.Int64, 2 * qs]
-            do_bars: cute.struct.MemRange[cutlass.Int64, 2 * ds]
+            kv_bars: cute.struct.MemRange[cutlass.Int64, RING_STAGE_BARRIERS]
+            q_bars: cute.struct.MemRange[cutlass.Int64, RING_STAGE_BARRIERS * qs]
+            do_bars: cute.struct.MemRange[cutlass.Int64, RING_STAGE_BARRIERS * ds]
             if sep:
-                qt_bars: cute.struct.MemRange[cutlass.Int64, 2 * qs]
-                dot_bars: cute.struct.MemRange[cutlass.Int64, 2 * ds]
+                qt_bars: cute.struct.MemRange[cutlass.Int64, RING_STAGE_BARRIERS * qs]
+                dot_bars: cute.struct.MemRange[cutlass.Int64, RING_STAGE_BARRIERS * ds]
             sync_bars: cute.struct.MemRange[cutlass.Int64, pair.COUNT]
             tmem_dealloc: cutlass.Int64
             tmem_addr: Int32
@@ -424,6 +434,10 @@ class BlackwellBwd:
                     work = Work(self, *where)
                     if not work.is_leader:
                         self.relay_role(work, sync)
+            elif warp_idx == _TAIL_WARP:
+                if cutlass.const_expr(self.tails):
+                    self.tail_role(Work(self, *where), rings, atoms,
+                                   Smem(self, storage, layouts), mmas)
 
         if cutlass.const_expr(self.pair):
             # No CTA of the pair leaves while the other may still signal it.
@@ -452,7 +466,7 @@ class BlackwellBwd:
         Q and dO per query tile, Qᵀ and dOᵀ in rings of their own or, where they share Q's
         and dO's tiles, as the next stage of those rings."""
         def ring(bars, stages, tx):
-            return pair.TmaRing(bars.data_ptr(), stages, tx, self.cta_group)
+            return pair.TmaRing(bars.data_ptr(), stages, tx, self.cta_group, self.tails)
         out = {"kv": ring(storage.kv_bars, 1, tx_bytes["kv"]),
                "q": ring(storage.q_bars, self.q_stages, tx_bytes["q"]),
                "do": ring(storage.do_bars, self.do_stages, tx_bytes["do"])}
@@ -893,6 +907,94 @@ class BlackwellBwd:
                 phase = phase ^ 1
 
 
+    # ---------------------------------------------------------------- tail warp
+
+    @cute.jit
+    def tail_role(self, work, rings, atoms, smem, mmas):
+        """Varlen or seqused: every stage the load warp fills, in its order, is acknowledged
+        by both CTAs on the leader's ready barrier, which the MMA waits for instead of the
+        bytes; a stage whose tile runs past the sequence has those rows zeroed first, in
+        each CTA by its own tail warp. The peer learns that its bytes landed from the
+        leader, whose full barrier counts both CTAs' (an arrival on the peer's full barrier,
+        unused otherwise). Which stages run past the sequence every role knows: the pair
+        spans one query tile and one K/V tile."""
+        consumer = pipeline.PipelineUserType.Consumer
+        kv = pipeline.make_pipeline_state(consumer, 1)
+        q = pipeline.make_pipeline_state(consumer, self.q_stages)
+        do = pipeline.make_pipeline_state(consumer, self.do_stages)
+        qt = dot = None
+        if cutlass.const_expr(self.separate_t):
+            qt = pipeline.make_pipeline_state(consumer, self.q_stages)
+            dot = pipeline.make_pipeline_state(consumer, self.do_stages)
+        if work.has_steps:
+            # Tiled MMAs of its own: partitions the load warp made of the kernel's would be
+            # reused here, outside the load warp's branch.
+            thr = {name: mma.get_slice(work.rank) for name, mma in self._tiled_mmas().items()}
+            coords = work.tile_coords(atoms, thr)
+            seq = work.seq
+            kv_tail = (work.n_tile + 1) * (self.cta_group * self.tile_n) > seq.seqlen_k
+            parts = tuple(name for name in ("k", "v", "kt") if name in coords)
+            kv = self._ack(work, rings["kv"], kv, kv_tail, smem, coords, parts, work.n_tile)
+            for m in cutlass.range(work.m_min, work.m_max, unroll=1):
+                tail = (m + 1) * self.tile_m > seq.seqlen_q
+                q = self._ack(work, rings["q"], q, tail, smem, coords, ("q",), m)
+                if cutlass.const_expr(self.separate_t):
+                    qt = self._ack(work, rings["qt"], qt, tail, smem, coords, ("qt",), m)
+                elif cutlass.const_expr(self.pair):
+                    q = self._ack(work, rings["q"], q, tail, smem, coords, ("qt",), m)
+                do = self._ack(work, rings["do"], do, tail, smem, coords, ("do",), m)
+                if cutlass.const_expr(self.separate_t):
+                    dot = self._ack(work, rings["dot"], dot, tail, smem, coords, ("dot",), m)
+                elif cutlass.const_expr(self.pair):
+                    do = self._ack(work, rings["do"], do, tail, smem, coords, ("dot",), m)
+
+    @cute.jit
+    def _ack(self, work, ring, state, tail, smem, coords, names, tile: Int32):
+        """One stage of `ring`: landed (the leader: both CTAs' bytes, which it passes on to
+        the peer), its rows past the sequence zeroed where `tail`, then this CTA's arrival
+        on the leader's ready barrier. Returns the advanced state."""
+        # The tiles' views, made here: a view first made inside the branch below would be
+        # reused by the next stage's outside it.
+        parts = tuple(self._tail_view(work, smem, coords, name, state.index, tile)
+                      for name in names)
+        ring.landed_wait(state)
+        if cutlass.const_expr(self.pair):
+            if work.is_leader:
+                with cute.arch.elect_one():
+                    ring.landed_signal_peer(state)
+        if tail:
+            self._clear(parts)
+        with cute.arch.elect_one():
+            if cutlass.const_expr(self.pair):
+                ring.ready_arrive(state)
+            else:
+                ring.ready_arrive_local(state)
+        state.advance()
+        return state
+
+    def _tail_view(self, work, smem, coords, name: str, stage: Int32, tile: Int32) -> tuple:
+        """(this CTA's stage of `name`, the coordinates in the tile of its elements, the
+        token's mode in them, the tokens of the tile inside the sequence)."""
+        local, token, tokens = coords[name]
+        seqlen = work.seq.seqlen_k if name in ("k", "v", "kt") else work.seq.seqlen_q
+        return (smem.stages(name)[None, None, None, stage], local, token,
+                seqlen - tile * tokens)
+
+    @cute.jit
+    def _clear(self, parts):
+        """Zero the elements of each (stage, coordinates, token mode, end) of `parts` whose
+        token (a query or a key) lies past the sequence, then hand them to the tensor cores
+        (a fence to the async proxy; the warp's lanes in step before one arrives)."""
+        for p in cutlass.range_constexpr(len(parts)):
+            dst, src, token, limit = parts[p]
+            zero = dst.element_type(0)
+            for i in cutlass.range(cute.arch.lane_idx(), cute.size(dst), 32, unroll=1):
+                if src[i][token] >= limit:
+                    dst[i] = zero
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
+
+
 class Work(DslState):
     """This CTA's K/V tile: its cluster's tile and its rank in it, the query head and batch
     entry, the sequence (`SeqInfo`), the query tiles its cluster visits, the windows."""
@@ -947,6 +1049,36 @@ class Work(DslState):
     def views(self, atoms, thr, smem) -> dict:
         """name -> (global tiles, shared stages) of each TMA load, partitioned for this
         CTA's half of its MMA (`tma_partition`)."""
+        out = {}
+        for name, g in self.coords(atoms, thr).items():
+            s_part, g_part = tma_partition(atoms[name][0], smem.stages(name), g, 3)
+            out[name] = (g_part, s_part)
+        return out
+
+    def tile_coords(self, atoms, thr) -> dict:
+        """name -> (the coordinates inside one tile of each TMA load, partitioned as this
+        CTA's half of its MMA's operand, element for element as its shared stages; the
+        token's mode in them; the tile's tokens)."""
+        t = self.cfg._tilers()
+        out = {}
+        for name, mma, part in (("k", "s", "A"), ("v", "dp", "A"), ("q", "s", "B"),
+                                ("do", "dp", "B"), ("qt", "dk", "B"), ("dot", "dv", "B"),
+                                ("kt", "dq", "B")):
+            if cutlass.const_expr(name not in atoms):
+                continue
+            if cutlass.const_expr(name in ("qt", "dot", "kt")):
+                tile, token = (t[mma][1], t[mma][2]), 1   # (head dim, tokens)
+            else:
+                tile, token = (t[mma][0] if part == "A" else t[mma][1], t[mma][2]), 0
+            ident = cute.make_identity_tensor(tile)
+            g = thr[mma].partition_A(ident) if cutlass.const_expr(part == "A") else \
+                thr[mma].partition_B(ident)
+            out[name] = (g, token, tile[token])
+        return out
+
+    def coords(self, atoms, thr) -> dict:
+        """name -> the global coordinates of each TMA load's tiles, partitioned as this
+        CTA's half of its MMA's operand (element for element as its shared stages)."""
         cfg, seq = self.cfg, self.seq
         out = {}
         t = cfg._tilers()
@@ -956,7 +1088,7 @@ class Work(DslState):
                                       ("kt", "dq", "B", "kt")):
             if cutlass.const_expr(name not in atoms):
                 continue
-            atom, coords = atoms[name]
+            coords = atoms[name][1]
             head = self.head_kv if cutlass.const_expr(side in ("k", "kt")) else self.head
             if cutlass.const_expr(side in ("k", "q")):
                 offset = seq.offset_k if cutlass.const_expr(side == "k") else seq.offset_q
@@ -967,11 +1099,8 @@ class Work(DslState):
                 view = _cols_view(cfg, coords, head, seq.batch, offset)
                 tile = (t[mma][1], t[mma][2])
             g = cute.flat_divide(view, tile)
-            g = thr[mma].partition_A(g) if cutlass.const_expr(part == "A") else \
+            out[name] = thr[mma].partition_A(g) if cutlass.const_expr(part == "A") else \
                 thr[mma].partition_B(g)
-            s = smem.stages(name)
-            s_part, g_part = tma_partition(atom, s, g, 3)
-            out[name] = (g_part, s_part)
         return out
 
 

@@ -234,14 +234,20 @@ def bwd_smem_slots(hdim: int, hdim_v: int, schedule: BwdSchedule, elem_bytes: in
     return slots
 
 
+# mbarriers per ring stage: bytes full, MMA done (empty), and operands ready (each CTA's tail
+# warp's arrival after zeroing rows past the sequence, `pair.TmaRing`; unused without varlen
+# or seqused, where a TMA zero-fills what lies past the tensor).
+RING_STAGE_BARRIERS = 3
+
+
 def bwd_barrier_count(schedule: BwdSchedule, separate_transposed: bool) -> int:
-    """mbarriers of the backward: full/empty pairs of the K/V, Q and dO rings (and of the Qᵀ
-    and dOᵀ rings when they have their own tiles), the handshakes (`BWD_BARRIERS`) and the
-    pair's TMEM dealloc barrier."""
+    """mbarriers of the backward: the full / empty / ready barriers of the K/V, Q and dO
+    rings' stages (and of the Qᵀ and dOᵀ rings when they have their own tiles), the
+    handshakes (`BWD_BARRIERS`) and the pair's TMEM dealloc barrier."""
     rings = 1 + schedule.q_stages + schedule.do_stages
     if separate_transposed:
         rings += schedule.q_stages + schedule.do_stages
-    return 2 * rings + len(BWD_BARRIERS) + 1
+    return RING_STAGE_BARRIERS * rings + len(BWD_BARRIERS) + 1
 
 
 def _head_bytes(schedule: BwdSchedule, separate_transposed: bool) -> int:

@@ -130,12 +130,21 @@ class TmaRing(DslState):
     `PipelineTmaUmma` has it, with what depends on the CTA's rank read where it is used:
     the full barrier counts one arrival, the leader's, which arms both CTAs' bytes (a
     cta_group::2 TMA completes on the leader's barrier); the empty barrier completes on the
-    MMA warp's tcgen05.commit, sent to both CTAs."""
+    MMA warp's tcgen05.commit, sent to both CTAs.
 
-    def __init__(self, bars: cute.Pointer, stages: int, tx_bytes: int, cta_group: int):
+    `tails` (varlen or seqused): rows of a stage past the sequence hold another sequence's
+    or unused values, possibly NaN, that 0 × NaN would carry into the gradients. Then the
+    MMA waits for a third barrier, ready (the leader's, an arrival per CTA), which the tail
+    warps complete once their rows past the sequence are zeroed (`BlackwellBwd.tail_role`).
+    """
+
+    def __init__(self, bars: cute.Pointer, stages: int, tx_bytes: int, cta_group: int,
+                 tails: bool = False):
         self.full = bars
         self.empty = bars + stages
+        self.ready = bars + 2 * stages
         self.stages, self.tx_bytes, self.cta_group = stages, tx_bytes, cta_group
+        self.tails = tails
 
     @cute.jit
     def init(self, warp_idx: Int32):
@@ -144,6 +153,7 @@ class TmaRing(DslState):
                 for i in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(self.full + i, 1)
                     cute.arch.mbarrier_init(self.empty + i, 1)
+                    cute.arch.mbarrier_init(self.ready + i, self.cta_group)
 
     @cute.jit
     def producer_acquire(self, state):
@@ -158,7 +168,30 @@ class TmaRing(DslState):
         return self.full + state.index
 
     def consumer_wait(self, state):
+        if self.tails:
+            wait(self.ready + state.index, state.phase)
+        else:
+            wait(self.full + state.index, state.phase)
+
+    def landed_wait(self, state):
+        """A tail warp: the stage's bytes are in (the leader's full barrier counts both
+        CTAs'; the peer's completes on the leader's `landed_signal_peer`)."""
         wait(self.full + state.index, state.phase)
+
+    def landed_signal_peer(self, state):
+        """One lane of the leader: the stage landed, on the peer's full barrier (which no
+        TMA of the pair completes)."""
+        cute.arch.mbarrier_arrive(self.full + state.index, peer_cta_rank_in_cluster=1 - LEADER,
+                                  scope=_CLUSTER)
+
+    def ready_arrive(self, state):
+        """One lane of either CTA of the pair: an arrival on the leader's ready barrier."""
+        cute.arch.mbarrier_arrive(self.ready + state.index, peer_cta_rank_in_cluster=LEADER,
+                                  scope=_CLUSTER)
+
+    def ready_arrive_local(self, state):
+        """One lane of the one CTA: an arrival on its ready barrier."""
+        cute.arch.mbarrier_arrive(self.ready + state.index)
 
     @cute.jit
     def consumer_release(self, state):

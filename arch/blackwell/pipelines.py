@@ -57,8 +57,12 @@ def backward(kernel) -> Pipeline:
                   "query tile", rest, 3),
              Role("relay", (14,), "the pair's CTA 1: its dS complete → the leader's MMA"
                   if pair else "idle (one CTA)", rest, 3),
-             Role("idle", (15,), "the MMA and load warps' warpgroup mate", rest, 3))
+             Role("tail", (15,), "varlen, seqused: each stage landed, its rows past the "
+                  "sequence zeroed, then the leader's ready barrier", rest, 3) if kernel.tails
+             else Role("idle", (15,), "the MMA and load warps' warpgroup mate", rest, 3))
     ring = "TMA; mbarrier ring: bytes full (the leader's) / tcgen05.commit empty (both CTAs)"
+    if kernel.tails:
+        ring += "; the MMA waits ready (each CTA's tail warp, rows past the sequence zeroed)"
     handshake = "raw mbarriers (`pair.PairSync`): commits to both CTAs, arrivals on the leader"
     buffers = [Buffer("K", "SMEM", 1, "load", "MMA", ring),
                Buffer("V", "SMEM", 1, "load", "MMA", ring),
