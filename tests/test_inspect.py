@@ -75,10 +75,8 @@ KNOWN_TIMELINE_SPILLS = {("hopper.bwd", True): 16, ("hopper.bwd", False): 24}
 
 
 # Dropout at a ring step's coordinates (D-CP-DROPOUT): the hopper hdim-128 causal forward
-# spills 8 B with a plain seed too (its long-lived tile values, once per tile); a shift's two
-# starts, kept in registers, cost the ampere backward 8 B (read where used instead, they put
-# a load on the hopper forward's softmax path); any frame's element-at-a-time draws cost the
-# hopper backward's consumers a few registers.
+# spills 8 B with a plain seed too; a shift's two starts in registers cost the ampere backward
+# 8 B; any frame's element-at-a-time draws cost the hopper backward's consumers a few.
 KNOWN_FRAME_SPILLS = {("hopper.fwd", 128, "shift"): 8, ("hopper.fwd", 128, "frame"): 8,
                       ("ampere.bwd", 128, "shift"): 8,
                       ("hopper.bwd", 128, "frame"): 32, ("hopper.bwd", 64, "frame"): 64}

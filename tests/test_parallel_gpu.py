@@ -11,7 +11,7 @@ from ranks import run
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-# (layout, kind, causal, window, dropout_p): dropout on zigzag's shards of 64-token chunks
+# (layout, kind, causal, window, dropout_p): dropout on zigzag's shards of 128-token chunks
 # (the kernels' Philox groups stay whole), striped (a block per element), and Ulysses (its
 # heads' offset).
 CASES = (("zigzag", "ring", True, (-1, -1), 0.0), ("striped", "ring", False, (-1, -1), 0.0),

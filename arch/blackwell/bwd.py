@@ -437,7 +437,7 @@ class BlackwellBwd:
             elif warp_idx == _TAIL_WARP:
                 if cutlass.const_expr(self.tails):
                     self.tail_role(Work(self, *where), rings, atoms,
-                                   Smem(self, storage, layouts), mmas)
+                                   Smem(self, storage, layouts))
 
         if cutlass.const_expr(self.pair):
             # No CTA of the pair leaves while the other may still signal it.
@@ -910,7 +910,7 @@ class BlackwellBwd:
     # ---------------------------------------------------------------- tail warp
 
     @cute.jit
-    def tail_role(self, work, rings, atoms, smem, mmas):
+    def tail_role(self, work, rings, atoms, smem):
         """Varlen or seqused: every stage the load warp fills, in its order, is acknowledged
         by both CTAs on the leader's ready barrier, which the MMA waits for instead of the
         bytes; a stage whose tile runs past the sequence has those rows zeroed first, in

@@ -136,7 +136,7 @@ BWD_SCHEDULES = {
 }
 BWD_HDIMS = tuple(sorted(BWD_SCHEDULES))
 # Registers per thread of each warpgroup in the backward (setmaxnreg, summing to 4 x 128):
-# dQ reduce (warps 0..3), compute 0 (4..7), compute 1 (8..11), MMA / load / relay / idle.
+# dQ reduce (warps 0..3), compute 0 (4..7), compute 1 (8..11), MMA / load / relay / tail.
 BWD_ROLE_REGISTERS = (88, 160, 160, 104)
 
 

@@ -126,11 +126,11 @@ def copy_to_peer(src: cute.Pointer, dst: cute.Pointer, bar: cute.Pointer, num_by
 
 
 class TmaRing(DslState):
-    """A ring of TMA-filled stages the MMA warp consumes (full / empty mbarrier pairs), as
-    `PipelineTmaUmma` has it, with what depends on the CTA's rank read where it is used:
-    the full barrier counts one arrival, the leader's, which arms both CTAs' bytes (a
-    cta_group::2 TMA completes on the leader's barrier); the empty barrier completes on the
-    MMA warp's tcgen05.commit, sent to both CTAs.
+    """A ring of TMA-filled stages the MMA warp consumes (full / empty / ready mbarriers per
+    stage), as `PipelineTmaUmma` has the first two, with what depends on the CTA's rank read
+    where it is used: the full barrier counts one arrival, the leader's, which arms both
+    CTAs' bytes (a cta_group::2 TMA completes on the leader's barrier); the empty barrier
+    completes on the MMA warp's tcgen05.commit, sent to both CTAs.
 
     `tails` (varlen or seqused): rows of a stage past the sequence hold another sequence's
     or unused values, possibly NaN, that 0 × NaN would carry into the gradients. Then the

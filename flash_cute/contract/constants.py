@@ -1,6 +1,8 @@
 """Constants the host code, the float models and the kernels share. Plain Python, no torch and
 no CuTe DSL, so that a device block can read them without importing a torch module."""
 
+from typing import Optional
+
 # A block mask's state of one (query block, key block) tile: skipped, masked element by
 # element, or kept whole.
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -24,7 +26,7 @@ DROPOUT_SHIFT = ("q_first_16", "k_first_16", "head_offset", "batch_offset", "hea
 DROPOUT_FRAME = ("q_first", "k_first", "stride", "head_offset", "batch_offset", "heads")
 
 
-def dropout_frame_kind(seed_numel: int) -> str:
+def dropout_frame_kind(seed_numel: int) -> Optional[str]:
     """"" (a plain seed), "shift" or "frame", from a seed tensor's length (None: no form).
     Compared, not hashed: under torch.compile the length is a symbolic int."""
     for kind, length in (("", 1), ("shift", 1 + len(DROPOUT_SHIFT)),

@@ -33,8 +33,8 @@ class FwdArgs(NamedTuple):
     cu_seqlens_k: Optional[Any] = None
     seqused_q: Optional[Any] = None
     seqused_k: Optional[Any] = None
-    rng_seed: Optional[Any] = None  # dropout: int32 [2], the Philox key
-                                    # (`flash_cute.reference.rng`)
+    rng_seed: Optional[Any] = None  # dropout: int32 [2], the Philox key, or [12] / [14]
+                                    # with a frame (`flash_cute.reference.rng`)
     keep_threshold: Any = 0  # dropout: rng.keep_threshold(p) << 16, as an int32
     dropout_scale: Any = 1.0  # dropout: 1 / (1 - p)
     # Split-KV (`Variant.split_kv`): out and lse are the per-split partials, out fp32

@@ -311,7 +311,7 @@ class OperatorLocal:
 
         seed = framed_seed(torch.tensor([spec.seed], dtype=torch.int64), call.q_first,
                            call.k_first, call.stride, spec.head_offset, max(call.doc, 0),
-                           spec.heads)
+                           heads=spec.heads)
         if torch.device(device).type == "cuda":
             # From pinned memory, without waiting for the device's queue.
             seed = seed.pin_memory().to(device, non_blocking=True)

@@ -91,11 +91,12 @@ def random16(seed: torch.Tensor, batch_head: torch.Tensor, q: torch.Tensor, k: t
 
 
 def framed_seed(seed: torch.Tensor, q_first: int = 0, k_first: int = 0, stride: int = 1,
-                head_offset: int = 0, batch_offset: int = 0, heads: int = 1) -> torch.Tensor:
+                head_offset: int = 0, batch_offset: int = 0, *, heads: int) -> torch.Tensor:
     """`seed` (int64 [1]) with a coordinate frame (`contract.constants`): a call whose query
     row i is position q_first + stride · i of a larger attention (keys alike), whose head h
     is head_offset + h of its `heads`, and whose batch entry b is batch_offset + b, draws that
-    attention's decisions. A shift whose starts are multiples of 16 takes the short form
+    attention's decisions (`heads`: the larger attention's query heads, which number the
+    streams, so it has no default). A shift whose starts are multiples of 16 takes the short form
     (`DROPOUT_SHIFT`), which the kernels draw as fast as a plain seed. Values are 32-bit:
     0 ≤ each < 2^31."""
     frame = (q_first, k_first, stride, head_offset, batch_offset, heads)

@@ -227,8 +227,8 @@ class SparseTiles:
 
 
 def seed_words(rng_seed, dropout: bool):
-    """The kernels' view of a dropout seed (int64 [1], `rng.draw_seed`, or [7] with its frame,
-    `rng.framed_seed`): int32 [2] or [14], the 64-bit values' low words first."""
+    """The kernels' view of a dropout seed (int64 [1], `rng.draw_seed`, or [6] or [7] with a
+    frame, `rng.framed_seed`): int32 [2], [12] or [14], each 64-bit value's low word first."""
     if not dropout:
         return None
     if rng_seed is None:
