@@ -109,6 +109,21 @@ class Run:
         """Something that lands at a random later time (a TMA, a bulk copy)."""
         self.asyncs.append(action)
 
+    def stage_order(self, c):
+        """The rings of the stages the load warp fills, in its order (the tail warps walk the
+        same): K/V once, then per query tile Q, (Qᵀ), dO, (dOᵀ)."""
+        tiles, _ = self.steps[c]
+        if not tiles:
+            return
+        yield "kv"
+        for _ in tiles:
+            yield "q"
+            if self.separate or self.shared:
+                yield "qt" if self.separate else "q"
+            yield "do"
+            if self.separate or self.shared:
+                yield "dot" if self.separate else "do"
+
     # ------------------------------------------------------------------ roles
     def load(self, c, r):
         cta, lead = self.ctas[c][r], self.leader(c)
@@ -124,16 +139,8 @@ class Run:
             self.later(lambda: full.complete_tx(1))
             heads[ring] += 1
 
-        tiles, _ = self.steps[c]
-        if tiles:
-            yield from fill("kv")
-            for _ in tiles:
-                yield from fill("q")
-                if self.separate or self.shared:
-                    yield from fill("qt" if self.separate else "q")
-                yield from fill("do")
-                if self.separate or self.shared:
-                    yield from fill("dot" if self.separate else "do")
+        for ring in self.stage_order(c):
+            yield from fill(ring)
         for ring in cta.rings:  # the producer tail: every stage released
             for _ in range(len(empties[ring])):
                 yield from wait(empties[ring][heads[ring] % len(empties[ring])])
@@ -253,16 +260,8 @@ class Run:
             lead.rings[ring][2][i].arrive()
             heads[ring] += 1
 
-        tiles, _ = self.steps[c]
-        if tiles:
-            yield from ack("kv")
-            for _ in tiles:
-                yield from ack("q")
-                if self.separate or self.shared:
-                    yield from ack("qt" if self.separate else "q")
-                yield from ack("do")
-                if self.separate or self.shared:
-                    yield from ack("dot" if self.separate else "do")
+        for ring in self.stage_order(c):
+            yield from ack(ring)
 
     def relay(self, c):
         local = Waiter(self.ctas[c][1].sync["SDS_FULL"])

@@ -475,20 +475,23 @@ class BlackwellBwd:
             out["dot"] = ring(storage.dot_bars, self.do_stages, tx_bytes["dot"])
         return out
 
+    def _ring_states(self, user):
+        """The K/V, Q, dO (and Qᵀ, dOᵀ rings' own, else None) pipeline states of a role that
+        is `user` (producer or consumer) of the rings."""
+        def state(stages):
+            return pipeline.make_pipeline_state(user, stages)
+        separate = self.separate_t
+        return (state(1), state(self.q_stages), state(self.do_stages),
+                state(self.q_stages) if separate else None,
+                state(self.do_stages) if separate else None)
+
     # ---------------------------------------------------------------- load warp
 
     @cute.jit
     def load_role(self, work, rings, atoms, smem, mmas):
         """K, V (and Kᵀ) once; per query tile Q then dO, and with the pair Qᵀ and dOᵀ (in
         their own rings, or after Q and dO in theirs)."""
-        producer = pipeline.PipelineUserType.Producer
-        kv = pipeline.make_pipeline_state(producer, 1)
-        q = pipeline.make_pipeline_state(producer, self.q_stages)
-        do = pipeline.make_pipeline_state(producer, self.do_stages)
-        qt = dot = None
-        if cutlass.const_expr(self.separate_t):
-            qt = pipeline.make_pipeline_state(producer, self.q_stages)
-            dot = pipeline.make_pipeline_state(producer, self.do_stages)
+        kv, q, do, qt, dot = self._ring_states(pipeline.PipelineUserType.Producer)
         if work.has_steps:
             thr = {name: mma.get_slice(work.rank) for name, mma in mmas.items()}
             g = work.views(atoms, thr, smem)
@@ -535,14 +538,7 @@ class BlackwellBwd:
         and dK read the dO and Q stages Sᵀ and dPᵀ read (MN-major views), which are released
         after them; the pair's Q and dO halves free after Sᵀ and dPᵀ, and Qᵀ, dOᵀ come from
         their own rings or as the next stage of Q's and dO's."""
-        consumer = pipeline.PipelineUserType.Consumer
-        kv = pipeline.make_pipeline_state(consumer, 1)
-        q = pipeline.make_pipeline_state(consumer, self.q_stages)
-        do = pipeline.make_pipeline_state(consumer, self.do_stages)
-        qt = do_t = None
-        if cutlass.const_expr(self.separate_t):
-            qt = pipeline.make_pipeline_state(consumer, self.q_stages)
-            do_t = pipeline.make_pipeline_state(consumer, self.do_stages)
+        kv, q, do, qt, do_t = self._ring_states(pipeline.PipelineUserType.Consumer)
         acc = TmemAcc(self, tmem_ptr, mmas, layouts)
         frags = smem.fragments(mmas)
         if work.has_steps:
@@ -906,7 +902,6 @@ class BlackwellBwd:
                     sync.relay(pair.PEER_SDS)
                 phase = phase ^ 1
 
-
     # ---------------------------------------------------------------- tail warp
 
     @cute.jit
@@ -918,14 +913,7 @@ class BlackwellBwd:
         leader, whose full barrier counts both CTAs' (an arrival on the peer's full barrier,
         unused otherwise). Which stages run past the sequence every role knows: the pair
         spans one query tile and one K/V tile."""
-        consumer = pipeline.PipelineUserType.Consumer
-        kv = pipeline.make_pipeline_state(consumer, 1)
-        q = pipeline.make_pipeline_state(consumer, self.q_stages)
-        do = pipeline.make_pipeline_state(consumer, self.do_stages)
-        qt = dot = None
-        if cutlass.const_expr(self.separate_t):
-            qt = pipeline.make_pipeline_state(consumer, self.q_stages)
-            dot = pipeline.make_pipeline_state(consumer, self.do_stages)
+        kv, q, do, qt, dot = self._ring_states(pipeline.PipelineUserType.Consumer)
         if work.has_steps:
             # Tiled MMAs of its own: partitions the load warp made of the kernel's would be
             # reused here, outside the load warp's branch.
