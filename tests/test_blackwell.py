@@ -214,6 +214,7 @@ def test_the_causal_hdim128_forward_cross_compiles_with_its_pipeline_intact(tmp_
     _check_sass(entry, compile_for_target(entry, "sm_100a", out_dir=tmp_path))
 
 
+@pytest.mark.slow   # one of the slow forward sweep's configs, checked alone
 def test_the_document_mask_cross_compiles_spill_free_with_its_pipeline_intact(tmp_path):
     """A mask mod that loads per key (a document id): its values beside a 32-column chunk of
     S in the pass over tensor memory, not beside the 128-column row (D-BW-MODS)."""

@@ -784,6 +784,7 @@ def test_the_report_shows_each_pipelines_roles_residency_and_primitives(tmp_path
     assert resident(sections["blackwell.bwd"], "dQ") == ["GMEM", "TMEM"]
 
 
+@pytest.mark.slow   # its configs' timer and spills are checked by the slow sweep too
 def test_the_timeline_switch_reads_the_global_timer():
     """The hopper forward and backward compiled with their timeline switch (causal and not)
     record with the global timer (SR_GLOBALTIMERLO in the SASS: opcode counts cannot show it)
