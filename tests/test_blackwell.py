@@ -17,20 +17,27 @@ CONFIGS = [c for c in ALL_CONFIGS if c.kernel == "blackwell.fwd"]
 
 
 def test_every_schedule_fits_tensor_and_shared_memory():
-    """S0, S1, O0, O1 within 512 TMEM columns (P in S's upper half); the rings, the Q tiles,
-    the barriers and the 1 KiB static within 227 KiB; registers 4 x 128 per thread across
-    the warpgroups, each a multiple of 8."""
+    """Two S buffers and O per Q tile within 512 TMEM columns (P in S's upper half); the
+    rings, the Q tiles, the barriers and the 1 KiB static within 227 KiB; registers at most
+    4 x 128 per thread across the warpgroups, each a multiple of 8 from 24 to 256. One Q
+    tile only where two do not fit (hdim 256)."""
     for (hdim, hdim_v), schedule in config.FWD_SCHEDULES.items():
-        plan = config.tmem_plan(schedule.tile_n, hdim_v)
+        qt = schedule.q_tiles
+        plan = config.tmem_plan(schedule.tile_n, hdim_v, qt)
         assert plan.s == (0, schedule.tile_n) and plan.o[0] == 2 * schedule.tile_n
         assert plan.p == (schedule.tile_n // 2, schedule.tile_n * 3 // 2)
-        assert plan.o[1] + hdim_v <= plan.columns <= config.TMEM_COLUMNS
+        assert len(plan.o) == qt and plan.o[-1] + hdim_v <= plan.columns <= config.TMEM_COLUMNS
         assert plan.columns & (plan.columns - 1) == 0 and plan.columns >= 32
         total = config.smem_bytes(hdim, hdim_v, schedule) + config.STATIC_SMEM
         assert total <= config.SMEM_CAPACITY, (hdim, hdim_v, total)
         assert schedule.k_stages >= 2 and schedule.v_stages >= 1
+        if qt == 1:
+            with pytest.raises(ValueError, match="tensor memory"):
+                config.tmem_plan(schedule.tile_n, hdim_v, 2)
+    for registers in (config.ROLE_REGISTERS, config.ROLE_REGISTERS_ONE_TILE):
+        assert sum(registers) <= 4 * 128
+        assert all(r % 8 == 0 and 24 <= r <= 256 for r in registers)
     assert sum(config.ROLE_REGISTERS) == 4 * 128
-    assert all(r % 8 == 0 for r in config.ROLE_REGISTERS)
     with pytest.raises(ValueError, match="tensor memory"):
         config.tmem_plan(128, 256)
 
@@ -69,10 +76,30 @@ def test_an_environment_switch_admits_it_where_it_takes_the_problem(capability, 
     capability(10, 0)
     monkeypatch.setenv(dispatch.ALLOW_UNTESTED_ENV, "blackwell")
     device = torch.device("cuda")
-    for hdim, chosen in ((128, BLACKWELL), (64, BLACKWELL), (96, AMPERE)):
+    for hdim, chosen in ((128, BLACKWELL), (64, BLACKWELL), (96, AMPERE), (256, BLACKWELL)):
         q = torch.randn(1, 100, 2, hdim, dtype=torch.bfloat16)
         problem = validate_attention_inputs(q, q, q, require_cuda=False)
         assert dispatch.select_pipeline(device, None, problem) is chosen
+    # hdim 256 has a blackwell forward only: a call that needs the backward goes elsewhere,
+    # its forward included (one pipeline for both directions).
+    q = torch.randn(1, 100, 2, 256, dtype=torch.bfloat16)
+    problem = validate_attention_inputs(q, q, q, require_cuda=False)
+    assert dispatch.select_pipeline(device, None, problem, backward=True) is AMPERE
+    assert dispatch.select_backward_pipeline(device, AMPERE, problem) is AMPERE
+
+
+def test_named_at_hdim_256_the_backward_is_refused_before_any_launch(capability):
+    """arch="blackwell" at hdim 256 runs the forward; a call that needs the backward is
+    refused by name when its pipelines are chosen, before the forward launches."""
+    from flash_cute.runtime.problem import validate_attention_inputs
+
+    capability(10, 0)
+    device = torch.device("cuda")
+    q = torch.randn(1, 100, 2, 256, dtype=torch.bfloat16)
+    problem = validate_attention_inputs(q, q, q, causal=True, require_cuda=False)
+    assert dispatch.choose_pipelines(device, "blackwell", problem)[0].name == "blackwell"
+    with pytest.raises(NotImplementedError, match="blackwell backward.*256"):
+        dispatch.choose_pipelines(device, "blackwell", problem, backward=True)
 
 
 def test_blackwell_refuses_what_it_lacks_before_any_launch():
@@ -93,7 +120,7 @@ def test_blackwell_refuses_what_it_lacks_before_any_launch():
 _ROLES = ("softmax 0", "softmax 1", "correction", "mma, load")
 
 
-def check_pipeline(sass: str) -> dict:
+def check_pipeline(sass: str, q_tiles: int = 2) -> dict:
     """Static checks of the kernel's synchronization that make a silent hang or a leak of
     tensor memory unlikely (none needs hardware); returns the opcodes of each role.
 
@@ -103,7 +130,8 @@ def check_pipeline(sass: str) -> dict:
     * No thread exits before the roles join (the last BAR.SYNC 0): a role that left early
       would leave the others waiting at the join, or the allocation unfreed. After the join
       the tensor memory is freed (UTCATOMSWS.AND) exactly once, before the kernel's last EXIT.
-    * Each role's waits have a signaller: the softmax warpgroups wait for S (a tcgen05.commit,
+    * Each role's waits have a signaller: the softmax warpgroups (one with `q_tiles` 1, the
+      other idle: no wait, arrive or TMEM access in its section) wait for S (a tcgen05.commit,
       UTCBAR, in the MMA warp) and for the correction's release of their hand-over slot (an
       arrive there); the correction waits for the softmax's hand-over (arrives there) and for
       O (UTCBAR); the MMA warp waits for TMA bytes (UTMALDG in the load warp) and for P (arrives
@@ -142,8 +170,11 @@ def check_pipeline(sass: str) -> dict:
         return any(re.search(pattern, op) for op in sections[section])
 
     wait, arrive, commit, tma = r"SYNCS\.PHASECHK", r"SYNCS\.ARRIVE", r"^UTCBAR", r"^UTMALDG"
-    for s in ("softmax 0", "softmax 1"):
+    for s in ("softmax 0", "softmax 1")[:q_tiles]:
         assert has(s, wait) and has(s, arrive) and has(s, "^LDTM") and has(s, "^STTM")
+    if q_tiles == 1:
+        assert not any(has("softmax 1", p) for p in (wait, arrive, "^LDTM", "^STTM")), \
+            "the idle warpgroup takes part in no handshake"
     assert has("correction", wait) and has("correction", arrive)
     assert has("mma, load", wait) and has("mma, load", commit) and has("mma, load", tma)
     assert has("mma, load", r"^UTCHMMA")
@@ -153,10 +184,10 @@ def check_pipeline(sass: str) -> dict:
 
 def mufu_ex2_expected(entry) -> int:
     """MUFU.EX2 of a config: each softmax warpgroup's row of tile_n scores less the emulated
-    share, plus its one rescale factor; the two warpgroups' code is separate."""
+    share, plus its one rescale factor; the warpgroups' (one per Q tile) code is separate."""
     per16 = entry.flag_dict.get("ex2_emu", 0)
     tile_n = entry.schedule.tile_n
-    return 2 * (tile_n - tile_n * per16 // 16 + 1)
+    return entry.schedule.q_tiles * (tile_n - tile_n * per16 // 16 + 1)
 
 
 def _has_score_mod(entry) -> bool:
@@ -197,12 +228,12 @@ def _check_sass(entry, art):
     # round-down FADD2 per pair of each row.
     tile_n, per16 = entry.schedule.tile_n, entry.flag_dict.get("ex2_emu", 0)
     scalar = entry.flag_dict["softcap"] or _has_score_mod(entry)
-    pairs = 0 if scalar else 2 * (tile_n * per16 // 16) // 2
+    pairs = 0 if scalar else entry.schedule.q_tiles * (tile_n * per16 // 16) // 2
     assert ops.get("FADD2.FTZ.RM", 0) == pairs, ops
     # The mods' pass over S in tensor memory writes 32 columns at a time (D-BW-MODS); P
     # goes out 16 words at a time.
     assert bool(re.search(r"STTM\.x32\b", art.sass)) == mods
-    check_pipeline(art.sass)
+    check_pipeline(art.sass, entry.schedule.q_tiles)
 
 
 def test_the_causal_hdim128_forward_cross_compiles_with_its_pipeline_intact(tmp_path):

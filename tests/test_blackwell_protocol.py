@@ -80,7 +80,7 @@ def wait(waiter):
 def load_role(tiles, q, k, v):
     qp, kp, vp = q.producer(), k.producer(), v.producer()
     for n in tiles:
-        for _ in range(Q_STAGES):
+        for _ in range(q.stages):
             w, i = qp.wait()
             yield from wait(w)
             q.full[i].arrive()
@@ -141,6 +141,88 @@ def mma_role(tiles, q, k, v, s_full, p_ready, o_full):
                 q.empty[(q_index + i) % q.stages].arrive()
 
 
+def mma_role_one_tile(tiles, q, k, v, s_full, p_ready, o_full, in_turn=True):
+    """One Q tile (`BlackwellFwd._mma_one_tile`): QK(0) into S buffer 0, then per block the
+    next block's QKᵀ into the other buffer before this block's PV, o_full after every PV.
+    `in_turn=False` (a negative control) keeps every QKᵀ in buffer 0."""
+    qc, kc, vc = q.consumer(), k.consumer(), v.consumer()
+    p_wait = [Waiter(b) for b in p_ready]
+    for n in tiles:
+        q_index = qc.index
+        w, _ = qc.wait()
+        yield from wait(w)
+        qc.advance()
+        buf = 0
+        for j in range(n):
+            if j == 0:
+                w, k_index = kc.wait()
+                yield from wait(w)
+                s_full[0].arrive()
+                k.empty[k_index].arrive()
+                kc.advance()
+            if j + 1 < n:
+                w, k_index = kc.wait()
+                yield from wait(w)
+                s_full[1 - buf if in_turn else 0].arrive()
+                k.empty[k_index].arrive()
+                kc.advance()
+            else:
+                q.empty[q_index].arrive()
+            w, v_index = vc.wait()
+            yield from wait(w)
+            yield from wait(p_wait[buf])
+            o_full[0].arrive()
+            v.empty[v_index].arrive()
+            vc.advance()
+            buf = 1 - buf
+        if n == 0:
+            q.empty[q_index].arrive()
+
+
+def softmax_role_one_tile(tiles, s_full, p_ready, stats):
+    """One Q tile: its blocks' S from the two buffers in turn, from buffer 0 at each tile."""
+    s_wait = [Waiter(b) for b in s_full]
+    side = stats[0].producer()
+    def hand_over():
+        w, idx = side.wait()
+        yield from wait(w)
+        stats[0].full[idx].arrive(TILE_M)
+        side.advance()
+
+    for n in tiles:
+        buf = 0
+        for _ in range(n):
+            yield from wait(s_wait[buf])
+            yield from hand_over()
+            p_ready[buf].arrive(TILE_M)
+            buf = 1 - buf
+        yield from hand_over()  # l
+        yield from hand_over()  # m
+    w, _ = side.wait()
+    yield from wait(w)
+
+
+def correction_role_one_tile(tiles, p_ready, o_full, stats):
+    """One Q tile: per block its factor, O rescaled once the PV before is done (o_full), then
+    p_ready of the block's buffer; at the end l, m and the last PV."""
+    side = stats[0].consumer()
+    o_wait = Waiter(o_full[0])
+    for n in tiles:
+        buf = 0
+        for j in range(n + 2):
+            w, idx = side.wait()
+            yield from wait(w)
+            stats[0].empty[idx].arrive(TILE_M)
+            side.advance()
+            if 0 < j < n:
+                yield from wait(o_wait)
+            if j < n:
+                p_ready[buf].arrive(TILE_M)
+                buf = 1 - buf
+        if n > 0:
+            yield from wait(o_wait)
+
+
 def softmax_role(tiles, i, s_full, p_ready, stats):
     s_wait = Waiter(s_full[i])
     side = stats[i].producer()
@@ -195,18 +277,25 @@ def correction_role(tiles, p_ready, o_full, stats, v, clears_v_tail):
                 yield from wait(o_wait[i])
 
 
-def simulate(tiles, k_stages, v_stages, clears_v_tail, seed, p_ready_count=2 * TILE_M):
-    q = Ring("q", Q_STAGES, 1, 1)
+def simulate(tiles, k_stages, v_stages, clears_v_tail, seed, p_ready_count=2 * TILE_M,
+             q_tiles=Q_STAGES, in_turn=True):
+    q = Ring("q", q_tiles, 1, 1)
     k, v = Ring("k", k_stages, 1, 1), Ring("v", v_stages, 1, 1)
-    s_full = [Barrier(f"s_full[{i}]", 1) for i in range(Q_STAGES)]
-    p_ready = [Barrier(f"p_ready[{i}]", p_ready_count) for i in range(Q_STAGES)]
-    o_full = [Barrier(f"o_full[{i}]", 1) for i in range(Q_STAGES)]
-    stats = [Ring(f"stats[{i}]", 1, TILE_M, TILE_M) for i in range(Q_STAGES)]
-    roles = {"load": load_role(tiles, q, k, v),
-             "mma": mma_role(tiles, q, k, v, s_full, p_ready, o_full),
-             "softmax0": softmax_role(tiles, 0, s_full, p_ready, stats),
-             "softmax1": softmax_role(tiles, 1, s_full, p_ready, stats),
-             "correction": correction_role(tiles, p_ready, o_full, stats, v, clears_v_tail)}
+    s_full = [Barrier(f"s_full[{i}]", 1) for i in range(2)]
+    p_ready = [Barrier(f"p_ready[{i}]", p_ready_count) for i in range(2)]
+    o_full = [Barrier(f"o_full[{i}]", 1) for i in range(q_tiles)]
+    stats = [Ring(f"stats[{i}]", 1, TILE_M, TILE_M) for i in range(q_tiles)]
+    roles = {"load": load_role(tiles, q, k, v)}
+    if q_tiles == 2:
+        roles.update(mma=mma_role(tiles, q, k, v, s_full, p_ready, o_full),
+                     softmax0=softmax_role(tiles, 0, s_full, p_ready, stats),
+                     softmax1=softmax_role(tiles, 1, s_full, p_ready, stats),
+                     correction=correction_role(tiles, p_ready, o_full, stats, v,
+                                                clears_v_tail))
+    else:
+        roles.update(mma=mma_role_one_tile(tiles, q, k, v, s_full, p_ready, o_full, in_turn),
+                     softmax0=softmax_role_one_tile(tiles, s_full, p_ready, stats),
+                     correction=correction_role_one_tile(tiles, p_ready, o_full, stats))
     blocked = {name: None for name in roles}
     rng = random.Random(seed)
     while roles:
@@ -221,9 +310,14 @@ def simulate(tiles, k_stages, v_stages, clears_v_tail, seed, p_ready_count=2 * T
     for b in s_full + p_ready + o_full:
         assert b.pending == 0, f"{b.name}: arrivals left over"
     n_total = sum(tiles)
-    assert all(b.completed == n_total for b in s_full)
-    assert all(b.completed == n_total for b in p_ready) or p_ready_count != 2 * TILE_M
-    assert all(b.completed == sum(1 for n in tiles if n) for b in o_full)
+    if q_tiles == 2:
+        uses = [n_total, n_total]
+        assert all(b.completed == sum(1 for n in tiles if n) for b in o_full)
+    else:  # blocks in turn from buffer 0 at each tile; o_full after every PV
+        uses = [sum((n + 1) // 2 for n in tiles), sum(n // 2 for n in tiles)]
+        assert o_full[0].completed == n_total
+    assert [b.completed for b in s_full] == uses
+    assert [b.completed for b in p_ready] == uses or p_ready_count != 2 * TILE_M
 
 
 def _ready(op) -> bool:
@@ -258,3 +352,21 @@ def test_the_model_catches_a_miscounted_arrival():
     with pytest.raises(AssertionError, match="lapped|more arrivals"):
         for seed in range(50):
             simulate([3, 2], 2, 2, False, seed, p_ready_count=TILE_M)
+
+
+@pytest.mark.parametrize("k_stages, v_stages", [(3, 2), (2, 1)])
+def test_one_q_tile_with_s_in_turn_never_deadlocks_and_meets_every_phase(k_stages, v_stages):
+    """hdim 256's schedule (`FwdSchedule.q_tiles` 1): the softmax of S(j+1) under PV(j), the
+    correction waiting for the PV before each rescale; tiles of 0 to 7 blocks."""
+    rng = random.Random(k_stages * 10 + v_stages)
+    for seed in range(200):
+        tiles = [rng.choice([0, 1, 1, 2, 3, 7]) for _ in range(rng.randint(1, 5))]
+        simulate(tiles, k_stages, v_stages, False, seed, q_tiles=1)
+
+
+def test_the_one_tile_model_catches_s_kept_in_one_buffer():
+    """Every QKᵀ into buffer 0 (the buffers not taken in turn): the softmax waits on buffer 1
+    forever, or buffer 0 completes a phase its waiter has not seen."""
+    with pytest.raises(AssertionError, match="deadlock|lapped"):
+        for seed in range(50):
+            simulate([3, 2], 3, 2, False, seed, q_tiles=1, in_turn=False)

@@ -17,12 +17,14 @@ STATIC_SMEM = 1024
 TMEM_COLUMNS = 512
 COMPILE_OPTIONS = "--opt-level 2"  # D-BW-OPT
 # Query rows per Q tile (the tcgen05 MMA's M with one CTA) and Q tiles per CTA (one per
-# softmax warpgroup, ping-ponged through the tensor core).
+# softmax warpgroup, ping-ponged through the tensor core) where two fit (`FwdSchedule.q_tiles`).
 TILE_M = 128
 Q_STAGES = 2
-# Registers per thread of each warpgroup (setmaxnreg; multiples of 8, summing to 4 x 128 so
-# that all 65536 go to a role): softmax 0, softmax 1, correction, MMA / load / idle (D-BW-ROLES).
+# Registers per thread of each warpgroup (setmaxnreg; multiples of 8, at most 4 x 128 in
+# all): softmax 0, softmax 1, correction, MMA / load / idle (D-BW-ROLES). With one Q tile the
+# second softmax warpgroup idles at the least setmaxnreg allows.
 ROLE_REGISTERS = (192, 192, 88, 40)
+ROLE_REGISTERS_ONE_TILE = (192, 24, 88, 40)
 # FA4's conditional rescale (D-BW-RESCALE): the running max moves only when a block's max
 # exceeds it by more than this, in exp2 units.
 RESCALE_THRESHOLD = 8.0
@@ -32,19 +34,25 @@ DEFAULT_NUM_SMS = 148
 
 class FwdSchedule(NamedTuple):
     """tile_n: keys per K/V block; k_stages / v_stages: the K and V rings' depths;
-    persistent: a grid of at most one CTA per SM walking the tiles."""
+    persistent: a grid of at most one CTA per SM walking the tiles; q_tiles: 128-row Q tiles
+    per CTA, 2 (one per softmax warpgroup, ping-ponged) or 1 (one softmax warpgroup whose
+    blocks alternate between two S buffers, `BlackwellFwd`)."""
     tile_n: int
     k_stages: int
     v_stages: int
     persistent: bool = True
+    q_tiles: int = Q_STAGES
 
 
-# (hdim, hdim_v) -> schedule: as many ring stages as fit beside the two Q tiles
-# (`smem_bytes`), K at least two deep so the next QKᵀ's operand lands under this block's PVs.
+# (hdim, hdim_v) -> schedule: as many ring stages as fit beside the Q tiles (`smem_bytes`), K
+# at least two deep so the next QKᵀ's operand lands under this block's PVs. At hdim 256 two
+# O accumulators (512 columns) leave no room for S, so one Q tile runs with S double-buffered,
+# and 64-key blocks let three K and two V stages fit beside it (D-BW-HD256).
 FWD_SCHEDULES = {
     (64, 64): FwdSchedule(128, 4, 4),
     (128, 128): FwdSchedule(128, 2, 2),
     (192, 128): FwdSchedule(128, 2, 1),
+    (256, 256): FwdSchedule(64, 3, 2, True, 1),
 }
 SUPPORTED_HDIMS = tuple(sorted(FWD_SCHEDULES))
 
@@ -59,22 +67,23 @@ def default_ex2_per16(hdim: int, causal: bool) -> int:
 
 
 class TmemPlan(NamedTuple):
-    """Tensor-memory columns (fp32) of S0, S1, O0, O1 and the allocation; P_i (16-bit, two
-    per column) takes the upper half of S_i's columns."""
+    """Tensor-memory columns (fp32) of the two S buffers, of O per Q tile, and the
+    allocation; P_i (16-bit, two per column) takes the upper half of S_i's columns."""
     s: tuple
     o: tuple
     p: tuple
     columns: int
 
 
-def tmem_plan(tile_n: int, hdim_v: int) -> TmemPlan:
+def tmem_plan(tile_n: int, hdim_v: int, q_tiles: int = Q_STAGES) -> TmemPlan:
     """S_i is tile_n columns, O_i hdim_v; P_i aliases S_i's upper half: the MMA warp issues
-    PV_i(j-1) before QKᵀ_i(j), and tcgen05 MMAs of one thread run in order, so P is read
-    before S overwrites it."""
+    the PV that reads P_i before the next QKᵀ into S_i, and tcgen05 MMAs of one thread run in
+    order, so P is read before S overwrites it. Two S buffers either way: one per Q tile, or
+    with one Q tile its blocks in turn."""
     s = (0, tile_n)
-    o = (2 * tile_n, 2 * tile_n + hdim_v)
+    o = tuple(2 * tile_n + i * hdim_v for i in range(q_tiles))
     p = tuple(x + tile_n // 2 for x in s)
-    used = o[1] + hdim_v
+    used = o[-1] + hdim_v
     if used > TMEM_COLUMNS:
         raise ValueError(f"tensor memory: {used} columns needed, {TMEM_COLUMNS} exist")
     columns = 32
@@ -88,13 +97,15 @@ def _tile_bytes(rows: int, cols: int, elem_bytes: int = 2) -> int:
 
 
 def smem_bytes(hdim: int, hdim_v: int, schedule: FwdSchedule) -> int:
-    """Dynamic shared memory of the kernel's SharedStorage: the barriers, the softmax
-    hand-over (2 tiles x 128 rows, fp32), then the 1 KiB-aligned Q (two tiles), K and V
+    """Dynamic shared memory of the kernel's SharedStorage: the barriers (the Q, K and V
+    rings', s_full and p_ready per S buffer, o_full and the hand-over's per Q tile), the
+    softmax hand-over (128 rows per Q tile, fp32), then the 1 KiB-aligned Q tiles, K and V
     rings. The kernel's 1 KiB of static shared memory comes on top (`STATIC_SMEM`)."""
-    barriers = 8 * (2 * Q_STAGES + 2 * schedule.k_stages + 2 * schedule.v_stages + 3 * 2
-                    + 2 * 2) + 4
-    head = _align(barriers, 16) + 4 * Q_STAGES * TILE_M
-    tiles = (Q_STAGES * _tile_bytes(TILE_M, hdim)
+    qt = schedule.q_tiles
+    barriers = 8 * (2 * qt + 2 * schedule.k_stages + 2 * schedule.v_stages + 2 * 2 + qt
+                    + 2 * qt) + 4
+    head = _align(barriers, 16) + 4 * qt * TILE_M
+    tiles = (qt * _tile_bytes(TILE_M, hdim)
              + schedule.k_stages * _tile_bytes(schedule.tile_n, hdim)
              + schedule.v_stages * _tile_bytes(schedule.tile_n, hdim_v))
     return _align(head, 1024) + tiles

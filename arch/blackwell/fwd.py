@@ -1,6 +1,7 @@
 """FlashAttention forward on sm100a (Blackwell): tcgen05 MMAs with S, P and O in tensor memory,
 TMA loads, warp-specialized roles with the softmax of two Q tiles ping-ponged through the
-tensor core, the rescale of O in its own warpgroup, and part of the exponentials by FMAs.
+tensor core (at hdim 256 one Q tile, its blocks' S double-buffered), the rescale of O in its
+own warpgroup, and part of the exponentials by FMAs.
 
 Compile-verified only: it cross-compiles for sm_100a and its SASS is checked on the CPU
 (`tests/test_blackwell.py`), and it has not run on Blackwell hardware.
@@ -44,6 +45,7 @@ from .config import (
     Q_STAGES,
     RESCALE_THRESHOLD,
     ROLE_REGISTERS,
+    ROLE_REGISTERS_ONE_TILE,
     SMEM_CAPACITY,
     STATIC_SMEM,
     TILE_M,
@@ -58,6 +60,8 @@ _CORRECTION_WARP = 8
 _MMA_WARP = 12
 _LOAD_WARP = 13
 _TMEM_ALLOC_BARRIER = 1
+# S buffers in tensor memory: one per Q tile, or with one Q tile its blocks in turn.
+_S_BUFFERS = 2
 # Columns per chunk of O that the correction warpgroup moves through registers at once.
 _O_CHUNK = 16
 # Columns of P (fp32 words, two 16-bit values each) per tensor-memory store.
@@ -67,7 +71,8 @@ _S_CHUNK = 32
 
 
 class BlackwellFwd:
-    """Forward kernel: O = softmax(Q Kᵀ · scale) V and LSE over (256-row tile, head, batch).
+    """Forward kernel: O = softmax(Q Kᵀ · scale) V and LSE over (tile of 256 rows, 128 at
+    hdim 256; head; batch).
 
     | warps  | warpgroup | registers | role                                                 |
     |--------|-----------|-----------|------------------------------------------------------|
@@ -87,6 +92,7 @@ class BlackwellFwd:
     | S0 = Q0 Kᵀ; P0 (16-bit) in its upper half          | 0..127    | 0..127  |
     | S1 = Q1 Kᵀ; P1 in its upper half                   | 128..255  | 128..255|
     | O0, O1                                             | 256.., 320.. | 256.., 384.. |
+    (hdim 256, one Q tile: S0 0..63, S1 64..127, O 128..383.)
 
     | barrier                     | stages | arrivals                | meaning                 |
     |-----------------------------|--------|-------------------------|-------------------------|
@@ -97,6 +103,14 @@ class BlackwellFwd:
     |                             |        |                         | rescaled: PV_i may run  |
     | o_full[i] (mbarrier)        | 1      | 1 (tcgen05.commit)      | the tile's last PV_i done |
     | stats[i] (PipelineAsync) | 1 | 128 / 128 | softmax i's row factors (then l, m) in smem |
+
+    hdim 256 (`FwdSchedule.q_tiles` 1, D-BW-HD256): two 256-column O accumulators fill the
+    tensor memory, so a CTA runs one 128-row Q tile, softmax 1's warps idle (24 registers),
+    and the two S buffers (64-key blocks, S0 at 0, S1 at 64, O at 128..383) take the tile's
+    blocks in turn. The MMA warp's order: QK(0) into S0; then per block j, QK(j+1) into the
+    other buffer, PV(j) (after p_ready of j's buffer), a tcgen05.commit to o_full after
+    each PV. The softmax of S(j+1) runs under PV(j); the correction waits o_full for PV(j-1)
+    before it rescales O for block j. s_full and p_ready carry one phase bit per buffer.
 
     The MMA warp's order per tile: QK0(0), QK1(0); then per block j: PV0(j-1), QK0(j), PV1(j-1),
     QK1(j); then PV0(n-1), PV1(n-1). PV_i(j-1) is issued before QK_i(j), so P_i can live in
@@ -120,7 +134,7 @@ class BlackwellFwd:
 
     Tiles (`flash_cute.contract.tile_order`): persistent, causal and right windows heaviest first.
     Every role walks the same tiles and the same block count per tile (`block_range` of the
-    256-row tile, a block mask's span over its two Q tiles; each Q tile masks its own rows), so
+    CTA's tile, a block mask's span over its Q tiles; each Q tile masks its own rows), so
     their barrier phases stay in step; a tile with no block skips the MMAs and stores O = 0,
     LSE = -inf. TMEM is allocated before the roles split and freed after they join, on the
     kernel's one exit.
@@ -147,11 +161,14 @@ class BlackwellFwd:
             if on:
                 raise ValueError(f"the blackwell forward has no {name} yet")
         schedule = FwdSchedule(*(schedule or FWD_SCHEDULES[(self.hdim, self.hdim_v)]))
+        if schedule.q_tiles not in (1, Q_STAGES):
+            raise ValueError(f"q_tiles {schedule.q_tiles}: one Q tile per CTA, or two")
         self.tile_m, self.tile_n = TILE_M, schedule.tile_n
         self.k_stages, self.v_stages = schedule.k_stages, schedule.v_stages
         self.persistent = schedule.persistent
+        self.q_tiles = schedule.q_tiles
         self.schedule = schedule
-        self.tmem = tmem_plan(self.tile_n, self.hdim_v)
+        self.tmem = tmem_plan(self.tile_n, self.hdim_v, self.q_tiles)
         self.block_sparse = getattr(self.mods, "sparse", False)
         self.lpt = self.causal or self.has_window_right or self.block_sparse
         self.num_threads = 512
@@ -235,28 +252,28 @@ class BlackwellFwd:
         return mma_qk, mma_pv
 
     def _smem_layouts(self, mma_qk, mma_pv):
-        """Q (two tiles), the K and V rings, and P's TMEM operand layout (one stage)."""
-        sQ = sm100_utils.make_smem_layout_a(mma_qk, self._qk_tiler, self.dtype, Q_STAGES)
+        """Q (its tiles), the K and V rings, and P's TMEM operand layout (one stage)."""
+        sQ = sm100_utils.make_smem_layout_a(mma_qk, self._qk_tiler, self.dtype, self.q_tiles)
         sK = sm100_utils.make_smem_layout_b(mma_qk, self._qk_tiler, self.dtype, self.k_stages)
         sV = sm100_utils.make_smem_layout_b(mma_pv, self._pv_tiler, self.dtype, self.v_stages)
         p = sm100_utils.make_smem_layout_a(mma_pv, self._pv_tiler, self.dtype, 1)
         return sQ, sK, sV, p
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
-        q2, k2, v2 = 2 * Q_STAGES, 2 * self.k_stages, 2 * self.v_stages
+        qt, k2, v2 = self.q_tiles, 2 * self.k_stages, 2 * self.v_stages
 
         @cute.struct
         class SharedStorage:
-            q_bars: cute.struct.MemRange[cutlass.Int64, q2]
+            q_bars: cute.struct.MemRange[cutlass.Int64, 2 * qt]
             k_bars: cute.struct.MemRange[cutlass.Int64, k2]
             v_bars: cute.struct.MemRange[cutlass.Int64, v2]
-            s_full: cute.struct.MemRange[cutlass.Int64, Q_STAGES]
-            p_ready: cute.struct.MemRange[cutlass.Int64, Q_STAGES]
-            o_full: cute.struct.MemRange[cutlass.Int64, Q_STAGES]
-            stats_bars: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
+            s_full: cute.struct.MemRange[cutlass.Int64, _S_BUFFERS]
+            p_ready: cute.struct.MemRange[cutlass.Int64, _S_BUFFERS]
+            o_full: cute.struct.MemRange[cutlass.Int64, qt]
+            stats_bars: cute.struct.MemRange[cutlass.Int64, 2 * qt]
             tmem_addr: Int32
             # Per Q tile and row: a block's factor, or at the tile's end l, then m.
-            stats: cute.struct.Align[cute.struct.MemRange[Float32, Q_STAGES * TILE_M], 16]
+            stats: cute.struct.Align[cute.struct.MemRange[Float32, qt * TILE_M], 16]
             sQ: smem_tile(self.dtype, sQ_layout)
             sK: smem_tile(self.dtype, sK_layout)
             sV: smem_tile(self.dtype, sV_layout)
@@ -264,7 +281,7 @@ class BlackwellFwd:
         return SharedStorage
 
     def _tile_order(self, mQ, mK, max_seqlen_q, cu_seqlens_q) -> TileOrder:
-        """(256-row tile, head, batch) numbering; causal and right windows heaviest first, in
+        """(CTA tile, head, batch) numbering; causal and right windows heaviest first, in
         L2-sized sections of heads (`tile_order`)."""
         batch = SeqInfo.num_batches(mQ, cu_seqlens_q)
         section = Int32(1)
@@ -272,7 +289,7 @@ class BlackwellFwd:
             seqlen_k = mK.shape[0] // batch if cutlass.const_expr(self.varlen) else mK.shape[1]
             kv_bytes_per_key = (self.hdim + self.hdim_v) * self.dtype.width // 8
             section = pairs_per_section(seqlen_k, kv_bytes_per_key, imax=cutlass.max)
-        return TileOrder(cute.ceil_div(max_seqlen_q * self.pack_gqa, Q_STAGES * self.tile_m),
+        return TileOrder(cute.ceil_div(max_seqlen_q * self.pack_gqa, self.q_tiles * self.tile_m),
                          mQ.shape[-2], batch, section, self.lpt, self.persistent)
 
     # ---------------------------------------------------------------- device side
@@ -293,7 +310,7 @@ class BlackwellFwd:
             cpasync.prefetch_descriptor(tma_v)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         rings = self._rings(storage, tx_bytes)
-        handshakes = Handshakes(storage)
+        handshakes = Handshakes(storage, self.q_tiles)
         handshakes.init(warp_idx)
         stats = self._stats_pipes(storage)
         cute.arch.mbarrier_init_fence()
@@ -311,25 +328,30 @@ class BlackwellFwd:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sStats = storage.stats.get_tensor(cute.make_layout((TILE_M, Q_STAGES)))
+        sStats = storage.stats.get_tensor(cute.make_layout((TILE_M, self.q_tiles)))
         tiles = Tiles(self, num_m_blocks, section, tQ, tK, cu_seqlens, seqused, window_left,
                       window_right, max_seqlen_q, block_mask)
         tmem_tensors = TmemTensors(self, mma_qk, mma_pv, p_layout, tmem_ptr)
 
+        registers = ROLE_REGISTERS if cutlass.const_expr(self.q_tiles == 2) \
+            else ROLE_REGISTERS_ONE_TILE
         if warp_idx < _SOFTMAX1_WARP:
-            cute.arch.setmaxregister_increase(ROLE_REGISTERS[0])
+            cute.arch.setmaxregister_increase(registers[0])
             self.softmax_role(tiles, 0, tmem_tensors, handshakes, stats[0], sStats, scale_log2,
                               mod_scale, aux)
         elif warp_idx < _CORRECTION_WARP:
-            cute.arch.setmaxregister_increase(ROLE_REGISTERS[1])
-            self.softmax_role(tiles, 1, tmem_tensors, handshakes, stats[1], sStats, scale_log2,
-                              mod_scale, aux)
+            if cutlass.const_expr(self.q_tiles == 2):
+                cute.arch.setmaxregister_increase(registers[1])
+                self.softmax_role(tiles, 1, tmem_tensors, handshakes, stats[1], sStats,
+                                  scale_log2, mod_scale, aux)
+            else:
+                cute.arch.setmaxregister_decrease(registers[1])
         elif warp_idx < _MMA_WARP:
-            cute.arch.setmaxregister_decrease(ROLE_REGISTERS[2])
+            cute.arch.setmaxregister_decrease(registers[2])
             self.correction_role(tiles, tmem_tensors, handshakes, stats, sStats, mO, mLSE,
                                  (rings[2], sV, mma_pv))
         else:
-            cute.arch.setmaxregister_decrease(ROLE_REGISTERS[3])
+            cute.arch.setmaxregister_decrease(registers[3])
             if warp_idx == _MMA_WARP:
                 self.mma_role(tiles, rings, handshakes, tmem_tensors, sQ, sK, sV, mma_qk,
                               mma_pv)
@@ -350,7 +372,7 @@ class BlackwellFwd:
         return tuple(pipeline.PipelineTmaUmma.create(
             num_stages=stages, producer_group=one, consumer_group=one, tx_count=tx,
             barrier_storage=bars.data_ptr(), defer_sync=True)
-            for bars, stages, tx in ((storage.q_bars, Q_STAGES, tx_bytes[0]),
+            for bars, stages, tx in ((storage.q_bars, self.q_tiles, tx_bytes[0]),
                                      (storage.k_bars, self.k_stages, tx_bytes[1]),
                                      (storage.v_bars, self.v_stages, tx_bytes[2])))
 
@@ -360,7 +382,7 @@ class BlackwellFwd:
         bars = storage.stats_bars.data_ptr()
         return tuple(pipeline.PipelineAsync.create(
             num_stages=1, producer_group=group, consumer_group=group,
-            barrier_storage=bars + 2 * i, defer_sync=True) for i in range(Q_STAGES))
+            barrier_storage=bars + 2 * i, defer_sync=True) for i in range(self.q_tiles))
 
     # ---------------------------------------------------------------- load warp
 
@@ -368,7 +390,7 @@ class BlackwellFwd:
     def load_role(self, tiles, rings, tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, mma_qk,
                   mma_pv):
         producer = pipeline.PipelineUserType.Producer
-        states = (pipeline.make_pipeline_state(producer, Q_STAGES),
+        states = (pipeline.make_pipeline_state(producer, self.q_tiles),
                   pipeline.make_pipeline_state(producer, self.k_stages),
                   pipeline.make_pipeline_state(producer, self.v_stages))
         step = functools.partial(self.load_tile, tiles, rings, (tma_q, tma_k, tma_v),
@@ -382,7 +404,8 @@ class BlackwellFwd:
     @cute.jit
     def load_tile(self, tiles, rings, atoms, coords, smem, thr_qk, thr_pv, tile: Int32,
                   q_state, k_state, v_state):
-        """One tile's TMA loads: Q0, Q1, then K[n] and V[n] for each block, right to left."""
+        """One tile's TMA loads: its Q tiles, then K[n] and V[n] for each block, right to
+        left."""
         pipe_q, pipe_k, pipe_v = rings
         tma_q, tma_k, tma_v = atoms
         tQ, tK, tV = coords
@@ -397,9 +420,10 @@ class BlackwellFwd:
             tKsK, tKgK = tma_partition(tma_k, sK, thr_qk.partition_B(gK), 3)
             gV = cute.flat_divide(tiles.v_view(seq, tV, head_kv), (self.hdim_v, self.tile_n))
             tVsV, tVgV = tma_partition(tma_v, sV, thr_pv.partition_B(gV), 3)
-            for i in cutlass.range_constexpr(Q_STAGES):
+            for i in cutlass.range_constexpr(self.q_tiles):
                 pipe_q.producer_acquire(q_state)
-                cute.copy(tma_q, tQgQ[None, Q_STAGES * m_block + i, 0], tQsQ[None, q_state.index],
+                cute.copy(tma_q, tQgQ[None, self.q_tiles * m_block + i, 0],
+                          tQsQ[None, q_state.index],
                           tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 q_state.advance()
             for n in cutlass.range(n_max - 1, n_min - 1, -1, unroll=1):
@@ -421,7 +445,7 @@ class BlackwellFwd:
         thr_qk, thr_pv = mma_qk.get_slice(0), mma_pv.get_slice(0)
         frags = (thr_qk.make_fragment_A(sQ), thr_qk.make_fragment_B(sK),
                  thr_pv.make_fragment_B(sV))
-        states = (pipeline.make_pipeline_state(consumer, Q_STAGES),
+        states = (pipeline.make_pipeline_state(consumer, self.q_tiles),
                   pipeline.make_pipeline_state(consumer, self.k_stages),
                   pipeline.make_pipeline_state(consumer, self.v_stages), Int32(0))
         step = functools.partial(self.mma_tile, tiles, rings, handshakes, tt, frags, mma_qk,
@@ -431,59 +455,118 @@ class BlackwellFwd:
     @cute.jit
     def mma_tile(self, tiles, rings, handshakes, tt, frags, mma_qk, mma_pv, tile: Int32,
                  q_state, k_state, v_state, p_phase: Int32):
-        """One tile's MMAs: QK0(0), QK1(0); per further block PV0, QK0, PV1, QK1; the last
-        PVs (`BlackwellFwd` docstring)."""
-        pipe_q, pipe_k, pipe_v = rings
-        tSrQ, tSrK, tOrV = frags
+        """One tile's MMAs: its Q tiles waited for, then the blocks' (`_mma_two_tiles`,
+        `_mma_one_tile`)."""
         m_block, head, _, seq = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
             n_min, n_max = tiles.blocks(m_block, seq, head)
             q_index = q_state.index
-            for i in cutlass.range_constexpr(Q_STAGES):
-                pipe_q.consumer_wait(q_state)
+            for i in cutlass.range_constexpr(self.q_tiles):
+                rings[0].consumer_wait(q_state)
                 q_state.advance()
             if n_max > n_min:
-                pipe_k.consumer_wait(k_state)
-                for i in cutlass.range_constexpr(Q_STAGES):
-                    self._gemm_qk(mma_qk, tt.s[i], tSrQ, q_index + i, tSrK, k_state.index)
-                    handshakes.commit(handshakes.s_full, i)
-                pipe_k.consumer_release(k_state)
-                k_state.advance()
-                for n in cutlass.range(n_max - 2, n_min - 1, -1, unroll=1):
-                    pipe_v.consumer_wait(v_state)
-                    pipe_k.consumer_wait(k_state)
-                    for i in cutlass.range_constexpr(Q_STAGES):
-                        handshakes.wait(handshakes.p_ready, i, p_phase)
-                        self._gemm_pv(mma_pv, tt.o[i], tt.p_operand[i], tOrV, v_state.index,
-                                      n < n_max - 2)
-                        self._gemm_qk(mma_qk, tt.s[i], tSrQ, q_index + i, tSrK, k_state.index)
-                        handshakes.commit(handshakes.s_full, i)
-                    p_phase = p_phase ^ 1
-                    pipe_v.consumer_release(v_state)
-                    v_state.advance()
-                    pipe_k.consumer_release(k_state)
-                    k_state.advance()
-                # Every QKᵀ is issued: the Q tiles free (when those MMAs are done) before the
-                # last PVs, so the next tile's Q loads under them.
-                self._release_q(pipe_q, q_index)
-                pipe_v.consumer_wait(v_state)
-                for i in cutlass.range_constexpr(Q_STAGES):
-                    handshakes.wait(handshakes.p_ready, i, p_phase)
-                    self._gemm_pv(mma_pv, tt.o[i], tt.p_operand[i], tOrV, v_state.index,
-                                  n_max - n_min > 1)
-                    handshakes.commit(handshakes.o_full, i)
-                p_phase = p_phase ^ 1
-                pipe_v.consumer_release(v_state)
-                v_state.advance()
+                blocks = (rings, handshakes, tt, frags, mma_qk, mma_pv, n_min, n_max, q_index)
+                if cutlass.const_expr(self.q_tiles == 2):
+                    k_state, v_state, p_phase = self._mma_two_tiles(*blocks, k_state, v_state,
+                                                                    p_phase)
+                else:
+                    k_state, v_state, p_phase = self._mma_one_tile(*blocks, k_state, v_state,
+                                                                   p_phase)
             else:
-                self._release_q(pipe_q, q_index)
+                self._release_q(rings[0], q_index)
         return q_state, k_state, v_state, p_phase
 
     @cute.jit
-    def _release_q(self, pipe_q, q_index: Int32):
+    def _mma_two_tiles(self, rings, handshakes, tt, frags, mma_qk, mma_pv, n_min: Int32,
+                       n_max: Int32, q_index: Int32, k_state, v_state, p_phase: Int32):
+        """QK0(0), QK1(0); per further block PV0, QK0, PV1, QK1; the last PVs (`BlackwellFwd`
+        docstring). p_ready's phase is one bit for both tiles."""
+        pipe_q, pipe_k, pipe_v = rings
+        tSrQ, tSrK, tOrV = frags
+        pipe_k.consumer_wait(k_state)
         for i in cutlass.range_constexpr(Q_STAGES):
+            self._gemm_qk(mma_qk, tt.s[i], tSrQ, q_index + i, tSrK, k_state.index)
+            handshakes.commit(handshakes.s_full, i)
+        pipe_k.consumer_release(k_state)
+        k_state.advance()
+        for n in cutlass.range(n_max - 2, n_min - 1, -1, unroll=1):
+            pipe_v.consumer_wait(v_state)
+            pipe_k.consumer_wait(k_state)
+            for i in cutlass.range_constexpr(Q_STAGES):
+                handshakes.wait(handshakes.p_ready, i, p_phase)
+                self._gemm_pv(mma_pv, tt.o[i], tt.p_operand[i], tOrV, v_state.index,
+                              n < n_max - 2)
+                self._gemm_qk(mma_qk, tt.s[i], tSrQ, q_index + i, tSrK, k_state.index)
+                handshakes.commit(handshakes.s_full, i)
+            p_phase = p_phase ^ 1
+            pipe_v.consumer_release(v_state)
+            v_state.advance()
+            pipe_k.consumer_release(k_state)
+            k_state.advance()
+        # Every QKᵀ is issued: the Q tiles free (when those MMAs are done) before the last
+        # PVs, so the next tile's Q loads under them.
+        self._release_q(pipe_q, q_index)
+        pipe_v.consumer_wait(v_state)
+        for i in cutlass.range_constexpr(Q_STAGES):
+            handshakes.wait(handshakes.p_ready, i, p_phase)
+            self._gemm_pv(mma_pv, tt.o[i], tt.p_operand[i], tOrV, v_state.index,
+                          n_max - n_min > 1)
+            handshakes.commit(handshakes.o_full, i)
+        p_phase = p_phase ^ 1
+        pipe_v.consumer_release(v_state)
+        v_state.advance()
+        return k_state, v_state, p_phase
+
+    @cute.jit
+    def _mma_one_tile(self, rings, handshakes, tt, frags, mma_qk, mma_pv, n_min: Int32,
+                      n_max: Int32, q_index: Int32, k_state, v_state, p_phase: Int32):
+        """One Q tile, its blocks' S in two buffers in turn (`BlackwellFwd` docstring): QK(0)
+        into buffer 0; then per block the next block's QKᵀ into the other buffer before this
+        block's PV, so the tensor core computes S(j+1) while the softmax works on S(j), and
+        the softmax of S(j+1) runs under PV(j). o_full is committed after every PV: the
+        correction rescales O for block j once PV(j-1) is done. p_ready's phase is one bit
+        per buffer."""
+        pipe_q, pipe_k, pipe_v = rings
+        tSrQ, tSrK, tOrV = frags
+        pipe_k.consumer_wait(k_state)
+        self._gemm_qk(mma_qk, tt.s[0], tSrQ, q_index, tSrK, k_state.index)
+        handshakes.commit(handshakes.s_full, 0)
+        pipe_k.consumer_release(k_state)
+        k_state.advance()
+        buf = Int32(0)
+        for n in cutlass.range(n_max - 1, n_min, -1, unroll=1):
+            pipe_k.consumer_wait(k_state)
+            self._gemm_qk(mma_qk, tt.s_at(1 - buf), tSrQ, q_index, tSrK, k_state.index)
+            handshakes.commit(handshakes.s_full, 1 - buf)
+            pipe_k.consumer_release(k_state)
+            k_state.advance()
+            p_phase = self._pv_one_tile(handshakes, tt, mma_pv, tOrV, pipe_v, v_state, buf,
+                                        p_phase, n < n_max - 1)
+            v_state.advance()
+            buf = 1 - buf
+        self._release_q(pipe_q, q_index)
+        p_phase = self._pv_one_tile(handshakes, tt, mma_pv, tOrV, pipe_v, v_state, buf,
+                                    p_phase, n_max - n_min > 1)
+        v_state.advance()
+        return k_state, v_state, p_phase
+
+    @cute.jit
+    def _pv_one_tile(self, handshakes, tt, mma_pv, tOrV, pipe_v, v_state, buf: Int32,
+                     p_phase: Int32, accumulate) -> Int32:
+        """O += P(buffer `buf`) V once P is written and O rescaled; o_full and the V stage's
+        release follow it. Returns p_ready's phase bits (the caller advances `v_state`)."""
+        pipe_v.consumer_wait(v_state)
+        handshakes.wait(handshakes.p_ready, buf, (p_phase >> buf) & 1)
+        self._gemm_pv(mma_pv, tt.o[0], tt.p_operand_at(buf), tOrV, v_state.index, accumulate)
+        handshakes.commit(handshakes.o_full, 0)
+        pipe_v.consumer_release(v_state)
+        return p_phase ^ (1 << buf)
+
+    @cute.jit
+    def _release_q(self, pipe_q, q_index: Int32):
+        for i in cutlass.range_constexpr(self.q_tiles):
             pipe_q.consumer_release(pipeline.PipelineState(
-                Q_STAGES, Int32(0), (q_index + i) % Q_STAGES, Int32(0)))
+                self.q_tiles, Int32(0), (q_index + i) % self.q_tiles, Int32(0)))
 
     @cute.jit
     def _gemm_qk(self, mma, acc, tSrQ, q_index, tSrK, k_index):
@@ -521,37 +604,52 @@ class BlackwellFwd:
     def softmax_tile(self, tiles, stage: cutlass.Constexpr[int], handshakes, stats, sStats,
                      load, store, rS_frag, row: Int32, scale_log2: Float32, mod_scale: Float32,
                      mods, tile: Int32, stats_state, s_phase: Int32):
-        """Softmax of Q tile `stage` over one tile's blocks (`BlackwellFwd` docstring)."""
+        """Softmax of Q tile `stage` over one tile's blocks (`BlackwellFwd` docstring). With
+        one Q tile its blocks alternate between the two S buffers, from buffer 0 at each
+        tile, s_full's phase one bit per buffer."""
         # The thread's row: 32x32b loads give lane `row`'s columns in order.
         rS = cute.make_tensor(rS_frag.iterator, cute.make_layout((1, self.tile_n)))
         coord = cute.domain_offset((row, 0), cute.make_identity_tensor((1, self.tile_n)))
         m_block, head, _, seq = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
             n_min, n_max = tiles.blocks(m_block, seq, head)
-            q_block = Q_STAGES * m_block + stage
+            q_block = self.q_tiles * m_block + stage
             mask = tiles.mask(seq)
             scores = tile_scores(self, mod_scale, mask, mods[0], seq.batch, head,
                                  tiles.block_states, seq)
             rng = mask.block_range(q_block)
             softmax = OnlineSoftmax(scale_log2, 1, 1, self.ex2_per16)
             softmax.reset()
+            buf = Int32(0)
             for n in cutlass.range(n_max - 1, n_min - 1, -1, unroll=1):
                 # A block mask's state of the tile: loaded once, before S is waited for.
                 state = scores.tile_state(q_block, n)
-                handshakes.wait(handshakes.s_full, stage, s_phase)
-                s_phase = s_phase ^ 1
+                if cutlass.const_expr(self.q_tiles == 2):
+                    handshakes.wait(handshakes.s_full, stage, s_phase)
+                    s_phase = s_phase ^ 1
+                else:
+                    handshakes.wait(handshakes.s_full, buf, (s_phase >> buf) & 1)
+                    s_phase = s_phase ^ (1 << buf)
+                cols = buf * self.tile_n
                 if cutlass.const_expr(self.mods is not None):
-                    self._mods_in_tmem(scores, mods[1], row, q_block, n, rng, state)
-                cute.copy(load[0], load[1], rS_frag)
+                    load_c, store_c, src, dst, regs = mods[1]
+                    self._mods_in_tmem(scores, (load_c, store_c, self._at(src, cols),
+                                                self._at(dst, cols), regs),
+                                       row, q_block, n, rng, state)
+                cute.copy(load[0], self._at(load[1], cols), rS_frag)
                 if cutlass.const_expr(self.mods is None):
                     scores.prepare(rS, coord, q_block, n, rng)
                 factor = softmax.update_max(rS, RESCALE_THRESHOLD)
                 stats_state = self._hand_over(stats, stats_state, sStats, stage, row, factor[0])
                 # With softcap, the pairs' aligned registers beside tanh's spill (D-BW-EX2).
                 softmax.exp_and_sum(rS, factor, 0, True, self.score_mod is None, False)
-                self._store_p(rS, store)
+                self._store_p(rS, (store[0], self._at(store[1], cols), store[2]))
                 cute.arch.fence_view_async_tmem_store()
-                handshakes.arrive(handshakes.p_ready, stage)
+                if cutlass.const_expr(self.q_tiles == 2):
+                    handshakes.arrive(handshakes.p_ready, stage)
+                else:
+                    handshakes.arrive(handshakes.p_ready, buf)
+                    buf = 1 - buf
                 # Off the path to the PV: the sum of P, once P is on its way.
                 softmax.add_row_sums(rS, factor)
             stats_state = self._hand_over(stats, stats_state, sStats, stage, row,
@@ -559,6 +657,13 @@ class BlackwellFwd:
             stats_state = self._hand_over(stats, stats_state, sStats, stage, row,
                                           softmax.row_max[0])
         return stats_state, s_phase
+
+    def _at(self, t: cute.Tensor, cols) -> cute.Tensor:
+        """A view of S buffer 0 (or its P words) moved `cols` columns on: with one Q tile the
+        buffer of the block at hand; with two, each softmax warpgroup's own (`cols` 0)."""
+        if cutlass.const_expr(self.q_tiles == 2):
+            return t
+        return cute.make_tensor(t.iterator + cols, t.layout)
 
     @cute.jit
     def _mods_in_tmem(self, scores, chunks, row: Int32, q_block: Int32, n: Int32, rng,
@@ -613,7 +718,7 @@ class BlackwellFwd:
         states = (pipeline.make_pipeline_state(consumer, 1),
                   pipeline.make_pipeline_state(consumer, 1), Int32(0),
                   pipeline.make_pipeline_state(consumer, self.v_stages))
-        o_chunks = tuple(tt.o_chunk(i, row) for i in range(Q_STAGES))
+        o_chunks = tuple(tt.o_chunk(i, row) for i in range(self.q_tiles))
         pipe_v, sV, mma_pv = v_ring
         thr_pv = mma_pv.get_slice(0)
         v_tail = (pipe_v, sV, thr_pv.partition_B(
@@ -625,7 +730,8 @@ class BlackwellFwd:
     @cute.jit
     def correction_tile(self, tiles, handshakes, stats, sStats, o_chunks, row: Int32, mO, mLSE,
                         v_tail, tile: Int32, state0, state1, o_phase: Int32, v_state):
-        """Per block, each Q tile's O rescaled by its row factors; then O / l and the LSE."""
+        """Per block, each Q tile's O rescaled by its row factors; then O / l and the LSE
+        (`_correct_one_tile` with one Q tile)."""
         m_block, head, _, seq = tiles.at(tile)
         if tiles.in_bounds(m_block, seq):
             n_min, n_max = tiles.blocks(m_block, seq, head)
@@ -635,25 +741,64 @@ class BlackwellFwd:
                                        row)
                 for _ in cutlass.range(n_max - n_min, unroll=1):
                     v_state.advance()
-            for n in cutlass.range(n_max - 1, n_min - 1, -1, unroll=1):
-                state0, factor0 = self._take_stats(stats[0], state0, sStats, row, 0)
-                self._correct(o_chunks[0], factor0, n < n_max - 1, handshakes, 0)
-                state1, factor1 = self._take_stats(stats[1], state1, sStats, row, 1)
-                self._correct(o_chunks[1], factor1, n < n_max - 1, handshakes, 1)
-            state0, sum0 = self._take_stats(stats[0], state0, sStats, row, 0)
-            state0, max0 = self._take_stats(stats[0], state0, sStats, row, 0)
-            state1, sum1 = self._take_stats(stats[1], state1, sStats, row, 1)
-            state1, max1 = self._take_stats(stats[1], state1, sStats, row, 1)
-            for i in cutlass.range_constexpr(Q_STAGES):
+            if cutlass.const_expr(self.q_tiles == 1):
+                state0, o_phase = self._correct_one_tile(handshakes, stats[0], state0, sStats,
+                                                         o_chunks[0], row, n_min, n_max,
+                                                         o_phase)
+                state0, sum0 = self._take_stats(stats[0], state0, sStats, row, 0)
+                state0, max0 = self._take_stats(stats[0], state0, sStats, row, 0)
                 if n_max > n_min:
-                    handshakes.wait(handshakes.o_full, i, o_phase)
-                self._epilogue(o_chunks[i], (sum0, sum1)[i], (max0, max1)[i], n_max > n_min, seq,
-                               head, (Q_STAGES * m_block + i) * TILE_M + row, mO, mLSE)
-            if n_max > n_min:
-                o_phase = o_phase ^ 1
+                    handshakes.wait(handshakes.o_full, 0, o_phase)
+                    o_phase = o_phase ^ 1
+                self._epilogue(o_chunks[0], sum0, max0, n_max > n_min, seq, head,
+                               m_block * TILE_M + row, mO, mLSE)
+            else:
+                state0, state1, o_phase = self._correct_two_tiles(
+                    handshakes, stats, sStats, o_chunks, row, mO, mLSE, m_block, head,
+                    seq, n_min, n_max, state0, state1, o_phase)
             # The next tile's first PV overwrites O: its loads must have landed.
             cute.arch.fence_view_async_tmem_load()
         return state0, state1, o_phase, v_state
+
+    @cute.jit
+    def _correct_one_tile(self, handshakes, stats, state, sStats, chunks, row: Int32,
+                          n_min: Int32, n_max: Int32, o_phase: Int32):
+        """One Q tile's blocks: O rescaled for a block once the PV before it is done (o_full
+        after every PV), then p_ready of the block's S buffer (in turn from buffer 0)."""
+        buf = Int32(0)
+        for n in cutlass.range(n_max - 1, n_min - 1, -1, unroll=1):
+            state, factor = self._take_stats(stats, state, sStats, row, 0)
+            if n < n_max - 1:
+                handshakes.wait(handshakes.o_full, 0, o_phase)
+                o_phase = o_phase ^ 1
+                self._rescale(chunks, factor)
+            handshakes.arrive(handshakes.p_ready, buf)
+            buf = 1 - buf
+        return state, o_phase
+
+    @cute.jit
+    def _correct_two_tiles(self, handshakes, stats, sStats, o_chunks, row: Int32, mO,
+                           mLSE, m_block: Int32, head: Int32, seq, n_min: Int32, n_max: Int32,
+                           state0, state1, o_phase: Int32):
+        """Two Q tiles: per block each one's O rescaled (S_i(j) ready means PV_i(j-1) is
+        done), then p_ready_i; at the end each O_i / l_i and its LSE."""
+        for n in cutlass.range(n_max - 1, n_min - 1, -1, unroll=1):
+            state0, factor0 = self._take_stats(stats[0], state0, sStats, row, 0)
+            self._correct(o_chunks[0], factor0, n < n_max - 1, handshakes, 0)
+            state1, factor1 = self._take_stats(stats[1], state1, sStats, row, 1)
+            self._correct(o_chunks[1], factor1, n < n_max - 1, handshakes, 1)
+        state0, sum0 = self._take_stats(stats[0], state0, sStats, row, 0)
+        state0, max0 = self._take_stats(stats[0], state0, sStats, row, 0)
+        state1, sum1 = self._take_stats(stats[1], state1, sStats, row, 1)
+        state1, max1 = self._take_stats(stats[1], state1, sStats, row, 1)
+        for i in cutlass.range_constexpr(Q_STAGES):
+            if n_max > n_min:
+                handshakes.wait(handshakes.o_full, i, o_phase)
+            self._epilogue(o_chunks[i], (sum0, sum1)[i], (max0, max1)[i], n_max > n_min, seq,
+                           head, (Q_STAGES * m_block + i) * TILE_M + row, mO, mLSE)
+        if n_max > n_min:
+            o_phase = o_phase ^ 1
+        return state0, state1, o_phase
 
     @cute.jit
     def _clear_v_tail(self, v_tail, v_state, keys: Int32, tid: Int32):
@@ -724,23 +869,25 @@ class BlackwellFwd:
 
 
 class Handshakes(DslState):
-    """The raw mbarriers between the MMA warp and the softmax / correction warpgroups, one
-    per Q tile each (`BlackwellFwd` docstring): s_full (count 1, a tcgen05.commit), p_ready
-    (128 softmax + 128 correction threads), o_full (count 1). Phases are carried by their
-    waiters."""
+    """The raw mbarriers between the MMA warp and the softmax / correction warpgroups
+    (`BlackwellFwd` docstring): per S buffer s_full (count 1, a tcgen05.commit) and p_ready
+    (128 softmax + 128 correction threads); per Q tile o_full (count 1). Phases are carried
+    by their waiters; `i` may be a run-time buffer index."""
 
-    def __init__(self, storage):
+    def __init__(self, storage, q_tiles: int):
         self.s_full = storage.s_full.data_ptr()
         self.p_ready = storage.p_ready.data_ptr()
         self.o_full = storage.o_full.data_ptr()
+        self.q_tiles = q_tiles
 
     @cute.jit
     def init(self, warp_idx: Int32):
         if warp_idx == 0:
             with cute.arch.elect_one():
-                for i in cutlass.range_constexpr(Q_STAGES):
+                for i in cutlass.range_constexpr(_S_BUFFERS):
                     cute.arch.mbarrier_init(self.s_full + i, 1)
                     cute.arch.mbarrier_init(self.p_ready + i, 2 * TILE_M)
+                for i in cutlass.range_constexpr(self.q_tiles):
                     cute.arch.mbarrier_init(self.o_full + i, 1)
 
     def wait(self, bars, i: int, phase: Int32):
@@ -757,7 +904,8 @@ class Handshakes(DslState):
 
 class TmemTensors(DslState):
     """S_i, O_i and P_i in tensor memory (`config.tmem_plan`), as the MMAs see them and as
-    one thread's row moves through registers."""
+    one thread's row moves through registers; `s_at` and `p_operand_at` give the S buffer
+    of a run-time index (one Q tile, its blocks in turn)."""
 
     def __init__(self, cfg: BlackwellFwd, mma_qk, mma_pv, p_layout, tmem_ptr):
         self.cfg = cfg
@@ -767,16 +915,31 @@ class TmemTensors(DslState):
         plan = cfg.tmem
         self.s_coords = thr_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         self.o_coords = thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.hdim_v)))
-        self.s = tuple(cute.make_tensor(tmem_ptr + plan.s[i], s_layout) for i in range(Q_STAGES))
-        self.o = tuple(cute.make_tensor(tmem_ptr + plan.o[i], o_layout) for i in range(Q_STAGES))
+        self.s = tuple(cute.make_tensor(tmem_ptr + plan.s[i], s_layout)
+                       for i in range(_S_BUFFERS))
+        self.o = tuple(cute.make_tensor(tmem_ptr + plan.o[i], o_layout)
+                       for i in range(cfg.q_tiles))
         p_frag = thr_pv.make_fragment_A(cute.make_tensor(self.s[0].iterator, p_layout.outer))
         p_frag = p_frag[None, None, None, 0]
         self.p_operand = tuple(
             cute.make_tensor(cute.recast_ptr(tmem_ptr + plan.p[i], dtype=p_frag.dtype),
-                             p_frag.layout) for i in range(Q_STAGES))
+                             p_frag.layout) for i in range(_S_BUFFERS))
         self.p_words = tuple(cute.make_tensor(
             tmem_ptr + plan.p[i], cute.composition(s_layout, cute.make_layout(
-                (cfg.tile_m, cfg.tile_n // 2)))) for i in range(Q_STAGES))
+                (cfg.tile_m, cfg.tile_n // 2)))) for i in range(_S_BUFFERS))
+
+    def s_at(self, buf: Int32) -> cute.Tensor:
+        """S buffer `buf` (0 or 1) as the QKᵀ MMA's accumulator."""
+        s = self.s[0]
+        return cute.make_tensor(s.iterator + buf * self.cfg.tile_n, s.layout)
+
+    def p_operand_at(self, buf: Int32) -> cute.Tensor:
+        """P of S buffer `buf` as the PV MMA's A operand: the address moves in fp32 columns
+        before the 16-bit view is taken."""
+        p = self.p_operand[0]
+        words = cute.recast_ptr(p.iterator, dtype=Float32)
+        return cute.make_tensor(cute.recast_ptr(words + buf * self.cfg.tile_n, dtype=p.dtype),
+                                p.layout)
 
     def s_load(self, i: int, row: Int32):
         """(tiled copy, S_i's row `row` partitioned): 32x32b loads, a thread per lane."""
@@ -873,15 +1036,15 @@ class Tiles(DslState):
         return m_block, head, head // self.qheads_per_kvhead, seq
 
     def in_bounds(self, m_block: Int32, seq: SeqInfo):
-        return m_block * Q_STAGES * TILE_M < seq.rows_q
+        return m_block * self.cfg.q_tiles * TILE_M < seq.rows_q
 
     def blocks(self, m_block: Int32, seq: SeqInfo, head: Int32):
-        """(n_min, n_max): the K/V blocks the 256-row tile visits, the same for every role;
+        """(n_min, n_max): the K/V blocks the CTA's tile visits, the same for every role;
         with a block mask, those between the first and the last non-empty tile of either Q
         tile (each masks the tiles empty for it by their state, `Scores.sparse_mods`)."""
-        rng = block_range(m_block, Q_STAGES * TILE_M, self.cfg.tile_n, seq.seqlen_q, seq.seqlen_k,
-                          self.cfg.causal, self.win_left, self.win_right, self.cfg.pack_gqa,
-                          imin=cutlass.min, imax=cutlass.max)
+        rng = block_range(m_block, self.cfg.q_tiles * TILE_M, self.cfg.tile_n, seq.seqlen_q,
+                          seq.seqlen_k, self.cfg.causal, self.win_left, self.win_right,
+                          self.cfg.pack_gqa, imin=cutlass.min, imax=cutlass.max)
         lo, hi = rng.n_block_min, rng.n_block_max
         if cutlass.const_expr(self.cfg.block_sparse):
             lo, hi = narrow_pair(lo, hi, *self._sparse_span(m_block, seq.batch, head),
@@ -893,9 +1056,9 @@ class Tiles(DslState):
         >= end) left out (the launch pads the query tiles to whole CTA tiles, empty:
         `launch.SparseTiles`)."""
         start, end = Int32(2 ** 30), Int32(0)
-        for stage in range(Q_STAGES):
+        for stage in range(self.cfg.q_tiles):
             lo, hi = block_ranges(self.cfg, self.block_ranges, batch, head,
-                                  Q_STAGES * m_block + stage)
+                                  self.cfg.q_tiles * m_block + stage)
             start = cutlass.select_(hi > lo, cutlass.min(start, lo), start)
             end = cutlass.select_(hi > lo, cutlass.max(end, hi), end)
         return start, end

@@ -43,7 +43,15 @@ def _fwd_configs():
                                          "mods": "relative_bias"}),
                            ((128, 128), {"mods": "fa4_softcap_causal"}),
                            # Block sparsity: the 256-row tile's span of non-empty tiles.
-                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
+                           ((128, 128), {"causal": True, "mods": "document+blocks"}),
+                           # hdim 256: one Q tile, S double-buffered (D-BW-HD256).
+                           ((256, 256), {}), ((256, 256), {"causal": True}),
+                           ((256, 256), {"causal": True, "varlen": True, "seqused_k": True}),
+                           ((256, 256), {"local": True, "softcap": True, "fp16": True}),
+                           ((256, 256), {"causal": True, "pack_gqa": 4}),
+                           ((256, 256), {"varlen": True, "mods": "alibi_document"}),
+                           ((256, 256), {"mods": "fa4_softcap_causal"}),
+                           ((256, 256), {"causal": True, "mods": "document+blocks"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         full = {**plain, **flags}
         share = full.pop("ex2_emu", None)

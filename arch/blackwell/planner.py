@@ -15,7 +15,6 @@ from .config import (
     BWD_SCHEDULES,
     COMPILE_OPTIONS,
     FWD_SCHEDULES,
-    Q_STAGES,
     SUPPORTED_HDIMS,
     TILE_M,
     BwdSchedule,
@@ -30,7 +29,8 @@ TARGETS = ("sm_100a", "sm_100f")
 
 
 def check_supported(problem: AttentionProblem, device=None, backward: bool = False) -> None:
-    """Head dims (hdim, hdim_v) with a schedule: (64, 64), (128, 128), (192, 128); with
+    """Head dims (hdim, hdim_v) with a schedule: (64, 64), (128, 128), (192, 128), (256, 256)
+    (the backward: `config.BWD_HDIMS`); with
     pack_gqa=True, a group that divides the 128-row Q tile (the backward runs unpacked: its
     outputs do not depend on how the forward tiled). The backward refuses learnable captured
     tensors of a score mod (their gradients are the hopper backward's)."""
@@ -46,9 +46,11 @@ def check_supported(problem: AttentionProblem, device=None, backward: bool = Fal
                                       "blackwell backward does not take their gradients")
 
 
-def takes(problem: AttentionProblem) -> bool:
-    """Whether dispatch may give it `problem` (when allowed at all): its head dims."""
-    return (problem.hdim, problem.hdim_v) in FWD_SCHEDULES
+def takes(problem: AttentionProblem, backward: bool = False) -> bool:
+    """Whether dispatch may give it `problem` (when allowed at all): its head dims, the
+    backward's too where the call needs one (hdim 256 has a forward only)."""
+    dims = (problem.hdim, problem.hdim_v)
+    return dims in FWD_SCHEDULES and (not backward or dims in BWD_HDIMS)
 
 
 def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -66,13 +68,14 @@ def plan_forward(q, k, v, problem: AttentionProblem, cu_seqlens_q=None, cu_seqle
     per16 = (ex2_emulation_per16() if os.environ.get(EX2_EMULATION_ENV, "").strip()
              else default_ex2_per16(problem.hdim, problem.causal))
     chosen = tuple(schedule or FWD_SCHEDULES[(problem.hdim, problem.hdim_v)])
-    # Packing fills the CTA's two Q tiles (`launch.packed_heads`' rule).
-    pack = launch.packed_heads(problem, TILE_M, Q_STAGES * TILE_M)
+    q_tiles = FwdSchedule(*chosen).q_tiles
+    # Packing fills the CTA's Q tiles (`launch.packed_heads`' rule).
+    pack = launch.packed_heads(problem, TILE_M, q_tiles * TILE_M)
     return launch_fwd.ForwardLaunch("blackwell.fwd", _FWD_KERNEL, q, k, v, problem, cu_seqlens_q,
                                 cu_seqlens_k, seqused_q, seqused_k, chosen, COMPILE_OPTIONS,
                                 target, prepare=tma_ready, pack_gqa=pack, ex2_per16=per16,
                                 tile=(TILE_M, FwdSchedule(*chosen).tile_n),
-                                q_tiles_per_cta=Q_STAGES)
+                                q_tiles_per_cta=q_tiles)
 
 
 def _check_target(target: str) -> None:

@@ -91,9 +91,10 @@ class Pipeline:
     and deterministic; `forward` and `backward` do both at once.
     `check_supported(problem, device, backward)` raises
     NotImplementedError for what the capability names do not cover (head dims, shared memory).
-    `takes(problem)`: whether dispatch picks it on its own for a problem it can run (None:
-    always). `hardware_tested`: it ran on real hardware; a pipeline that has not (compile-
-    verified only) stays out of the default order and runs only when named with arch=.
+    `takes(problem, backward)`: whether dispatch picks it on its own for a problem it can
+    run, in the forward alone or with its backward too (None: always). `hardware_tested`: it
+    ran on real hardware; a pipeline that has not (compile-verified only) stays out of the
+    default order and runs only when named with arch=.
     Decode needs no entry point of its own: `plan_forward` takes `problem.num_splits`
     (`flash_cute.runtime.splits`), a `page_table` keyword (k / v paged, `flash_cute.runtime.paging`)
     and, with the `append` capability, an `append` keyword ((k_new, v_new) written into the cache).

@@ -33,10 +33,11 @@ def pipeline_named(name: str) -> Pipeline:
     raise NotImplementedError(f"arch={name!r}: no such pipeline is built (built: {built})")
 
 
-def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=None) -> Pipeline:
+def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=None,
+                    backward: bool = False) -> Pipeline:
     """The pipeline to run on `device`: `arch` if given (and able to run there), else the
     newest hardware-tested one that has the capabilities `problem`'s forward needs and takes
-    it (`Pipeline.takes`)."""
+    it (`Pipeline.takes`; with `backward`, its backward too)."""
     major = capability_of(device)[0]
     if arch is not None:
         chosen = pipeline_named(arch)
@@ -48,7 +49,8 @@ def select_pipeline(device: torch.device, arch: Optional[str] = None, problem=No
     needed = () if problem is None else required_capabilities(problem)
     runs_here = [p for p in PIPELINES if p.runs_on(major) and admitted(p)]
     for p in runs_here:
-        if p.missing(needed) is None and (problem is None or p.takes is None or p.takes(problem)):
+        if p.missing(needed) is None and (problem is None or p.takes is None
+                                          or p.takes(problem, backward)):
             return p
     if runs_here:
         # Pipelines run here but lack what the problem asks for: say what.
@@ -100,7 +102,7 @@ def choose_pipelines(device: torch.device, arch: Optional[str], problem, backwar
     """A call's one dispatch decision: (the forward's pipeline, the backward's or None), each
     checked against what `problem` needs, its capabilities and then the pipeline's own limits
     (head dims, shared memory). `forward_checks=False`: a backward call, whose forward ran."""
-    forward = select_pipeline(device, arch, problem)
+    forward = select_pipeline(device, arch, problem, backward)
     if forward_checks:
         check_capabilities(forward, required_capabilities(problem))
         forward.check_supported(problem, device)
