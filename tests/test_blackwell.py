@@ -80,26 +80,25 @@ def test_an_environment_switch_admits_it_where_it_takes_the_problem(capability, 
         q = torch.randn(1, 100, 2, hdim, dtype=torch.bfloat16)
         problem = validate_attention_inputs(q, q, q, require_cuda=False)
         assert dispatch.select_pipeline(device, None, problem) is chosen
-    # hdim 256 has a blackwell forward only: a call that needs the backward goes elsewhere,
-    # its forward included (one pipeline for both directions).
+    # Every head dim it takes has its backward too: a call that needs one stays with it.
+    assert config.BWD_HDIMS == config.SUPPORTED_HDIMS
     q = torch.randn(1, 100, 2, 256, dtype=torch.bfloat16)
     problem = validate_attention_inputs(q, q, q, require_cuda=False)
-    assert dispatch.select_pipeline(device, None, problem, backward=True) is AMPERE
-    assert dispatch.select_backward_pipeline(device, AMPERE, problem) is AMPERE
+    assert dispatch.select_pipeline(device, None, problem, backward=True) is BLACKWELL
 
 
-def test_named_at_hdim_256_the_backward_is_refused_before_any_launch(capability):
-    """arch="blackwell" at hdim 256 runs the forward; a call that needs the backward is
-    refused by name when its pipelines are chosen, before the forward launches."""
+def test_takes_refuses_a_backward_its_schedules_lack(monkeypatch):
+    """A head dim with a forward schedule and no backward one goes to another pipeline when
+    the call needs the backward (its forward included: one pipeline for both directions)."""
+    from flash_cute.arch.blackwell import planner
     from flash_cute.runtime.problem import validate_attention_inputs
 
-    capability(10, 0)
-    device = torch.device("cuda")
     q = torch.randn(1, 100, 2, 256, dtype=torch.bfloat16)
-    problem = validate_attention_inputs(q, q, q, causal=True, require_cuda=False)
-    assert dispatch.choose_pipelines(device, "blackwell", problem)[0].name == "blackwell"
-    with pytest.raises(NotImplementedError, match="blackwell backward.*256"):
-        dispatch.choose_pipelines(device, "blackwell", problem, backward=True)
+    problem = validate_attention_inputs(q, q, q, require_cuda=False)
+    assert planner.takes(problem) and planner.takes(problem, backward=True)
+    monkeypatch.setattr(planner, "BWD_HDIMS", tuple(d for d in config.BWD_HDIMS
+                                                    if d != (256, 256)))
+    assert planner.takes(problem) and not planner.takes(problem, backward=True)
 
 
 def test_blackwell_refuses_what_it_lacks_before_any_launch():

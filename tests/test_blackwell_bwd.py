@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from flash_cute.arch.blackwell.config import folds
 from flash_cute.arch.blackwell.inspect_configs import CONFIGS
 
 BWD = [c for c in CONFIGS if c.kernel == "blackwell.bwd"]
@@ -20,7 +21,7 @@ def _ops(sass: str) -> list:
     return [op for op in ops if op and not op.startswith(("//", ".", "{", "}"))]
 
 
-def check_bwd_pipeline(sass: str, pair: bool, tails: bool = False) -> dict:
+def check_bwd_pipeline(sass: str, pair: bool, tails: bool = False, folded: bool = False) -> dict:
     """Static checks of the backward's synchronization (none needs hardware); returns the
     opcodes of each role's section.
 
@@ -39,6 +40,8 @@ def check_bwd_pipeline(sass: str, pair: bool, tails: bool = False) -> dict:
       remote arrival is in the last section; every MMA and TMA load is the pair's form.
     * `tails` (varlen, seqused): the last section also zeroes rows in shared memory (the tail
       warp's STS) and fences them to the async proxy before its arrivals.
+    * The compute warps store Pᵀ and dSᵀ into TMEM (STTM), or `folded` (`config.folds`) into
+      shared memory with no TMEM store, fenced to the async proxy.
 
     It does not prove that the phases agree: that rests on every role walking the same query
     tiles (`BlackwellBwd` docstring), the protocol model
@@ -75,7 +78,10 @@ def check_bwd_pipeline(sass: str, pair: bool, tails: bool = False) -> dict:
     # fp32 atomics (ATOMG where the deterministic fence keeps their completion in order).
     assert has("dQ reduce", "^LDTM") and has("dQ reduce", r"^(REDG|ATOMG)\.E\.ADD\.F32")
     assert has("compute", wait) and has("compute", arrive)
-    assert has("compute", "^LDTM") and has("compute", "^STTM") and has("compute", "^STS")
+    assert has("compute", "^LDTM") and has("compute", "^STS")
+    assert has("compute", "^STTM") != folded, "Pᵀ and dSᵀ into TMEM, or folded not"
+    if folded:
+        assert has("compute", r"^FENCE\.VIEW\.ASYNC\.S"), "Pᵀ, dSᵀ fenced to the MMAs"
     last = _ROLES[2]
     assert has(last, wait) and has(last, commit) and has(last, tma)
     assert has(last, r"^UTCHMMA\.2CTA" if pair else r"^UTCHMMA")
@@ -123,7 +129,8 @@ def _check(entry, art):
     assert check_declared(kernel.pipeline(), art.sass, summary["registers"]) == []
     flags = entry.flag_dict
     check_bwd_pipeline(art.sass, pair, any(flags.get(f) for f in ("varlen", "seqused_q",
-                                                                    "seqused_k")))
+                                                                    "seqused_k")),
+                       folds(entry.schedule))
 
 
 @pytest.mark.slow
@@ -148,12 +155,72 @@ def test_every_backward_config_has_its_pipeline_intact(entry, tmp_path):
 
 def test_the_configs_cover_every_head_dim_and_feature():
     dims = {(c.hdim, c.hdim_v) for c in BWD}
-    assert dims == {(64, 64), (128, 128), (192, 128)}
+    assert dims == {(64, 64), (128, 128), (192, 128), (256, 256)}
     flags = set().union(*({k for k, v in c.flag_dict.items() if v} for c in BWD))
     assert flags >= {"causal", "local", "softcap", "varlen", "seqused_q", "seqused_k",
                      "deterministic", "dkv_fp32", "mods"}
     assert {c.flag_dict.get("mods") for c in BWD} >= {"alibi", "document", "fa4_softcap_causal",
                                                       "document+blocks"}
+
+
+_FOLD_PROBE = """
+import json
+import cutlass.cute as cute
+from cutlass import BFloat16
+from flash_cute.arch.blackwell.bwd import BlackwellBwd
+out = {}
+
+@cute.jit
+def probe():
+    kernel = BlackwellBwd(BFloat16, 256, 256)
+    mmas, t = kernel._tiled_mmas(), kernel._tilers()
+    for name in ("s", "dv"):
+        thr = mmas[name].get_slice(0)
+        layout = cute.get(thr.make_fragment_C(thr.partition_shape_C(t[name][:2])).layout,
+                          mode=[0])
+        out[name] = [[int(cute.crd2idx((r, c), layout)) for c in range(t[name][1])]
+                     for r in range(t[name][0] // 2)]
+probe()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_folded_thread_map_is_the_mmas_tmem_layout(tmp_path):
+    """hdim 256's pair MMAs at M = 128: the DSL's accumulator layouts (this CTA's 64 keys x N,
+    as TMEM addresses lane << 16 | column) put Sᵀ's (key, query) where the compute threads
+    read it (`compute_thread`, `compute_query`) and dV's (key, head-dim column) where the
+    epilogue reads it: lane = key + 64 x (column // (N / 2)), column % (N / 2)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from flash_cute.arch.blackwell import config
+
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_100a"}
+    script = tmp_path / "fold_probe.py"  # the DSL traces functions from their source file
+    script.write_text(_FOLD_PROBE)
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    schedule = config.BWD_SCHEDULES[(256, 256)]
+    assert config.folds(schedule)
+    reads = {}
+    for wg in (0, 1):
+        for lane in range(128):
+            key, part = config.compute_thread(lane, schedule)
+            for c in range(config.wg_query_columns(schedule) // 8):
+                first = config.compute_query(wg, part, c, schedule, 8)
+                for j in range(8):
+                    column = first + j - part * (schedule.tile_m // 2)
+                    reads[(key, first + j)] = (lane << 16) | column
+    assert len(reads) == 64 * 128
+    assert all(got["s"][k][q] == addr for (k, q), addr in reads.items())
+    half = 256 // 2
+    assert all(got["dv"][k][d] == ((k + 64 * (d // half)) << 16 | d % half)
+               for k in range(64) for d in range(256))
 
 
 def test_check_bwd_pipeline_catches_an_early_exit_a_missing_free_and_an_unsignalled_copy():

@@ -85,12 +85,13 @@ def test_a_plan_that_cannot_fit_is_refused():
 STEPS = 3
 
 
-def _happens_before(plan, waits, barriers=None):
+def _happens_before(plan, waits, schedule, barriers=None):
     """Edges between (event, step) nodes over STEPS query tiles: each role's program order
     (the step's events, then the next step's), the barriers, and `waits`."""
+    events = config.bwd_tmem_step(schedule)
     order = {}
     for step in range(STEPS):
-        for event, role, _, _ in config.BWD_TMEM_STEP:
+        for event, role, _, _ in events:
             order.setdefault(role, []).append((event, step))
     edges = {n: set() for seq in order.values() for n in seq}
     for seq in order.values():
@@ -112,16 +113,16 @@ def _happens_before(plan, waits, barriers=None):
     return lambda a, b: b in reachable(a)
 
 
-def _stale_reads(plan, waits, barriers=None):
+def _stale_reads(plan, waits, schedule, barriers=None):
     """Reads that may see a write other than their own step's producer: a write to an
     overlapping column not ordered before that producer or after the read."""
-    hb = _happens_before(plan, waits, barriers)
-    writes = [((e, s), w) for s in range(STEPS) for e, _, _, ws in config.BWD_TMEM_STEP
-              for w in ws]
-    producer = {w: e for e, _, _, ws in config.BWD_TMEM_STEP for w in ws}
+    hb = _happens_before(plan, waits, schedule, barriers)
+    events = config.bwd_tmem_step(schedule)
+    writes = [((e, s), w) for s in range(STEPS) for e, _, _, ws in events for w in ws]
+    producer = {w: e for e, _, _, ws in events for w in ws}
     bad = []
     for step in range(STEPS):
-        for event, _, reads, _ in config.BWD_TMEM_STEP:
+        for event, _, reads, _ in events:
             for r in reads:
                 if r in ("dv", "dk"):
                     continue  # accumulators: checked by the plan test (no sharer)
@@ -138,7 +139,7 @@ def _stale_reads(plan, waits, barriers=None):
 @pytest.mark.parametrize("dims,schedule", SCHEDULES)
 def test_every_tmem_read_sees_its_own_write(dims, schedule):
     plan = config.bwd_tmem_plan(*dims, schedule)
-    assert _stale_reads(plan, config.bwd_tmem_waits(plan)) == []
+    assert _stale_reads(plan, config.bwd_tmem_waits(plan), schedule) == []
 
 
 @pytest.mark.parametrize("dims,schedule", SCHEDULES)
@@ -147,7 +148,7 @@ def test_each_aliasing_wait_is_needed(dims, schedule):
     waits = config.bwd_tmem_waits(plan)
     for name in waits:
         rest = {k: v for k, v in waits.items() if k != name}
-        assert _stale_reads(plan, rest), f"{dims}: {name} is not needed"
+        assert _stale_reads(plan, rest, schedule), f"{dims}: {name} is not needed"
 
 
 def test_the_waits_follow_the_aliasing():
@@ -155,17 +156,20 @@ def test_the_waits_follow_the_aliasing():
     assert set(config.bwd_tmem_waits(plans[(64, 64)])) == set()
     assert set(config.bwd_tmem_waits(plans[(128, 128)])) == {"dq_read"}
     assert set(config.bwd_tmem_waits(plans[(192, 128)])) == {"s_read", "dq_read"}
+    # hdim 256, folded: dV, dK, Sᵀ, dPᵀ and dQ side by side in 512 columns, no aliasing.
+    assert set(config.bwd_tmem_waits(plans[(256, 256)])) == set()
 
 
-@pytest.mark.parametrize("dims,schedule", SCHEDULES)
+@pytest.mark.parametrize("dims,schedule", [(d, s) for d, s in SCHEDULES if not config.folds(s)])
 def test_compute_1_waits_for_compute_0s_loads_of_s(dims, schedule):
     """Compute 1's P words lie over compute 0's columns 32..63 of Sᵀ: without the named
     barrier between them (`BlackwellBwd._in_order`) the replay sees compute 0 read a P
-    word."""
+    word. (Folded, P goes through shared memory: no such barrier.)"""
     plan = config.bwd_tmem_plan(*dims, schedule)
     waits = config.bwd_tmem_waits(plan)
     without = [b for b in config.BWD_TMEM_BARRIERS if b != ("load S 0", "store P 1", 0)]
-    assert any("load S 0" in r and "store P 1" in r for r in _stale_reads(plan, waits, without))
+    assert any("load S 0" in r and "store P 1" in r
+               for r in _stale_reads(plan, waits, schedule, without))
 
 
 @pytest.mark.parametrize("wg", [0, 1])
@@ -184,6 +188,42 @@ def test_each_ds_word_lands_on_a_chunk_already_loaded(wg):
         for j in range(0, chunk, 2):
             word = config.ds_words_first(plan, wg, k * chunk + j)
             assert word in mine and word in loaded, (wg, c, word)
+
+
+@pytest.mark.parametrize("dims,schedule", [(d, s) for d, s in SCHEDULES if s.cta_group == 2])
+def test_the_compute_threads_cover_each_ctas_scores_once_and_route_ds_to_its_owner(dims,
+                                                                                    schedule):
+    """The two compute warpgroups' 128 threads each, by `compute_thread` and `compute_query`
+    (the kernel's own functions), cover the CTA's keys x the query tile exactly once, each
+    element at the TMEM lane and column the plan's fold puts it (`acc_columns`: folded, lane
+    = key + 64 x (query // 64), column = query % 64, within each warpgroup's half of Sᵀ's
+    columns); and `query_owner` sends each query's dS to the CTA whose dQ rows hold it
+    (`pair_q_first`)."""
+    tm, tn, chunk = schedule.tile_m, schedule.tile_n, 8
+    plan = config.bwd_tmem_plan(*dims, schedule)
+    cols = config.wg_query_columns(schedule)
+    seen = {}
+    for wg in (0, 1):
+        for lane in range(128):
+            key, part = config.compute_thread(lane, schedule)
+            for c in range(cols // chunk):
+                first = config.compute_query(wg, part, c, schedule, chunk)
+                for j in range(chunk):
+                    q = first + j
+                    column = q - part * (tm // 2)
+                    assert column - wg * cols in range(cols)
+                    assert column in range(plan.width["s"]), (column, plan.width)
+                    if config.folds(schedule):
+                        assert (lane, column) == (key + 64 * (q // 64), q % 64)
+                    else:
+                        assert (lane, column) == (key, q)
+                    seen[(key, q)] = seen.get((key, q), 0) + 1
+                    owner = config.query_owner(wg, part, schedule)
+                    rows = range(config.pair_q_first(0, owner, schedule),
+                                 config.pair_q_first(0, owner, schedule) + tm // 2)
+                    assert q in rows, (q, owner)
+    assert set(seen) == {(k, q) for k in range(tn) for q in range(tm)}
+    assert set(seen.values()) == {1}
 
 
 # ------------------------------------------------------------------------------ the split
@@ -328,6 +368,10 @@ CASES = [
     ((192, 128), False, (200, 60), (2, 2), [(400, 650)], None),
     ((64, 64), True, (None, None), (4, 1), [(257, 383), (70, 90)], None),
     ((128, 128), False, (None, None), (2, 1), [(300, 600), (200, 300)], [(250, 517), (0, 3)]),
+    # hdim 256: the pair over 128 keys, 64 a CTA.
+    ((256, 256), True, (None, None), (4, 2), [(301, 459)], None),
+    ((256, 256), False, (150, 40), (2, 2), [(260, 333)], None),
+    ((256, 256), True, (None, None), (2, 1), [(190, 270), (65, 40)], [(170, 201), (1, 40)]),
 ]
 
 

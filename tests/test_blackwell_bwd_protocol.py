@@ -75,6 +75,11 @@ class Run:
         self.plan = config.bwd_tmem_plan(*hdims, sched)
         self.waits = config.bwd_tmem_waits(self.plan)
         self.separate = self.g == 2 and not config.shares_transposed(*hdims, sched)
+        # Folded (hdim 256): each warpgroup holds query rows of both CTAs' halves, so the
+        # peer's rows come from half the warps of both, which meet at a named barrier
+        # before warpgroup 0's lane copies them (`BlackwellBwd._ds_done`).
+        self.folded = config.folds(sched)
+        self.named = {}
         self.shared = self.g == 2 and not self.separate
         stages = {"kv": 1, "q": sched.q_stages, "do": sched.do_stages}
         if self.separate:
@@ -218,7 +223,15 @@ class Run:
                 yield from wait(mine["SDS_EMPTY"])
             yield from wait(mine["DP_FULL"])
             lead.sync["DS_FULL"].arrive(WG_WARPS)
-            if self.g == 1 or wg == r:
+            if self.folded:
+                cta.sync["SDS_FULL"].arrive(WG_WARPS // 2)
+                yield from self.meet(c, r, i, 0)
+                if wg == 0 or "ONE_COPIER" in self.omit:
+                    target = peer.sync["SDS_FULL"]
+                    target.arrive(1, expect=1)
+                    self.later(lambda t=target: t.complete_tx(1))
+                yield from self.meet(c, r, i, 1)
+            elif self.g == 1 or wg == r:
                 cta.sync["SDS_FULL"].arrive(WG_WARPS)
             else:
                 target = peer.sync["SDS_FULL"]
@@ -227,6 +240,13 @@ class Run:
         if tiles:
             yield from wait(mine["SDS_EMPTY"])  # the last dQ MMA's, met before the exit
             yield from wait(mine["DKV_FULL"])
+
+    def meet(self, c, r, i, k):
+        """The folded exchange's named barrier (both warpgroups' peer-half warps), its k-th
+        use at step i: all of them arrive, then go on."""
+        bar = self.named.setdefault((c, r, i, k), Barrier(f"c{c}.r{r}.xchg[{i},{k}]", 2))
+        bar.arrive()
+        yield ("wait", lambda: bar.completed > 0)
 
     def reduce(self, c, r):
         cta, lead = self.ctas[c][r], self.leader(c)
@@ -329,7 +349,9 @@ CASES = [((64, 64), 700, 900, True, (None, None)),
          ((128, 128), 300, 1500, False, (100, 0)),
          ((192, 128), 600, 700, True, (None, None)),
          ((192, 128), 129, 257, False, (None, None)),
-         ((128, 128), 50, 1000, False, (20, 20))]
+         ((128, 128), 50, 1000, False, (20, 20)),
+         ((256, 256), 700, 500, True, (None, None)),
+         ((256, 256), 300, 900, False, (100, 0))]
 
 
 @pytest.mark.parametrize("dims,seqlen_q,seqlen_k,causal,window", CASES)
@@ -399,6 +421,13 @@ def test_the_model_sees_a_missing_wait():
     assert _failures({"DQ_READ"}) > 0
     assert _failures({"PEER_SDS"}) > 0
     assert _failures(()) == 0
+
+
+def test_the_folded_exchange_copies_once_per_step():
+    """hdim 256: both warpgroups' peer-half warps meet, and warpgroup 0's lane alone copies;
+    were each warpgroup to copy, the peer's SDS_FULL would take an arrival too many."""
+    assert _failures((), dims=(256, 256)) == 0
+    assert _failures({"ONE_COPIER"}, dims=(256, 256)) > 0
 
 
 @pytest.mark.parametrize("dims,seqlen_q,seqlen_k,causal,window", CASES)

@@ -1,7 +1,7 @@
 """FlashAttention backward on sm100a (Blackwell): tcgen05 MMAs with Sᵀ, dPᵀ, dV, dK and dQ in
 tensor memory, recomputed from the LSE, a K/V tile per cluster: one CTA at hdim 64, from 128
-up a pair of CTAs whose MMAs (cta_group::2) span 2 x 128 keys and which hand each other the
-rows of dS the dQ MMA needs.
+up a pair of CTAs whose MMAs (cta_group::2) span 2 x 128 keys (2 x 64 at hdim 256) and which
+hand each other the rows of dS the dQ MMA needs.
 
 Compile-verified only: it cross-compiles for sm_100a and its SASS is checked on the CPU
 (`tests/test_blackwell_bwd.py`), its design by CPU models (`tests/test_blackwell_bwd_model.py`);
@@ -50,13 +50,18 @@ from .config import (
     bwd_tmem_plan,
     bwd_tmem_waits,
     chunk_of,
+    compute_query,
+    compute_thread,
     dq_turn_of_pair,
     dq_turn_pending,
     ds_words_first,
+    folds,
     pair_exchange_first,
     pair_kv_first,
     pair_q_first,
+    query_owner,
     shares_transposed,
+    wg_query_columns,
 )
 
 # Warp roles (`BlackwellBwd` docstring).
@@ -82,8 +87,8 @@ _MMA_NAMES = ("s", "dp", "dv", "dk", "dq")
 
 class BlackwellBwd:
     """Backward main kernel: dQaccum += dS K · (the postprocess scales), dK = dSᵀ Q · scale,
-    dV = Pᵀ dO, over (K/V tile of cta_group x 128 keys, query head, batch); P and dS are
-    recomputed from LSE₂ and Δ (`bwd_prep`).
+    dV = Pᵀ dO, over (K/V tile of cta_group x 128 keys, 2 x 64 at hdim 256; query head;
+    batch); P and dS are recomputed from LSE₂ and Δ (`bwd_prep`).
 
     | warps  | warpgroup | registers | role                                                 |
     |--------|-----------|-----------|------------------------------------------------------|
@@ -110,13 +115,24 @@ class BlackwellBwd:
     bulk-copies them into the peer's (`pair.copy_to_peer`, completing on the peer's
     SDS_FULL with its bytes). One CTA (hdim 64): the same with cta_group::1, no copy.
 
-    | tensor memory (`config.bwd_tmem_plan`) | 64   | 128          | (192, 128)             |
-    |----------------------------------------|------|--------------|------------------------|
-    | dV                                     | 0    | 0            | 0                      |
-    | dK                                     | 64   | 128          | 128                    |
-    | Sᵀ (Pᵀ 16-bit in its lower half)        | 128  | 256          | 320                    |
-    | dPᵀ (dSᵀ from a quarter in)             | 256  | 384          | 384 (over Sᵀ's upper)  |
-    | dQ                                     | 384  | 320 (Sᵀ's upper) | 416 (dPᵀ's end)    |
+    hdim 256 (`config.folds`, D-BW-BWD-HD256): the pair over 128 keys, 64 a CTA, so the
+    key-side MMAs run at M = 128 and each CTA's 64 rows fold into 128 lanes by halves of N
+    (lane = key + 64 x (column // (N / 2))). A compute thread holds half a key's row: 32
+    query columns of its lane's half (`config.compute_thread`, `compute_query`); its lane
+    half, not its warpgroup, says whose dQ rows its dS is (`query_owner`), and the peer's
+    rows come from half the warps of both warpgroups, which meet at one named barrier
+    before warpgroup 0's lane copies them. Pᵀ and dSᵀ reach the dV and dK MMAs through
+    shared memory ("pt", "dst"), which the next query tile's stores may overwrite once its
+    S_FULL (committed after those MMAs) has landed.
+
+    | tensor memory (`config.bwd_tmem_plan`) | 64  | 128              | (192, 128)       | 256 |
+    |----------------------------------------|-----|------------------|------------------|-----|
+    | dV                                     | 0   | 0                | 0                | 0   |
+    | dK                                     | 64  | 128              | 128              | 128 |
+    | Sᵀ (Pᵀ 16-bit in its lower half)        | 128 | 256              | 320              | 256 |
+    | dPᵀ (dSᵀ from a quarter in)             | 256 | 384              | 384 (Sᵀ's upper) | 320 |
+    | dQ                                     | 384 | 320 (Sᵀ's upper) | 416 (dPᵀ's end)  | 384 |
+    (At 256 Pᵀ and dSᵀ are in shared memory, not in Sᵀ's and dPᵀ's columns.)
 
     Two 16-bit values share a column: compute 1's P words lie over compute 0's Sᵀ columns
     32..63, so compute 1 stores them after compute 0 has loaded (a named barrier); dSᵀ's
@@ -187,9 +203,14 @@ class BlackwellBwd:
         # read them (`tail_role`); elsewhere a TMA zero-fills past the tensor's end.
         self.tails = self.varlen or self.has_seqused_q or self.has_seqused_k
         self.num_threads = 512
-        # Query rows of a CTA's half (the dQ MMA's M half) and of a compute warpgroup.
+        # Folded (hdim 256): a thread's lane holds half its key's row (`config.folds`), and
+        # Pᵀ and dSᵀ go to the dV and dK MMAs through shared memory.
+        self.folded = folds(schedule)
+        # Query rows of a CTA's half (the dQ MMA's M half); query columns of a compute
+        # thread: 64 (its warpgroup's half of the tile), folded 32 (its warpgroup's half of
+        # its lane's half).
         self.half_m = self.tile_m // self.cta_group
-        self.wg_cols = self.tile_m // 2
+        self.wg_cols = wg_query_columns(schedule)
 
     @property
     def smem_bytes(self) -> int:
@@ -249,12 +270,13 @@ class BlackwellBwd:
 
     def _tiled_mmas(self) -> dict:
         """Sᵀ and dPᵀ read K-major K, V, Q, dO; dV and dK read Pᵀ and dSᵀ from TMEM (K-major,
-        as tcgen05 requires of a TMEM operand) and dO, Q MN-major (head dim contiguous); dQ
-        reads dS MN-major (query rows contiguous, as the compute threads write a key's row
-        of them) and K MN-major."""
+        as tcgen05 requires of a TMEM operand; folded, from shared memory) and dO, Q
+        MN-major (head dim contiguous); dQ reads dS MN-major (query rows contiguous, as the
+        compute threads write a key's row of them) and K MN-major."""
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
         group = tcgen05.CtaGroup.TWO if self.pair else tcgen05.CtaGroup.ONE
-        tmem = tcgen05.OperandSource.TMEM
+        # Folded, Pᵀ and dSᵀ come from shared memory (K-major: a key's queries contiguous).
+        tmem = tcgen05.OperandSource.SMEM if self.folded else tcgen05.OperandSource.TMEM
         t = self._tilers()
 
         def mma(a, b, name, source=tcgen05.OperandSource.SMEM):
@@ -356,6 +378,9 @@ class BlackwellBwd:
             if self.pair:
                 sKt: smem_tile(self.dtype, layouts["kt"])
                 sXchg: smem_tile(self.dtype, layouts["xchg"])
+            if self.folded:
+                sPt: smem_tile(self.dtype, layouts["p"])
+                sdSt: smem_tile(self.dtype, layouts["dst"])
             if sep:
                 sQt: smem_tile(self.dtype, layouts["qt"])
                 sdOt: smem_tile(self.dtype, layouts["dot"])
@@ -566,8 +591,10 @@ class BlackwellBwd:
                     do.advance()
                 # dV += Pᵀ dOᵀ and dK += dSᵀ Qᵀ: the transposed tiles from their own rings, or
                 # the next stage of Q's and dO's (the pair), or the same stage (one CTA).
-                dv = (mmas["dv"], acc.dv, acc.p_operand, frags["dot"], i > 0)
-                dk = (mmas["dk"], acc.dk, acc.ds_operand, frags["qt"], i > 0)
+                p_op, ds_op = (frags["pt"], frags["dst"]) if cutlass.const_expr(self.folded) \
+                    else (acc.p_operand, acc.ds_operand)
+                dv = (mmas["dv"], acc.dv, p_op, frags["dot"], i > 0)
+                dk = (mmas["dk"], acc.dk, ds_op, frags["qt"], i > 0)
                 if cutlass.const_expr(self.separate_t):
                     do_t = self._gemm_transposed(rings["dot"], do_t, True, sync, pair.P_FULL,
                                                  phase, *dv)
@@ -623,7 +650,10 @@ class BlackwellBwd:
                      wg: cutlass.Constexpr[int]):
         lane = cute.arch.thread_idx()[0] % 128
         rows = TmemRows(tmem_ptr)
-        stats = storage.stats.get_tensor(cute.make_layout((self.wg_cols, 2, 2, 2)))
+        stats = storage.stats.get_tensor(cute.make_layout((self.tile_m // 2, 2, 2, 2)))
+        # The thread's key in the CTA's tile, and (folded) which half of the query columns
+        # its lane holds: warp-uniform.
+        key, part = compute_thread(lane, self.schedule)
         if work.has_steps:
             seq = work.seq
             mask = AttentionMask(self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
@@ -650,11 +680,13 @@ class BlackwellBwd:
                                      chunk_of(c, wg, chunks), lane)
                 cute.arch.fence_view_async_tmem_load()
                 sync.arrive_leader(pair.S_READ)
-                self._in_order(_S_ORDER_BARRIER, wg)
+                if cutlass.const_expr(not self.folded):
+                    self._in_order(_S_ORDER_BARRIER, wg)
                 for c in cutlass.range_constexpr(chunks):
-                    self._probs(rP, c, chunk_of(c, wg, chunks), rows, wg, lane, stats, buf,
-                                scores, m, n_cta, rng, state, scale_log2)
-                cute.arch.fence_view_async_tmem_store()
+                    self._probs(rP, c, chunk_of(c, wg, chunks), rows, smem, wg, lane,
+                                (key, part), stats, buf, scores, m, n_cta, rng, state,
+                                scale_log2)
+                self._operands_written()
                 sync.arrive_leader(pair.P_FULL)
                 # dS from dPᵀ in chunks, each at once to TMEM (dSᵀ, the dK MMA's operand) and
                 # to shared memory (dS, the dQ MMA's): the dQ MMA of the previous query tile
@@ -668,30 +700,60 @@ class BlackwellBwd:
                     k = chunk_of(c, wg, chunks)
                     rdP = rows.load(self.tmem.dp + wg * self.wg_cols + k * _DS_CHUNK,
                                     _DS_CHUNK, lane)
-                    self._ds(rdP, rP, stats, buf, wg, c, k)
-                    rows.store_halves(ds_words_first(self.tmem, wg, k * _DS_CHUNK), rdP, lane,
-                                      self.dtype)
-                    self._write_ds(rdP, smem, wg, lane, work.rank, k)
-                cute.arch.fence_view_async_tmem_store()
+                    self._ds(rdP, rP, stats, buf, wg, part, c, k)
+                    if cutlass.const_expr(self.folded):
+                        self._store_row(smem.sdSt, rdP, key, self._query(wg, part, k))
+                    else:
+                        rows.store_halves(ds_words_first(self.tmem, wg, k * _DS_CHUNK), rdP,
+                                          lane, self.dtype)
+                    self._write_ds(rdP, smem, wg, key, part, work.rank, k)
+                self._operands_written()
                 sync.arrive_leader(pair.DS_FULL)
-                self._ds_done(smem, sync, wg, lane, work.rank)
+                self._ds_done(smem, sync, wg, lane, part, work.rank)
                 phase = phase ^ 1
             # The last dQ MMA's commit of SDS_EMPTY reaches this CTA too: met here, none is
             # left in flight when the CTA exits.
             sync.wait(pair.SDS_EMPTY, phase ^ 1)
             sync.wait(pair.DKV_FULL, 0)
-        self._epilogue(work, rows, mdV, self.tmem.dv, self.hdim_v, Float32(1.0), wg, lane)
-        self._epilogue(work, rows, mdK, self.tmem.dk, self.hdim, softmax_scale, wg, lane)
+        self._epilogue(work, rows, mdV, self.tmem.dv, self.hdim_v, Float32(1.0), wg, lane,
+                       (key, part))
+        self._epilogue(work, rows, mdK, self.tmem.dk, self.hdim, softmax_scale, wg, lane,
+                       (key, part))
+
+    def _query(self, wg: int, part, chunk) -> Int32:
+        """The query column (in the tile) where a compute thread's chunk `chunk` starts
+        (`config.compute_query`)."""
+        return compute_query(wg, part, chunk, self.schedule, _DS_CHUNK)
+
+    @cute.jit
+    def _operands_written(self):
+        """Pᵀ or dSᵀ complete for the MMAs: in TMEM (its stores waited for), or folded in
+        shared memory (made visible to the async proxy)."""
+        if cutlass.const_expr(self.folded):
+            cute.arch.fence_proxy("async.shared", space="cta")
+        else:
+            cute.arch.fence_view_async_tmem_store()
+
+    @cute.jit
+    def _store_row(self, s: cute.Tensor, values: cute.Tensor, key: Int32, query: Int32):
+        """`values` (a chunk of `_DS_CHUNK` query columns of this thread's key, fp32) in
+        16-bit into a K-major (key rows, query columns) A operand in shared memory (Pᵀ,
+        dSᵀ): (keys, 16) per MMA step, the query column's step in the third mode."""
+        half = cute.make_rmem_tensor(_DS_CHUNK, self.dtype)
+        half.store(values.load().to(self.dtype))
+        step = s[((key, None), 0, query // 16, 0)]
+        cute.autovec_copy(half, cute.local_tile(step, (_DS_CHUNK,), ((query % 16) // _DS_CHUNK,)))
 
     @cute.jit
     def _stage_stats(self, stats, buf: Int32, wg: cutlass.Constexpr[int], lane: Int32,
                      m: Int32, seq, head, mLSElog2, mDelta):
-        """The warpgroup's query rows' LSE₂ (threads 0..63) and Δ (64..127) into shared
-        memory, +inf and 0 past the sequence so that P = 0 and dS = 0 there; the buffers
-        alternate by query tile, so one barrier per tile orders the writes after the last
-        reads of two tiles ago."""
-        col = lane % self.wg_cols
-        row = m * self.tile_m + wg * self.wg_cols + col
+        """The LSE₂ (threads 0..63) and Δ (64..127) of the warpgroup's 64 query rows into
+        shared memory, +inf and 0 past the sequence so that P = 0 and dS = 0 there; the
+        buffers alternate by query tile, so one barrier per tile orders the writes after the
+        last reads of two tiles ago. Entry e is query column `_query(wg, e // wg_cols, 0) +
+        e % wg_cols` (folded, each lane half's 32)."""
+        col = lane % (self.tile_m // 2)
+        row = m * self.tile_m + self._query(wg, col // self.wg_cols, 0) + col % self.wg_cols
         inside = row < seq.seqlen_q
         safe = cutlass.min(row, cutlass.max(seq.seqlen_q - 1, 0))
         if lane < self.wg_cols:
@@ -703,21 +765,24 @@ class BlackwellBwd:
         pipeline.NamedBarrier(barrier_id=_STATS_BARRIER + wg, num_threads=128).arrive_and_wait()
 
     @cute.jit
-    def _probs(self, rP, slot: int, chunk, rows, wg: cutlass.Constexpr[int], lane: Int32,
-               stats, buf: Int32, scores, m: Int32, n_cta: Int32, rng, state,
+    def _probs(self, rP, slot: int, chunk, rows, smem, wg: cutlass.Constexpr[int], lane: Int32,
+               where, stats, buf: Int32, scores, m: Int32, n_cta: Int32, rng, state,
                scale_log2: Float32):
         """In place on `rP`'s `slot`, this thread's Sᵀ at query-column chunk `chunk` (of
         `_DS_CHUNK` columns): the score seam (`Scores.prepare`: mods, mask), P =
-        exp2(S·scale_log2 − LSE₂) to TMEM in 16-bit, then P times the score mod's derivative
-        (softcap's 1 − tanh², a traced mod's from the seam), all dS needs of it; the
-        derivative lives beside one chunk, not beside the row."""
+        exp2(S·scale_log2 − LSE₂) to TMEM in 16-bit (folded, to Pᵀ in shared memory), then P
+        times the score mod's derivative (softcap's 1 − tanh², a traced mod's from the
+        seam), all dS needs of it; the derivative lives beside one chunk, not beside the
+        row. `where`: the thread's (key, lane half)."""
+        key, part = where
         first = chunk * _DS_CHUNK
-        column = wg * self.wg_cols + first
+        column = self._query(wg, part, chunk)
+        stat = part * self.wg_cols + first
         rS = cute.make_tensor(rP.iterator + slot * _DS_CHUNK, cute.make_layout(_DS_CHUNK))
         grad = cute.make_rmem_tensor(_DS_CHUNK, Float32)
         traced = scores.needs_grad
         view = cute.make_tensor(rS.iterator, cute.make_layout((_DS_CHUNK, 1)))
-        coord = cute.domain_offset((column, lane), cute.make_identity_tensor((_DS_CHUNK, 1)))
+        coord = cute.domain_offset((column, key), cute.make_identity_tensor((_DS_CHUNK, 1)))
         scores.prepare(view, coord, m, n_cta, rng,
                        grad_mn=(cute.make_tensor(grad.iterator, view.layout) if traced
                                 else None), state=state)
@@ -727,9 +792,12 @@ class BlackwellBwd:
         for j in cutlass.range_constexpr(_DS_CHUNK):
             if cutlass.const_expr(by_value):
                 grad[j] = self.score_mod.grad(rS[j])
-            rS[j] = cute.math.exp2(rS[j] * scale_log2 - stats[first + j, 0, wg, buf],
+            rS[j] = cute.math.exp2(rS[j] * scale_log2 - stats[stat + j, 0, wg, buf],
                                    fastmath=True)
-        rows.store_halves(self.tmem.s + column // 2, rS, lane, self.dtype)
+        if cutlass.const_expr(self.folded):
+            self._store_row(smem.sPt, rS, key, column)
+        else:
+            rows.store_halves(self.tmem.s + column // 2, rS, lane, self.dtype)
         if cutlass.const_expr(traced or by_value):
             rS.store(rS.load() * grad.load())
 
@@ -754,46 +822,55 @@ class BlackwellBwd:
             barrier.arrive_and_wait()
 
     @cute.jit
-    def _ds(self, rdP, rP, stats, buf: Int32, wg: cutlass.Constexpr[int], slot: int, chunk):
+    def _ds(self, rdP, rP, stats, buf: Int32, wg: cutlass.Constexpr[int], part: Int32,
+            slot: int, chunk):
         """In place: dP at query-column chunk `chunk` → dS = P ∘ (dP − Δ), P from `rP`'s
         `slot`, there times the softcap's derivative where there is one (`_probs`)."""
-        first = chunk * _DS_CHUNK
+        stat = part * self.wg_cols + chunk * _DS_CHUNK
         for j in cutlass.range_constexpr(cute.size(rdP)):
-            rdP[j] = rP[slot * _DS_CHUNK + j] * (rdP[j] - stats[first + j, 1, wg, buf])
+            rdP[j] = rP[slot * _DS_CHUNK + j] * (rdP[j] - stats[stat + j, 1, wg, buf])
 
     @cute.jit
-    def _write_ds(self, rdS, smem, wg: cutlass.Constexpr[int], lane: Int32, rank: Int32,
-                  chunk: int):
-        """A chunk of dS of this thread's key for the warpgroup's query rows into the dQ MMA's
-        operand: with one CTA, or in the warpgroup of this CTA's rank, into its own dS; in
-        the other warpgroup of the pair into the stage the peer's copy leaves from."""
+    def _write_ds(self, rdS, smem, wg: cutlass.Constexpr[int], key: Int32, part: Int32,
+                  rank: Int32, chunk: int):
+        """A chunk of dS of this thread's key for its query rows into the dQ MMA's operand:
+        with one CTA, or where the rows are this CTA's half (the pair: warpgroup, folded
+        lane half, = rank), into its own dS; else into the stage the peer's copy leaves
+        from."""
         half = cute.make_rmem_tensor(cute.size(rdS), self.dtype)
         half.store(rdS.load().to(self.dtype))
         if cutlass.const_expr(not self.pair):
-            key = lane
             cute.autovec_copy(half, smem.ds_row(smem.sdS, wg, key, chunk))
         else:
-            if wg == rank:
-                key = pair_exchange_first(rank, self.schedule) + lane
-                cute.autovec_copy(half, smem.ds_row(smem.sdS, 0, key, chunk))
+            # Folded, the warpgroup's rows are a part of each CTA's half; else all of one.
+            rows = wg if cutlass.const_expr(self.folded) else 0
+            if query_owner(wg, part, self.schedule) == rank:
+                ours = pair_exchange_first(rank, self.schedule) + key
+                cute.autovec_copy(half, smem.ds_row(smem.sdS, rows, ours, chunk))
             else:
-                cute.autovec_copy(half, smem.ds_row(smem.sXchg, 0, lane, chunk))
+                cute.autovec_copy(half, smem.ds_row(smem.sXchg, rows, key, chunk))
 
     @cute.jit
-    def _ds_done(self, smem, sync, wg: cutlass.Constexpr[int], lane: Int32, rank: Int32):
-        """The warpgroup's dS rows are written: visible to the MMAs (async proxy), then one
-        arrival per warp on this CTA's SDS_FULL, or for the peer's rows one lane arms the
-        peer's SDS_FULL with their bytes and bulk-copies them over."""
+    def _ds_done(self, smem, sync, wg: cutlass.Constexpr[int], lane: Int32, part: Int32,
+                 rank: Int32):
+        """The thread's dS rows are written: visible to the MMAs (async proxy), then one
+        arrival per warp on this CTA's SDS_FULL, or for the peer's rows (the 128 threads of
+        the other warpgroup, or folded of both warpgroups' other lane halves) one lane arms
+        the peer's SDS_FULL with their bytes and bulk-copies them over."""
         cute.arch.fence_proxy("async.shared", space="cta")
+        owner = query_owner(wg, part, self.schedule)
+        # Folded, the copying lane is warpgroup 0's first of its peer's half.
+        copier = (wg == 0) & (lane % 64 == 0) if cutlass.const_expr(self.folded) else lane == 0
+        bar_id = _XCHG_BARRIER if cutlass.const_expr(self.folded) else _XCHG_BARRIER + wg
         if cutlass.const_expr(not self.pair):
             sync.arrive_local(pair.SDS_FULL)
         else:
-            if wg == rank:
+            if owner == rank:
                 sync.arrive_local(pair.SDS_FULL)
             else:
-                barrier = pipeline.NamedBarrier(barrier_id=_XCHG_BARRIER + wg, num_threads=128)
+                barrier = pipeline.NamedBarrier(barrier_id=bar_id, num_threads=128)
                 barrier.arrive_and_wait()
-                if lane == 0:
+                if copier:
                     peer = rank ^ 1
                     nbytes = smem.xchg_bytes
                     sync.arm_peer(pair.SDS_FULL, peer, nbytes)
@@ -810,14 +887,17 @@ class BlackwellBwd:
 
     @cute.jit
     def _epilogue(self, work, rows, m_out, column: int, width: int, scale: Float32,
-                  wg: cutlass.Constexpr[int], lane: Int32):
-        """dV (or dK · scale) of this thread's key, the warpgroup's half of the columns, from
-        TMEM (zero where the tile had no query tile) to global memory, keys past seqlen_k
-        skipped; fp32 for GQA (summed over a group by the launch)."""
+                  wg: cutlass.Constexpr[int], lane: Int32, where):
+        """dV (or dK · scale) of this thread's key, the warpgroup's half of the lane's
+        columns (folded, the lane holds half of the head dim), from TMEM (zero where the tile
+        had no query tile) to global memory, keys past seqlen_k skipped; fp32 for GQA
+        (summed over a group by the launch)."""
+        key, part = where
         seq = work.seq
-        key = pair_kv_first(work.n_tile, work.rank, self.schedule) + lane
+        key = pair_kv_first(work.n_tile, work.rank, self.schedule) + key
         g = seq.k_view(m_out, work.head)
-        cols = width // 2
+        lane_cols = width // 2 if cutlass.const_expr(self.folded) else width
+        cols = lane_cols // 2
         for c in cutlass.range_constexpr(cols // _EPI_CHUNK):
             first = wg * cols + c * _EPI_CHUNK
             chunk = cute.make_rmem_tensor(_EPI_CHUNK, Float32)
@@ -828,7 +908,8 @@ class BlackwellBwd:
             out = cute.make_rmem_tensor(_EPI_CHUNK, m_out.element_type)
             out.store(chunk.load().to(m_out.element_type))
             if key < seq.seqlen_k:
-                dst = cute.local_tile(g, (1, _EPI_CHUNK), (key, first // _EPI_CHUNK))
+                dim = part * lane_cols + first
+                dst = cute.local_tile(g, (1, _EPI_CHUNK), (key, dim // _EPI_CHUNK))
                 cute.autovec_copy(out, dst[0, None])
 
     # ---------------------------------------------------------------- reduce warps
@@ -1145,13 +1226,20 @@ class Smem(DslState):
             self.xchg_bytes = cute.size_in_bytes(cfg.dtype, layouts["xchg"])
         else:
             self.sKt = view(self.sK, layouts["kt"])
+        if cutlass.const_expr(cfg.folded):
+            self.sPt = tile(storage.sPt, layouts["p"])
+            self.sdSt = tile(storage.sdSt, layouts["dst"])
 
     def stages(self, name: str):
         return {"k": self.sK, "v": self.sV, "q": self.sQ, "do": self.sdO, "qt": self.sQt,
                 "dot": self.sdOt, "kt": self.sKt}[name]
 
     def fragments(self, mmas) -> dict:
-        return {"k": mmas["s"].make_fragment_A(self.sK),
+        out = {}
+        if cutlass.const_expr(self.cfg.folded):
+            out = {"pt": mmas["dv"].make_fragment_A(self.sPt)[None, None, None, 0],
+                   "dst": mmas["dk"].make_fragment_A(self.sdSt)[None, None, None, 0]}
+        return out | {"k": mmas["s"].make_fragment_A(self.sK),
                 "q": mmas["s"].make_fragment_B(self.sQ),
                 "v": mmas["dp"].make_fragment_A(self.sV),
                 "do": mmas["dp"].make_fragment_B(self.sdO),
@@ -1231,5 +1319,6 @@ class TmemAcc(DslState):
                                     frag.layout)
         self.s, self.dp = acc("s", plan.s), acc("dp", plan.dp)
         self.dv, self.dk, self.dq = acc("dv", plan.dv), acc("dk", plan.dk), acc("dq", plan.dq)
-        self.p_operand = operand("dv", "p", plan.s)
-        self.ds_operand = operand("dk", "dst", plan.region("ds").start)
+        if cutlass.const_expr(not cfg.folded):
+            self.p_operand = operand("dv", "p", plan.s)
+            self.ds_operand = operand("dk", "dst", plan.region("ds").start)

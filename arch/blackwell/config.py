@@ -139,16 +139,26 @@ class BwdSchedule(NamedTuple):
 
 
 # (hdim, hdim_v) -> schedule. hdim 64 runs one CTA per K/V tile (D-BW-BWD-1CTA); from 128 up
-# the pair shares each 256-row K/V tile (D-BW-BWD-PAIR).
+# the pair shares each 256-row K/V tile (D-BW-BWD-PAIR); at 256 a 128-row one, 64 keys a CTA,
+# since dK and dV of 128 keys would fill the tensor memory alone (D-BW-BWD-HD256).
 BWD_SCHEDULES = {
     (64, 64): BwdSchedule(128, 128, 2, 1, (1, 1, 1), 1, 32),
     (128, 128): BwdSchedule(128, 128, 1, 2, (2, 1, 1), 1, 32),
     (192, 128): BwdSchedule(128, 128, 1, 2, (2, 1, 1), 1, 32),
+    (256, 256): BwdSchedule(128, 64, 1, 2, (2, 1, 1), 1, 32),
 }
 BWD_HDIMS = tuple(sorted(BWD_SCHEDULES))
 # Registers per thread of each warpgroup in the backward (setmaxnreg, summing to 4 x 128):
 # dQ reduce (warps 0..3), compute 0 (4..7), compute 1 (8..11), MMA / load / relay / tail.
 BWD_ROLE_REGISTERS = (88, 160, 160, 104)
+
+
+def folds(schedule: BwdSchedule) -> bool:
+    """Whether the pair's key-side MMAs (Sᵀ, dPᵀ, dV, dK) run at M = 128, 64 keys a CTA: each
+    CTA's 64 rows then fold into 128 lanes by halves of N (`acc_columns`), so a compute
+    thread holds half a key's row, and Pᵀ and dSᵀ reach the dV and dK MMAs through shared
+    memory (D-BW-BWD-HD256)."""
+    return schedule.cta_group == 2 and schedule.cta_group * schedule.tile_n == 128
 
 
 def acc_columns(m: int, n: int, cta_group: int) -> int:
@@ -229,7 +239,8 @@ def bwd_smem_slots(hdim: int, hdim_v: int, schedule: BwdSchedule, elem_bytes: in
     Q's (dO's) slot once the Sᵀ (dPᵀ) MMA has read it ("qt", "dot" absent:
     `shares_transposed`). "ds" is the dQ MMA's A operand: tile_m / cta_group query rows of the
     cluster's keys; with the pair, "xchg" stages the rows this CTA computes for the peer,
-    which one bulk copy then sends (`pair.copy_to_peer`)."""
+    which one bulk copy then sends (`pair.copy_to_peer`). Folded (`folds`), "pt" and "dst"
+    hold this CTA's keys' rows of Pᵀ and dSᵀ, the dV and dK MMAs' A operands."""
     g, tm, tn = schedule.cta_group, schedule.tile_m, schedule.tile_n
     slots = {"k": tn * hdim * elem_bytes, "v": tn * hdim_v * elem_bytes,
              "q": schedule.q_stages * (tm // g) * hdim * elem_bytes,
@@ -238,6 +249,9 @@ def bwd_smem_slots(hdim: int, hdim_v: int, schedule: BwdSchedule, elem_bytes: in
     if g > 1:
         slots["kt"] = (hdim // g) * (g * tn) * elem_bytes
         slots["xchg"] = (tm // g) * tn * elem_bytes
+    if folds(schedule):
+        slots["pt"] = slots["dst"] = tn * tm * elem_bytes
+    if g > 1:
         transposed = {"qt": schedule.q_stages * tm * (hdim // g) * elem_bytes,
                       "dot": schedule.do_stages * tm * (hdim_v // g) * elem_bytes}
         if _slots_total({**slots, **transposed}, schedule) + STATIC_SMEM <= SMEM_CAPACITY:
@@ -314,6 +328,33 @@ def pair_exchange_first(rank, schedule: BwdSchedule):
     return rank * schedule.tile_n
 
 
+def wg_query_columns(schedule: BwdSchedule) -> int:
+    """Query columns of Sᵀ a compute thread handles: its warpgroup's half of the tile (64),
+    folded its warpgroup's half of its lane's half (32)."""
+    return schedule.tile_m // (4 if folds(schedule) else 2)
+
+
+def compute_thread(lane, schedule: BwdSchedule):
+    """(key in the CTA's tile, lane half) of compute thread `lane` (0..127): a TMEM lane is a
+    key, folded the pair's fold (`acc_columns`): lane = key + 64 x (half of N)."""
+    if folds(schedule):
+        return lane % schedule.tile_n, lane // schedule.tile_n
+    return lane, lane * 0
+
+
+def compute_query(wg, part, chunk, schedule: BwdSchedule, chunk_cols: int):
+    """The query column (in the tile) where compute warpgroup `wg`'s chunk `chunk` (of
+    `chunk_cols` columns) of a thread with lane half `part` starts; its TMEM column in Sᵀ
+    and dPᵀ is this less part x tile_m / 2."""
+    return part * (schedule.tile_m // 2) + wg * wg_query_columns(schedule) + chunk * chunk_cols
+
+
+def query_owner(wg, part, schedule: BwdSchedule):
+    """The pair's CTA whose dQ rows (`pair_q_first`) a compute thread's query columns are:
+    its warpgroup's, folded its lane half's."""
+    return part if folds(schedule) else wg
+
+
 def pair_tiles(seqlen_k, schedule: BwdSchedule):
     """K/V tiles (clusters) of a sequence: ceil(seqlen_k / (cta_group x tile_n))."""
     span = schedule.cta_group * schedule.tile_n
@@ -372,6 +413,19 @@ BWD_TMEM_BARRIERS = (
     ("store dS 1", "dQ", 0), ("dQ", "load dQ", 0), ("load dQ", "dQ", 1),
     ("load S 0", "store P 1", 0),
 )
+
+
+def bwd_tmem_step(schedule: BwdSchedule) -> tuple:
+    """`BWD_TMEM_STEP` as `schedule` runs it: folded (`folds`), Pᵀ and dSᵀ go through shared
+    memory, so their stores write, and the dV and dK MMAs read, no tensor memory (the
+    events and their barriers, P_FULL and DS_FULL, stay: they order those stores and the
+    compute warps' loads before them)."""
+    if not folds(schedule):
+        return BWD_TMEM_STEP
+    def tmem(names):
+        return tuple(n for n in names if n.split(".")[0] not in ("p", "ds"))
+    return tuple((e, role, tmem(reads), tmem(writes)) for e, role, reads, writes in
+                 BWD_TMEM_STEP)
 
 
 def chunk_of(c, wg, chunks: int):

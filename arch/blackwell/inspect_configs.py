@@ -81,7 +81,17 @@ def _bwd_configs():
                            ((128, 128), {"mods": "document"}),
                            ((128, 128), {"varlen": True, "mods": "alibi_document"}),
                            ((64, 64), {"mods": "fa4_softcap_causal"}),
-                           ((128, 128), {"causal": True, "mods": "document+blocks"})]:
+                           ((128, 128), {"causal": True, "mods": "document+blocks"}),
+                           # hdim 256: the pair at 64 keys a CTA, Pᵀ and dSᵀ through shared
+                           # memory (D-BW-BWD-HD256).
+                           ((256, 256), {}), ((256, 256), {"causal": True, "fp16": True}),
+                           ((256, 256), {"causal": True, "varlen": True, "seqused_k": True}),
+                           ((256, 256), {"local": True, "softcap": True}),
+                           ((256, 256), {"causal": True, "deterministic": True}),
+                           ((256, 256), {"causal": True, "dkv_fp32": True}),
+                           ((256, 256), {"varlen": True, "mods": "alibi_document"}),
+                           ((256, 256), {"mods": "fa4_softcap_causal"}),
+                           ((256, 256), {"causal": True, "mods": "document+blocks"})]:
         dtype = "fp16" if flags.pop("fp16", False) else "bf16"
         out.append(KernelConfig("blackwell.bwd", TARGETS, dtype, d, dv, BWD_SCHEDULES[(d, dv)],
                                 build_bwd, config_flags(**{**plain, **flags})))

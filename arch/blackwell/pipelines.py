@@ -51,12 +51,17 @@ def backward(kernel) -> Pipeline:
     Sᵀ, dPᵀ, dV, dK and dQ in tensor memory."""
     reduce, compute0, compute1, rest = BWD_ROLE_REGISTERS
     pair = kernel.cta_group == 2
+    folded = kernel.folded
+    to = "shared memory" if folded else "TMEM"
+    cols = ("query columns 0..31 and 64..95 (a lane's half of its key's row)" if folded
+            else "query columns 0..63")
     roles = (Role("dQ reduce", (0, 1, 2, 3), "dQ from TMEM, fp32 atomics into dQaccum "
                   "(deterministic: in the cluster's turn)", reduce, 0),
-             Role("compute 0", (4, 5, 6, 7), "query columns 0..63 of Sᵀ and dPᵀ: P and dS to "
-                  "TMEM, dS to shared memory (the pair: this CTA's or the peer's); dV, dK "
-                  "out", compute0, 1),
-             Role("compute 1", (8, 9, 10, 11), "query columns 64..127: the same", compute1, 2),
+             Role("compute 0", (4, 5, 6, 7), f"{cols} of Sᵀ and dPᵀ: P and dS to {to}, dS "
+                  "to shared memory (the pair: this CTA's or the peer's); dV, dK out",
+                  compute0, 1),
+             Role("compute 1", (8, 9, 10, 11), "query columns 32..63 and 96..127: the same"
+                  if folded else "query columns 64..127: the same", compute1, 2),
              Role("MMA", (12,), "the leader: every tcgen05 MMA (cta_group::2 with the pair); "
                   "allocates and frees TMEM", rest, 3),
              Role("load", (13,), "TMA of K, V (and Kᵀ) once, Q and dO (and Qᵀ, dOᵀ) per "
@@ -77,8 +82,10 @@ def backward(kernel) -> Pipeline:
                Buffer("LSE", "SMEM", 2, "compute 0", "compute 0", "named barrier per step"),
                Buffer("S", "TMEM", 1, "MMA", "compute 0 + compute 1", "S_FULL / S_READ; "
                       + handshake),
-               Buffer("P", "TMEM", 1, "compute 0 + compute 1", "MMA", "P_FULL"),
-               Buffer("dS", "TMEM", 1, "compute 0 + compute 1", "MMA", "DS_FULL"),
+               Buffer("P", "SMEM" if folded else "TMEM", 1, "compute 0 + compute 1", "MMA",
+                      "P_FULL"),
+               Buffer("dS", "SMEM" if folded else "TMEM", 1, "compute 0 + compute 1", "MMA",
+                      "DS_FULL"),
                Buffer("dS", "SMEM", 1, "compute 0 + compute 1", "MMA",
                       "SDS_FULL (+ the peer's bulk copy and PEER_SDS) / SDS_EMPTY"),
                Buffer("dQ", "TMEM", 1, "MMA", "dQ reduce", "DQ_FULL / DQ_READ"),
