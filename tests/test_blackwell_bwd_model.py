@@ -194,11 +194,11 @@ def test_each_ds_word_lands_on_a_chunk_already_loaded(wg):
 def test_the_compute_threads_cover_each_ctas_scores_once_and_route_ds_to_its_owner(dims,
                                                                                     schedule):
     """The two compute warpgroups' 128 threads each, by `compute_thread` and `compute_query`
-    (the kernel's own functions), cover the CTA's keys x the query tile exactly once, each
-    element at the TMEM lane and column the plan's fold puts it (`acc_columns`: folded, lane
-    = key + 64 x (query // 64), column = query % 64, within each warpgroup's half of Sᵀ's
-    columns); and `query_owner` sends each query's dS to the CTA whose dQ rows hold it
-    (`pair_q_first`)."""
+    (the kernel's own functions), cover the CTA's keys x the query tile exactly once, within
+    each warpgroup's half of Sᵀ's columns; and `query_owner` sends each query's dS to the
+    CTA whose dQ rows hold it (`pair_q_first`). That the TMEM lane and column a thread reads
+    hold its (key, query) is the DSL's layout's to say: `tests/test_blackwell_bwd.py`'s
+    `test_the_folded_thread_map_is_the_mmas_tmem_layout`."""
     tm, tn, chunk = schedule.tile_m, schedule.tile_n, 8
     plan = config.bwd_tmem_plan(*dims, schedule)
     cols = config.wg_query_columns(schedule)
@@ -213,10 +213,6 @@ def test_the_compute_threads_cover_each_ctas_scores_once_and_route_ds_to_its_own
                     column = q - part * (tm // 2)
                     assert column - wg * cols in range(cols)
                     assert column in range(plan.width["s"]), (column, plan.width)
-                    if config.folds(schedule):
-                        assert (lane, column) == (key + 64 * (q // 64), q % 64)
-                    else:
-                        assert (lane, column) == (key, q)
                     seen[(key, q)] = seen.get((key, q), 0) + 1
                     owner = config.query_owner(wg, part, schedule)
                     rows = range(config.pair_q_first(0, owner, schedule),
@@ -224,6 +220,29 @@ def test_the_compute_threads_cover_each_ctas_scores_once_and_route_ds_to_its_own
                     assert q in rows, (q, owner)
     assert set(seen) == {(k, q) for k in range(tn) for q in range(tm)}
     assert set(seen.values()) == {1}
+
+
+@pytest.mark.parametrize("dims,schedule", SCHEDULES)
+def test_each_thread_finds_its_queries_lse_and_delta_staged(dims, schedule):
+    """Each warpgroup's 128 threads stage LSE₂ and Δ (`stats_entry`): every entry of both
+    tables once; and the entry a compute thread looks up for each of its query columns
+    (`stats_slot`) holds that column's."""
+    tm, chunk = schedule.tile_m, 8
+    for wg in (0, 1):
+        staged = {}
+        for lane in range(128):
+            entry, kind, query = config.stats_entry(lane, wg, schedule)
+            assert (entry, kind) not in staged
+            staged[(entry, kind)] = query
+        assert set(staged) == {(e, k) for e in range(tm // 2) for k in (0, 1)}
+        for lane in range(128):
+            key, part = config.compute_thread(lane, schedule)
+            for c in range(config.wg_query_columns(schedule) // chunk):
+                first = config.compute_query(wg, part, c, schedule, chunk)
+                for j in range(chunk):
+                    slot = config.stats_slot(part, c * chunk + j, schedule)
+                    for kind in (0, 1):
+                        assert staged[(slot, kind)] == first + j, (wg, lane, c, j, kind)
 
 
 # ------------------------------------------------------------------------------ the split

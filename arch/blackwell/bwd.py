@@ -61,6 +61,8 @@ from .config import (
     pair_q_first,
     query_owner,
     shares_transposed,
+    stats_entry,
+    stats_slot,
     wg_query_columns,
 )
 
@@ -95,9 +97,11 @@ class BlackwellBwd:
     | 0..3   | 0         | 88        | dQ reduce: dQ from TMEM, fp32 atomics into dQaccum   |
     |        |           |           | (deterministic: in the query tile's turn)            |
     | 4..7   | 1         | 160       | compute 0: query columns 0..63 of Sᵀ and dPᵀ, one key |
-    |        |           |           | a thread: P, dS to TMEM, dS to shared memory; then   |
-    |        |           |           | dV and dK's first half of columns out                |
-    | 8..11  | 2         | 160       | compute 1: query columns 64..127, and the second half |
+    |        |           |           | a thread: P, dS to TMEM (hdim 256: to shared memory, |
+    |        |           |           | columns 0..31 and 64..95, half a key a thread), dS to |
+    |        |           |           | shared memory; then dV and dK's first half out       |
+    | 8..11  | 2         | 160       | compute 1: query columns 64..127 (hdim 256: 32..63,   |
+    |        |           |           | 96..127), and the second half                        |
     | 12     | 3         | 104       | MMA (the leader CTA only): every tcgen05 MMA; TMEM   |
     | 13     | 3         | 104       | load: TMA of K, V (and Kᵀ) once, Q, dO (and Qᵀ, dOᵀ) |
     |        |           |           | per query tile                                       |
@@ -149,7 +153,8 @@ class BlackwellBwd:
     |                   |        |                      | peer's full: the leader's arrival) |
     | S_FULL, DP_FULL   | both   | 1 commit (multicast) | Sᵀ / dPᵀ of the step in TMEM        |
     | S_READ            | leader | compute warps x g    | Sᵀ in registers (dPᵀ may overwrite) |
-    | P_FULL, DS_FULL   | leader | compute warps x g    | Pᵀ / dSᵀ in TMEM: dV / dK may run    |
+    | P_FULL, DS_FULL   | leader | compute warps x g    | Pᵀ / dSᵀ in TMEM (hdim 256: shared  |
+    |                   |        |                      | memory): dV / dK may run           |
     | SDS_FULL          | both   | local writers (+ the | dS of the CTA's query rows in      |
     |                   |        | peer's armed copy)   | shared memory                      |
     | PEER_SDS          | leader | 1 (relay)            | the peer's SDS_FULL                |
@@ -671,9 +676,10 @@ class BlackwellBwd:
                 state = scores.tile_state(m, n_cta)
                 rng = mask.block_range(m)
                 sync.wait(pair.S_FULL, phase)
-                # The key row's 64 columns first, all of them: compute 1's P words land in
-                # Sᵀ's columns 32..63, compute 0's to read (`_in_order`). Chunk c of the
-                # row is its query columns `chunk_of(c, wg)`, in `rP` and in what follows.
+                # The thread's columns of its key's row first (64; folded 32), all of them:
+                # compute 1's P words land in Sᵀ's columns 32..63, compute 0's to read
+                # (`_in_order`; folded, P goes to shared memory). Chunk c of the row is its
+                # query columns `chunk_of(c, wg)`, in `rP` and in what follows.
                 chunks = self.wg_cols // _DS_CHUNK
                 for c in cutlass.range_constexpr(chunks):
                     self._load_chunk(rP, rows, self.tmem.s + wg * self.wg_cols, c,
@@ -688,11 +694,11 @@ class BlackwellBwd:
                                 scale_log2)
                 self._operands_written()
                 sync.arrive_leader(pair.P_FULL)
-                # dS from dPᵀ in chunks, each at once to TMEM (dSᵀ, the dK MMA's operand) and
-                # to shared memory (dS, the dQ MMA's): the dQ MMA of the previous query tile
-                # must be done with the latter first. Each warpgroup's dS words lie over its
-                # own dPᵀ columns, of chunks it has loaded (`chunk_of`'s order,
-                # `ds_words_first`).
+                # dS from dPᵀ in chunks, each at once to TMEM (dSᵀ, the dK MMA's operand;
+                # folded, to shared memory) and to shared memory (dS, the dQ MMA's): the dQ
+                # MMA of the previous query tile must be done with the latter first. Each
+                # warpgroup's dS words lie over its own dPᵀ columns, of chunks it has loaded
+                # (`chunk_of`'s order, `ds_words_first`).
                 if i > 0:
                     sync.wait(pair.SDS_EMPTY, phase ^ 1)
                 sync.wait(pair.DP_FULL, phase)
@@ -748,15 +754,14 @@ class BlackwellBwd:
     def _stage_stats(self, stats, buf: Int32, wg: cutlass.Constexpr[int], lane: Int32,
                      m: Int32, seq, head, mLSElog2, mDelta):
         """The LSE₂ (threads 0..63) and Δ (64..127) of the warpgroup's 64 query rows into
-        shared memory, +inf and 0 past the sequence so that P = 0 and dS = 0 there; the
-        buffers alternate by query tile, so one barrier per tile orders the writes after the
-        last reads of two tiles ago. Entry e is query column `_query(wg, e // wg_cols, 0) +
-        e % wg_cols` (folded, each lane half's 32)."""
-        col = lane % (self.tile_m // 2)
-        row = m * self.tile_m + self._query(wg, col // self.wg_cols, 0) + col % self.wg_cols
+        shared memory (`config.stats_entry`), +inf and 0 past the sequence so that P = 0 and
+        dS = 0 there; the buffers alternate by query tile, so one barrier per tile orders the
+        writes after the last reads of two tiles ago."""
+        col, kind, query = stats_entry(lane, wg, self.schedule)
+        row = m * self.tile_m + query
         inside = row < seq.seqlen_q
         safe = cutlass.min(row, cutlass.max(seq.seqlen_q - 1, 0))
-        if lane < self.wg_cols:
+        if kind == 0:
             value = seq.lse_view(mLSElog2, head)[safe]
             stats[col, 0, wg, buf] = value if inside else Float32.inf
         else:
@@ -775,9 +780,8 @@ class BlackwellBwd:
         seam), all dS needs of it; the derivative lives beside one chunk, not beside the
         row. `where`: the thread's (key, lane half)."""
         key, part = where
-        first = chunk * _DS_CHUNK
         column = self._query(wg, part, chunk)
-        stat = part * self.wg_cols + first
+        stat = stats_slot(part, chunk * _DS_CHUNK, self.schedule)
         rS = cute.make_tensor(rP.iterator + slot * _DS_CHUNK, cute.make_layout(_DS_CHUNK))
         grad = cute.make_rmem_tensor(_DS_CHUNK, Float32)
         traced = scores.needs_grad
@@ -826,7 +830,7 @@ class BlackwellBwd:
             slot: int, chunk):
         """In place: dP at query-column chunk `chunk` → dS = P ∘ (dP − Δ), P from `rP`'s
         `slot`, there times the softcap's derivative where there is one (`_probs`)."""
-        stat = part * self.wg_cols + chunk * _DS_CHUNK
+        stat = stats_slot(part, chunk * _DS_CHUNK, self.schedule)
         for j in cutlass.range_constexpr(cute.size(rdP)):
             rdP[j] = rP[slot * _DS_CHUNK + j] * (rdP[j] - stats[stat + j, 1, wg, buf])
 

@@ -349,6 +349,23 @@ def compute_query(wg, part, chunk, schedule: BwdSchedule, chunk_cols: int):
     return part * (schedule.tile_m // 2) + wg * wg_query_columns(schedule) + chunk * chunk_cols
 
 
+def stats_entry(lane, wg, schedule: BwdSchedule):
+    """(entry, kind, query column) that thread `lane` of compute warpgroup `wg` stages into
+    its warpgroup's LSE₂ (kind 0, threads 0..63) and Δ (kind 1, 64..127) table: entry e
+    holds the query column of the e-th the warpgroup handles (its 64; folded, 32 of each
+    lane half), where `stats_slot` looks it up."""
+    half = schedule.tile_m // 2
+    cols = wg_query_columns(schedule)
+    entry = lane % half
+    return entry, lane // half, compute_query(wg, entry // cols, 0, schedule, 1) + entry % cols
+
+
+def stats_slot(part, column, schedule: BwdSchedule):
+    """The table entry of a compute thread's query column `column` (counted from its
+    warpgroup's first, `compute_query` at chunk 0) for a lane half `part`."""
+    return part * wg_query_columns(schedule) + column
+
+
 def query_owner(wg, part, schedule: BwdSchedule):
     """The pair's CTA whose dQ rows (`pair_q_first`) a compute thread's query columns are:
     its warpgroup's, folded its lane half's."""

@@ -96,12 +96,13 @@ class BlackwellFwd:
 
     | barrier                     | stages | arrivals                | meaning                 |
     |-----------------------------|--------|-------------------------|-------------------------|
-    | Q ring (PipelineTmaUmma)    | 2      | TMA bytes / MMA commit  | Q_i landed / read        |
+    | Q ring (PipelineTmaUmma)    | q_tiles | TMA bytes / MMA commit | Q_i landed / read        |
     | K ring, V ring              | config | TMA bytes / MMA commit  | block landed / read      |
     | s_full[i] (mbarrier)        | 1      | 1 (tcgen05.commit)      | S_i = Q_i K[j]ᵀ is in TMEM |
     | p_ready[i] (mbarrier)       | 1      | 128 softmax + 128 correction | P_i written and O_i |
     |                             |        |                         | rescaled: PV_i may run  |
     | o_full[i] (mbarrier)        | 1      | 1 (tcgen05.commit)      | the tile's last PV_i done |
+    |                             |        |                         | (one Q tile: each PV)   |
     | stats[i] (PipelineAsync) | 1 | 128 / 128 | softmax i's row factors (then l, m) in smem |
 
     hdim 256 (`FwdSchedule.q_tiles` 1, D-BW-HD256): two 256-column O accumulators fill the

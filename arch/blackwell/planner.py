@@ -48,7 +48,7 @@ def check_supported(problem: AttentionProblem, device=None, backward: bool = Fal
 
 def takes(problem: AttentionProblem, backward: bool = False) -> bool:
     """Whether dispatch may give it `problem` (when allowed at all): its head dims, the
-    backward's too where the call needs one (hdim 256 has a forward only)."""
+    backward's too where the call needs one."""
     dims = (problem.hdim, problem.hdim_v)
     return dims in FWD_SCHEDULES and (not backward or dims in BWD_HDIMS)
 
