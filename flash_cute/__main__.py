@@ -1,5 +1,5 @@
-"""`python -m flash_cute [inspect|bench [latency|decode|fp8]|check|cache|profile]` (also the
-`flash-cute` command).
+"""`python -m flash_cute [inspect|bench [latency|decode|fp8|parallel]|check|cache|profile]`
+(also the `flash-cute` command).
 
 With no sub-command: on a CUDA machine, `check` (a quick correctness check against the
 float64 reference and a short benchmark with a plot); without a GPU, `inspect` (one forward
@@ -46,6 +46,10 @@ def main(argv=None) -> int:
         from flash_cute.tools import bench_fp8
 
         return bench_fp8.run(args)
+    if args.command == "bench" and args.what == "parallel":
+        from flash_cute.tools import bench_parallel
+
+        return bench_parallel.run(args)
     if args.command == "bench" and args.what == "latency":
         from flash_cute.tools import bench_latency
 

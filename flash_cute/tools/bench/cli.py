@@ -60,13 +60,15 @@ def _provider_list(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `bench` options to `parser` (the `bench` subparser of the CLI), with those of
     `bench latency` (`flash_cute.tools.bench_latency`, which `flash_cute.__main__` runs)."""
-    parser.add_argument("what", nargs="?", choices=("throughput", "latency", "decode", "fp8"),
+    parser.add_argument("what", nargs="?",
+                        choices=("throughput", "latency", "decode", "fp8", "parallel"),
                         default="throughput",
                         help="throughput: TFLOP/s over the grid (default); latency: host time "
                              "per call of a tiny problem (flash_cute.tools.bench_latency); decode: "
                              "GB/s of KV-cache decode (flash_cute.tools.bench_decode); fp8: the "
                              "FP8 forward beside bf16 and the FP8 ceiling "
-                             "(flash_cute.tools.bench_fp8)")
+                             "(flash_cute.tools.bench_fp8); parallel: context parallelism "
+                             "under torchrun (flash_cute.tools.bench_parallel)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small grid: hdim {QUICK_HDIMS}, (batch, seqlen) {QUICK_SIZES}")
     parser.add_argument("--hdim", type=_int_list, default=None,
@@ -92,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     latency.add_argument("--rounds", type=int, default=7, help="rounds per provider and case")
     latency.add_argument("--cases", default="fwd,fwd_bwd", help="fwd, fwd_bwd")
     latency.add_argument("--json", default=None, help="write the records here")
+    from flash_cute.tools import bench_parallel
+
+    bench_parallel.add_arguments(parser.add_argument_group("parallel"))
     decode = parser.add_argument_group("decode")
     decode.add_argument("--pages", type=_int_list, default=None,
                         help="page sizes to run, 0 for the dense cache (default 0,16,64,256)")
