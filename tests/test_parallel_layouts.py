@@ -108,3 +108,48 @@ def test_band_calls_cover_exactly_the_band_of_every_ring_step(layout, world):
                     got[c.q0:c.q1, c.k0:c.k1] += window.long()
                 assert got.max() <= 1, (layout, world, left, right, r, s)
                 assert torch.equal(got.bool(), want), (layout, world, left, right, r, s)
+
+
+def _runs_row_by_row(pos, doc):
+    """The greedy walk `local.runs_of` makes, one row at a time (the reference)."""
+    from flash_cute.parallel.local import Run
+
+    values = pos.tolist()
+    docs = [-1] * len(values) if doc is None else doc.tolist()
+    runs, start = [], 0
+    while start < len(values):
+        end = start + 1
+        stride = values[end] - values[start] if end < len(values) and docs[end] == docs[start] \
+            else 1
+        while end < len(values) and docs[end] == docs[start] and \
+                values[end] - values[end - 1] == stride:
+            end += 1
+        runs.append(Run(start, end - start, values[start], stride, docs[start]))
+        start = end
+    return runs
+
+
+def test_runs_of_walks_the_rows_as_the_row_by_row_greedy_walk_does():
+    """On the layouts' positions (padded and packed) and on random rows (repeated steps,
+    documents changing anywhere, single rows): the same runs."""
+    import random
+
+    from flash_cute.parallel.local import Rows, runs_of
+
+    rng = random.Random(3)
+    cases = []
+    for layout in ("contiguous", "striped", "zigzag"):
+        for world in (1, 2, 3, 4):
+            for rank in range(world):
+                cases.append((positions(96 * world, layout, world, rank), None))
+    for _ in range(300):
+        n = rng.randint(0, 40)
+        steps = [rng.choice([1, 1, 1, 2, 3, -1, 0, 5]) for _ in range(n)]
+        pos = torch.tensor([sum(steps[:i]) for i in range(n)], dtype=torch.int64)
+        doc = None
+        if rng.random() < 0.5:
+            doc = torch.tensor(sorted(rng.choice([0, 1, 2]) for _ in range(n)),
+                               dtype=torch.int64)
+        cases.append((pos, doc))
+    for pos, doc in cases:
+        assert runs_of(Rows(pos, doc)) == _runs_row_by_row(pos, doc), (pos, doc)

@@ -194,20 +194,34 @@ class Run:
 
 
 def runs_of(rows: Rows) -> list:
-    """The rows as maximal runs of one stride inside one document; the ring's layouts give
-    one run (contiguous, striped) or two (zigzag) per document."""
-    values = rows.pos.tolist()
-    docs = [-1] * len(values) if rows.doc is None else rows.doc.tolist()
+    """The rows as maximal runs of one stride inside one document, taken greedily from the
+    first row: a run's stride is its first step, and it extends while the steps keep it
+    (the ring's layouts give one run (contiguous, striped) or two (zigzag) per document).
+    The steps' stretches of one value are found on tensors, so the walk costs a few steps
+    per run, not one per row."""
+    pos = rows.pos.cpu()
+    n = pos.numel()
+    if n == 0:
+        return []
+    doc = None if rows.doc is None else rows.doc.cpu()
+    steps = pos[1:] - pos[:-1]
+    joined = torch.ones_like(steps, dtype=torch.bool) if doc is None else doc[1:] == doc[:-1]
+    # last[i]: the last step of the stretch of equal, joined steps that step i is in.
+    new = torch.ones_like(joined)
+    new[1:] = (steps[1:] != steps[:-1]) | ~joined[1:] | ~joined[:-1]
+    firsts = torch.nonzero(new).flatten()
+    ends = torch.cat([firsts[1:] - 1, torch.tensor([n - 2])])
+    last = ends[torch.cumsum(new.long(), 0) - 1]
     runs, start = [], 0
-    while start < len(values):
-        end = start + 1
-        stride = values[end] - values[start] if end < len(values) and docs[end] == docs[start] \
-            else 1
-        while end < len(values) and docs[end] == docs[start] and \
-                values[end] - values[end - 1] == stride:
-            end += 1
-        runs.append(Run(start, end - start, values[start], stride, docs[start]))
-        start = end
+    while start < n:
+        first, owner = int(pos[start]), -1 if doc is None else int(doc[start])
+        if start == n - 1 or not bool(joined[start]):
+            runs.append(Run(start, 1, first, 1, owner))
+            start += 1
+            continue
+        end = int(last[start])  # the run takes steps start..end, rows start..end + 1
+        runs.append(Run(start, end - start + 2, first, int(steps[start]), owner))
+        start = end + 2
     return runs
 
 
@@ -215,8 +229,9 @@ def band_calls(qr: Rows, kr: Rows, spec: Spec) -> list:
     """The operator calls of a block: one per pair of runs of one document that the band
     leaves visible."""
     calls = []
+    key_runs = runs_of(kr)
     for a in runs_of(qr):
-        for b in runs_of(kr):
+        for b in key_runs:
             if a.doc != b.doc:
                 continue
             for a1, b1 in _common_stride(a, b):
