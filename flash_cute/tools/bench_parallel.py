@@ -107,9 +107,16 @@ def run(args) -> int:
         failed = any(not r.get("ok", True) or r.get("error") for r in records)
         if ctx.rank == 0:
             _report(ctx, records)
-        return 1 if failed else 0
     finally:
+        # Every rank done with every collective before any tears its group down.
+        dist.barrier()
         dist.destroy_process_group()
+    # The results are written and the group is gone: the process leaves without the
+    # interpreter's teardown, which after gloo collectives run from autograd's threads can
+    # abort it ("terminate called without an active exception") and fail a finished run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else 0)
 
 
 class _Context:
