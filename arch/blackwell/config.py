@@ -339,7 +339,7 @@ def compute_thread(lane, schedule: BwdSchedule):
     key, folded the pair's fold (`acc_columns`): lane = key + 64 x (half of N)."""
     if folds(schedule):
         return lane % schedule.tile_n, lane // schedule.tile_n
-    return lane, lane * 0
+    return lane, lane * 0  # a zero of lane's type: the kernel's is a run-time Int32
 
 
 def compute_query(wg, part, chunk, schedule: BwdSchedule, chunk_cols: int):

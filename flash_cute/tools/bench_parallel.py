@@ -77,7 +77,8 @@ def add_arguments(group) -> None:
     group.add_argument("--tokens", default=None,
                        help="parallel: global tokens per cell, comma-separated (default "
                             "131072,524288)")
-    group.add_argument("--kinds", default="ring,ulysses", help="parallel: ring, ulysses")
+    group.add_argument("--kinds", default=",".join(KINDS),
+                       help=f"parallel: comma-separated, of {', '.join(KINDS)}")
     group.add_argument("--reps", type=int, default=5, help="parallel: timed reps per cell")
     group.add_argument("--no-peer", action="store_true",
                        help="parallel: without torch's context parallelism")
